@@ -1,0 +1,496 @@
+"""build_strategy(): turn a name, the cluster and the hardware into a tf.distribute.Strategy.
+
+Each strategy has one small builder in a name-keyed registry. "auto" picks the name from
+TF_CONFIG and the hardware present (`resolve_auto`), in the order a user would:
+
+  ps tasks in the cluster       -> parameter_server
+  several workers (chief counts) -> multi_worker_mirrored
+  a TPU reachable                -> tpu
+  several local GPUs             -> mirrored
+  otherwise                      -> one_device
+
+Example:
+
+    >>> import tfdist
+    >>> tfdist.configure_cpu_devices(2)
+    >>> strategy = tfdist.build_strategy("mirrored", all_reduce="hierarchical_copy")
+    >>> strategy.num_replicas_in_sync
+    2
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import itertools
+import logging
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import tensorflow as tf
+
+from tfdist import devices as _devices
+from tfdist.cluster import CHIEF, PS, WORKER, ClusterInfo, parse_tf_config
+from tfdist.errors import TfdistError
+
+log = logging.getLogger(__name__)
+
+ALL_REDUCE_CHOICES = ("nccl", "hierarchical_copy", "reduction_to_one_device")
+COLLECTIVE_CHOICES = ("auto", "ring", "nccl")
+ALIASES = {"default": "one_device"}
+# Parameter-server variables larger than this are split across the ps tasks
+# (tf-models-official's default, 256 KiB), so no single ps carries a whole embedding.
+DEFAULT_PS_MIN_SHARD_BYTES = 256 << 10
+
+
+class StrategyError(TfdistError, ValueError):
+    """The strategy asked for cannot be built here; the message says why and what to do."""
+
+
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Any = _FromEnv()
+"""The `cluster` default of build_strategy: read TF_CONFIG from the environment."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StrategyOptions:
+    """The knobs of build_strategy, validated once when created.
+
+    Args:
+      devices: device names for one_device, mirrored and central_storage, e.g.
+        ("/gpu:0", "/gpu:1"). Default: every GPU, else every logical CPU device.
+      num_gpus: use the first N GPUs (tf-models-official's --num_gpus); excludes `devices`.
+      all_reduce: how mirrored combines gradients: 'nccl' (GPUs only), 'hierarchical_copy'
+        or 'reduction_to_one_device'. Default: TensorFlow's choice for the devices.
+      collective: multi_worker_mirrored's collective implementation: 'auto', 'ring', 'nccl'.
+      collective_timeout: seconds a multi-worker collective may wait for its peers before it
+        fails (TensorFlow waits forever by default).
+      ps_min_shard_bytes: parameter_server splits variables larger than this across the ps
+        tasks (at most one shard per ps); 0 keeps every variable whole.
+      tpu: the TPU to connect to: 'local' (Colab TPU VM / Cloud TPU VM), a TPU name, or a
+        'grpc://host:8470' address. Default: detected from TPU_NAME, COLAB_TPU_ADDR or the
+        TPU devices of a TPU VM.
+    """
+
+    devices: tuple[str, ...] | None = None
+    num_gpus: int | None = None
+    all_reduce: str | None = None
+    collective: str = "auto"
+    collective_timeout: float | None = None
+    ps_min_shard_bytes: int = DEFAULT_PS_MIN_SHARD_BYTES
+    tpu: str | None = None
+
+    def __post_init__(self):
+        if self.devices is not None:
+            if isinstance(self.devices, str) or not all(isinstance(d, str) for d in self.devices):
+                raise StrategyError(
+                    "devices must be a sequence of device names such as ('/gpu:0', '/gpu:1'). "
+                    f"Received: devices={self.devices!r}"
+                )
+            if not self.devices:
+                raise StrategyError("devices must name at least one device. Received: devices=()")
+            object.__setattr__(self, "devices", tuple(self.devices))
+            if self.num_gpus is not None:
+                raise StrategyError(
+                    "devices and num_gpus both choose the devices; pass only one of them. "
+                    f"Received: devices={self.devices!r}, num_gpus={self.num_gpus!r}"
+                )
+        if self.num_gpus is not None and (not isinstance(self.num_gpus, int) or self.num_gpus < 0):
+            raise StrategyError(
+                f"num_gpus must be a whole number >= 0. Received: num_gpus={self.num_gpus!r}"
+            )
+        _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_CHOICES, optional=True)
+        _check_choice("collective", self.collective, COLLECTIVE_CHOICES)
+        if self.collective_timeout is not None and not self.collective_timeout > 0:
+            raise StrategyError(
+                "collective_timeout must be a positive number of seconds, or None to wait "
+                f"forever. Received: collective_timeout={self.collective_timeout!r}"
+            )
+        if not isinstance(self.ps_min_shard_bytes, int) or self.ps_min_shard_bytes < 0:
+            raise StrategyError(
+                "ps_min_shard_bytes must be a whole number of bytes >= 0 (0 disables "
+                f"partitioning). Received: ps_min_shard_bytes={self.ps_min_shard_bytes!r}"
+            )
+
+
+def _check_choice(name: str, value: Any, choices: Sequence[str], *, optional: bool = False):
+    if (optional and value is None) or value in choices:
+        return
+    raise StrategyError(
+        f"{name} must be one of {', '.join(choices)}{' (or None)' if optional else ''}. "
+        f"Received: {name}={value!r}"
+    )
+
+
+# Which options mean something to which strategy: an option given to a strategy that would
+# ignore it is a contradiction worth an error, not a silent no-op.
+_OPTION_USERS = {
+    "devices": ("one_device", "mirrored", "central_storage"),
+    "num_gpus": ("one_device", "mirrored", "central_storage"),
+    "all_reduce": ("mirrored",),
+    "collective": ("multi_worker_mirrored",),
+    "collective_timeout": ("multi_worker_mirrored",),
+    "ps_min_shard_bytes": ("parameter_server",),
+    "tpu": ("tpu",),
+}
+
+
+def build_strategy(
+    name: str = "auto",
+    *,
+    cluster: ClusterInfo | None = FROM_ENV,
+    options: StrategyOptions | None = None,
+    **option_values: Any,
+) -> tf.distribute.Strategy:
+    """Builds the tf.distribute strategy called `name` for this process.
+
+    Building a multi-worker strategy configures TensorFlow's collective runtime, and building
+    'tpu' connects to and initialises the TPU; nothing else is changed.
+
+    Args:
+      name: 'auto', 'one_device' (alias 'default'), 'mirrored', 'multi_worker_mirrored',
+        'parameter_server', 'central_storage' or 'tpu'.
+      cluster: the job's cluster. Default: parsed from the TF_CONFIG environment variable;
+        None means this host alone.
+      options: a StrategyOptions; or pass its fields as keyword arguments instead.
+      **option_values: StrategyOptions fields, e.g. ``all_reduce="hierarchical_copy"``.
+
+    Returns:
+      The strategy. One log line says what was built.
+
+    Raises:
+      StrategyError: unknown name, contradictory options, or a strategy the cluster or the
+        hardware cannot support (the message says which and how to fix it).
+      TFConfigError: TF_CONFIG is malformed.
+    """
+    options = _merge_options(options, option_values)
+    if cluster is FROM_ENV:
+        cluster = parse_tf_config()
+    requested = ALIASES.get(name, name)
+    if requested == "auto":
+        requested = resolve_auto(
+            cluster, tpu_address=detect_tpu(options.tpu), num_gpus=_devices.num_physical_gpus()
+        )
+        log.info("Strategy 'auto' resolved to %r", requested)
+    elif requested in _BUILDERS:
+        _check_options_apply(requested, options)
+    else:
+        raise StrategyError(
+            f"Unknown strategy {name!r}. Valid names: {', '.join(strategy_names())}. "
+            f"Received: name={name!r}"
+        )
+    strategy = _BUILDERS[requested](cluster, options)
+    log.info("%s", describe_strategy(strategy, cluster))
+    return strategy
+
+
+def strategy_names() -> list[str]:
+    """Every name build_strategy accepts."""
+    return ["auto", *_BUILDERS, *ALIASES]
+
+
+def resolve_auto(cluster: ClusterInfo | None, *, tpu_address: str | None, num_gpus: int) -> str:
+    """The strategy 'auto' stands for, given the cluster and the hardware (a pure function)."""
+    if cluster is not None and cluster.is_evaluator:
+        return "one_device"  # the evaluator never joins training: it evaluates on its own device
+    if cluster is not None and cluster.num_ps > 0:
+        return "parameter_server"
+    if cluster is not None and cluster.num_workers > 1:
+        return "multi_worker_mirrored"
+    if tpu_address is not None:
+        return "tpu"
+    if num_gpus > 1:
+        return "mirrored"
+    return "one_device"
+
+
+def detect_tpu(explicit: str | None = None) -> str | None:
+    """The TPU address to use: `explicit`, else one found in the environment, else None.
+
+    Colab's legacy TPU runtime sets COLAB_TPU_ADDR, Cloud TPU tooling sets TPU_NAME, and a
+    TPU VM exposes its chips as /dev/accel* (v2-v4) or /dev/vfio/<n> (v5e and later), where
+    TensorFlow reaches them through the 'local' resolver.
+    """
+    if explicit:
+        return explicit
+    if os.environ.get("TPU_NAME"):
+        return os.environ["TPU_NAME"]
+    if os.environ.get("COLAB_TPU_ADDR"):
+        return "grpc://" + os.environ["COLAB_TPU_ADDR"]
+    if glob.glob("/dev/accel[0-9]*") or glob.glob("/dev/vfio/[0-9]*"):
+        return "local"
+    return None
+
+
+def strategy_kind(strategy: tf.distribute.Strategy) -> str:
+    """tfdist's name for a strategy object, e.g. 'multi_worker_mirrored'.
+
+    TensorFlow's class names differ from the public ones (MultiWorkerMirroredStrategy is a
+    CollectiveAllReduceStrategy, ParameterServerStrategy a ParameterServerStrategyV2).
+    """
+    kinds = [  # subclasses before their bases
+        ("tpu", tf.distribute.TPUStrategy),
+        ("parameter_server", tf.distribute.experimental.ParameterServerStrategy),
+        ("central_storage", tf.distribute.experimental.CentralStorageStrategy),
+        ("multi_worker_mirrored", tf.distribute.MultiWorkerMirroredStrategy),
+        ("mirrored", tf.distribute.MirroredStrategy),
+        ("one_device", tf.distribute.OneDeviceStrategy),
+    ]
+    return next((kind for kind, cls in kinds if isinstance(strategy, cls)), "default")
+
+
+def describe_strategy(strategy: tf.distribute.Strategy, cluster: ClusterInfo | None) -> str:
+    """One line: the strategy, replicas in sync, devices and this task's role."""
+    extended = strategy.extended
+    worker_devices = getattr(extended, "worker_devices", None) or ()
+    devices = ", ".join(_short_device(d) for d in worker_devices) or "remote workers"
+    role = cluster.describe() if cluster is not None else "single host"
+    return (
+        f"Built {strategy_kind(strategy)}: {strategy.num_replicas_in_sync} replica(s) in sync "
+        f"on {devices}; task {role}"
+    )
+
+
+def _short_device(name: str) -> str:
+    # '/job:localhost/replica:0/task:0/device:CPU:1' -> '/cpu:1' ; keep remote jobs readable.
+    tail = name.split("/device:")[-1].lower()
+    job = name.split("/")[1] if name.startswith("/job:") else ""
+    return f"/{tail}" if not job or job == "job:localhost" else f"/{job}/{tail}"
+
+
+def _merge_options(options: StrategyOptions | None, values: dict[str, Any]) -> StrategyOptions:
+    if options is not None and values:
+        raise StrategyError(
+            "Pass either options=StrategyOptions(...) or option keywords, not both. "
+            f"Received: options={options!r}, keywords={sorted(values)}"
+        )
+    if options is not None:
+        return options
+    valid = [f.name for f in dataclasses.fields(StrategyOptions)]
+    unknown = sorted(set(values) - set(valid))
+    if unknown:
+        raise StrategyError(
+            f"Unknown strategy option {unknown[0]!r}. Valid options: {', '.join(valid)}. "
+            f"Received: {unknown[0]}={values[unknown[0]]!r}"
+        )
+    return StrategyOptions(**values)
+
+
+def _check_options_apply(name: str, options: StrategyOptions) -> None:
+    defaults = StrategyOptions()
+    for field, users in _OPTION_USERS.items():
+        value = getattr(options, field)
+        if value != getattr(defaults, field) and name not in users:
+            raise StrategyError(
+                f"Option {field} does not apply to the {name!r} strategy (only to "
+                f"{' and '.join(users)}); remove it or pick one of those strategies. "
+                f"Received: {field}={value!r}"
+            )
+
+
+# --- builders: (cluster, options) -> strategy ---------------------------------------------
+
+
+def _local_devices(options: StrategyOptions) -> list[str]:
+    if options.devices is not None:
+        return list(options.devices)
+    gpus = _devices.gpu_device_names()
+    if options.num_gpus is not None:
+        if options.num_gpus > len(gpus):
+            raise StrategyError(
+                f"{options.num_gpus} GPUs were asked for but TensorFlow sees {len(gpus)}. "
+                f"Lower num_gpus, or pass num_gpus=0 to run on the CPU. "
+                f"Received: num_gpus={options.num_gpus}"
+            )
+        if options.num_gpus > 0:
+            return gpus[: options.num_gpus]
+        return _devices.cpu_device_names()
+    return gpus or _devices.cpu_device_names()
+
+
+def _build_one_device(cluster: ClusterInfo | None, options: StrategyOptions):
+    chosen = _local_devices(options)
+    if options.devices is not None and len(chosen) > 1:
+        raise StrategyError(
+            f"one_device runs on exactly one device but {len(chosen)} were given; use "
+            f"'mirrored' for several. Received: devices={options.devices!r}"
+        )
+    return tf.distribute.OneDeviceStrategy(chosen[0])
+
+
+def _build_mirrored(cluster: ClusterInfo | None, options: StrategyOptions):
+    chosen = _local_devices(options)
+    cross_device_ops = None  # TensorFlow picks NCCL for GPUs and a CPU reduction otherwise
+    if options.all_reduce == "nccl":
+        if not all("GPU" in d.upper() for d in chosen):
+            raise StrategyError(
+                "all_reduce='nccl' needs GPUs but the devices are "
+                f"{', '.join(chosen)}; use 'hierarchical_copy' or 'reduction_to_one_device' "
+                "on CPUs. Received: all_reduce='nccl'"
+            )
+        cross_device_ops = tf.distribute.NcclAllReduce()
+    elif options.all_reduce == "hierarchical_copy":
+        cross_device_ops = tf.distribute.HierarchicalCopyAllReduce()
+    elif options.all_reduce == "reduction_to_one_device":
+        cross_device_ops = tf.distribute.ReductionToOneDevice()
+    # TensorFlow numbers the collective groups of every MirroredStrategy from 1, so a second
+    # one over a different number of devices in the same process (a notebook re-run, a test
+    # suite) aborts with "joining a group with size 4, but that group has size 2". Each build
+    # gets its own key range, the way TensorFlow's own tests separate their strategies.
+    tf.distribute.MirroredStrategy._collective_key_base = next(_MIRRORED_KEY_BASES)
+    return tf.distribute.MirroredStrategy(chosen, cross_device_ops=cross_device_ops)
+
+
+_MIRRORED_KEY_BASES = itertools.count(0, 100_000)
+
+
+def _build_central_storage(cluster: ClusterInfo | None, options: StrategyOptions):
+    # Variables live on the CPU, computation is mirrored on the compute devices.
+    return tf.distribute.experimental.CentralStorageStrategy(
+        compute_devices=_local_devices(options), parameter_device="/cpu:0"
+    )
+
+
+def _require_cluster(
+    name: str, cluster: ClusterInfo | None, *, need: str, launch_flags: str
+) -> ClusterInfo:
+    if cluster is None:
+        raise StrategyError(
+            f"The {name!r} strategy needs a cluster ({need}) but TF_CONFIG is not set. Start "
+            f"the job with a launcher that sets TF_CONFIG for every process, e.g. "
+            f"`python -m tools.launch {launch_flags} -- python -m experiments.train ...`, or "
+            f"use 'mirrored' to train on this host alone."
+        )
+    if cluster.is_evaluator:
+        raise StrategyError(
+            f"This task is the evaluator, which does not join {name!r} training; build "
+            f"'one_device' (or 'auto') in the evaluator. Received: task={cluster.task_name}"
+        )
+    return cluster
+
+
+def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyOptions):
+    cluster = _require_cluster(
+        "multi_worker_mirrored", cluster, need="2+ workers", launch_flags="--workers 2"
+    )
+    if cluster.num_ps:
+        raise StrategyError(
+            f"The cluster has {cluster.num_ps} ps task(s), which multi_worker_mirrored does not "
+            "use; build 'parameter_server' for this cluster, or remove the ps tasks."
+        )
+    implementation = {
+        "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
+        "ring": tf.distribute.experimental.CommunicationImplementation.RING,
+        "nccl": tf.distribute.experimental.CommunicationImplementation.NCCL,
+    }[options.collective]
+    communication = tf.distribute.experimental.CommunicationOptions(
+        implementation=implementation, timeout_seconds=options.collective_timeout
+    )
+    try:
+        return tf.distribute.MultiWorkerMirroredStrategy(
+            cluster_resolver=cluster.cluster_resolver(), communication_options=communication
+        )
+    except (RuntimeError, ValueError) as e:
+        if "startup" not in str(e) and "initialized" not in str(e):
+            raise
+        raise StrategyError(
+            "multi_worker_mirrored must be built before TensorFlow runs anything else: "
+            "its collective runtime can only be configured at program start. Build the "
+            "strategy first thing in main(), before creating tensors, models or datasets "
+            f"(in a notebook, restart the runtime). TensorFlow said: {e}"
+        ) from None
+
+
+def _build_parameter_server(cluster: ClusterInfo | None, options: StrategyOptions):
+    cluster = _require_cluster(
+        "parameter_server",
+        cluster,
+        need="a chief, 1+ workers and 1+ ps",
+        launch_flags="--chief --workers 2 --ps 1",
+    )
+    missing = [t for t in (CHIEF, WORKER, PS) if not cluster.cluster.get(t)]
+    if missing:
+        raise StrategyError(
+            f"parameter_server training needs chief, worker and ps tasks, but the cluster has "
+            f"no {' and no '.join(missing)} task; add them to TF_CONFIG (tools.launch: "
+            f"--chief --workers N --ps M). Received: cluster={dict(cluster.cluster)}"
+        )
+    if cluster.task_type != CHIEF:
+        raise StrategyError(
+            f"In parameter-server training only the chief builds the strategy; this task is "
+            f"{cluster.task_name}. Call tfdist.serve_if_needed() at the start of main(): it runs "
+            "the worker and ps servers and returns only when the job ends."
+        )
+    partitioner = None
+    if options.ps_min_shard_bytes and cluster.num_ps > 1:
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=options.ps_min_shard_bytes, max_shards=cluster.num_ps
+        )
+    return tf.distribute.experimental.ParameterServerStrategy(
+        cluster.cluster_resolver(), variable_partitioner=partitioner
+    )
+
+
+_TPU_HELP = (
+    "On Colab choose Runtime > Change runtime type > TPU and restart; on a Cloud TPU VM pass "
+    "tpu='local'; for a TPU Node pass its name or 'grpc://host:8470'. Without a TPU, use "
+    "'auto' to fall back to the hardware present."
+)
+
+
+def _build_tpu(cluster: ClusterInfo | None, options: StrategyOptions):
+    address = detect_tpu(options.tpu)
+    if address is None:
+        raise StrategyError(
+            "No TPU found: no tpu option, no TPU_NAME or COLAB_TPU_ADDR in the environment and "
+            f"no TPU devices on this machine. {_TPU_HELP}"
+        )
+    try:
+        resolver = tf.distribute.cluster_resolver.TPUClusterResolver(tpu=address)
+    except (ValueError, tf.errors.NotFoundError) as e:
+        raise StrategyError(f"No TPU found at {address!r} ({e}). {_TPU_HELP}") from None
+    if address != "local":
+        # A TPU Node is a remote TensorFlow server; a TPU VM's chips are local devices.
+        tf.config.experimental_connect_to_cluster(resolver)
+    try:
+        tf.tpu.experimental.initialize_tpu_system(resolver)
+    except (tf.errors.NotFoundError, tf.errors.InvalidArgumentError) as e:
+        if "ConfigureDistributedTPU" in str(e):
+            raise StrategyError(
+                f"No TPU is attached at {address!r}, or this TensorFlow build cannot drive "
+                f"one (it has no TPU kernels). On a TPU VM install TensorFlow's TPU build "
+                f"(the tensorflow-tpu package, which brings libtpu). {_TPU_HELP}"
+            ) from None
+        raise StrategyError(
+            f"Could not initialise the TPU at {address!r}: {e}. {_TPU_HELP}"
+        ) from None
+    return tf.distribute.TPUStrategy(resolver)
+
+
+_BUILDERS: dict[str, Callable[[ClusterInfo | None, StrategyOptions], tf.distribute.Strategy]] = {
+    "one_device": _build_one_device,
+    "mirrored": _build_mirrored,
+    "multi_worker_mirrored": _build_multi_worker_mirrored,
+    "parameter_server": _build_parameter_server,
+    "central_storage": _build_central_storage,
+    "tpu": _build_tpu,
+}
+
+__all__ = [
+    "ALL_REDUCE_CHOICES",
+    "COLLECTIVE_CHOICES",
+    "FROM_ENV",
+    "StrategyError",
+    "StrategyOptions",
+    "build_strategy",
+    "describe_strategy",
+    "detect_tpu",
+    "resolve_auto",
+    "strategy_kind",
+    "strategy_names",
+]
