@@ -2,38 +2,46 @@
 
 The public API, listed explicitly:
 
-  parse_tf_config, ClusterInfo, TFConfigError   -- the cluster TF_CONFIG describes
-  build_strategy, StrategyOptions, StrategyError -- the tf.distribute strategy for it
-  configure_cpu_devices                          -- split the CPU into logical devices
-  serve_if_needed                                -- run worker / ps servers of a PS cluster
-  TfdistError                                    -- base of every error tfdist explains
+  parse_tf_config, ClusterInfo, TFConfigError     the cluster TF_CONFIG describes
+  build_strategy, StrategyOptions, StrategyError  the tf.distribute strategy for it
+  configure_cpu_devices                           split the CPU into logical devices
+  serve_if_needed                                 run the worker / ps servers of a PS cluster
+  TfdistError                                     base of every error tfdist explains
+
+Names are imported on first use, so tools that only read TF_CONFIG (the launcher, the
+TF_CONFIG checker) start without paying for a TensorFlow import.
 """
 
-from tfdist.cluster import ClusterInfo, TFConfigError, parse_tf_config
-from tfdist.devices import DeviceConfigurationError, configure_cpu_devices
-from tfdist.errors import TfdistError
-from tfdist.roles import serve_if_needed
-from tfdist.strategies import (
-    StrategyError,
-    StrategyOptions,
-    build_strategy,
-    resolve_auto,
-    strategy_names,
-)
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ClusterInfo",
-    "DeviceConfigurationError",
-    "StrategyError",
-    "StrategyOptions",
-    "TFConfigError",
-    "TfdistError",
-    "build_strategy",
-    "configure_cpu_devices",
-    "parse_tf_config",
-    "resolve_auto",
-    "serve_if_needed",
-    "strategy_names",
-]
+_EXPORTS = {
+    "ClusterInfo": "tfdist.cluster",
+    "TFConfigError": "tfdist.cluster",
+    "parse_tf_config": "tfdist.cluster",
+    "DeviceConfigurationError": "tfdist.devices",
+    "configure_cpu_devices": "tfdist.devices",
+    "TfdistError": "tfdist.errors",
+    "serve_if_needed": "tfdist.roles",
+    "StrategyError": "tfdist.strategies",
+    "StrategyOptions": "tfdist.strategies",
+    "build_strategy": "tfdist.strategies",
+    "resolve_auto": "tfdist.strategies",
+    "strategy_kind": "tfdist.strategies",
+    "strategy_names": "tfdist.strategies",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

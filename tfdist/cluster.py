@@ -46,6 +46,15 @@ _KNOWN_TOP_LEVEL_KEYS = {
 }
 
 
+class _FromEnv:
+    def __repr__(self) -> str:
+        return "FROM_ENV"
+
+
+FROM_ENV: Any = _FromEnv()
+"""Default of every `cluster` argument: parse TF_CONFIG from the environment."""
+
+
 class TFConfigError(TfdistError, ValueError):
     """TF_CONFIG does not describe a valid cluster; the message says what is wrong and the fix."""
 
@@ -117,6 +126,19 @@ class ClusterInfo:
         return addresses[self.task_index] if self.task_index < len(addresses) else None
 
     @property
+    def cluster_strategy(self) -> str | None:
+        """The multi-worker strategy the cluster's shape calls for, if any.
+
+        'parameter_server' when there are ps tasks, 'multi_worker_mirrored' for several
+        workers (the chief counts), None for a one-worker cluster.
+        """
+        if self.num_ps:
+            return "parameter_server"
+        if self.num_workers > 1:
+            return "multi_worker_mirrored"
+        return None
+
+    @property
     def task_name(self) -> str:
         return f"{self.task_type}:{self.task_index}"
 
@@ -129,10 +151,11 @@ class ClusterInfo:
         for task_type, addresses in self.cluster.items():
             if task_type == EVALUATOR:
                 continue
-            if self.sparse_indices is not None:
-                spec[task_type] = dict(zip(self.sparse_indices[task_type], addresses, strict=True))
-            else:
+            indices = (self.sparse_indices or {}).get(task_type, range(len(addresses)))
+            if tuple(indices) == tuple(range(len(addresses))):
                 spec[task_type] = list(addresses)
+            else:  # some indices missing: TensorFlow's sparse form, index -> address
+                spec[task_type] = dict(zip(indices, addresses, strict=True))
         return spec
 
     def cluster_resolver(self):
@@ -150,24 +173,29 @@ class ClusterInfo:
             rpc_layer=self.rpc_layer,
         )
 
+    def task_counts(self) -> str:
+        """How many tasks of each type, e.g. '1 chief, 2 workers, 1 ps'."""
+        return ", ".join(
+            f"{len(addresses)} {t}{'s' if t != PS and len(addresses) != 1 else ''}"
+            for t, addresses in self.cluster.items()
+        )
+
     def describe(self) -> str:
-        """A one-line role summary, e.g. 'worker:1 of 1 chief, 2 workers, 1 ps (not chief)'."""
-        counts = [
-            f"{len(self.cluster[t])} {t}{'s' if t != PS and len(self.cluster[t]) != 1 else ''}"
-            for t in TASK_TYPES
-            if self.cluster.get(t)
-        ]
+        """A one-line role summary, e.g. 'worker:1 at host:2222 in a cluster of 2 workers'."""
         role = "chief" if self.is_chief else "not chief"
         where = f" at {self.address}" if self.address else ""
-        return f"{self.task_name}{where} in a cluster of {', '.join(counts)} ({role})"
+        return f"{self.task_name}{where} in a cluster of {self.task_counts()} ({role})"
 
 
-def parse_tf_config(raw: str | Mapping[str, Any] | None = None) -> ClusterInfo | None:
+def parse_tf_config(
+    raw: str | Mapping[str, Any] | None = None, *, source: str | None = None
+) -> ClusterInfo | None:
     """Parses and validates a TF_CONFIG.
 
     Args:
       raw: TF_CONFIG as a JSON string or an already-decoded mapping. None reads the
         TF_CONFIG environment variable.
+      source: where `raw` came from, for error messages (e.g. "the --tf_config flag").
 
     Returns:
       A ClusterInfo, or None when there is no cluster: TF_CONFIG unset or empty, ``{}``,
@@ -178,10 +206,8 @@ def parse_tf_config(raw: str | Mapping[str, Any] | None = None) -> ClusterInfo |
     """
     if raw is None:
         raw = os.environ.get(TF_CONFIG_ENV)
-        source = f"the {TF_CONFIG_ENV} environment variable"
-    else:
-        source = f"the {TF_CONFIG_ENV} value passed to parse_tf_config()"
-    return _Parser(source).parse(raw)
+        source = source or f"the {TF_CONFIG_ENV} environment variable"
+    return _Parser(source or f"the {TF_CONFIG_ENV} value passed to parse_tf_config()").parse(raw)
 
 
 class _Parser:

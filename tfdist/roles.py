@@ -18,8 +18,7 @@ import os
 import signal
 import threading
 
-from tfdist.cluster import PS, WORKER, ClusterInfo, parse_tf_config
-from tfdist.strategies import FROM_ENV
+from tfdist.cluster import FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 
 log = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist import devices as _devices
-from tfdist.cluster import CHIEF, PS, WORKER, ClusterInfo, parse_tf_config
+from tfdist.cluster import CHIEF, FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 from tfdist.errors import TfdistError
 
 log = logging.getLogger(__name__)
@@ -46,15 +46,6 @@ DEFAULT_PS_MIN_SHARD_BYTES = 256 << 10
 
 class StrategyError(TfdistError, ValueError):
     """The strategy asked for cannot be built here; the message says why and what to do."""
-
-
-class _FromEnv:
-    def __repr__(self) -> str:
-        return "FROM_ENV"
-
-
-FROM_ENV: Any = _FromEnv()
-"""The `cluster` default of build_strategy: read TF_CONFIG from the environment."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -198,10 +189,8 @@ def resolve_auto(cluster: ClusterInfo | None, *, tpu_address: str | None, num_gp
     """The strategy 'auto' stands for, given the cluster and the hardware (a pure function)."""
     if cluster is not None and cluster.is_evaluator:
         return "one_device"  # the evaluator never joins training: it evaluates on its own device
-    if cluster is not None and cluster.num_ps > 0:
-        return "parameter_server"
-    if cluster is not None and cluster.num_workers > 1:
-        return "multi_worker_mirrored"
+    if cluster is not None and cluster.cluster_strategy is not None:
+        return cluster.cluster_strategy
     if tpu_address is not None:
         return "tpu"
     if num_gpus > 1:
@@ -484,7 +473,6 @@ _BUILDERS: dict[str, Callable[[ClusterInfo | None, StrategyOptions], tf.distribu
 __all__ = [
     "ALL_REDUCE_CHOICES",
     "COLLECTIVE_CHOICES",
-    "FROM_ENV",
     "StrategyError",
     "StrategyOptions",
     "build_strategy",

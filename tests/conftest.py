@@ -1,0 +1,44 @@
+"""Shared test set-up: quiet TensorFlow, four logical CPUs, and helpers to run binaries."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+REPO = Path(__file__).resolve().parents[1]
+NUM_CPU_DEVICES = 4
+
+
+def pytest_configure(config):
+    # Logical devices can only be set before TensorFlow initialises its runtime, so the whole
+    # session gets its four CPUs here, before any test touches TensorFlow.
+    from tfdist.devices import configure_cpu_devices
+
+    configure_cpu_devices(NUM_CPU_DEVICES)
+
+
+def run_module(
+    module: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """Runs `python -m module args...` from the repository root and captures its output."""
+    full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.fixture
+def no_tf_config(monkeypatch):
+    monkeypatch.delenv("TF_CONFIG", raising=False)

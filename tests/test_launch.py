@@ -1,0 +1,361 @@
+"""Tests for tools/launch.py: cluster planning in-process, everything else through the real CLI.
+
+The tasks are tiny Python programs (no TensorFlow), so each starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tfdist.cluster import parse_tf_config
+from tools import launch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+# One program plays every task. It records its pid (so a test can check that it is gone
+# afterwards), prints who it is on stdout and stderr, then does what `actions` says for its task:
+# "sleep" (60 s, i.e. until stopped), "ignore_term" (sleep, deaf to SIGTERM), "exit:N" or
+# "kill:N". Exits and kills wait until every task has recorded its pid, so no task can be stopped
+# before the test knows about it.
+TASK_PROGRAM = textwrap.dedent(
+    """
+    import json, os, pathlib, signal, sys, time
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = "{type}-{index}".format(**task)
+    pid_dir, total, actions = pathlib.Path(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
+    (pid_dir / (name + ".tmp")).write_text(str(os.getpid()))
+    (pid_dir / (name + ".tmp")).rename(pid_dir / (name + ".pid"))
+    print("I am", task["type"], task["index"])
+    print("stderr of", name, file=sys.stderr)
+    action = actions.get(name, actions.get("*", "sleep"))
+    if action == "ignore_term":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if action in ("sleep", "ignore_term"):
+        time.sleep(60)
+        sys.exit(0)
+    deadline = time.monotonic() + 10
+    while len(list(pid_dir.glob("*.pid"))) < total and time.monotonic() < deadline:
+        time.sleep(0.02)
+    kind, number = action.split(":")
+    if kind == "kill":
+        os.kill(os.getpid(), int(number))
+    sys.exit(int(number))
+    """
+)
+
+
+def task_command(pid_dir: Path, total: int, actions: dict[str, str]) -> list[str]:
+    return [sys.executable, "-c", TASK_PROGRAM, str(pid_dir), str(total), json.dumps(actions)]
+
+
+def launch_argv(*flags: str, command: list[str]) -> list[str]:
+    return [sys.executable, "-m", "tools.launch", *flags, "--", *command]
+
+
+def run_launch(argv: list[str]) -> tuple[subprocess.CompletedProcess[str], float]:
+    start = time.monotonic()
+    result = subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=30)
+    return result, time.monotonic() - start
+
+
+def recorded_pids(pid_dir: Path) -> dict[str, int]:
+    return {path.stem: int(path.read_text()) for path in pid_dir.glob("*.pid")}
+
+
+def wait_for_pids(pid_dir: Path, count: int) -> dict[str, int]:
+    deadline = time.monotonic() + 10
+    while len(recorded_pids(pid_dir)) < count:
+        assert time.monotonic() < deadline, f"tasks did not start: {recorded_pids(pid_dir)}"
+        time.sleep(0.05)
+    return recorded_pids(pid_dir)
+
+
+def assert_all_gone(pids: dict[str, int]) -> None:
+    alive = []
+    for name, pid in pids.items():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            continue
+        alive.append(name)
+    assert not alive, f"tasks left running after the launcher exited: {alive}"
+
+
+# --- plan_cluster and friends, in-process -------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "names"),
+    [
+        (dict(workers=2), ["worker:0", "worker:1"]),
+        (dict(workers=0, chief=True), ["chief:0"]),
+        (
+            dict(workers=2, chief=True, ps=2, evaluator=True),
+            ["chief:0", "worker:0", "worker:1", "ps:0", "ps:1", "evaluator:0"],
+        ),
+    ],
+)
+def test_plan_cluster_gives_every_task_its_own_port_and_tf_config(layout, names):
+    cluster, tasks = launch.plan_cluster(**layout)
+
+    assert [task.name for task in tasks] == names
+    addresses = [task.address for task in tasks]
+    assert len(set(addresses)) == len(addresses)
+    assert all(re.fullmatch(r"127\.0\.0\.1:\d+", address) for address in addresses)
+    assert sum(len(members) for members in cluster.values()) == len(tasks)
+    assert all(cluster.values()), f"empty task types must be left out: {cluster}"
+    for task in tasks:
+        config = json.loads(launch.tf_config_for(cluster, task))
+        assert config == {"cluster": cluster, "task": {"type": task.type, "index": task.index}}
+        assert config["cluster"][task.type][task.index] == task.address
+        # What the launcher writes, tfdist must read back as the same task.
+        info = parse_tf_config(launch.tf_config_for(cluster, task))
+        assert (info.task_type, info.task_index, info.address) == (
+            task.type,
+            task.index,
+            task.address,
+        )
+
+
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_plan_cluster_brackets_ipv6_addresses(host):
+    cluster, tasks = launch.plan_cluster(workers=2, host=host, ports=[5000, 5001])
+
+    assert cluster == {"worker": ["[::1]:5000", "[::1]:5001"]}
+    assert tasks[1] == launch.Task("worker", 1, "[::1]:5001")
+
+
+def test_plan_cluster_binds_free_ipv6_ports():
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback on this machine")
+
+    _, tasks = launch.plan_cluster(workers=3, host="::1")
+
+    assert all(re.fullmatch(r"\[::1\]:\d+", task.address) for task in tasks)
+    assert len({task.address for task in tasks}) == 3
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (dict(workers=-1), "must be 0 or more"),
+        (dict(workers=0), "no tasks to start"),
+        (dict(workers=0, evaluator=True), "no tasks to start"),
+        (dict(workers=2, ps=1), "needs a chief as coordinator: add --chief"),
+        (dict(workers=0, chief=True, ps=1), "needs workers"),
+        (dict(workers=2, ports=[5000]), "expected 2 ports, one per task"),
+    ],
+)
+def test_plan_cluster_rejects_clusters_that_cannot_run(layout, message):
+    with pytest.raises(launch.UsageError, match=message):
+        launch.plan_cluster(**layout)
+
+
+def test_only_workers_and_ps_serve_and_only_under_parameter_server_training():
+    _, ps_tasks = launch.plan_cluster(workers=2, chief=True, ps=1, evaluator=True)
+    _, mwms_tasks = launch.plan_cluster(workers=2, chief=True, evaluator=True)
+
+    assert [task.name for task in launch.serving_tasks(ps_tasks)] == [
+        "worker:0",
+        "worker:1",
+        "ps:0",
+    ]
+    assert launch.serving_tasks(mwms_tasks) == []
+
+
+# --- the CLI ------------------------------------------------------------------------------
+
+
+def test_dry_run_prints_a_runnable_line_per_task_and_starts_nothing(tmp_path):
+    marker = tmp_path / "started"
+    command = [
+        sys.executable,
+        "-c",
+        f"open({str(marker)!r}, 'w'); import os; print(os.environ['TF_CONFIG'])",
+    ]
+
+    result, _ = run_launch(
+        launch_argv("--chief", "--workers", "2", "--ps", "1", "--dry_run", command=command)
+    )
+
+    assert result.returncode == 0, result.stderr
+    assert not marker.exists()
+    lines = result.stdout.splitlines()
+    headers = [line for line in lines if re.match(r"# \w+:\d+ \(", line)]
+    commands = [line for line in lines if line.startswith("TF_CONFIG=")]
+    assert [header.split()[1] for header in headers] == ["chief:0", "worker:0", "worker:1", "ps:0"]
+    assert len(commands) == 4
+    for header, line in zip(headers, commands, strict=True):
+        assignment, *rest = shlex.split(line)
+        config = json.loads(assignment.removeprefix("TF_CONFIG="))
+        task_type, index = header.split()[1].split(":")
+        assert config["task"] == {"type": task_type, "index": int(index)}
+        assert f"({config['cluster'][task_type][int(index)]})" in header
+        assert rest == command
+    # The line really is a shell command that reproduces the task.
+    shell = subprocess.run(["sh", "-c", commands[1]], capture_output=True, text=True, check=True)
+    assert json.loads(shell.stdout)["task"] == {"type": "worker", "index": 0}
+
+
+def test_output_of_every_task_is_prefixed_with_its_name(tmp_path):
+    command = task_command(tmp_path, 3, {"*": "exit:0"})
+
+    result, _ = run_launch(launch_argv("--chief", "--workers", "2", command=command))
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert all(re.match(r"\[(launch|chief:0|worker:[01])\] ", line) for line in lines), lines
+    for task_type, index in [("chief", 0), ("worker", 0), ("worker", 1)]:
+        prefix = f"[{task_type}:{index}] "
+        assert lines.count(f"{prefix}I am {task_type} {index}") == 1
+        assert lines.count(f"{prefix}stderr of {task_type}-{index}") == 1
+    assert lines[0].startswith("[launch] starting 3 tasks: chief:0 (127.0.0.1:")
+    assert lines[-3:] == [
+        "[launch] chief:0 exit 0",
+        "[launch] worker:0 exit 0",
+        "[launch] worker:1 exit 0",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("action", "exit_code", "message"),
+    [
+        ("exit:3", 3, "[launch] worker:1 failed with exit code 3; stopping the other tasks"),
+        ("kill:9", 137, "[launch] worker:1 was killed by SIGKILL; stopping the other tasks"),
+    ],
+)
+def test_a_failing_task_stops_the_others_and_sets_the_exit_code(
+    tmp_path, action, exit_code, message
+):
+    command = task_command(tmp_path, 4, {"worker-1": action})
+
+    result, seconds = run_launch(launch_argv("--chief", "--workers", "3", command=command))
+
+    assert result.returncode == exit_code, result.stdout + result.stderr
+    assert seconds < 10
+    assert message in result.stdout
+    assert "[launch] worker:0 stopped" in result.stdout
+    assert "[launch] chief:0 stopped" in result.stdout
+    pids = recorded_pids(tmp_path)
+    assert len(pids) == 4
+    assert_all_gone(pids)
+
+
+def test_parameter_server_run_ends_when_the_chief_finishes(tmp_path):
+    command = task_command(tmp_path, 4, {"chief-0": "exit:0"})
+
+    result, seconds = run_launch(
+        launch_argv("--chief", "--workers", "2", "--ps", "1", command=command)
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert seconds < 10
+    summary = [line for line in result.stdout.splitlines() if line.startswith("[launch] ")][-4:]
+    assert summary == [
+        "[launch] chief:0 exit 0",
+        "[launch] worker:0 stopped",
+        "[launch] worker:1 stopped",
+        "[launch] ps:0 stopped",
+    ]
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_parameter_server_that_exits_by_itself_is_a_failure(tmp_path):
+    command = task_command(tmp_path, 3, {"ps-0": "exit:0"})
+
+    result, _ = run_launch(launch_argv("--chief", "--workers", "1", "--ps", "1", command=command))
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "[launch] ps:0 exited by itself, but under parameter-server training" in result.stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_timeout_stops_everything_even_a_task_that_ignores_sigterm(tmp_path):
+    command = task_command(tmp_path, 2, {"worker-1": "ignore_term"})
+
+    result, seconds = run_launch(
+        launch_argv("--workers", "2", "--timeout", "2", "--grace", "0.5", command=command)
+    )
+
+    assert result.returncode == 124, result.stdout + result.stderr
+    assert 2 <= seconds < 10
+    assert "[launch] timed out after 2 s; still running: worker:0, worker:1" in result.stdout
+    assert "[launch] worker:0 stopped" in result.stdout
+    assert "[launch] worker:1 killed (still running 0.5 s after SIGTERM)" in result.stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_a_signal_to_the_launcher_stops_every_task(tmp_path, signum, exit_code):
+    command = task_command(tmp_path, 3, {})
+    launcher = subprocess.Popen(
+        launch_argv("--workers", "3", command=command),
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        # A test run started in the background inherits an ignored SIGINT, which the launcher
+        # (rightly) leaves ignored; this test needs it delivered. (preexec_fn is not safe with
+        # threads, which TensorFlow starts in this process, so only use it when needed.)
+        preexec_fn=_default_sigint if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else None,
+    )
+    try:
+        pids = wait_for_pids(tmp_path, 3)
+        launcher.send_signal(signum)
+        output, _ = launcher.communicate(timeout=10)
+    finally:
+        launcher.kill()
+
+    assert launcher.returncode == exit_code, output
+    assert f"[launch] received {signal.Signals(signum).name}; stopping all tasks" in output
+    assert "[launch] worker:2 stopped" in output
+    assert_all_gone(pids)
+
+
+def test_a_command_that_does_not_exist_exits_127(tmp_path):
+    result, _ = run_launch(
+        launch_argv("--workers", "2", command=[str(tmp_path / "no-such-program")])
+    )
+
+    assert result.returncode == 127
+    assert "[launch] cannot start worker:0: [Errno 2] No such file or directory" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--workers", "2"], r"no command to run: put it after `--`"),
+        (["--workers", "2", "python", "train.py"], r"'python train.py'.*command goes after `--`"),
+        (["--ps", "1", "--", "python"], r"needs a chief as coordinator: add --chief"),
+        (["--workers", "-1", "--", "python"], r"must be 0 or more.*workers=-1"),
+        (["--workers", "0", "--", "python"], r"no tasks to start"),
+        (["--timeout", "0", "--", "python"], r"--timeout must be more than 0.*--timeout=0"),
+    ],
+)
+def test_bad_usage_exits_2_with_a_one_line_message(flags, message):
+    result, _ = run_launch([sys.executable, "-m", "tools.launch", *flags])
+
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert re.search(message, result.stderr), result.stderr

@@ -1,0 +1,227 @@
+"""build_strategy: 'auto' resolution, option checks, and a real training step on each strategy.
+
+Every strategy that can run here trains the same tiny model from the same seed; synchronous
+data parallelism must end with one_device's weights, so each check below can fail.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import NUM_CPU_DEVICES, run_module
+from tfdist.cluster import parse_tf_config
+from tfdist.strategies import StrategyError, detect_tpu, resolve_auto, strategy_kind
+from tfdist.training import run_smoke_steps
+from tools.smoke import parse_results
+
+TOLERANCE = 1e-5
+STEPS = 3
+
+CLUSTERS = {
+    "none": None,
+    "one_worker": {"cluster": {"worker": ["w:1"]}},
+    "two_workers": {"cluster": {"worker": ["w:1", "w:2"]}, "task": {"type": "worker", "index": 1}},
+    "chief_and_worker": {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"]},
+        "task": {"type": "chief", "index": 0},
+    },
+    "ps_cluster": {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"], "ps": ["p:1"]},
+        "task": {"type": "chief", "index": 0},
+    },
+    "evaluator": {
+        "cluster": {"chief": ["c:1"], "worker": ["w:1"], "evaluator": ["e:1"]},
+        "task": {"type": "evaluator", "index": 0},
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "cluster, tpu, gpus, expected",
+    [
+        ("none", None, 0, "one_device"),
+        ("none", None, 1, "one_device"),
+        ("none", None, 4, "mirrored"),
+        ("none", "local", 4, "tpu"),
+        ("one_worker", None, 0, "one_device"),
+        ("one_worker", None, 2, "mirrored"),
+        ("two_workers", None, 0, "multi_worker_mirrored"),
+        ("two_workers", "local", 8, "multi_worker_mirrored"),
+        ("chief_and_worker", None, 0, "multi_worker_mirrored"),
+        ("ps_cluster", None, 0, "parameter_server"),
+        ("ps_cluster", "local", 2, "parameter_server"),
+        ("evaluator", None, 0, "one_device"),
+    ],
+)
+def test_auto_resolution(cluster, tpu, gpus, expected):
+    info = parse_tf_config(CLUSTERS[cluster]) if CLUSTERS[cluster] else None
+    assert resolve_auto(info, tpu_address=tpu, num_gpus=gpus) == expected
+
+
+def test_tpu_detection_from_environment(monkeypatch):
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)
+    assert detect_tpu() is None  # no TPU on this machine
+    assert detect_tpu("my-tpu") == "my-tpu"
+    monkeypatch.setenv("COLAB_TPU_ADDR", "10.0.0.2:8470")
+    assert detect_tpu() == "grpc://10.0.0.2:8470"
+    monkeypatch.setenv("TPU_NAME", "node-1")
+    assert detect_tpu() == "node-1"
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("mirored", {}, r"Unknown strategy 'mirored'\. Valid names: auto, one_device, mirrored, "),
+        (
+            "mirrored",
+            {"all_reduce": "ring_allreduce"},
+            r"all_reduce must be one of nccl, hierarchical_copy",
+        ),
+        ("mirrored", {"all_reduce": "nccl"}, r"all_reduce='nccl' needs GPUs but the devices are"),
+        ("mirrored", {"devices": ("/cpu:0",), "num_gpus": 1}, r"devices and num_gpus both choose"),
+        ("mirrored", {"num_gpus": 2}, r"2 GPUs were asked for but TensorFlow sees 0"),
+        ("mirrored", {"collective": "ring"}, r"Option collective does not apply to the 'mirrored'"),
+        (
+            "one_device",
+            {"all_reduce": "hierarchical_copy"},
+            r"all_reduce does not apply to the 'one_device'",
+        ),
+        ("one_device", {"devices": ("/cpu:0", "/cpu:1")}, r"one_device runs on exactly one device"),
+        ("parameter_server", {"tpu": "local"}, r"Option tpu does not apply"),
+        (
+            "mirrored",
+            {"alreduce": "nccl"},
+            r"Unknown strategy option 'alreduce'\. Valid options: devices",
+        ),
+        (
+            "multi_worker_mirrored",
+            {"collective_timeout": -1.0},
+            r"collective_timeout must be a positive",
+        ),
+        (
+            "multi_worker_mirrored",
+            {},
+            r"needs a cluster \(2\+ workers\) but TF_CONFIG is not set.*--workers 2",
+        ),
+        ("parameter_server", {}, r"needs a cluster .* --chief --workers 2 --ps 1"),
+        ("tpu", {}, r"No TPU found.*Runtime > Change runtime type > TPU"),
+    ],
+)
+def test_mistakes_are_explained(no_tf_config, monkeypatch, name, kwargs, message):
+    monkeypatch.delenv("TPU_NAME", raising=False)
+    monkeypatch.delenv("COLAB_TPU_ADDR", raising=False)
+    with pytest.raises(StrategyError, match=message):
+        tfdist.build_strategy(name, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, cluster, message",
+    [
+        (
+            "parameter_server",
+            "two_workers",
+            r"needs chief, worker and ps tasks.*no chief and no ps",
+        ),
+        ("multi_worker_mirrored", "ps_cluster", r"has 1 ps task\(s\).*build 'parameter_server'"),
+        ("multi_worker_mirrored", "evaluator", r"This task is the evaluator"),
+    ],
+)
+def test_cluster_mismatches_are_explained(name, cluster, message):
+    with pytest.raises(StrategyError, match=message):
+        tfdist.build_strategy(name, cluster=parse_tf_config(CLUSTERS[cluster]))
+
+
+def test_only_the_chief_builds_parameter_server():
+    worker = parse_tf_config({**CLUSTERS["ps_cluster"], "task": {"type": "worker", "index": 0}})
+    with pytest.raises(StrategyError, match=r"only the chief builds.*tfdist.serve_if_needed\(\)"):
+        tfdist.build_strategy("parameter_server", cluster=worker)
+
+
+def test_tpu_without_tpu_kernels_is_explained():
+    # 'local' reaches TensorFlow's TPU initialisation, which this CPU-only build cannot run.
+    with pytest.raises(StrategyError, match=r"No TPU is attached at 'local'.*tensorflow-tpu"):
+        tfdist.build_strategy("tpu", cluster=None, tpu="local")
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The one-device result every synchronous strategy must reproduce."""
+    strategy = tfdist.build_strategy("one_device", cluster=None)
+    return run_smoke_steps(strategy, steps=STEPS)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, replicas",
+    [
+        ("default", {}, 1),
+        ("auto", {}, 1),
+        ("mirrored", {"devices": ("/cpu:0", "/cpu:1")}, 2),
+        ("mirrored", {}, NUM_CPU_DEVICES),
+        ("mirrored", {"all_reduce": "hierarchical_copy", "devices": ("/cpu:0", "/cpu:1")}, 2),
+        ("mirrored", {"all_reduce": "reduction_to_one_device"}, NUM_CPU_DEVICES),
+        ("central_storage", {"devices": ("/cpu:0", "/cpu:1")}, 2),
+    ],
+)
+def test_in_process_strategies_match_one_device(reference, name, kwargs, replicas):
+    strategy = tfdist.build_strategy(name, cluster=None, **kwargs)
+    result = run_smoke_steps(strategy, steps=STEPS)
+    assert strategy.num_replicas_in_sync == replicas
+    assert result.max_abs_diff(reference) <= TOLERANCE
+    assert result.losses == pytest.approx(reference.losses, abs=TOLERANCE)
+
+
+def test_strategy_kind_names():
+    assert (
+        strategy_kind(tfdist.build_strategy("central_storage", cluster=None)) == "central_storage"
+    )
+    assert strategy_kind(tf.distribute.get_strategy()) == "default"
+
+
+def test_indivisible_global_batch_is_rejected():
+    strategy = tfdist.build_strategy("mirrored", cluster=None)
+    with pytest.raises(ValueError, match=r"divisible by the 4 replicas.*global_batch_size=10"):
+        run_smoke_steps(strategy, global_batch_size=10)
+
+
+@pytest.mark.multiprocess
+def test_multi_worker_mirrored_with_two_processes(reference):
+    result = run_module(
+        "tools.launch", "--workers", "2", "--timeout", "240", "--",
+        sys.executable, "-m", "experiments.smoke", "--strategy=multi_worker_mirrored",
+        f"--steps={STEPS}", "--collective_timeout=120",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    results = parse_results(result.stdout)
+    assert set(results) == {"worker:0", "worker:1"}
+    for task in results.values():
+        assert task["strategy"] == "multi_worker_mirrored" and task["replicas"] == 2
+        assert (
+            max(abs(a - b) for a, b in zip(task["weights"], reference.weights, strict=True))
+            <= TOLERANCE
+        )
+    assert results["worker:0"]["weights"] == results["worker:1"]["weights"]
+
+
+@pytest.mark.multiprocess
+def test_parameter_server_with_chief_two_workers_and_a_ps(reference):
+    # 'auto' must see the ps task in TF_CONFIG and pick parameter_server on the chief, while
+    # the workers and the ps serve until the launcher stops them.
+    result = run_module(
+        "tools.launch", "--chief", "--workers", "2", "--ps", "1", "--timeout", "240", "--",
+        sys.executable, "-m", "experiments.smoke", "--strategy=auto", f"--steps={STEPS}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    results = parse_results(result.stdout)
+    assert set(results) == {"chief:0"}
+    chief = results["chief:0"]
+    assert chief["strategy"] == "parameter_server"
+    assert (
+        max(abs(a - b) for a, b in zip(chief["weights"], reference.weights, strict=True))
+        <= TOLERANCE
+    )
+    assert "[worker:1]" in result.stdout and "Serving as worker:1" in result.stdout

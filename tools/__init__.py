@@ -1,0 +1,1 @@
+"""Command-line tools around tfdist: the local launcher, checkers, converters, benchmarks."""
