@@ -63,7 +63,7 @@ def serve_if_needed(
         config=config,
         start=True,
     )
-    log.info("Serving as %s (%s) until the job ends", cluster.describe(), server.target)
+    log.info("Serving as %s until the job ends (%s)", cluster.describe(), server.target)
     stop = stop or threading.Event()
     # server.join() blocks inside C++ where Python signal handlers never run; waiting on an
     # event instead lets SIGTERM end the process cleanly with exit code 0.
@@ -77,5 +77,6 @@ def serve_if_needed(
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    del server  # held until here: the server lives as long as this Python object
     log.info("%s stopped serving", cluster.task_name)
     return True

@@ -235,9 +235,12 @@ def strategy_kind(strategy: tf.distribute.Strategy) -> str:
 
 def describe_strategy(strategy: tf.distribute.Strategy, cluster: ClusterInfo | None) -> str:
     """One line: the strategy, replicas in sync, devices and this task's role."""
-    extended = strategy.extended
-    worker_devices = getattr(extended, "worker_devices", None) or ()
-    devices = ", ".join(_short_device(d) for d in worker_devices) or "remote workers"
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        # Its "worker_devices" are the chief's; the steps run on the remote workers.
+        workers = len(cluster.cluster["worker"])
+        devices = f"{workers} remote worker(s), variables on {cluster.num_ps} ps"
+    else:
+        devices = ", ".join(_short_device(d) for d in strategy.extended.worker_devices)
     role = cluster.describe() if cluster is not None else "single host"
     return (
         f"Built {strategy_kind(strategy)}: {strategy.num_replicas_in_sync} replica(s) in sync "
