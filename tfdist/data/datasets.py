@@ -1,0 +1,212 @@
+"""Image classification datasets by name, all honouring one contract.
+
+Every dataset yields batches of ``(image, label)``: ``image`` float32 [batch, H, W, C] in
+[0, 1], ``label`` int32 [batch]. Names:
+
+  digits      scikit-learn's 8x8 handwritten digits (1,797 real images, 10 classes), shipped
+              inside the scikit-learn wheel; converted to TFRecords on first use
+  synthetic   random images and labels of any shape and count, for benchmarks
+  tfds:NAME   a TensorFlow Datasets dataset already prepared in a data_dir (never downloads)
+
+    >>> data = prepare_dataset("digits", data_dir="/tmp/tfdist-data")   # writes TFRecords once
+    >>> data.info.num_examples
+    {'train': 1438, 'test': 359}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Callable, Mapping
+from typing import Protocol
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
+from tfdist.data.records import DataError, find_records, write_tfrecords
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "test")
+DATA_DIR_ENV = "TFDIST_DATA_DIR"
+
+
+def default_data_dir() -> str:
+    """$TFDIST_DATA_DIR, else ~/.cache/tfdist."""
+    return os.environ.get(DATA_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tfdist")
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    image_shape: tuple[int, int, int]
+    num_classes: int
+    num_examples: Mapping[str, int]
+
+
+class ImageDataset(Protocol):
+    """A dataset that builds (image, label) batches for one input pipeline."""
+
+    info: DatasetInfo
+
+    def dataset(
+        self,
+        split: str,
+        *,
+        batch_size: int,
+        input_context: tf.distribute.InputContext | None = None,
+        options: PipelineOptions | None = None,
+    ) -> tf.data.Dataset: ...
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise DataError(f"split must be one of {', '.join(SPLITS)}. Received: split={split!r}")
+
+
+# --- TFRecords on disk (digits, and any tfdist TFRecord dataset) ------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TFRecordImages:
+    """Images and labels stored as tfdist TFRecords, one directory prefix per split."""
+
+    info: DatasetInfo
+    sources: Mapping[str, str]  # split -> dataset prefix (DIR/NAME)
+    image_key: str = "image"
+    label_key: str = "label"
+    image_scale: float = 1.0  # multiplies the stored pixel values into [0, 1]
+
+    def dataset(self, split, *, batch_size, input_context=None, options=None):
+        _check_split(split)
+        scale, image_key, label_key = self.image_scale, self.image_key, self.label_key
+
+        def to_contract(batch):
+            return tf.cast(batch[image_key], tf.float32) * scale, tf.cast(batch[label_key], tf.int32)
+
+        return tfrecord_dataset(
+            self.sources[split],
+            batch_size=batch_size,
+            input_context=input_context,
+            options=options,
+            map_fn=to_contract,
+        )
+
+
+DIGITS_SHARDS = {"train": 4, "test": 2}
+DIGITS_TEST_FRACTION = 0.2
+DIGITS_SPLIT_SEED = 0
+
+
+def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
+    """scikit-learn's digits as TFRecords in data_dir/digits, written on first use.
+
+    The train/test split is fixed (a seeded permutation, 20% test), so every worker and
+    every run sees the same examples. Each example keeps its index in scikit-learn's array
+    as the "id" feature, which lets tests check that sharding reads each example once.
+    Writing is atomic, so several workers preparing the data at once is harmless.
+    """
+    directory = os.path.join(data_dir or default_data_dir(), "digits")
+    prefixes = {split: os.path.join(directory, split) for split in SPLITS}
+    if not all(tf.io.gfile.exists(p + ".meta.json") for p in prefixes.values()):
+        from sklearn.datasets import load_digits  # deferred: only the first use needs it
+
+        digits = load_digits()
+        images = digits.images.astype(np.uint8)[..., np.newaxis]  # pixel values 0..16
+        labels = digits.target.astype(np.int64)
+        order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(labels))
+        n_test = int(round(len(labels) * DIGITS_TEST_FRACTION))
+        for split, index in (("test", order[:n_test]), ("train", order[n_test:])):
+            index = np.sort(index)
+            write_tfrecords(
+                {"image": images[index], "label": labels[index], "id": index.astype(np.int64)},
+                directory,
+                name=split,
+                num_shards=DIGITS_SHARDS[split],
+                overwrite=True,
+            )
+        log.info("Wrote the digits dataset as TFRecords to %s", directory)
+    counts = {split: find_records(prefixes[split]).metadata.num_examples for split in SPLITS}
+    return TFRecordImages(
+        DatasetInfo("digits", (8, 8, 1), 10, counts), prefixes, image_scale=1.0 / 16.0
+    )
+
+
+# --- synthetic --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class SyntheticImages:
+    """Random images and labels held in memory, for benchmarks (no input cost to speak of).
+
+    A fixed bank of `info.num_examples[split]` examples is generated from `seed`;
+    training repeats it. Labels are random, so there is nothing to learn.
+    """
+
+    info: DatasetInfo
+    seed: int = 0
+
+    def dataset(self, split, *, batch_size, input_context=None, options=None):
+        _check_split(split)
+        options = options or PipelineOptions()
+        rng = np.random.default_rng([self.seed, SPLITS.index(split)])
+        count = self.info.num_examples[split]
+        images = rng.random((count, *self.info.image_shape), dtype=np.float32)
+        labels = rng.integers(0, self.info.num_classes, size=count).astype(np.int32)
+        dataset = tf.data.Dataset.from_tensor_slices((images, labels))
+        if input_context is not None and input_context.num_input_pipelines > 1:
+            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return finish(dataset, batch_size=batch_size, options=options)
+
+
+def prepare_synthetic(
+    *,
+    image_shape: tuple[int, int, int] = (32, 32, 3),
+    num_classes: int = 10,
+    num_examples: int = 4096,
+    seed: int = 0,
+) -> SyntheticImages:
+    """A synthetic dataset (cf. tf-models-official's use_synthetic_data)."""
+    if len(image_shape) != 3 or min(image_shape) < 1:
+        raise DataError(f"image_shape must be (height, width, channels). Received: {image_shape!r}")
+    info = DatasetInfo(
+        "synthetic", tuple(image_shape), num_classes, {"train": num_examples, "test": max(1, num_examples // 4)}
+    )
+    return SyntheticImages(info, seed)
+
+
+# --- by name ----------------------------------------------------------------------------------
+
+_PREPARERS: dict[str, Callable[..., ImageDataset]] = {
+    "digits": lambda data_dir=None: prepare_digits(data_dir),
+    "synthetic": lambda data_dir=None, **kwargs: prepare_synthetic(**kwargs),
+}
+TFDS_PREFIX = "tfds:"
+
+
+def dataset_names() -> list[str]:
+    return [*_PREPARERS, TFDS_PREFIX + "NAME"]
+
+
+def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> ImageDataset:
+    """The dataset called `name`, prepared for reading (digits writes its TFRecords once).
+
+    Args:
+      name: 'digits', 'synthetic' or 'tfds:NAME'.
+      data_dir: where datasets live; default $TFDIST_DATA_DIR or ~/.cache/tfdist (for TFDS,
+        TFDS's own default).
+      **kwargs: options of the dataset (synthetic: image_shape, num_classes, num_examples,
+        seed).
+
+    Raises:
+      DataError: unknown name, or a TFDS dataset that is not prepared in data_dir.
+    """
+    if name.startswith(TFDS_PREFIX):
+        from tfdist.data.tfds import prepare_tfds  # deferred: importing TFDS takes seconds
+
+        return prepare_tfds(name[len(TFDS_PREFIX) :], data_dir=data_dir, **kwargs)
+    if name not in _PREPARERS:
+        raise DataError(f"Unknown dataset {name!r}. Valid names: {', '.join(dataset_names())}. Received: name={name!r}")
+    return _PREPARERS[name](data_dir=data_dir, **kwargs)

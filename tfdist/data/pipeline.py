@@ -1,0 +1,248 @@
+"""The input pipeline over a tfdist TFRecord dataset, for one input pipeline of a strategy.
+
+  list files -> shard per input pipeline (by file, or by example when there are fewer files
+  than pipelines) -> parallel interleave (each file checked against its sidecar count)
+  -> parse -> [cache] -> seeded shuffle -> repeat -> batch -> map -> prefetch
+
+Example, inside the dataset function a strategy calls once per input pipeline:
+
+    def dataset_fn(context):
+        return tfrecord_dataset("/data/digits/train", input_context=context,
+                                batch_size=context.get_per_replica_batch_size(64))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import sys
+from collections.abc import Callable
+
+import tensorflow as tf
+
+from tfdist.data.records import DataError, RecordFiles, check_first_record, find_records, parse_fn
+
+log = logging.getLogger(__name__)
+
+SHARD_BY_CHOICES = ("auto", "file", "example")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineOptions:
+    """How a TFRecord pipeline reads, shuffles and repeats.
+
+    Args:
+      shuffle_buffer: examples in the shuffle buffer; 0 disables shuffling (and the file
+        order shuffle), which together with `deterministic` gives a fully fixed order.
+      seed: seed of the file and example shuffles; None draws a fresh one per run.
+      cache: keep the parsed examples in memory after the first epoch.
+      repeat: repeat forever (training); False gives exactly one epoch (evaluation).
+      drop_remainder: drop a last, partial batch, so every batch has the same static shape
+        (TPUs need this; a synchronous step expects full per-replica batches).
+      deterministic: produce elements in a fixed order even when reading in parallel.
+      skip_corrupt: drop unreadable records and warn with a count, instead of failing.
+      shard_by: 'auto' (by file when there are at least as many files as input pipelines,
+        otherwise by example), 'file' or 'example'.
+    """
+
+    shuffle_buffer: int = 10_000
+    seed: int | None = None
+    cache: bool = False
+    repeat: bool = True
+    drop_remainder: bool = True
+    deterministic: bool = False
+    skip_corrupt: bool = False
+    shard_by: str = "auto"
+
+    def __post_init__(self):
+        if not isinstance(self.shuffle_buffer, int) or self.shuffle_buffer < 0:
+            raise DataError(
+                "shuffle_buffer must be a whole number >= 0 (0 disables shuffling). "
+                f"Received: shuffle_buffer={self.shuffle_buffer!r}"
+            )
+        if self.shard_by not in SHARD_BY_CHOICES:
+            raise DataError(
+                f"shard_by must be one of {', '.join(SHARD_BY_CHOICES)}. "
+                f"Received: shard_by={self.shard_by!r}"
+            )
+
+
+def tfrecord_dataset(
+    source: str | RecordFiles,
+    *,
+    batch_size: int,
+    input_context: tf.distribute.InputContext | None = None,
+    options: PipelineOptions | None = None,
+    map_fn: Callable | None = None,
+) -> tf.data.Dataset:
+    """Builds this input pipeline's dataset of batches from a tfdist TFRecord dataset.
+
+    Args:
+      source: a dataset directory, NAME prefix, sidecar or shard pattern (see find_records),
+        or an already resolved RecordFiles.
+      batch_size: examples per batch — the per-replica batch under a strategy.
+      input_context: which input pipeline this is; None reads everything.
+      options: PipelineOptions; default shuffles with a 10,000-example buffer and repeats.
+      map_fn: applied to each batch (a dict of feature tensors), in parallel.
+
+    Returns:
+      A dataset of batches, prefetched.
+
+    Raises:
+      DataError: no files match, the sidecar disagrees with the records, or file sharding
+        was forced with fewer files than input pipelines.
+    """
+    options = options or PipelineOptions()
+    files = source if isinstance(source, RecordFiles) else find_records(source)
+    check_first_record(files)
+    pipelines = input_context.num_input_pipelines if input_context else 1
+    pipeline = input_context.input_pipeline_id if input_context else 0
+    paths, counts, example_shards = _shard(files, pipelines, pipeline, options.shard_by)
+
+    compression = files.metadata.compression or ""
+    file_list = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
+    if options.shuffle_buffer:
+        file_list = file_list.shuffle(len(paths), seed=options.seed, reshuffle_each_iteration=True)
+
+    def read_file(path, expected):
+        records = _checked_records(path, expected, compression, skip=options.skip_corrupt)
+        # Sharding inside each file keeps exactly-once reading independent of the order in
+        # which the interleave visits files.
+        return records.shard(example_shards, pipeline) if example_shards > 1 else records
+
+    dataset = file_list.interleave(
+        read_file,
+        cycle_length=min(len(paths), 16),
+        block_length=1,
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=options.deterministic,
+    )
+    dataset = dataset.map(
+        parse_fn(files.metadata), num_parallel_calls=tf.data.AUTOTUNE, deterministic=options.deterministic
+    )
+    return finish(dataset, batch_size=batch_size, options=options, map_fn=map_fn)
+
+
+def finish(
+    dataset: tf.data.Dataset,
+    *,
+    batch_size: int,
+    options: PipelineOptions,
+    map_fn: Callable | None = None,
+) -> tf.data.Dataset:
+    """The common tail of every tfdist pipeline: cache, shuffle, repeat, batch, map, prefetch."""
+    if options.cache:
+        dataset = dataset.cache()
+    if options.shuffle_buffer:
+        dataset = dataset.shuffle(options.shuffle_buffer, seed=options.seed, reshuffle_each_iteration=True)
+    if options.repeat:
+        dataset = dataset.repeat()
+    dataset = dataset.batch(batch_size, drop_remainder=options.drop_remainder)
+    if map_fn is not None:
+        dataset = dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=options.deterministic)
+    data_options = tf.data.Options()
+    # Every pipeline shards itself; TensorFlow's AUTO policy would shard a second time (and
+    # warn) when the dataset reaches experimental_distribute_dataset.
+    data_options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    data_options.deterministic = options.deterministic
+    return dataset.with_options(data_options).prefetch(tf.data.AUTOTUNE)
+
+
+def _shard(
+    files: RecordFiles, pipelines: int, pipeline: int, shard_by: str
+) -> tuple[tuple[str, ...], tuple[int, ...], int]:
+    """This pipeline's files, their expected counts, and the example-level shard count."""
+    n = len(files.paths)
+    if shard_by == "file" and n < pipelines:
+        raise DataError(
+            f"Sharding by file needs at least one file per input pipeline, but {n} file(s) "
+            f"are shared by {pipelines} pipelines, so some workers would get no data. Write "
+            f"the data in at least {pipelines} shards, or use shard_by='example' (or 'auto'). "
+            f"Received: {files.metadata_path}"
+        )
+    if pipelines == 1:
+        return files.paths, files.counts, 1
+    if shard_by == "example" or n < pipelines:
+        log.info(
+            "Input pipeline %d of %d reads every %d%s example of %d file(s) (sharded by "
+            "example: %s)",
+            pipeline, pipelines, pipelines, _ordinal_suffix(pipelines), n,
+            "fewer files than pipelines" if n < pipelines else "as asked",
+        )  # fmt: skip
+        return files.paths, files.counts, pipelines
+    mine = list(range(pipeline, n, pipelines))
+    log.info(
+        "Input pipeline %d of %d reads %d of %d files, %d examples (sharded by file)",
+        pipeline, pipelines, len(mine), n, sum(files.counts[i] for i in mine),
+    )  # fmt: skip
+    return tuple(files.paths[i] for i in mine), tuple(files.counts[i] for i in mine), 1
+
+
+def _ordinal_suffix(n: int) -> str:
+    return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+
+
+_END = tf.constant(b"")
+
+
+def _checked_records(path, expected, compression: str, *, skip: bool) -> tf.data.Dataset:
+    """The records of one file, checked against the count its sidecar promises.
+
+    TensorFlow's own error for a truncated or corrupt record does not name the file. Reading
+    with ignore_errors turns the first bad record into an early end of the file; an end
+    marker then compares the records read with the sidecar's count and either fails naming
+    the file (the default) or warns with the number of records dropped (skip mode).
+    """
+    records = tf.data.TFRecordDataset(path, compression_type=compression).ignore_errors()
+    marked = records.map(lambda r: (r, False)).concatenate(
+        tf.data.Dataset.from_tensors((_END, True))
+    )
+
+    def check(count, item):
+        record, is_end = item
+        ok = tf.logical_or(tf.logical_not(is_end), tf.equal(count, expected))
+        if skip:
+            message = tf.strings.format(
+                "WARNING tfdist: skipped {} unreadable record(s) of {} in {} (skip_corrupt=True): "
+                "the file is truncated or corrupt from there on.",
+                (expected - count, expected, path),
+            )
+            done = tf.cond(
+                ok,
+                lambda: tf.constant(True),
+                lambda: _print_and_true(message),
+            )
+        else:
+            message = tf.strings.format(
+                "tfdist: {} holds {} readable record(s) but its metadata says {}: the file is "
+                "truncated or corrupt, or the sidecar belongs to other data. Re-create the "
+                "dataset, or pass skip_corrupt=True to train on the readable records.",
+                (path, count, expected),
+            )
+            done = tf.debugging.Assert(ok, [message])
+        with tf.control_dependencies([done]):
+            return tf.identity(record), is_end
+
+    return (
+        marked.enumerate()
+        .map(check)
+        .filter(lambda record, is_end: tf.logical_not(is_end))
+        .map(lambda record, is_end: record)
+    )
+
+
+def _print_and_true(message):
+    with tf.control_dependencies([tf.print(message, output_stream=sys.stderr)]):
+        return tf.constant(True)
+
+
+def explain_data_error(error: tf.errors.OpError) -> DataError | None:
+    """The DataError behind a TensorFlow error raised by a tfdist pipeline, if it is one.
+
+    A truncated file is detected inside the running pipeline, where only a TensorFlow
+    assertion can stop it; this recovers tfdist's message from the wrapped error so a
+    training loop can show it alone.
+    """
+    match = re.search(r"tfdist: (.*?)\]", error.message, flags=re.S)
+    return DataError(match.group(1).replace('\\"', '"')) if match else None
