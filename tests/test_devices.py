@@ -1,8 +1,11 @@
 """Logical CPU devices: created once, before TensorFlow initialises its runtime."""
 
+import subprocess
+import sys
+
 import pytest
 
-from tests.conftest import NUM_CPU_DEVICES
+from tests.conftest import NUM_CPU_DEVICES, REPO
 from tfdist.devices import DeviceConfigurationError, configure_cpu_devices, cpu_device_names
 
 
@@ -26,3 +29,17 @@ def test_changing_the_split_after_start_up_is_explained():
 def test_count_must_be_a_positive_integer(count):
     with pytest.raises(ValueError, match=r"count must be a positive integer"):
         configure_cpu_devices(count)
+
+
+def test_importing_tfdist_leaves_the_runtime_uninitialised():
+    # A module-level tensor anywhere in tfdist would initialise TensorFlow's runtime at import
+    # time, after which neither logical devices nor multi_worker_mirrored can be set up.
+    code = (
+        "import tfdist, tfdist.data, tfdist.training, tfdist.strategies, tfdist.roles;"
+        "print(len(tfdist.configure_cpu_devices(3)))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "3"

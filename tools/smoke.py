@@ -46,12 +46,12 @@ JOBS = (
 )
 
 
-def parse_results(output: str) -> dict[str, dict]:
-    """The SMOKE_RESULT lines of a job's output, keyed by task ('' when not launched)."""
+def parse_results(output: str, marker: str = RESULT_MARKER) -> dict[str, dict]:
+    """The JSON results after `marker` in a job's output, keyed by task ('' when not launched)."""
     results = {}
     for line in output.splitlines():
-        prefix, marker, payload = line.partition(RESULT_MARKER)
-        if marker:
+        prefix, found, payload = line.partition(marker)
+        if found:
             results[prefix.strip().strip("[]")] = json.loads(payload)
     return results
 

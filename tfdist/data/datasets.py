@@ -84,7 +84,9 @@ class TFRecordImages:
         scale, image_key, label_key = self.image_scale, self.image_key, self.label_key
 
         def to_contract(batch):
-            return tf.cast(batch[image_key], tf.float32) * scale, tf.cast(batch[label_key], tf.int32)
+            return tf.cast(batch[image_key], tf.float32) * scale, tf.cast(
+                batch[label_key], tf.int32
+            )
 
         return tfrecord_dataset(
             self.sources[split],
@@ -157,7 +159,9 @@ class SyntheticImages:
         labels = rng.integers(0, self.info.num_classes, size=count).astype(np.int32)
         dataset = tf.data.Dataset.from_tensor_slices((images, labels))
         if input_context is not None and input_context.num_input_pipelines > 1:
-            dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+            dataset = dataset.shard(
+                input_context.num_input_pipelines, input_context.input_pipeline_id
+            )
         return finish(dataset, batch_size=batch_size, options=options)
 
 
@@ -172,7 +176,10 @@ def prepare_synthetic(
     if len(image_shape) != 3 or min(image_shape) < 1:
         raise DataError(f"image_shape must be (height, width, channels). Received: {image_shape!r}")
     info = DatasetInfo(
-        "synthetic", tuple(image_shape), num_classes, {"train": num_examples, "test": max(1, num_examples // 4)}
+        "synthetic",
+        tuple(image_shape),
+        num_classes,
+        {"train": num_examples, "test": max(1, num_examples // 4)},
     )
     return SyntheticImages(info, seed)
 
@@ -208,5 +215,7 @@ def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> Imag
 
         return prepare_tfds(name[len(TFDS_PREFIX) :], data_dir=data_dir, **kwargs)
     if name not in _PREPARERS:
-        raise DataError(f"Unknown dataset {name!r}. Valid names: {', '.join(dataset_names())}. Received: name={name!r}")
+        raise DataError(
+            f"Unknown dataset {name!r}. Valid names: {', '.join(dataset_names())}. Received: name={name!r}"
+        )
     return _PREPARERS[name](data_dir=data_dir, **kwargs)

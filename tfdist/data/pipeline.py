@@ -119,7 +119,9 @@ def tfrecord_dataset(
         deterministic=options.deterministic,
     )
     dataset = dataset.map(
-        parse_fn(files.metadata), num_parallel_calls=tf.data.AUTOTUNE, deterministic=options.deterministic
+        parse_fn(files.metadata),
+        num_parallel_calls=tf.data.AUTOTUNE,
+        deterministic=options.deterministic,
     )
     return finish(dataset, batch_size=batch_size, options=options, map_fn=map_fn)
 
@@ -135,16 +137,22 @@ def finish(
     if options.cache:
         dataset = dataset.cache()
     if options.shuffle_buffer:
-        dataset = dataset.shuffle(options.shuffle_buffer, seed=options.seed, reshuffle_each_iteration=True)
+        dataset = dataset.shuffle(
+            options.shuffle_buffer, seed=options.seed, reshuffle_each_iteration=True
+        )
     if options.repeat:
         dataset = dataset.repeat()
     dataset = dataset.batch(batch_size, drop_remainder=options.drop_remainder)
     if map_fn is not None:
-        dataset = dataset.map(map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=options.deterministic)
+        dataset = dataset.map(
+            map_fn, num_parallel_calls=tf.data.AUTOTUNE, deterministic=options.deterministic
+        )
     data_options = tf.data.Options()
     # Every pipeline shards itself; TensorFlow's AUTO policy would shard a second time (and
     # warn) when the dataset reaches experimental_distribute_dataset.
-    data_options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.OFF
+    data_options.experimental_distribute.auto_shard_policy = (
+        tf.data.experimental.AutoShardPolicy.OFF
+    )
     data_options.deterministic = options.deterministic
     return dataset.with_options(data_options).prefetch(tf.data.AUTOTUNE)
 
@@ -183,9 +191,6 @@ def _ordinal_suffix(n: int) -> str:
     return "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
 
 
-_END = tf.constant(b"")
-
-
 def _checked_records(path, expected, compression: str, *, skip: bool) -> tf.data.Dataset:
     """The records of one file, checked against the count its sidecar promises.
 
@@ -196,7 +201,7 @@ def _checked_records(path, expected, compression: str, *, skip: bool) -> tf.data
     """
     records = tf.data.TFRecordDataset(path, compression_type=compression).ignore_errors()
     marked = records.map(lambda r: (r, False)).concatenate(
-        tf.data.Dataset.from_tensors((_END, True))
+        tf.data.Dataset.from_tensors((tf.constant(b""), True))
     )
 
     def check(count, item):

@@ -149,9 +149,13 @@ def write_tfrecords(
       DataError: the examples are empty or inconsistent, or the dataset exists already.
     """
     if compression not in COMPRESSIONS:
-        raise DataError(f"compression must be None or 'GZIP'. Received: compression={compression!r}")
+        raise DataError(
+            f"compression must be None or 'GZIP'. Received: compression={compression!r}"
+        )
     if not isinstance(num_shards, int) or num_shards < 1:
-        raise DataError(f"num_shards must be a positive integer. Received: num_shards={num_shards!r}")
+        raise DataError(
+            f"num_shards must be a positive integer. Received: num_shards={num_shards!r}"
+        )
     meta_path = os.path.join(out_dir, name + META_SUFFIX)
     if tf.io.gfile.exists(meta_path) and not overwrite:
         raise DataError(
@@ -235,7 +239,9 @@ def _spec_of(key: str, value: np.ndarray) -> FeatureSpec:
     dtype = value.dtype
     if dtype.kind in "SUO":
         if value.shape:
-            raise DataError(f"Feature {key!r}: only scalar strings are supported. Received shape {value.shape}")
+            raise DataError(
+                f"Feature {key!r}: only scalar strings are supported. Received shape {value.shape}"
+            )
         return FeatureSpec("string", (), "string")
     name = dtype.name
     if name in _INT_DTYPES:
@@ -245,11 +251,15 @@ def _spec_of(key: str, value: np.ndarray) -> FeatureSpec:
     elif name in _BYTES_DTYPES:
         encoding = "bytes"
     else:
-        raise DataError(f"Feature {key!r} has dtype {name}, which tfdist cannot store; cast it first.")
+        raise DataError(
+            f"Feature {key!r} has dtype {name}, which tfdist cannot store; cast it first."
+        )
     return FeatureSpec(name, tuple(int(d) for d in value.shape), encoding)
 
 
-def _encode(example: Mapping[str, np.ndarray], specs: Mapping[str, FeatureSpec], *, index: int) -> bytes:
+def _encode(
+    example: Mapping[str, np.ndarray], specs: Mapping[str, FeatureSpec], *, index: int
+) -> bytes:
     if example.keys() != specs.keys():
         raise DataError(
             f"Example {index} has features {sorted(example)} but the first had {sorted(specs)}."
@@ -263,7 +273,9 @@ def _encode(example: Mapping[str, np.ndarray], specs: Mapping[str, FeatureSpec],
                 f"example's is {spec.shape}; TFRecord features here have one fixed shape."
             )
         if spec.encoding == "int64_list":
-            feature[key] = tf.train.Feature(int64_list=tf.train.Int64List(value=value.ravel().astype(np.int64)))
+            feature[key] = tf.train.Feature(
+                int64_list=tf.train.Int64List(value=value.ravel().astype(np.int64))
+            )
         elif spec.encoding == "float_list":
             feature[key] = tf.train.Feature(float_list=tf.train.FloatList(value=value.ravel()))
         elif spec.encoding == "bytes":
@@ -374,11 +386,10 @@ def check_first_record(files: RecordFiles) -> None:
     Raises:
       DataError: a feature is missing, has another kind, or another number of values.
     """
-    for path, count in zip(files.paths, files.counts, strict=True):
-        if count:
-            break
-    else:
+    non_empty = [(p, c) for p, c in zip(files.paths, files.counts, strict=True) if c]
+    if not non_empty:
         return
+    path, count = non_empty[0]
     compression = files.metadata.compression or ""
     try:
         first = next(iter(tf.data.TFRecordDataset(path, compression_type=compression).take(1)))
@@ -402,9 +413,13 @@ def check_first_record(files: RecordFiles) -> None:
             )
         feature = example.features.feature[key]
         kind = feature.WhichOneof("kind")
-        expected_kind = {"int64_list": "int64_list", "float_list": "float_list"}.get(spec.encoding, "bytes_list")
+        expected_kind = {"int64_list": "int64_list", "float_list": "float_list"}.get(
+            spec.encoding, "bytes_list"
+        )
         values = getattr(feature, kind).value if kind else []
-        if kind != expected_kind or (spec.encoding in ("int64_list", "float_list") and len(values) != spec.size):
+        if kind != expected_kind or (
+            spec.encoding in ("int64_list", "float_list") and len(values) != spec.size
+        ):
             raise DataError(
                 f"Feature {key!r} in {path} holds {len(values)} {kind} value(s) but "
                 f"{files.metadata_path} says {spec.size} {expected_kind} value(s) "

@@ -1,0 +1,92 @@
+"""Datasets by name: digits from scikit-learn's wheel, synthetic images, and the contract."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.data import DataError, PipelineOptions, find_records, prepare_dataset
+
+ONE_EPOCH = PipelineOptions(
+    repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
+)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def test_digits_are_written_once_with_a_fixed_split(data_dir):
+    digits = prepare_dataset("digits", data_dir=data_dir)
+    assert digits.info.num_examples == {"train": 1438, "test": 359}
+    assert (digits.info.image_shape, digits.info.num_classes) == ((8, 8, 1), 10)
+    train = find_records(os.path.join(data_dir, "digits", "train"))
+    assert len(train.paths) == 4
+    mtime = os.path.getmtime(train.metadata_path)
+    prepare_dataset("digits", data_dir=data_dir)  # cached: nothing is rewritten
+    assert os.path.getmtime(train.metadata_path) == mtime
+    test_ids = find_records(os.path.join(data_dir, "digits", "test"))
+    assert test_ids.metadata.features["id"].dtype == "int64"
+
+
+def test_digits_follow_the_image_contract_and_hold_the_real_images(data_dir):
+    from sklearn.datasets import load_digits
+
+    digits = prepare_dataset("digits", data_dir=data_dir)
+    images, labels = [], []
+    for image, label in digits.dataset("test", batch_size=64, options=ONE_EPOCH):
+        assert image.dtype == tf.float32 and label.dtype == tf.int32
+        images.append(image.numpy())
+        labels.append(label.numpy())
+    images, labels = np.concatenate(images), np.concatenate(labels)
+    assert images.shape == (359, 8, 8, 1) and images.min() >= 0.0 and images.max() <= 1.0
+    # Every test image is one of scikit-learn's, with its label.
+    reference = load_digits()
+    lookup = {
+        img.astype(np.uint8).tobytes(): lab
+        for img, lab in zip(reference.images, reference.target, strict=True)
+    }
+    restored = (images[..., 0] * 16).round().astype(np.uint8)
+    assert [lookup[img.tobytes()] for img in restored] == labels.tolist()
+
+
+def test_synthetic_has_the_asked_shape_and_is_seeded():
+    data = prepare_dataset("synthetic", image_shape=(32, 32, 3), num_classes=5, num_examples=100)
+    assert data.info.image_shape == (32, 32, 3) and data.info.num_examples["train"] == 100
+    first = next(iter(data.dataset("train", batch_size=16, options=ONE_EPOCH)))
+    again = next(
+        iter(
+            prepare_dataset(
+                "synthetic", image_shape=(32, 32, 3), num_classes=5, num_examples=100
+            ).dataset("train", batch_size=16, options=ONE_EPOCH)
+        )
+    )
+    assert first[0].shape == (16, 32, 32, 3) and int(tf.reduce_max(first[1])) < 5
+    np.testing.assert_array_equal(first[0].numpy(), again[0].numpy())
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, message",
+    [
+        ("mnist", {}, r"Unknown dataset 'mnist'\. Valid names: digits, synthetic, tfds:NAME"),
+        (
+            "synthetic",
+            {"image_shape": (32, 32)},
+            r"image_shape must be \(height, width, channels\)",
+        ),
+    ],
+)
+def test_bad_names_and_options(name, kwargs, message):
+    with pytest.raises(DataError, match=message):
+        prepare_dataset(name, **kwargs)
+
+
+def test_bad_split(data_dir):
+    with pytest.raises(
+        DataError, match=r"split must be one of train, test\. Received: split='validation'"
+    ):
+        prepare_dataset("digits", data_dir=data_dir).dataset("validation", batch_size=4)

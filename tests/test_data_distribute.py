@@ -1,0 +1,92 @@
+"""Strategy wiring: the batch arithmetic, and what each strategy's training consumes."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import run_module
+from tfdist.data import (
+    DataError,
+    PipelineOptions,
+    distribute_dataset,
+    plan_batches,
+    prepare_synthetic,
+)
+from tools.smoke import parse_results
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    return prepare_synthetic(image_shape=(4, 4, 1), num_examples=64)
+
+
+def input_fn(data, **options):
+    options = PipelineOptions(**{"shuffle_buffer": 0, **options})
+    return lambda context, batch_size: data.dataset(
+        "train", batch_size=batch_size, input_context=context, options=options
+    )
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, per_replica",
+    [
+        ("one_device", {}, 32),
+        ("mirrored", {"devices": ("/cpu:0", "/cpu:1")}, 16),
+        ("mirrored", {}, 8),
+    ],
+)
+def test_per_replica_batches_come_from_the_global_batch(
+    synthetic, name, kwargs, per_replica, caplog
+):
+    caplog.set_level("INFO", logger="tfdist.data.distribute")
+    strategy = tfdist.build_strategy(name, cluster=None, **kwargs)
+    dataset = distribute_dataset(strategy, input_fn(synthetic), global_batch_size=32)
+    images, labels = next(iter(dataset))
+    shards = strategy.experimental_local_results(images)
+    assert [s.shape[0] for s in shards] == [per_replica] * strategy.num_replicas_in_sync
+    assert (
+        f"Global batch 32 = {strategy.num_replicas_in_sync} replica(s) x {per_replica} per replica"
+        in caplog.text
+    )
+
+
+def test_replicas_of_one_step_get_different_examples(synthetic):
+    strategy = tfdist.build_strategy("mirrored", cluster=None, devices=("/cpu:0", "/cpu:1"))
+    images, _ = next(iter(distribute_dataset(strategy, input_fn(synthetic), global_batch_size=8)))
+    first, second = strategy.experimental_local_results(images)
+    assert not bool(tf.reduce_all(first == second))
+
+
+def test_indivisible_global_batch_names_both_numbers():
+    strategy = tfdist.build_strategy("mirrored", cluster=None)
+    with pytest.raises(
+        DataError,
+        match=r"global batch size 30 does not split evenly over the 4 replicas.*e\.g\. 28 or 32",
+    ):
+        plan_batches(strategy, 30)
+    with pytest.raises(DataError, match=r"positive integer"):
+        plan_batches(strategy, 0)
+
+
+@pytest.mark.multiprocess
+def test_two_worker_multi_worker_mirrored_reads_tfrecords_exactly_once(tmp_path):
+    result = run_module(
+        "tools.launch", "--workers", "2", "--timeout", "240", "--",
+        sys.executable, "-m", "experiments.input_check", "--strategy=multi_worker_mirrored",
+        f"--data_dir={tmp_path}", "--global_batch_size=64",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    by_task = parse_results(result.stdout, marker="INPUT_RESULT ")
+    assert set(by_task) == {"worker:0", "worker:1"}
+    results = list(by_task.values())
+    ids = results[0]["ids"] + results[1]["ids"]
+    assert sorted(ids) == sorted(set(ids)) and len(ids) == 1438  # every training example once
+    assert not set(results[0]["ids"]) & set(results[1]["ids"])
+    assert (
+        "reads 2 of 4 files" in result.stdout
+        and "Global batch 64 = 2 replica(s) x 32" in result.stdout
+    )

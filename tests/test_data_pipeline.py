@@ -1,0 +1,155 @@
+"""The TFRecord pipeline: exactly-once sharding, order control, and corrupt files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tfdist.data import DataError, PipelineOptions, tfrecord_dataset, write_tfrecords
+from tfdist.data.pipeline import explain_data_error
+
+ONE_EPOCH = PipelineOptions(
+    repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
+)
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory):
+    """101 examples in 4 shards: a count that divides by neither 2 nor 3 pipelines."""
+    directory = tmp_path_factory.mktemp("records")
+    write_tfrecords(
+        {
+            "id": np.arange(101, dtype=np.int64),
+            "x": np.arange(202, dtype=np.float32).reshape(101, 2),
+        },
+        str(directory),
+        name="data",
+        num_shards=4,
+    )
+    return str(directory / "data")
+
+
+def context(pipelines, index):
+    return tf.distribute.InputContext(
+        num_input_pipelines=pipelines, input_pipeline_id=index, num_replicas_in_sync=pipelines
+    )
+
+
+def ids_of(dataset):
+    return [int(i) for batch in dataset for i in batch["id"].numpy()]
+
+
+@pytest.mark.parametrize("pipelines", [1, 2, 3, 5])
+@pytest.mark.parametrize("shard_by", ["auto", "example"])
+def test_every_example_is_read_exactly_once_per_epoch(records, pipelines, shard_by, caplog):
+    caplog.set_level("INFO", logger="tfdist.data.pipeline")
+    options = PipelineOptions(
+        repeat=False, shuffle_buffer=64, seed=3, drop_remainder=False, shard_by=shard_by
+    )
+    seen = []
+    for index in range(pipelines):
+        seen += ids_of(
+            tfrecord_dataset(
+                records, batch_size=8, input_context=context(pipelines, index), options=options
+            )
+        )
+    assert sorted(seen) == list(range(101))
+    if pipelines > 1:
+        expected = (
+            "sharded by file" if shard_by == "auto" and pipelines <= 4 else "sharded by example"
+        )
+        assert sum(expected in r.message for r in caplog.records) == pipelines
+
+
+def test_no_shuffle_and_deterministic_gives_a_fixed_order(records):
+    first = ids_of(tfrecord_dataset(records, batch_size=10, options=ONE_EPOCH))
+    second = ids_of(tfrecord_dataset(records, batch_size=10, options=ONE_EPOCH))
+    assert first == second and sorted(first) == list(range(101))
+
+
+def test_seeded_shuffle_repeats_and_differs_from_file_order(records):
+    options = PipelineOptions(
+        repeat=False, shuffle_buffer=128, seed=7, drop_remainder=False, deterministic=True
+    )
+    a = ids_of(tfrecord_dataset(records, batch_size=10, options=options))
+    b = ids_of(tfrecord_dataset(records, batch_size=10, options=options))
+    assert a == b
+    assert a != ids_of(tfrecord_dataset(records, batch_size=10, options=ONE_EPOCH))
+
+
+def test_repeat_batches_and_maps(records):
+    dataset = tfrecord_dataset(
+        records,
+        batch_size=16,
+        options=PipelineOptions(shuffle_buffer=0, cache=True),
+        map_fn=lambda batch: batch["x"] * 2.0,
+    )
+    batches = list(dataset.take(20))  # 320 examples > 101: it repeats
+    assert all(b.shape == (16, 2) for b in batches)  # drop_remainder keeps shapes static
+    assert dataset.element_spec.shape.as_list() == [16, 2]
+
+
+def test_forcing_file_sharding_with_too_few_files_is_explained(records):
+    with pytest.raises(
+        DataError,
+        match=r"needs at least one file per input pipeline, but 4 file\(s\) are shared by 5 pipelines",
+    ):
+        tfrecord_dataset(
+            records,
+            batch_size=4,
+            input_context=context(5, 0),
+            options=PipelineOptions(shard_by="file"),
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"shuffle_buffer": -1}, r"shuffle_buffer must be a whole number >= 0"),
+        ({"shard_by": "host"}, r"shard_by must be one of auto, file, example"),
+    ],
+)
+def test_bad_options(kwargs, message):
+    with pytest.raises(DataError, match=message):
+        PipelineOptions(**kwargs)
+
+
+@pytest.fixture
+def truncated(tmp_path):
+    write_tfrecords({"id": np.arange(40, dtype=np.int64)}, str(tmp_path), name="data", num_shards=2)
+    shard = tmp_path / "data-00001-of-00002.tfrecord"
+    content = shard.read_bytes()
+    shard.write_bytes(content[: len(content) - 25])  # cut into the last record
+    return tmp_path, shard
+
+
+def test_a_truncated_file_fails_naming_the_file(truncated):
+    directory, shard = truncated
+    with pytest.raises(tf.errors.InvalidArgumentError) as excinfo:
+        ids_of(tfrecord_dataset(str(directory), batch_size=4, options=ONE_EPOCH))
+    error = explain_data_error(excinfo.value)
+    assert isinstance(error, DataError)
+    assert str(error).startswith(f'"{shard}" holds 19 readable record(s) but its metadata says 20')
+    assert "skip_corrupt=True" in str(error)
+
+
+def test_skip_mode_drops_bad_records_and_warns_with_a_count(truncated, capfd):
+    directory, shard = truncated
+    options = PipelineOptions(
+        repeat=False, shuffle_buffer=0, drop_remainder=False, skip_corrupt=True
+    )
+    seen = ids_of(tfrecord_dataset(str(directory), batch_size=4, options=options))
+    assert len(seen) == 39 and len(set(seen)) == 39  # the 20 of the good file, 19 of the other
+    assert f'skipped 1 unreadable record(s) of 20 in "{shard}"' in capfd.readouterr().err
+
+
+def test_a_flipped_byte_is_caught_too(tmp_path):
+    write_tfrecords({"id": np.arange(30, dtype=np.int64)}, str(tmp_path), name="data")
+    shard = tmp_path / "data-00000-of-00001.tfrecord"
+    content = bytearray(shard.read_bytes())
+    content[len(content) // 2] ^= 0xFF
+    shard.write_bytes(bytes(content))
+    with pytest.raises(tf.errors.InvalidArgumentError) as excinfo:
+        ids_of(tfrecord_dataset(str(tmp_path), batch_size=4, options=ONE_EPOCH))
+    assert "readable record(s) but its metadata says 30" in str(explain_data_error(excinfo.value))
