@@ -119,7 +119,7 @@ class TFDSImages:
 
     def _shard(
         self, split: str, input_context: tf.distribute.InputContext | None, shard_by: str
-    ) -> tuple[object, tf.distribute.InputContext | None]:
+    ) -> tuple[tfds.typing.SplitArg, tf.distribute.InputContext | None]:
         """The TFDS split to read and the input context to hand to TFDS, for this pipeline."""
         tfds_split = self.splits[split]
         pipelines = input_context.num_input_pipelines if input_context else 1

@@ -1,5 +1,8 @@
-"""Training under a tf.distribute strategy."""
+"""Training under a tf.distribute strategy: the loop, its config, and the smoke steps."""
 
+from tfdist.training.config import ConfigError, TrainConfig
+from tfdist.training.loop import train
+from tfdist.training.report import TrainResult
 from tfdist.training.smoke import SmokeResult, run_smoke_steps
 
-__all__ = ["SmokeResult", "run_smoke_steps"]
+__all__ = ["ConfigError", "SmokeResult", "TrainConfig", "TrainResult", "run_smoke_steps", "train"]

@@ -1,0 +1,113 @@
+"""TrainConfig: everything a training run needs, validated once when it is created."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from tfdist.errors import TfdistError
+
+OPTIMIZERS = ("sgd", "adam", "lamb")
+LR_SCALING = ("none", "linear")
+LR_SCHEDULES = ("constant", "cosine")
+MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
+
+
+class ConfigError(TfdistError, ValueError):
+    """A training configuration that cannot run; the message names the field and the fix."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """A training run, independent of the strategy that executes it.
+
+    Args:
+      model: 'mlp', 'cnn' or 'resnet'; `model_options` go to its builder (e.g. depth).
+      dataset: 'digits', 'synthetic' or 'tfds:NAME'; `data_dir` is where it lives.
+      global_batch_size: examples per step across all replicas (the per-replica batch is
+        derived from it).
+      epochs: how many epochs to train.
+      steps_per_epoch: steps in an epoch; None = training examples // global batch. Any
+        value gives "virtual epochs": the data simply keeps streaming.
+      optimizer: 'sgd' (with `momentum`), 'adam' or 'lamb'.
+      learning_rate: the base learning rate.
+      lr_scaling: 'linear' multiplies it by global_batch_size / base_batch_size (the linear
+        scaling rule, Goyal et al. 2017); 'none' keeps it.
+      warmup_epochs: ramp the learning rate linearly from ~0 to its peak over this many
+        epochs (may be fractional).
+      lr_schedule: after warmup, 'constant' or 'cosine' decay to 0 at the last step.
+      mixed_precision: None, 'mixed_float16' or 'mixed_bfloat16'.
+      steps_per_execution: training steps run by one tf.function call.
+      seed: seeds the initial weights and the data order.
+      shuffle_buffer: examples in the shuffle buffer; 0 = no shuffle, a fixed data order.
+      eval_every: evaluate every this many epochs (0: only at the end).
+      model_dir: where checkpoints, TensorBoard logs, summary.json and the exported model go
+        (None: nothing is written).
+      checkpoint_every: also checkpoint every this many steps (0: at epoch ends only).
+      max_checkpoints: checkpoints to keep.
+    """
+
+    model: str = "cnn"
+    model_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    dataset: str = "digits"
+    data_dir: str | None = None
+    global_batch_size: int = 64
+    epochs: int = 10
+    steps_per_epoch: int | None = None
+    optimizer: str = "adam"
+    learning_rate: float = 0.003
+    momentum: float = 0.9
+    lr_scaling: str = "none"
+    base_batch_size: int = 256
+    warmup_epochs: float = 0.0
+    lr_schedule: str = "constant"
+    mixed_precision: str | None = None
+    steps_per_execution: int = 1
+    seed: int = 0
+    shuffle_buffer: int = 10_000
+    eval_every: int = 1
+    model_dir: str | None = None
+    checkpoint_every: int = 0
+    max_checkpoints: int = 3
+
+    def __post_init__(self):
+        _choice("optimizer", self.optimizer, OPTIMIZERS)
+        _choice("lr_scaling", self.lr_scaling, LR_SCALING)
+        _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
+        if self.mixed_precision is not None:
+            _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        for name in ("global_batch_size", "epochs", "steps_per_execution", "base_batch_size", "max_checkpoints"):
+            _positive_int(name, getattr(self, name))
+        if self.steps_per_epoch is not None:
+            _positive_int("steps_per_epoch", self.steps_per_epoch)
+        for name in ("shuffle_buffer", "eval_every", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ConfigError(f"{name} must be a whole number >= 0. Received: {name}={value!r}")
+        if not self.learning_rate > 0:
+            raise ConfigError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate!r}")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"momentum must be in [0, 1). Received: momentum={self.momentum!r}")
+        if self.warmup_epochs < 0 or self.warmup_epochs > self.epochs:
+            raise ConfigError(
+                f"warmup_epochs must be between 0 and epochs ({self.epochs}). "
+                f"Received: warmup_epochs={self.warmup_epochs!r}"
+            )
+
+    @property
+    def peak_learning_rate(self) -> float:
+        """The learning rate after warmup, with the linear scaling rule applied if asked."""
+        if self.lr_scaling == "linear":
+            return self.learning_rate * self.global_batch_size / self.base_batch_size
+        return self.learning_rate
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}. Received: {name}={value!r}")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be a positive whole number. Received: {name}={value!r}")

@@ -1,0 +1,366 @@
+"""The distributed training loop: one entry point, `train()`, for every strategy.
+
+Synchronous strategies (one_device, mirrored, central_storage, multi_worker_mirrored, tpu)
+run `steps_per_execution` steps per tf.function call through `strategy.run`; each replica's
+loss is averaged over the GLOBAL batch, so the strategy's gradient sum equals one device's
+gradient of the same batch. parameter_server schedules the same steps on its workers through
+a ClusterCoordinator and counts them on the coordinator — Keras's `optimizer.iterations`
+loses increments under asynchronous updates, so it cannot be the step counter.
+
+Keras 3's model.fit cannot train under multi_worker_mirrored or parameter_server; this loop
+can, with checkpoints, resume, progress, TensorBoard and a summary written by the chief.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import time
+
+import keras
+import tensorflow as tf
+
+from tfdist.cluster import ClusterInfo
+from tfdist.data import PipelineOptions, distribute_dataset, plan_batches, prepare_dataset
+from tfdist.data.pipeline import explain_data_error
+from tfdist.models import build_model
+from tfdist.strategies import strategy_kind
+from tfdist.training.checkpoints import Checkpoints
+from tfdist.training.config import TrainConfig
+from tfdist.training.optim import build_optimizer, build_schedule
+from tfdist.training.report import Reporter, TrainResult
+
+log = logging.getLogger(__name__)
+
+# Sums kept per step: loss summed over examples, correct predictions, examples.
+_LOSS, _CORRECT, _COUNT = range(3)
+
+
+def train(
+    config: TrainConfig, *, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None = None
+) -> TrainResult:
+    """Trains `config.model` on `config.dataset` under `strategy`.
+
+    Restores the newest checkpoint in `config.model_dir` first, so a re-run continues from
+    the last saved step, reading the data from where that step left it.
+
+    Args:
+      config: the run.
+      strategy: any tf.distribute strategy (build it with tfdist.build_strategy).
+      cluster: this task's place in the job (for the chief's duties); None = single host.
+
+    Returns:
+      The TrainResult the chief also writes to model_dir/summary.json.
+
+    Raises:
+      DataError, ModelError, ConfigError: a mistake in the config or the data, explained.
+    """
+    previous_policy = keras.mixed_precision.dtype_policy()
+    if config.mixed_precision:
+        keras.mixed_precision.set_dtype_policy(config.mixed_precision)
+    try:
+        run = _Run(config, strategy, cluster)
+        try:
+            return run.train()
+        except tf.errors.InvalidArgumentError as e:
+            explained = explain_data_error(e)  # a truncated TFRecord, named
+            if explained is None:
+                raise
+            raise explained from None
+        finally:
+            run.checkpoints.close()
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous_policy)
+
+
+class _Run:
+    """The state of one training run; the sync and parameter-server paths share it."""
+
+    def __init__(self, config: TrainConfig, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None):
+        self.config, self.strategy = config, strategy
+        self.is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+        self.cluster = cluster
+        self.is_chief = cluster.is_chief if cluster is not None else True
+        self.plan = plan_batches(strategy, config.global_batch_size)
+        self.data = prepare_dataset(config.dataset, data_dir=config.data_dir)
+        train_examples = self.data.info.num_examples["train"]
+        self.steps_per_epoch = config.steps_per_epoch or max(1, train_examples // config.global_batch_size)
+        self.total_steps = config.epochs * self.steps_per_epoch
+        if self.is_chief:
+            log.info(
+                "%s; %d steps per epoch x %d epochs; %s on %s (%d training examples)",
+                self.plan.describe(), self.steps_per_epoch, config.epochs, config.model,
+                config.dataset, train_examples,
+            )  # fmt: skip
+
+        with strategy.scope():
+            keras.utils.set_random_seed(config.seed)
+            self.model = build_model(
+                config.model,
+                input_shape=self.data.info.image_shape,
+                num_classes=self.data.info.num_classes,
+                **config.model_options,
+            )
+            self.optimizer = build_optimizer(config, build_schedule(config, steps_per_epoch=self.steps_per_epoch))
+            self.optimizer.build(self.model.trainable_variables)
+            # The step counter is ours: assigned from the host after each execution.
+            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            if not self.is_ps:
+                # Per-replica running sums, added without communication and summed on read.
+                self.train_sums = _sum_variable()
+                self.eval_sums = _sum_variable()
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+        self.checkpoints = Checkpoints(
+            checkpoint, model_dir=config.model_dir, is_chief=self.is_chief, max_to_keep=config.max_checkpoints
+        )
+        self.reporter = Reporter(
+            is_chief=self.is_chief, model_dir=config.model_dir, steps_per_epoch=self.steps_per_epoch, epochs=config.epochs
+        )
+
+    # --- the step every strategy runs ---------------------------------------------------------
+
+    def replica_step(self, images, labels):
+        """One replica's share of a training step; returns [loss sum, correct, count]."""
+        with tf.GradientTape() as tape:
+            logits = self.model(images, training=True)
+            per_example = self.loss_fn(labels, logits)
+            loss = tf.nn.compute_average_loss(per_example, global_batch_size=self.config.global_batch_size)
+            if self.model.losses:  # weight decay: every replica adds 1/replicas of it
+                loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
+            scaled = self.optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, self.model.trainable_variables)
+        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+        return _sums(per_example, logits, labels)
+
+    def replica_eval(self, images, labels):
+        logits = self.model(images, training=False)
+        return _sums(self.loss_fn(labels, logits), logits, labels)
+
+    # --- data ---------------------------------------------------------------------------------
+
+    def train_dataset_fn(self, start_step: int):
+        options = PipelineOptions(
+            seed=self.config.seed,
+            shuffle_buffer=self.config.shuffle_buffer,
+            deterministic=True,  # with the seed, the data order is a function of the step
+        )
+
+        def dataset_fn(context, batch_size):
+            dataset = self.data.dataset("train", batch_size=batch_size, input_context=context, options=options)
+            # Resume where the checkpoint left off: each pipeline skips the batches it fed.
+            # (Parameter-server workers read independently; their position is not tracked.)
+            replicas_here = context.num_replicas_in_sync // context.num_input_pipelines
+            skip = 0 if self.is_ps else start_step * replicas_here
+            return dataset.skip(skip) if skip else dataset
+
+        return dataset_fn
+
+    def eval_dataset_fn(self, context, batch_size):
+        options = PipelineOptions(repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True)
+        return self.data.dataset("test", batch_size=batch_size, input_context=context, options=options)
+
+    # --- the loop -----------------------------------------------------------------------------
+
+    def train(self) -> TrainResult:
+        start = time.perf_counter()
+        self.checkpoints.restore_latest()
+        step = start_step = int(self.step.numpy())
+        if start_step >= self.total_steps:
+            log.info("Already trained %d of %d steps; nothing to do", start_step, self.total_steps)
+        runner = _ParameterServerRunner(self, start_step) if self.is_ps else _SyncRunner(self, start_step)
+        train_metrics: dict[str, float] = {}
+        eval_metrics: dict[str, float] = {}
+        timed_examples, timed_seconds = 0, 0.0
+        for epoch in range(start_step // self.steps_per_epoch, self.config.epochs):
+            epoch_end = (epoch + 1) * self.steps_per_epoch
+            self.reporter.start_epoch(epoch, step - epoch * self.steps_per_epoch)
+            runner.reset_sums()
+            epoch_start, first_call = time.perf_counter(), step == start_step
+            while step < epoch_end:
+                n = min(self.config.steps_per_execution, epoch_end - step)
+                if self.config.checkpoint_every:
+                    n = min(n, self.config.checkpoint_every - step % self.config.checkpoint_every)
+                call_start = time.perf_counter()
+                sums = runner.run(n)
+                step += n
+                if not first_call:  # the first call traces the step function: not training speed
+                    timed_examples += n * self.config.global_batch_size
+                    timed_seconds += time.perf_counter() - call_start
+                first_call = False
+                self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
+                if self.config.checkpoint_every and step % self.config.checkpoint_every == 0 and step < epoch_end:
+                    runner.save(step)
+            sums = runner.finish_epoch(step)
+            train_metrics = {f"train_{k}": v for k, v in _averages(sums).items()}
+            metrics = dict(train_metrics)
+            metrics["learning_rate"] = float(self.optimizer.learning_rate)
+            metrics["examples_per_second"] = (step - epoch * self.steps_per_epoch) * self.config.global_batch_size / max(
+                time.perf_counter() - epoch_start, 1e-9
+            )
+            last = epoch + 1 == self.config.epochs
+            if last or (self.config.eval_every and (epoch + 1) % self.config.eval_every == 0):
+                eval_metrics = {f"eval_{k}": v for k, v in _averages(runner.evaluate()).items()}
+                metrics.update(eval_metrics)
+            runner.save(step)
+            self.reporter.end_epoch(epoch, step, metrics)
+        if not train_metrics:  # nothing left to train: still report where the run stands
+            eval_metrics = {f"eval_{k}": v for k, v in _averages(runner.evaluate()).items()}
+        result = TrainResult(
+            strategy=strategy_kind(self.strategy),
+            replicas=self.strategy.num_replicas_in_sync,
+            global_batch_size=self.config.global_batch_size,
+            per_replica_batch_size=self.plan.per_replica_batch_size,
+            steps=step,
+            epochs=self.config.epochs,
+            resumed_from_step=start_step,
+            train_loss=train_metrics.get("train_loss", math.nan),
+            train_accuracy=train_metrics.get("train_accuracy", math.nan),
+            eval_loss=eval_metrics.get("eval_loss"),
+            eval_accuracy=eval_metrics.get("eval_accuracy"),
+            examples_per_second=timed_examples / timed_seconds if timed_seconds else math.nan,
+            wall_seconds=time.perf_counter() - start,
+        )
+        self.reporter.finish(result, self.model)
+        return result
+
+
+class _SyncRunner:
+    """Synchronous strategies: every replica runs every step; sums live in ON_READ variables."""
+
+    def __init__(self, run: _Run, start_step: int):
+        self.run_state = run
+        strategy = run.strategy
+        self.iterator = iter(
+            distribute_dataset(strategy, run.train_dataset_fn(start_step), global_batch_size=run.config.global_batch_size)
+        )
+
+        def replica_train(images, labels):
+            run.train_sums.assign_add(run.replica_step(images, labels))
+
+        def replica_eval(images, labels):
+            run.eval_sums.assign_add(run.replica_eval(images, labels))
+
+        @tf.function
+        def train_steps(iterator, n):
+            for _ in tf.range(n):
+                strategy.run(replica_train, args=next(iterator))
+
+        self._train_steps = train_steps
+        self._eval_step = tf.function(lambda batch: strategy.run(replica_eval, args=batch))
+
+    def reset_sums(self):
+        self.run_state.train_sums.assign(tf.zeros([3]))
+
+    def run(self, n: int) -> list[float]:
+        self._train_steps(self.iterator, tf.constant(n, tf.int64))
+        # Reading an ON_READ variable sums it over the replicas: every worker must read.
+        return self.run_state.train_sums.read_value().numpy().tolist()
+
+    def finish_epoch(self, step: int) -> list[float]:
+        self.run_state.step.assign(step)
+        return self.run_state.train_sums.read_value().numpy().tolist()
+
+    def evaluate(self) -> list[float]:
+        run = self.run_state
+        run.eval_sums.assign(tf.zeros([3]))
+        dataset = distribute_dataset(run.strategy, run.eval_dataset_fn, global_batch_size=run.config.global_batch_size)
+        for batch in dataset:
+            self._eval_step(batch)
+        return run.eval_sums.read_value().numpy().tolist()
+
+    def save(self, step: int) -> None:
+        self.run_state.step.assign(step)
+        self.run_state.checkpoints.save(step)  # every worker saves; only the chief keeps it
+
+
+class _ParameterServerRunner:
+    """parameter_server: steps are closures the coordinator schedules on any free worker."""
+
+    def __init__(self, run: _Run, start_step: int):
+        self.run_state = run
+        strategy = run.strategy
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        per_worker = distribute_dataset(
+            strategy,
+            run.train_dataset_fn(start_step),
+            global_batch_size=run.config.global_batch_size,
+            coordinator=self.coordinator,
+        )
+        self.iterator = iter(per_worker)
+
+        @tf.function
+        def train_steps(iterator, n):
+            totals = tf.zeros([3])
+            for _ in tf.range(n):
+                totals += strategy.run(run.replica_step, args=next(iterator))
+            return totals
+
+        self._train_steps = train_steps
+        # Results are fetched a few closures behind the newest, which keeps the progress bar
+        # current without waiting on every step.
+        self._lag = 2 * len(run.cluster.cluster["worker"])
+        self._pending: collections.deque = collections.deque()
+        self._sums = [0.0, 0.0, 0.0]
+        self._eval_fn = tf.function(run.replica_eval)
+
+    def reset_sums(self):
+        self._pending.clear()
+        self._sums = [0.0, 0.0, 0.0]
+
+    def run(self, n: int) -> list[float]:
+        self._pending.append(self.coordinator.schedule(self._train_steps, args=(self.iterator, tf.constant(n, tf.int64))))
+        while len(self._pending) > self._lag:
+            self._add(self._pending.popleft())
+        return self._sums
+
+    def _add(self, remote) -> None:
+        self._sums = [a + float(b) for a, b in zip(self._sums, remote.fetch(), strict=True)]
+
+    def finish_epoch(self, step: int) -> list[float]:
+        self.coordinator.join()  # the epoch ends when every scheduled step has run
+        while self._pending:
+            self._add(self._pending.popleft())
+        sums = self._sums
+        run = self.run_state
+        run.step.assign(step)
+        # Keep the optimizer's own counter (which drives the learning-rate schedule) on ours.
+        run.optimizer.iterations.assign(step)
+        return sums
+
+    def evaluate(self) -> list[float]:
+        # On the coordinator: it reads the variables from the ps tasks.
+        run = self.run_state
+        sums = tf.zeros([3])
+        for batch in run.eval_dataset_fn(None, run.config.global_batch_size):
+            sums += self._eval_fn(*batch)
+        return sums.numpy().tolist()
+
+    def save(self, step: int) -> None:
+        self.coordinator.join()
+        self.run_state.step.assign(step)
+        self.run_state.checkpoints.save(step)
+
+
+def _sum_variable() -> tf.Variable:
+    return tf.Variable(
+        tf.zeros([3]),
+        trainable=False,
+        synchronization=tf.VariableSynchronization.ON_READ,
+        aggregation=tf.VariableAggregation.SUM,
+    )
+
+
+def _sums(per_example_loss, logits, labels):
+    correct = tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32) == labels, tf.float32)
+    count = tf.cast(tf.shape(labels)[0], tf.float32)
+    return tf.stack([tf.reduce_sum(tf.cast(per_example_loss, tf.float32)), tf.reduce_sum(correct), count])
+
+
+def _averages(sums) -> dict[str, float]:
+    count = max(sums[_COUNT], 1.0)
+    return {"loss": sums[_LOSS] / count, "accuracy": sums[_CORRECT] / count}
+
+
+__all__ = ["TrainResult", "train"]
