@@ -24,7 +24,8 @@ class TrainConfig:
 
     Args:
       model: 'mlp', 'cnn' or 'resnet'; `model_options` go to its builder (e.g. depth).
-      dataset: 'digits', 'synthetic' or 'tfds:NAME'; `data_dir` is where it lives.
+      dataset: 'digits', 'synthetic' or 'tfds:NAME'; `data_dir` is where it lives and
+        `dataset_options` go to its preparer (synthetic: image_shape, num_examples, ...).
       global_batch_size: examples per step across all replicas (the per-replica batch is
         derived from it).
       epochs: how many epochs to train.
@@ -51,6 +52,7 @@ class TrainConfig:
     model: str = "cnn"
     model_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     dataset: str = "digits"
+    dataset_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_dir: str | None = None
     global_batch_size: int = 64
     epochs: int = 10

@@ -83,7 +83,7 @@ class _Run:
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
-        self.data = prepare_dataset(config.dataset, data_dir=config.data_dir)
+        self.data = prepare_dataset(config.dataset, data_dir=config.data_dir, **config.dataset_options)
         train_examples = self.data.info.num_examples["train"]
         self.steps_per_epoch = config.steps_per_epoch or max(1, train_examples // config.global_batch_size)
         self.total_steps = config.epochs * self.steps_per_epoch

@@ -1,0 +1,133 @@
+"""Train a Keras model under any tf.distribute strategy: the tfdist training binary.
+
+  # the README's main job: 2 worker processes, synchronous, digits TFRecords
+  python -m tools.launch --workers 2 -- python -m experiments.train --strategy=multi_worker_mirrored
+
+  # one host, 2 logical CPUs; parameter-server training with a chief, 2 workers and a ps
+  python -m experiments.train --strategy=mirrored --num_cpu_devices=2
+  python -m tools.launch --chief --workers 2 --ps 1 -- python -m experiments.train --strategy=parameter_server
+
+  # a recipe from experiments/configs/ (flags given on the command line still win)
+  python -m experiments.train --config=digits_cnn
+
+Run on every task of a job with the same command: in a parameter-server cluster the worker
+and ps tasks serve until the chief is done. The chief prints the final line
+"final: ... test accuracy 0.9xx" and writes model_dir/summary.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+from absl import app, flags
+
+import tfdist
+from experiments import common
+from experiments.configs import CONFIGS
+from tfdist.data import dataset_names
+from tfdist.models import model_names
+from tfdist.strategies import ALL_REDUCE_CHOICES, COLLECTIVE_CHOICES
+from tfdist.training import TrainConfig, train
+from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS
+
+log = logging.getLogger("tfdist.train")
+_STRATEGY_NAMES = ["auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "central_storage", "tpu"]
+_DEFAULTS = TrainConfig()
+
+# Where the job runs.
+flags.DEFINE_enum("strategy", "auto", _STRATEGY_NAMES, "tf.distribute strategy; 'auto' picks from TF_CONFIG and the hardware.")
+flags.DEFINE_integer("num_cpu_devices", 1, "Split the host CPU into this many logical devices (replicas for mirrored / central_storage without GPUs).", lower_bound=1)
+flags.DEFINE_string("tpu", None, "TPU to use: 'local' (TPU VM), a TPU name or grpc://host:8470. Default: detected.")
+flags.DEFINE_enum("all_reduce", None, list(ALL_REDUCE_CHOICES), "How 'mirrored' combines gradients across local devices.")
+flags.DEFINE_enum("collective", None, list(COLLECTIVE_CHOICES), "Collective implementation of multi_worker_mirrored.")
+flags.DEFINE_float("collective_timeout", None, "Seconds a multi-worker collective waits for its peers before failing (default: forever).")
+# What it trains.
+flags.DEFINE_string("config", None, f"An experiment recipe from experiments/configs: {', '.join(CONFIGS)}. Flags given explicitly override it.")
+flags.DEFINE_string("dataset", _DEFAULTS.dataset, f"Dataset: {', '.join(dataset_names())}.")
+flags.DEFINE_string("data_dir", None, "Where datasets live (digits TFRecords are written there on first use; TFDS data must be prepared there). Default: $TFDIST_DATA_DIR or ~/.cache/tfdist.")
+flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "Image shape of --dataset=synthetic: height,width,channels.")
+flags.DEFINE_integer("synthetic_examples", 4096, "Training examples of --dataset=synthetic.", lower_bound=1)
+flags.DEFINE_enum("model", _DEFAULTS.model, model_names(), "Model: mlp, cnn, or a CIFAR-style resnet.")
+flags.DEFINE_integer("resnet_depth", 20, "Depth of --model=resnet (6n+2: 20, 32, 44, 56, 110).")
+# How it trains.
+flags.DEFINE_integer("global_batch_size", _DEFAULTS.global_batch_size, "Examples per step across all replicas; must divide by the replicas.", lower_bound=1)
+flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs to train.", lower_bound=1)
+flags.DEFINE_integer("steps_per_epoch", None, "Steps per (virtual) epoch. Default: training examples // global batch.", lower_bound=1)
+flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, list(OPTIMIZERS), "Optimizer: sgd (with --momentum), adam, or lamb for very large batches.")
+flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate.")
+flags.DEFINE_float("momentum", _DEFAULTS.momentum, "Momentum of --optimizer=sgd.")
+flags.DEFINE_enum("lr_scaling", _DEFAULTS.lr_scaling, list(LR_SCALING), "'linear': multiply the learning rate by global_batch_size / --base_batch_size (Goyal et al., 2017).")
+flags.DEFINE_integer("base_batch_size", _DEFAULTS.base_batch_size, "The batch size --learning_rate is meant for, under --lr_scaling=linear.", lower_bound=1)
+flags.DEFINE_float("warmup_epochs", _DEFAULTS.warmup_epochs, "Ramp the learning rate up linearly over this many epochs.")
+flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, list(LR_SCHEDULES), "After warmup: constant, or cosine decay to 0.")
+flags.DEFINE_enum("mixed_precision", None, list(MIXED_PRECISION), "Compute in float16 or bfloat16, keep float32 variables.")
+flags.DEFINE_integer("steps_per_execution", _DEFAULTS.steps_per_execution, "Training steps per tf.function call.", lower_bound=1)
+flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
+flags.DEFINE_integer("shuffle_buffer", _DEFAULTS.shuffle_buffer, "Shuffle buffer in examples; 0 = no shuffle, a fully deterministic order.", lower_bound=0)
+flags.DEFINE_integer("eval_every", _DEFAULTS.eval_every, "Evaluate on the test split every N epochs (0: only at the end).", lower_bound=0)
+# What it writes.
+flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard logs, summary.json and export/model.keras go here; a re-run resumes from its last checkpoint. Default: write nothing.")
+flags.DEFINE_integer("checkpoint_every", _DEFAULTS.checkpoint_every, "Also checkpoint every N steps (0: at epoch ends only).", lower_bound=0)
+
+FLAGS = flags.FLAGS
+# Flags that map one to one onto TrainConfig fields.
+_CONFIG_FLAGS = [
+    "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
+    "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
+    "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
+    "checkpoint_every",
+]  # fmt: skip
+
+
+def train_config() -> TrainConfig:
+    """The TrainConfig the flags (over an optional --config recipe) describe."""
+    values = dict(CONFIGS[FLAGS.config].get_config()) if FLAGS.config else {}
+    for name in _CONFIG_FLAGS:
+        if FLAGS[name].present or name not in values:
+            values[name] = FLAGS[name].value
+    if values["model"] == "resnet":
+        values.setdefault("model_options", {"depth": FLAGS.resnet_depth})
+    if values["dataset"] == "synthetic":
+        shape = tuple(int(d) for d in FLAGS.synthetic_shape)
+        values.setdefault("dataset_options", {"image_shape": shape, "num_examples": FLAGS.synthetic_examples})
+    return TrainConfig(**values)
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    if FLAGS.config and FLAGS.config not in CONFIGS:
+        raise app.UsageError(f"Unknown --config={FLAGS.config}. Valid: {', '.join(CONFIGS)}")
+    common.setup_logging()
+    cluster = tfdist.parse_tf_config()
+    if tfdist.serve_if_needed(cluster):
+        return
+    config = train_config()  # validated before anything slow happens
+    if FLAGS.num_cpu_devices > 1:
+        tfdist.configure_cpu_devices(FLAGS.num_cpu_devices)
+    options = {
+        "tpu": FLAGS.tpu,
+        "all_reduce": FLAGS.all_reduce,
+        "collective": FLAGS.collective,
+        "collective_timeout": FLAGS.collective_timeout,
+    }
+    strategy = tfdist.build_strategy(
+        FLAGS.strategy, cluster=cluster, **{k: v for k, v in options.items() if v is not None}
+    )
+    result = train(config, strategy=strategy, cluster=cluster)
+    if cluster is None or cluster.is_chief:
+        accuracy = "n/a" if result.eval_accuracy is None else f"{result.eval_accuracy:.4f}"
+        print(
+            f"final: {result.strategy}, {result.replicas} replica(s), {result.steps} steps of "
+            f"{result.global_batch_size}: train loss {result.train_loss:.4f}, test accuracy "
+            f"{accuracy}, {result.examples_per_second:.0f} examples/s, {result.wall_seconds:.1f} s",
+            flush=True,
+        )
+        log.debug("%s", dataclasses.asdict(result))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    app.run(common.friendly_errors(main))
