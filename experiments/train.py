@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 
+import numpy as np
 from absl import app, flags
 
 import tfdist
@@ -29,7 +31,7 @@ from experiments.configs import CONFIGS
 from tfdist.data import dataset_names
 from tfdist.models import model_names
 from tfdist.strategies import ALL_REDUCE_CHOICES, COLLECTIVE_CHOICES
-from tfdist.training import TrainConfig, train
+from tfdist.training import TrainConfig, Trainer
 from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS
 
 log = logging.getLogger("tfdist.train")
@@ -70,6 +72,7 @@ flags.DEFINE_integer("eval_every", _DEFAULTS.eval_every, "Evaluate on the test s
 # What it writes.
 flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard logs, summary.json and export/model.keras go here; a re-run resumes from its last checkpoint. Default: write nothing.")
 flags.DEFINE_integer("checkpoint_every", _DEFAULTS.checkpoint_every, "Also checkpoint every N steps (0: at epoch ends only).", lower_bound=0)
+flags.DEFINE_string("save_weights_to", None, "Every training task writes its final weights to DIR/<task>.npz, e.g. to check that all workers agree.")
 
 FLAGS = flags.FLAGS
 # Flags that map one to one onto TrainConfig fields.
@@ -95,6 +98,11 @@ def train_config() -> TrainConfig:
     return TrainConfig(**values)
 
 
+def save_weights(model, directory: str, name: str) -> None:
+    os.makedirs(directory, exist_ok=True)
+    np.savez(os.path.join(directory, f"{name}.npz"), *model.get_weights())
+
+
 def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
@@ -116,7 +124,10 @@ def main(argv: list[str]) -> None:
     strategy = tfdist.build_strategy(
         FLAGS.strategy, cluster=cluster, **{k: v for k, v in options.items() if v is not None}
     )
-    result = train(config, strategy=strategy, cluster=cluster)
+    trainer = Trainer(config, strategy=strategy, cluster=cluster)
+    result = trainer.fit()
+    if FLAGS.save_weights_to:
+        save_weights(trainer.model, FLAGS.save_weights_to, cluster.task_name.replace(":", "_") if cluster else "local")
     if cluster is None or cluster.is_chief:
         accuracy = "n/a" if result.eval_accuracy is None else f"{result.eval_accuracy:.4f}"
         print(

@@ -392,7 +392,11 @@ def check_first_record(files: RecordFiles) -> None:
     path, count = non_empty[0]
     compression = files.metadata.compression or ""
     try:
-        first = next(iter(tf.data.TFRecordDataset(path, compression_type=compression).take(1)))
+        # Eagerly, even when a dataset function is being traced (parameter-server workers'
+        # datasets are built inside a tf.function).
+        with tf.init_scope():
+            first = next(iter(tf.data.TFRecordDataset(path, compression_type=compression).take(1)))
+            serialized = first.numpy()
     except StopIteration:
         raise DataError(
             f"{path} holds no records but {files.metadata_path} says it has {count}: the file "
@@ -404,7 +408,7 @@ def check_first_record(files: RecordFiles) -> None:
             f"not {'GZIP-compressed' if compression else 'uncompressed'} as "
             f"{files.metadata_path} says."
         ) from None
-    example = tf.train.Example.FromString(first.numpy())
+    example = tf.train.Example.FromString(serialized)
     for key, spec in files.metadata.features.items():
         if key not in example.features.feature:
             raise DataError(

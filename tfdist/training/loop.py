@@ -40,7 +40,7 @@ _LOSS, _CORRECT, _COUNT = range(3)
 def train(
     config: TrainConfig, *, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None = None
 ) -> TrainResult:
-    """Trains `config.model` on `config.dataset` under `strategy`.
+    """Trains `config.model` on `config.dataset` under `strategy`: `Trainer(...).fit()`.
 
     Restores the newest checkpoint in `config.model_dir` first, so a re-run continues from
     the last saved step, reading the data from where that step left it.
@@ -56,28 +56,27 @@ def train(
     Raises:
       DataError, ModelError, ConfigError: a mistake in the config or the data, explained.
     """
-    previous_policy = keras.mixed_precision.dtype_policy()
-    if config.mixed_precision:
-        keras.mixed_precision.set_dtype_policy(config.mixed_precision)
-    try:
-        run = _Run(config, strategy, cluster)
-        try:
-            return run.train()
-        except tf.errors.InvalidArgumentError as e:
-            explained = explain_data_error(e)  # a truncated TFRecord, named
-            if explained is None:
-                raise
-            raise explained from None
-        finally:
-            run.checkpoints.close()
-    finally:
-        keras.mixed_precision.set_dtype_policy(previous_policy)
+    return Trainer(config, strategy=strategy, cluster=cluster).fit()
 
 
-class _Run:
-    """The state of one training run; the sync and parameter-server paths share it."""
+class Trainer:
+    """One training run: the model, its optimizer and data, and the loop for its strategy.
 
-    def __init__(self, config: TrainConfig, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None):
+    Example:
+
+        trainer = Trainer(TrainConfig(model="cnn", epochs=5), strategy=strategy)
+        result = trainer.fit()
+        trainer.model.predict(...)
+
+    Args:
+      config: the run.
+      strategy: any tf.distribute strategy.
+      cluster: this task's place in the job; None = single host.
+    """
+
+    def __init__(
+        self, config: TrainConfig, *, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None = None
+    ):
         self.config, self.strategy = config, strategy
         self.is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
         self.cluster = cluster
@@ -96,12 +95,19 @@ class _Run:
 
         with strategy.scope():
             keras.utils.set_random_seed(config.seed)
-            self.model = build_model(
-                config.model,
-                input_shape=self.data.info.image_shape,
-                num_classes=self.data.info.num_classes,
-                **config.model_options,
-            )
+            # Layers take the dtype policy when they are built; the global policy is restored
+            # right after so the process is left as it was found.
+            previous_policy = keras.mixed_precision.dtype_policy()
+            keras.mixed_precision.set_dtype_policy(config.mixed_precision or previous_policy)
+            try:
+                self.model = build_model(
+                    config.model,
+                    input_shape=self.data.info.image_shape,
+                    num_classes=self.data.info.num_classes,
+                    **config.model_options,
+                )
+            finally:
+                keras.mixed_precision.set_dtype_policy(previous_policy)
             self.optimizer = build_optimizer(config, build_schedule(config, steps_per_epoch=self.steps_per_epoch))
             self.optimizer.build(self.model.trainable_variables)
             # The step counter is ours: assigned from the host after each execution.
@@ -135,8 +141,13 @@ class _Run:
         return _sums(per_example, logits, labels)
 
     def replica_eval(self, images, labels):
-        logits = self.model(images, training=False)
-        return _sums(self.loss_fn(labels, logits), logits, labels)
+        def evaluate():
+            logits = self.model(images, training=False)
+            return _sums(self.loss_fn(labels, logits), logits, labels)
+
+        # The last evaluation batch can leave a replica empty-handed, and oneDNN's convolution
+        # rejects a batch of zero images; such a replica simply adds nothing.
+        return tf.cond(tf.size(labels) > 0, evaluate, lambda: tf.zeros([3]))
 
     # --- data ---------------------------------------------------------------------------------
 
@@ -163,7 +174,19 @@ class _Run:
 
     # --- the loop -----------------------------------------------------------------------------
 
-    def train(self) -> TrainResult:
+    def fit(self) -> TrainResult:
+        """Trains to `config.epochs`, resuming from the newest checkpoint; see `train()`."""
+        try:
+            return self._fit()
+        except tf.errors.InvalidArgumentError as e:
+            explained = explain_data_error(e)  # a truncated TFRecord, named
+            if explained is None:
+                raise
+            raise explained from None
+        finally:
+            self.checkpoints.close()
+
+    def _fit(self) -> TrainResult:
         start = time.perf_counter()
         self.checkpoints.restore_latest()
         step = start_step = int(self.step.numpy())
@@ -229,7 +252,7 @@ class _Run:
 class _SyncRunner:
     """Synchronous strategies: every replica runs every step; sums live in ON_READ variables."""
 
-    def __init__(self, run: _Run, start_step: int):
+    def __init__(self, run: Trainer, start_step: int):
         self.run_state = run
         strategy = run.strategy
         self.iterator = iter(
@@ -278,7 +301,7 @@ class _SyncRunner:
 class _ParameterServerRunner:
     """parameter_server: steps are closures the coordinator schedules on any free worker."""
 
-    def __init__(self, run: _Run, start_step: int):
+    def __init__(self, run: Trainer, start_step: int):
         self.run_state = run
         strategy = run.strategy
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
@@ -363,4 +386,4 @@ def _averages(sums) -> dict[str, float]:
     return {"loss": sums[_LOSS] / count, "accuracy": sums[_CORRECT] / count}
 
 
-__all__ = ["TrainResult", "train"]
+__all__ = ["TrainResult", "Trainer", "train"]

@@ -1,0 +1,208 @@
+"""The trainer: synchronous data parallelism is exact, every strategy learns, runs resume.
+
+In-process tests use the session's 4 logical CPUs; the multi-worker ones start real
+processes through tools.launch and the training binary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tfdist
+from tests.conftest import REPO, run_module
+from tfdist.training import ConfigError, TrainConfig, Trainer
+from tfdist.training.optim import WarmupSchedule
+
+# Plain SGD, no shuffle: the same global batches in the same order on every strategy.
+EXACT = dict(
+    model="cnn", optimizer="sgd", momentum=0.0, learning_rate=0.1, shuffle_buffer=0,
+    global_batch_size=32, epochs=1, steps_per_epoch=6, eval_every=0,
+)  # fmt: skip
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def weights_after(name, data_dir, **kwargs):
+    config = TrainConfig(data_dir=data_dir, **{**EXACT, **kwargs})
+    trainer = Trainer(config, strategy=tfdist.build_strategy(name, cluster=None, **({"devices": kwargs.pop("devices")} if "devices" in kwargs else {})))
+    result = trainer.fit()
+    return result, trainer.model.get_weights()
+
+
+def max_diff(a, b):
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def one_device(data_dir):
+    return weights_after("one_device", data_dir)
+
+
+@pytest.mark.parametrize("devices", [("/cpu:0", "/cpu:1"), ("/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3")])
+def test_mirrored_matches_one_device(one_device, data_dir, devices):
+    config = TrainConfig(data_dir=data_dir, **EXACT)
+    trainer = Trainer(config, strategy=tfdist.build_strategy("mirrored", cluster=None, devices=devices))
+    result = trainer.fit()
+    assert result.steps == 6 and result.replicas == len(devices)
+    assert max_diff(trainer.model.get_weights(), one_device[1]) <= TOLERANCE
+    assert result.train_loss == pytest.approx(one_device[0].train_loss, abs=TOLERANCE)
+
+
+def test_steps_per_execution_changes_nothing_but_speed(one_device, data_dir):
+    config = TrainConfig(data_dir=data_dir, **{**EXACT, "steps_per_execution": 4})
+    trainer = Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None))
+    assert trainer.fit().steps == 6  # 4 + 2: the last call runs only what is left
+    assert max_diff(trainer.model.get_weights(), one_device[1]) <= TOLERANCE
+
+
+@pytest.mark.multiprocess
+def test_multi_worker_mirrored_matches_one_device_and_workers_agree(one_device, data_dir, tmp_path):
+    flags = [f"--{k}={v}" for k, v in EXACT.items()]
+    result = run_module(
+        "tools.launch", "--workers", "2", "--timeout", "300", "--",
+        sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored",
+        f"--data_dir={data_dir}", f"--save_weights_to={tmp_path}", *flags,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:]
+    workers = [np.load(tmp_path / f"worker_{i}.npz") for i in range(2)]
+    weights = [[w[f"arr_{j}"] for j in range(len(w.files))] for w in workers]
+    assert max_diff(weights[0], weights[1]) == 0.0  # every worker holds the same weights
+    assert max_diff(weights[0], one_device[1]) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"optimizer": "rmsprop"}, r"optimizer must be one of sgd, adam, lamb\. Received: optimizer='rmsprop'"),
+        ({"global_batch_size": 0}, r"global_batch_size must be a positive whole number"),
+        ({"warmup_epochs": 20.0, "epochs": 10}, r"warmup_epochs must be between 0 and epochs \(10\)"),
+        ({"mixed_precision": "float8"}, r"mixed_precision must be one of mixed_float16, mixed_bfloat16"),
+        ({"shuffle_buffer": -5}, r"shuffle_buffer must be a whole number >= 0"),
+    ],
+)
+def test_config_mistakes_are_explained(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        TrainConfig(**kwargs)
+
+
+def test_linear_scaling_and_warmup_schedule():
+    config = TrainConfig(learning_rate=0.1, lr_scaling="linear", base_batch_size=64, global_batch_size=512)
+    assert config.peak_learning_rate == pytest.approx(0.8)
+    schedule = WarmupSchedule(0.8, warmup_steps=10, total_steps=100, decay="cosine")
+    rates = [float(schedule(s)) for s in (0, 4, 9, 10, 55, 99)]
+    assert rates[0] == pytest.approx(0.08) and rates[1] == pytest.approx(0.4)
+    assert rates[2] == pytest.approx(0.8, rel=1e-3) and rates[3] == pytest.approx(0.8)
+    assert rates[4] == pytest.approx(0.4, rel=1e-2) and rates[5] < 0.001
+
+
+@pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_trains_with_float32_logits(data_dir, precision):
+    config = TrainConfig(data_dir=data_dir, mixed_precision=precision, epochs=1, steps_per_epoch=3, eval_every=0)
+    trainer = Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None))
+    result = trainer.fit()
+    assert np.isfinite(result.train_loss)
+    assert trainer.model.layers[1].compute_dtype == precision.split("_")[1]
+    assert trainer.model.output.dtype == "float32"
+    import keras
+
+    assert keras.mixed_precision.dtype_policy().name == "float32"  # the process is left as found
+
+
+def read_summary(model_dir):
+    with open(os.path.join(model_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "strategy, launch",
+    [
+        ("one_device", []),
+        ("mirrored", []),
+        ("central_storage", []),
+        ("multi_worker_mirrored", ["--workers", "2"]),
+        ("parameter_server", ["--chief", "--workers", "2", "--ps", "1"]),
+    ],
+)
+def test_every_strategy_learns_digits_through_the_binary(strategy, launch, data_dir, tmp_path):
+    train = [sys.executable, "-m", "experiments.train", "--config=digits_cnn", f"--strategy={strategy}",
+             f"--data_dir={data_dir}", f"--model_dir={tmp_path}", "--eval_every=0"]  # fmt: skip
+    if strategy in ("mirrored", "central_storage"):
+        train.append("--num_cpu_devices=2")
+    if launch:
+        result = run_module("tools.launch", *launch, "--timeout", "400", "--", *train)
+    else:
+        result = run_module(*train[2:])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["strategy"] == strategy
+    assert summary["eval_accuracy"] >= 0.9, summary
+    assert os.path.exists(tmp_path / "export" / "model.keras")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path / "logs"))
+    assert "final: " in result.stdout and "test accuracy" in result.stdout
+
+
+def train_command(model_dir, data_dir, weights_dir, *extra):
+    return [
+        sys.executable, "-m", "experiments.train", "--strategy=one_device", "--model=mlp",
+        "--epochs=3", "--checkpoint_every=5", "--eval_every=0", "--shuffle_buffer=512", "--seed=3",
+        f"--data_dir={data_dir}", f"--model_dir={model_dir}", f"--save_weights_to={weights_dir}", *extra,
+    ]  # fmt: skip
+
+
+def test_a_killed_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path):
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    whole = subprocess.run(train_command(tmp_path / "whole", data_dir, tmp_path / "w1"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+
+    interrupted = tmp_path / "interrupted"
+    proc = subprocess.Popen(train_command(interrupted, data_dir, tmp_path / "w2"), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 240
+    while not (interrupted / "checkpoints" / "checkpoint").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # a crash: no chance to save anything more
+    proc.wait()
+    assert not (interrupted / "summary.json").exists()
+    resumed = subprocess.run(train_command(interrupted, data_dir, tmp_path / "w2"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+
+    first, second = read_summary(tmp_path / "whole"), read_summary(interrupted)
+    assert second["resumed_from_step"] > 0 and second["steps"] == first["steps"] == 66
+    a, b = np.load(tmp_path / "w1" / "local.npz"), np.load(tmp_path / "w2" / "local.npz")
+    # Same data position after the restart: the weights agree to float rounding.
+    assert max_diff([a[k] for k in a.files], [b[k] for k in b.files]) <= TOLERANCE
+
+
+def error_lines(stderr):
+    return [line for line in stderr.splitlines() if line.startswith(("error:", "FATAL"))]
+
+
+@pytest.mark.parametrize(
+    "args, env, message",
+    [
+        (["--strategy=bogus"], {}, "FATAL Flags parsing error: flag --strategy=bogus: value should be one of"),
+        (["--strategy=mirrored", "--num_cpu_devices=2", "--global_batch_size=33"], {}, "error: The global batch size 33 does not split evenly over the 2 replicas"),
+        (["--strategy=tpu"], {}, "error: No TPU found"),
+        (["--strategy=parameter_server"], {}, "error: The 'parameter_server' strategy needs a cluster"),
+    ],
+)
+def test_bad_flags_end_with_one_error_line(args, env, message, data_dir):
+    result = run_module("experiments.train", f"--data_dir={data_dir}", *args, env={"TPU_NAME": "", "COLAB_TPU_ADDR": "", **env}, timeout=120)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and lines[0].startswith(message), result.stderr[-2000:]
