@@ -15,7 +15,7 @@ def setup_commands() -> list[str]:
 def test_readme_has_two_setup_commands():
     commands = setup_commands()
     assert len(commands) == 2, commands
-    assert "tools.smoke" in commands[0] and "pytest" in commands[1]
+    assert "experiments.train" in commands[0] and "pytest" in commands[1]
 
 
 def test_ci_runs_the_readme_test_command():
