@@ -35,44 +35,161 @@ from tfdist.training import TrainConfig, Trainer
 from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS
 
 log = logging.getLogger("tfdist.train")
-_STRATEGY_NAMES = ["auto", "one_device", "mirrored", "multi_worker_mirrored", "parameter_server", "central_storage", "tpu"]
+_STRATEGY_NAMES = [
+    "auto",
+    "one_device",
+    "mirrored",
+    "multi_worker_mirrored",
+    "parameter_server",
+    "central_storage",
+    "tpu",
+]
 _DEFAULTS = TrainConfig()
 
 # Where the job runs.
-flags.DEFINE_enum("strategy", "auto", _STRATEGY_NAMES, "tf.distribute strategy; 'auto' picks from TF_CONFIG and the hardware.")
-flags.DEFINE_integer("num_cpu_devices", 1, "Split the host CPU into this many logical devices (replicas for mirrored / central_storage without GPUs).", lower_bound=1)
-flags.DEFINE_string("tpu", None, "TPU to use: 'local' (TPU VM), a TPU name or grpc://host:8470. Default: detected.")
-flags.DEFINE_enum("all_reduce", None, list(ALL_REDUCE_CHOICES), "How 'mirrored' combines gradients across local devices.")
-flags.DEFINE_enum("collective", None, list(COLLECTIVE_CHOICES), "Collective implementation of multi_worker_mirrored.")
-flags.DEFINE_float("collective_timeout", None, "Seconds a multi-worker collective waits for its peers before failing (default: forever).")
+flags.DEFINE_enum(
+    "strategy",
+    "auto",
+    _STRATEGY_NAMES,
+    "tf.distribute strategy; 'auto' picks from TF_CONFIG and the hardware.",
+)
+flags.DEFINE_integer(
+    "num_cpu_devices",
+    1,
+    "Split the host CPU into this many logical devices (replicas for mirrored / central_storage without GPUs).",
+    lower_bound=1,
+)
+flags.DEFINE_string(
+    "tpu", None, "TPU to use: 'local' (TPU VM), a TPU name or grpc://host:8470. Default: detected."
+)
+flags.DEFINE_enum(
+    "all_reduce",
+    None,
+    list(ALL_REDUCE_CHOICES),
+    "How 'mirrored' combines gradients across local devices.",
+)
+flags.DEFINE_enum(
+    "collective",
+    None,
+    list(COLLECTIVE_CHOICES),
+    "Collective implementation of multi_worker_mirrored.",
+)
+flags.DEFINE_float(
+    "collective_timeout",
+    None,
+    "Seconds a multi-worker collective waits for its peers before failing (default: forever).",
+)
 # What it trains.
-flags.DEFINE_string("config", None, f"An experiment recipe from experiments/configs: {', '.join(CONFIGS)}. Flags given explicitly override it.")
+flags.DEFINE_string(
+    "config",
+    None,
+    f"An experiment recipe from experiments/configs: {', '.join(CONFIGS)}. Flags given explicitly override it.",
+)
 flags.DEFINE_string("dataset", _DEFAULTS.dataset, f"Dataset: {', '.join(dataset_names())}.")
-flags.DEFINE_string("data_dir", None, "Where datasets live (digits TFRecords are written there on first use; TFDS data must be prepared there). Default: $TFDIST_DATA_DIR or ~/.cache/tfdist.")
-flags.DEFINE_list("synthetic_shape", ["32", "32", "3"], "Image shape of --dataset=synthetic: height,width,channels.")
-flags.DEFINE_integer("synthetic_examples", 4096, "Training examples of --dataset=synthetic.", lower_bound=1)
-flags.DEFINE_enum("model", _DEFAULTS.model, model_names(), "Model: mlp, cnn, or a CIFAR-style resnet.")
+flags.DEFINE_string(
+    "data_dir",
+    None,
+    "Where datasets live (digits TFRecords are written there on first use; TFDS data must be prepared there). Default: $TFDIST_DATA_DIR or ~/.cache/tfdist.",
+)
+flags.DEFINE_list(
+    "synthetic_shape",
+    ["32", "32", "3"],
+    "Image shape of --dataset=synthetic: height,width,channels.",
+)
+flags.DEFINE_integer(
+    "synthetic_examples", 4096, "Training examples of --dataset=synthetic.", lower_bound=1
+)
+flags.DEFINE_enum(
+    "model", _DEFAULTS.model, model_names(), "Model: mlp, cnn, or a CIFAR-style resnet."
+)
 flags.DEFINE_integer("resnet_depth", 20, "Depth of --model=resnet (6n+2: 20, 32, 44, 56, 110).")
 # How it trains.
-flags.DEFINE_integer("global_batch_size", _DEFAULTS.global_batch_size, "Examples per step across all replicas; must divide by the replicas.", lower_bound=1)
+flags.DEFINE_integer(
+    "global_batch_size",
+    _DEFAULTS.global_batch_size,
+    "Examples per step across all replicas; must divide by the replicas.",
+    lower_bound=1,
+)
 flags.DEFINE_integer("epochs", _DEFAULTS.epochs, "Epochs to train.", lower_bound=1)
-flags.DEFINE_integer("steps_per_epoch", None, "Steps per (virtual) epoch. Default: training examples // global batch.", lower_bound=1)
-flags.DEFINE_enum("optimizer", _DEFAULTS.optimizer, list(OPTIMIZERS), "Optimizer: sgd (with --momentum), adam, or lamb for very large batches.")
+flags.DEFINE_integer(
+    "steps_per_epoch",
+    None,
+    "Steps per (virtual) epoch. Default: training examples // global batch.",
+    lower_bound=1,
+)
+flags.DEFINE_enum(
+    "optimizer",
+    _DEFAULTS.optimizer,
+    list(OPTIMIZERS),
+    "Optimizer: sgd (with --momentum), adam, or lamb for very large batches.",
+)
 flags.DEFINE_float("learning_rate", _DEFAULTS.learning_rate, "Base learning rate.")
 flags.DEFINE_float("momentum", _DEFAULTS.momentum, "Momentum of --optimizer=sgd.")
-flags.DEFINE_enum("lr_scaling", _DEFAULTS.lr_scaling, list(LR_SCALING), "'linear': multiply the learning rate by global_batch_size / --base_batch_size (Goyal et al., 2017).")
-flags.DEFINE_integer("base_batch_size", _DEFAULTS.base_batch_size, "The batch size --learning_rate is meant for, under --lr_scaling=linear.", lower_bound=1)
-flags.DEFINE_float("warmup_epochs", _DEFAULTS.warmup_epochs, "Ramp the learning rate up linearly over this many epochs.")
-flags.DEFINE_enum("lr_schedule", _DEFAULTS.lr_schedule, list(LR_SCHEDULES), "After warmup: constant, or cosine decay to 0.")
-flags.DEFINE_enum("mixed_precision", None, list(MIXED_PRECISION), "Compute in float16 or bfloat16, keep float32 variables.")
-flags.DEFINE_integer("steps_per_execution", _DEFAULTS.steps_per_execution, "Training steps per tf.function call.", lower_bound=1)
+flags.DEFINE_enum(
+    "lr_scaling",
+    _DEFAULTS.lr_scaling,
+    list(LR_SCALING),
+    "'linear': multiply the learning rate by global_batch_size / --base_batch_size (Goyal et al., 2017).",
+)
+flags.DEFINE_integer(
+    "base_batch_size",
+    _DEFAULTS.base_batch_size,
+    "The batch size --learning_rate is meant for, under --lr_scaling=linear.",
+    lower_bound=1,
+)
+flags.DEFINE_float(
+    "warmup_epochs",
+    _DEFAULTS.warmup_epochs,
+    "Ramp the learning rate up linearly over this many epochs.",
+)
+flags.DEFINE_enum(
+    "lr_schedule",
+    _DEFAULTS.lr_schedule,
+    list(LR_SCHEDULES),
+    "After warmup: constant, or cosine decay to 0.",
+)
+flags.DEFINE_enum(
+    "mixed_precision",
+    None,
+    list(MIXED_PRECISION),
+    "Compute in float16 or bfloat16, keep float32 variables.",
+)
+flags.DEFINE_integer(
+    "steps_per_execution",
+    _DEFAULTS.steps_per_execution,
+    "Training steps per tf.function call.",
+    lower_bound=1,
+)
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
-flags.DEFINE_integer("shuffle_buffer", _DEFAULTS.shuffle_buffer, "Shuffle buffer in examples; 0 = no shuffle, a fully deterministic order.", lower_bound=0)
-flags.DEFINE_integer("eval_every", _DEFAULTS.eval_every, "Evaluate on the test split every N epochs (0: only at the end).", lower_bound=0)
+flags.DEFINE_integer(
+    "shuffle_buffer",
+    _DEFAULTS.shuffle_buffer,
+    "Shuffle buffer in examples; 0 = no shuffle, a fully deterministic order.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "eval_every",
+    _DEFAULTS.eval_every,
+    "Evaluate on the test split every N epochs (0: only at the end).",
+    lower_bound=0,
+)
 # What it writes.
-flags.DEFINE_string("model_dir", None, "Checkpoints, TensorBoard logs, summary.json and export/model.keras go here; a re-run resumes from its last checkpoint. Default: write nothing.")
-flags.DEFINE_integer("checkpoint_every", _DEFAULTS.checkpoint_every, "Also checkpoint every N steps (0: at epoch ends only).", lower_bound=0)
-flags.DEFINE_string("save_weights_to", None, "Every training task writes its final weights to DIR/<task>.npz, e.g. to check that all workers agree.")
+flags.DEFINE_string(
+    "model_dir",
+    None,
+    "Checkpoints, TensorBoard logs, summary.json and export/model.keras go here; a re-run resumes from its last checkpoint. Default: write nothing.",
+)
+flags.DEFINE_integer(
+    "checkpoint_every",
+    _DEFAULTS.checkpoint_every,
+    "Also checkpoint every N steps (0: at epoch ends only).",
+    lower_bound=0,
+)
+flags.DEFINE_string(
+    "save_weights_to",
+    None,
+    "Every training task writes its final weights to DIR/<task>.npz, e.g. to check that all workers agree.",
+)
 
 FLAGS = flags.FLAGS
 # Flags that map one to one onto TrainConfig fields.
@@ -94,7 +211,9 @@ def train_config() -> TrainConfig:
         values.setdefault("model_options", {"depth": FLAGS.resnet_depth})
     if values["dataset"] == "synthetic":
         shape = tuple(int(d) for d in FLAGS.synthetic_shape)
-        values.setdefault("dataset_options", {"image_shape": shape, "num_examples": FLAGS.synthetic_examples})
+        values.setdefault(
+            "dataset_options", {"image_shape": shape, "num_examples": FLAGS.synthetic_examples}
+        )
     return TrainConfig(**values)
 
 
@@ -127,7 +246,11 @@ def main(argv: list[str]) -> None:
     trainer = Trainer(config, strategy=strategy, cluster=cluster)
     result = trainer.fit()
     if FLAGS.save_weights_to:
-        save_weights(trainer.model, FLAGS.save_weights_to, cluster.task_name.replace(":", "_") if cluster else "local")
+        save_weights(
+            trainer.model,
+            FLAGS.save_weights_to,
+            cluster.task_name.replace(":", "_") if cluster else "local",
+        )
     if cluster is None or cluster.is_chief:
         accuracy = "n/a" if result.eval_accuracy is None else f"{result.eval_accuracy:.4f}"
         print(

@@ -36,7 +36,14 @@ def data_dir(tmp_path_factory):
 
 def weights_after(name, data_dir, **kwargs):
     config = TrainConfig(data_dir=data_dir, **{**EXACT, **kwargs})
-    trainer = Trainer(config, strategy=tfdist.build_strategy(name, cluster=None, **({"devices": kwargs.pop("devices")} if "devices" in kwargs else {})))
+    trainer = Trainer(
+        config,
+        strategy=tfdist.build_strategy(
+            name,
+            cluster=None,
+            **({"devices": kwargs.pop("devices")} if "devices" in kwargs else {}),
+        ),
+    )
     result = trainer.fit()
     return result, trainer.model.get_weights()
 
@@ -50,10 +57,14 @@ def one_device(data_dir):
     return weights_after("one_device", data_dir)
 
 
-@pytest.mark.parametrize("devices", [("/cpu:0", "/cpu:1"), ("/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3")])
+@pytest.mark.parametrize(
+    "devices", [("/cpu:0", "/cpu:1"), ("/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3")]
+)
 def test_mirrored_matches_one_device(one_device, data_dir, devices):
     config = TrainConfig(data_dir=data_dir, **EXACT)
-    trainer = Trainer(config, strategy=tfdist.build_strategy("mirrored", cluster=None, devices=devices))
+    trainer = Trainer(
+        config, strategy=tfdist.build_strategy("mirrored", cluster=None, devices=devices)
+    )
     result = trainer.fit()
     assert result.steps == 6 and result.replicas == len(devices)
     assert max_diff(trainer.model.get_weights(), one_device[1]) <= TOLERANCE
@@ -85,10 +96,19 @@ def test_multi_worker_mirrored_matches_one_device_and_workers_agree(one_device, 
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"optimizer": "rmsprop"}, r"optimizer must be one of sgd, adam, lamb\. Received: optimizer='rmsprop'"),
+        (
+            {"optimizer": "rmsprop"},
+            r"optimizer must be one of sgd, adam, lamb\. Received: optimizer='rmsprop'",
+        ),
         ({"global_batch_size": 0}, r"global_batch_size must be a positive whole number"),
-        ({"warmup_epochs": 20.0, "epochs": 10}, r"warmup_epochs must be between 0 and epochs \(10\)"),
-        ({"mixed_precision": "float8"}, r"mixed_precision must be one of mixed_float16, mixed_bfloat16"),
+        (
+            {"warmup_epochs": 20.0, "epochs": 10},
+            r"warmup_epochs must be between 0 and epochs \(10\)",
+        ),
+        (
+            {"mixed_precision": "float8"},
+            r"mixed_precision must be one of mixed_float16, mixed_bfloat16",
+        ),
         ({"shuffle_buffer": -5}, r"shuffle_buffer must be a whole number >= 0"),
     ],
 )
@@ -98,7 +118,9 @@ def test_config_mistakes_are_explained(kwargs, message):
 
 
 def test_linear_scaling_and_warmup_schedule():
-    config = TrainConfig(learning_rate=0.1, lr_scaling="linear", base_batch_size=64, global_batch_size=512)
+    config = TrainConfig(
+        learning_rate=0.1, lr_scaling="linear", base_batch_size=64, global_batch_size=512
+    )
     assert config.peak_learning_rate == pytest.approx(0.8)
     schedule = WarmupSchedule(0.8, warmup_steps=10, total_steps=100, decay="cosine")
     rates = [float(schedule(s)) for s in (0, 4, 9, 10, 55, 99)]
@@ -109,7 +131,9 @@ def test_linear_scaling_and_warmup_schedule():
 
 @pytest.mark.parametrize("precision", ["mixed_bfloat16", "mixed_float16"])
 def test_mixed_precision_trains_with_float32_logits(data_dir, precision):
-    config = TrainConfig(data_dir=data_dir, mixed_precision=precision, epochs=1, steps_per_epoch=3, eval_every=0)
+    config = TrainConfig(
+        data_dir=data_dir, mixed_precision=precision, epochs=1, steps_per_epoch=3, eval_every=0
+    )
     trainer = Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None))
     result = trainer.fit()
     assert np.isfinite(result.train_loss)
@@ -165,19 +189,41 @@ def train_command(model_dir, data_dir, weights_dir, *extra):
 def test_a_killed_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
-    whole = subprocess.run(train_command(tmp_path / "whole", data_dir, tmp_path / "w1"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    whole = subprocess.run(
+        train_command(tmp_path / "whole", data_dir, tmp_path / "w1"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     interrupted = tmp_path / "interrupted"
-    proc = subprocess.Popen(train_command(interrupted, data_dir, tmp_path / "w2"), cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        train_command(interrupted, data_dir, tmp_path / "w2"),
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 240
     while not (interrupted / "checkpoints" / "checkpoint").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "no checkpoint before the run ended"
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            "no checkpoint before the run ended"
+        )
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)  # a crash: no chance to save anything more
     proc.wait()
     assert not (interrupted / "summary.json").exists()
-    resumed = subprocess.run(train_command(interrupted, data_dir, tmp_path / "w2"), cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        train_command(interrupted, data_dir, tmp_path / "w2"),
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
     first, second = read_summary(tmp_path / "whole"), read_summary(interrupted)
@@ -194,14 +240,32 @@ def error_lines(stderr):
 @pytest.mark.parametrize(
     "args, env, message",
     [
-        (["--strategy=bogus"], {}, "FATAL Flags parsing error: flag --strategy=bogus: value should be one of"),
-        (["--strategy=mirrored", "--num_cpu_devices=2", "--global_batch_size=33"], {}, "error: The global batch size 33 does not split evenly over the 2 replicas"),
+        (
+            ["--strategy=bogus"],
+            {},
+            "FATAL Flags parsing error: flag --strategy=bogus: value should be one of",
+        ),
+        (
+            ["--strategy=mirrored", "--num_cpu_devices=2", "--global_batch_size=33"],
+            {},
+            "error: The global batch size 33 does not split evenly over the 2 replicas",
+        ),
         (["--strategy=tpu"], {}, "error: No TPU found"),
-        (["--strategy=parameter_server"], {}, "error: The 'parameter_server' strategy needs a cluster"),
+        (
+            ["--strategy=parameter_server"],
+            {},
+            "error: The 'parameter_server' strategy needs a cluster",
+        ),
     ],
 )
 def test_bad_flags_end_with_one_error_line(args, env, message, data_dir):
-    result = run_module("experiments.train", f"--data_dir={data_dir}", *args, env={"TPU_NAME": "", "COLAB_TPU_ADDR": "", **env}, timeout=120)
+    result = run_module(
+        "experiments.train",
+        f"--data_dir={data_dir}",
+        *args,
+        env={"TPU_NAME": "", "COLAB_TPU_ADDR": "", **env},
+        timeout=120,
+    )
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     lines = error_lines(result.stderr)

@@ -5,4 +5,12 @@ from tfdist.training.loop import Trainer, train
 from tfdist.training.report import TrainResult
 from tfdist.training.smoke import SmokeResult, run_smoke_steps
 
-__all__ = ["ConfigError", "SmokeResult", "TrainConfig", "TrainResult", "Trainer", "run_smoke_steps", "train"]
+__all__ = [
+    "ConfigError",
+    "SmokeResult",
+    "TrainConfig",
+    "TrainResult",
+    "Trainer",
+    "run_smoke_steps",
+    "train",
+]

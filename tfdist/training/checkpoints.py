@@ -30,7 +30,14 @@ class Checkpoints:
       max_to_keep: how many of the newest checkpoints to keep.
     """
 
-    def __init__(self, checkpoint: tf.train.Checkpoint, *, model_dir: str | None, is_chief: bool, max_to_keep: int):
+    def __init__(
+        self,
+        checkpoint: tf.train.Checkpoint,
+        *,
+        model_dir: str | None,
+        is_chief: bool,
+        max_to_keep: int,
+    ):
         self.checkpoint = checkpoint
         self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR) if model_dir else None
         self._scratch = None

@@ -79,7 +79,13 @@ class TrainConfig:
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.mixed_precision is not None:
             _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
-        for name in ("global_batch_size", "epochs", "steps_per_execution", "base_batch_size", "max_checkpoints"):
+        for name in (
+            "global_batch_size",
+            "epochs",
+            "steps_per_execution",
+            "base_batch_size",
+            "max_checkpoints",
+        ):
             _positive_int(name, getattr(self, name))
         if self.steps_per_epoch is not None:
             _positive_int("steps_per_epoch", self.steps_per_epoch)
@@ -88,7 +94,9 @@ class TrainConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a whole number >= 0. Received: {name}={value!r}")
         if not self.learning_rate > 0:
-            raise ConfigError(f"learning_rate must be positive. Received: learning_rate={self.learning_rate!r}")
+            raise ConfigError(
+                f"learning_rate must be positive. Received: learning_rate={self.learning_rate!r}"
+            )
         if not 0 <= self.momentum < 1:
             raise ConfigError(f"momentum must be in [0, 1). Received: momentum={self.momentum!r}")
         if self.warmup_epochs < 0 or self.warmup_epochs > self.epochs:

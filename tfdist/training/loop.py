@@ -75,16 +75,24 @@ class Trainer:
     """
 
     def __init__(
-        self, config: TrainConfig, *, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None = None
+        self,
+        config: TrainConfig,
+        *,
+        strategy: tf.distribute.Strategy,
+        cluster: ClusterInfo | None = None,
     ):
         self.config, self.strategy = config, strategy
         self.is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
-        self.data = prepare_dataset(config.dataset, data_dir=config.data_dir, **config.dataset_options)
+        self.data = prepare_dataset(
+            config.dataset, data_dir=config.data_dir, **config.dataset_options
+        )
         train_examples = self.data.info.num_examples["train"]
-        self.steps_per_epoch = config.steps_per_epoch or max(1, train_examples // config.global_batch_size)
+        self.steps_per_epoch = config.steps_per_epoch or max(
+            1, train_examples // config.global_batch_size
+        )
         self.total_steps = config.epochs * self.steps_per_epoch
         if self.is_chief:
             log.info(
@@ -108,10 +116,17 @@ class Trainer:
                 )
             finally:
                 keras.mixed_precision.set_dtype_policy(previous_policy)
-            self.optimizer = build_optimizer(config, build_schedule(config, steps_per_epoch=self.steps_per_epoch))
+            self.optimizer = build_optimizer(
+                config, build_schedule(config, steps_per_epoch=self.steps_per_epoch)
+            )
             self.optimizer.build(self.model.trainable_variables)
             # The step counter is ours: assigned from the host after each execution.
-            self.step = tf.Variable(0, dtype=tf.int64, trainable=False, aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA)
+            self.step = tf.Variable(
+                0,
+                dtype=tf.int64,
+                trainable=False,
+                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+            )
             if not self.is_ps:
                 # Per-replica running sums, added without communication and summed on read.
                 self.train_sums = _sum_variable()
@@ -119,10 +134,17 @@ class Trainer:
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
         self.checkpoints = Checkpoints(
-            checkpoint, model_dir=config.model_dir, is_chief=self.is_chief, max_to_keep=config.max_checkpoints
+            checkpoint,
+            model_dir=config.model_dir,
+            is_chief=self.is_chief,
+            max_to_keep=config.max_checkpoints,
         )
+        self.epoch_end_times: list[float] = []  # when each epoch's steps were done (benchmarks)
         self.reporter = Reporter(
-            is_chief=self.is_chief, model_dir=config.model_dir, steps_per_epoch=self.steps_per_epoch, epochs=config.epochs
+            is_chief=self.is_chief,
+            model_dir=config.model_dir,
+            steps_per_epoch=self.steps_per_epoch,
+            epochs=config.epochs,
         )
 
     # --- the step every strategy runs ---------------------------------------------------------
@@ -132,7 +154,9 @@ class Trainer:
         with tf.GradientTape() as tape:
             logits = self.model(images, training=True)
             per_example = self.loss_fn(labels, logits)
-            loss = tf.nn.compute_average_loss(per_example, global_batch_size=self.config.global_batch_size)
+            loss = tf.nn.compute_average_loss(
+                per_example, global_batch_size=self.config.global_batch_size
+            )
             if self.model.losses:  # weight decay: every replica adds 1/replicas of it
                 loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
             scaled = self.optimizer.scale_loss(loss)
@@ -159,7 +183,9 @@ class Trainer:
         )
 
         def dataset_fn(context, batch_size):
-            dataset = self.data.dataset("train", batch_size=batch_size, input_context=context, options=options)
+            dataset = self.data.dataset(
+                "train", batch_size=batch_size, input_context=context, options=options
+            )
             # Resume where the checkpoint left off: each pipeline skips the batches it fed.
             # (Parameter-server workers read independently; their position is not tracked.)
             replicas_here = context.num_replicas_in_sync // context.num_input_pipelines
@@ -169,8 +195,12 @@ class Trainer:
         return dataset_fn
 
     def eval_dataset_fn(self, context, batch_size):
-        options = PipelineOptions(repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True)
-        return self.data.dataset("test", batch_size=batch_size, input_context=context, options=options)
+        options = PipelineOptions(
+            repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
+        )
+        return self.data.dataset(
+            "test", batch_size=batch_size, input_context=context, options=options
+        )
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -192,35 +222,48 @@ class Trainer:
         step = start_step = int(self.step.numpy())
         if start_step >= self.total_steps:
             log.info("Already trained %d of %d steps; nothing to do", start_step, self.total_steps)
-        runner = _ParameterServerRunner(self, start_step) if self.is_ps else _SyncRunner(self, start_step)
+        runner = (
+            _ParameterServerRunner(self, start_step)
+            if self.is_ps
+            else _SyncRunner(self, start_step)
+        )
         train_metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
-        timed_examples, timed_seconds = 0, 0.0
+        # Reading the running sums synchronises the host with the steps (and, across workers,
+        # is a collective), so the progress bar is fed about ten times an epoch, at the same
+        # steps on every worker, not after every call.
+        progress_every = max(1, self.steps_per_epoch // 10)
         for epoch in range(start_step // self.steps_per_epoch, self.config.epochs):
             epoch_end = (epoch + 1) * self.steps_per_epoch
             self.reporter.start_epoch(epoch, step - epoch * self.steps_per_epoch)
             runner.reset_sums()
-            epoch_start, first_call = time.perf_counter(), step == start_step
+            epoch_start, epoch_first_step = time.perf_counter(), step
             while step < epoch_end:
                 n = min(self.config.steps_per_execution, epoch_end - step)
                 if self.config.checkpoint_every:
                     n = min(n, self.config.checkpoint_every - step % self.config.checkpoint_every)
-                call_start = time.perf_counter()
-                sums = runner.run(n)
+                runner.run(n)
+                if (step + n) // progress_every != step // progress_every and step + n < epoch_end:
+                    self.reporter.progress(
+                        step + n - epoch * self.steps_per_epoch, **_averages(runner.peek())
+                    )
                 step += n
-                if not first_call:  # the first call traces the step function: not training speed
-                    timed_examples += n * self.config.global_batch_size
-                    timed_seconds += time.perf_counter() - call_start
-                first_call = False
-                self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
-                if self.config.checkpoint_every and step % self.config.checkpoint_every == 0 and step < epoch_end:
+                if (
+                    self.config.checkpoint_every
+                    and step % self.config.checkpoint_every == 0
+                    and step < epoch_end
+                ):
                     runner.save(step)
             sums = runner.finish_epoch(step)
+            self.epoch_end_times.append(time.perf_counter())
+            self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
             train_metrics = {f"train_{k}": v for k, v in _averages(sums).items()}
             metrics = dict(train_metrics)
             metrics["learning_rate"] = float(self.optimizer.learning_rate)
-            metrics["examples_per_second"] = (step - epoch * self.steps_per_epoch) * self.config.global_batch_size / max(
-                time.perf_counter() - epoch_start, 1e-9
+            metrics["examples_per_second"] = (
+                (step - epoch_first_step)
+                * self.config.global_batch_size
+                / max(self.epoch_end_times[-1] - epoch_start, 1e-9)
             )
             last = epoch + 1 == self.config.epochs
             if last or (self.config.eval_every and (epoch + 1) % self.config.eval_every == 0):
@@ -242,11 +285,21 @@ class Trainer:
             train_accuracy=train_metrics.get("train_accuracy", math.nan),
             eval_loss=eval_metrics.get("eval_loss"),
             eval_accuracy=eval_metrics.get("eval_accuracy"),
-            examples_per_second=timed_examples / timed_seconds if timed_seconds else math.nan,
+            examples_per_second=self._examples_per_second(start, start_step, step),
             wall_seconds=time.perf_counter() - start,
         )
         self.reporter.finish(result, self.model)
         return result
+
+    def _examples_per_second(self, start: float, start_step: int, step: int) -> float:
+        """Training throughput after the first epoch, whose time includes tracing the step."""
+        ends = self.epoch_end_times
+        if len(ends) >= 2:
+            steps = (len(ends) - 1) * self.steps_per_epoch
+            return steps * self.config.global_batch_size / (ends[-1] - ends[0])
+        if ends and step > start_step:
+            return (step - start_step) * self.config.global_batch_size / (ends[0] - start)
+        return math.nan
 
 
 class _SyncRunner:
@@ -256,7 +309,11 @@ class _SyncRunner:
         self.run_state = run
         strategy = run.strategy
         self.iterator = iter(
-            distribute_dataset(strategy, run.train_dataset_fn(start_step), global_batch_size=run.config.global_batch_size)
+            distribute_dataset(
+                strategy,
+                run.train_dataset_fn(start_step),
+                global_batch_size=run.config.global_batch_size,
+            )
         )
 
         def replica_train(images, labels):
@@ -270,14 +327,26 @@ class _SyncRunner:
             for _ in tf.range(n):
                 strategy.run(replica_train, args=next(iterator))
 
+        @tf.function
+        def train_step(iterator):
+            strategy.run(replica_train, args=next(iterator))
+
+        # One step needs no graph loop around it, which spares a small model's step on a CPU
+        # the loop's per-iteration overhead.
         self._train_steps = train_steps
+        self._train_step = train_step
         self._eval_step = tf.function(lambda batch: strategy.run(replica_eval, args=batch))
 
     def reset_sums(self):
         self.run_state.train_sums.assign(tf.zeros([3]))
 
-    def run(self, n: int) -> list[float]:
-        self._train_steps(self.iterator, tf.constant(n, tf.int64))
+    def run(self, n: int) -> None:
+        if n == 1:
+            self._train_step(self.iterator)
+        else:
+            self._train_steps(self.iterator, tf.constant(n, tf.int64))
+
+    def peek(self) -> list[float]:
         # Reading an ON_READ variable sums it over the replicas: every worker must read.
         return self.run_state.train_sums.read_value().numpy().tolist()
 
@@ -288,7 +357,9 @@ class _SyncRunner:
     def evaluate(self) -> list[float]:
         run = self.run_state
         run.eval_sums.assign(tf.zeros([3]))
-        dataset = distribute_dataset(run.strategy, run.eval_dataset_fn, global_batch_size=run.config.global_batch_size)
+        dataset = distribute_dataset(
+            run.strategy, run.eval_dataset_fn, global_batch_size=run.config.global_batch_size
+        )
         for batch in dataset:
             self._eval_step(batch)
         return run.eval_sums.read_value().numpy().tolist()
@@ -332,10 +403,16 @@ class _ParameterServerRunner:
         self._pending.clear()
         self._sums = [0.0, 0.0, 0.0]
 
-    def run(self, n: int) -> list[float]:
-        self._pending.append(self.coordinator.schedule(self._train_steps, args=(self.iterator, tf.constant(n, tf.int64))))
+    def run(self, n: int) -> None:
+        self._pending.append(
+            self.coordinator.schedule(
+                self._train_steps, args=(self.iterator, tf.constant(n, tf.int64))
+            )
+        )
         while len(self._pending) > self._lag:
             self._add(self._pending.popleft())
+
+    def peek(self) -> list[float]:
         return self._sums
 
     def _add(self, remote) -> None:
@@ -378,7 +455,9 @@ def _sum_variable() -> tf.Variable:
 def _sums(per_example_loss, logits, labels):
     correct = tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32) == labels, tf.float32)
     count = tf.cast(tf.shape(labels)[0], tf.float32)
-    return tf.stack([tf.reduce_sum(tf.cast(per_example_loss, tf.float32)), tf.reduce_sum(correct), count])
+    return tf.stack(
+        [tf.reduce_sum(tf.cast(per_example_loss, tf.float32)), tf.reduce_sum(correct), count]
+    )
 
 
 def _averages(sums) -> dict[str, float]:

@@ -18,7 +18,9 @@ class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
     first epochs ramp up to it; with warmup_steps=0 the rate starts at its peak.
     """
 
-    def __init__(self, peak: float, *, warmup_steps: int, total_steps: int, decay: str = "constant"):
+    def __init__(
+        self, peak: float, *, warmup_steps: int, total_steps: int, decay: str = "constant"
+    ):
         self.peak = float(peak)
         self.warmup_steps = int(warmup_steps)
         self.total_steps = int(total_steps)

@@ -59,7 +59,9 @@ class Reporter:
     def start_epoch(self, epoch: int, done_in_epoch: int) -> None:
         # A bar only where it can redraw in place; in a log file the epoch line says it all.
         if self.active and sys.stdout.isatty():
-            self._bar = keras.utils.Progbar(self.steps_per_epoch, stateful_metrics=["loss", "accuracy"])
+            self._bar = keras.utils.Progbar(
+                self.steps_per_epoch, stateful_metrics=["loss", "accuracy"]
+            )
             self._bar.update(done_in_epoch)
 
     def progress(self, done_in_epoch: int, *, loss: float, accuracy: float) -> None:

@@ -1,0 +1,157 @@
+"""Benchmark: tfdist's training loop against Keras's model.fit, same model, data and batch.
+
+For one_device and for mirrored over 2 logical CPUs, each variant trains the same cnn on the
+same digits TFRecord pipeline with the same global batch; the variants take turns
+(A B A B ...) so the machine's drift hits them alike. Throughput is measured after a warm-up
+epoch (tracing excluded) over the remaining epochs, as examples per second; the table gives
+medians, min and max over the repeats and the median of the per-repeat ratios tfdist / Keras.
+
+  python -m tools.train_bench                      # about 3 minutes on 2 cores
+  python -m tools.train_bench --repeats 7 --out_csv /tmp/train_bench.csv
+
+This is a benchmark, not a test: it reports figures and never fails on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+import keras  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist.data import PipelineOptions, prepare_digits  # noqa: E402
+from tfdist.models import build_model  # noqa: E402
+from tfdist.training import TrainConfig, Trainer  # noqa: E402
+
+
+def tfdist_throughput(strategy, *, data_dir: str, batch: int, epochs: int, steps: int) -> float:
+    config = TrainConfig(
+        data_dir=data_dir, model="cnn", optimizer="adam", learning_rate=0.003, global_batch_size=batch,
+        epochs=epochs, steps_per_epoch=steps, eval_every=0, shuffle_buffer=1024,
+    )  # fmt: skip
+    trainer = Trainer(config, strategy=strategy)
+    trainer.fit()
+    ends = trainer.epoch_end_times  # the first epoch traces the step: it is the warm-up
+    return (epochs - 1) * steps * batch / (ends[-1] - ends[0])
+
+
+class _EpochClock(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.ends: list[float] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.ends.append(time.perf_counter())
+
+
+def keras_throughput(strategy, *, data_dir: str, batch: int, epochs: int, steps: int) -> float:
+    digits = prepare_digits(data_dir)
+    options = PipelineOptions(shuffle_buffer=1024, seed=0, deterministic=True)
+    # Keras splits each global batch over the replicas itself.
+    dataset = digits.dataset("train", batch_size=batch, options=options)
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = build_model(
+            "cnn", input_shape=digits.info.image_shape, num_classes=digits.info.num_classes
+        )
+        model.compile(
+            keras.optimizers.Adam(0.003),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    clock = _EpochClock()
+    model.fit(dataset, epochs=epochs, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+    return (epochs - 1) * steps * batch / (clock.ends[-1] - clock.ends[0])
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.train_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each variant (default 5)")
+    parser.add_argument(
+        "--epochs", type=int, default=4, help="epochs per run; the first is warm-up"
+    )
+    parser.add_argument("--steps", type=int, default=40, help="steps per epoch")
+    parser.add_argument("--global_batch_size", type=int, default=64)
+    parser.add_argument(
+        "--out_csv", default="train_bench.csv", help="where to write every measurement"
+    )
+    args = parser.parse_args(argv)
+
+    tfdist.configure_cpu_devices(2)
+    strategies = {
+        "one_device": lambda: tfdist.build_strategy("one_device", cluster=None),
+        "mirrored x2": lambda: tfdist.build_strategy(
+            "mirrored", cluster=None, devices=("/cpu:0", "/cpu:1")
+        ),
+    }
+    runners = {"tfdist": tfdist_throughput, "keras fit": keras_throughput}
+    rows = []
+    with tempfile.TemporaryDirectory() as data_dir:
+        prepare_digits(data_dir)
+        for repeat in range(args.repeats):
+            for strategy_name, make in strategies.items():
+                for loop_name, run in runners.items():
+                    rate = run(
+                        make(),
+                        data_dir=data_dir,
+                        batch=args.global_batch_size,
+                        epochs=args.epochs,
+                        steps=args.steps,
+                    )
+                    rows.append(
+                        {
+                            "repeat": repeat,
+                            "strategy": strategy_name,
+                            "loop": loop_name,
+                            "examples_per_s": rate,
+                        }
+                    )
+                    print(
+                        f"  repeat {repeat}  {strategy_name:<12} {loop_name:<10} {rate:8.0f} examples/s",
+                        flush=True,
+                    )
+    with open(args.out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    print(
+        f"\n{'strategy':<12} {'loop':<10} {'median ex/s':>12} {'min':>8} {'max':>8} {'ratio tfdist/keras (median of pairs)':>38}"
+    )
+    for strategy_name in strategies:
+        pairs = []
+        for repeat in range(args.repeats):
+            by_loop = {
+                r["loop"]: r["examples_per_s"]
+                for r in rows
+                if r["repeat"] == repeat and r["strategy"] == strategy_name
+            }
+            pairs.append(by_loop["tfdist"] / by_loop["keras fit"])
+        for loop_name in runners:
+            rates = [
+                r["examples_per_s"]
+                for r in rows
+                if r["strategy"] == strategy_name and r["loop"] == loop_name
+            ]
+            ratio = f"{statistics.median(pairs):.3f}" if loop_name == "tfdist" else ""
+            print(
+                f"{strategy_name:<12} {loop_name:<10} {statistics.median(rates):12.0f} {min(rates):8.0f} {max(rates):8.0f} {ratio:>38}"
+            )
+    print(
+        f"\nwrote {args.out_csv}; {args.repeats} repeats, {args.epochs - 1} timed epochs of {args.steps} steps, global batch {args.global_batch_size}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
