@@ -1,4 +1,4 @@
-"""What every tfdist binary does the same way: quiet logs, one-line errors."""
+"""What every tfdist binary does the same way: where it runs, quiet logs, one-line errors."""
 
 from __future__ import annotations
 
@@ -7,9 +7,71 @@ import logging
 import sys
 from collections.abc import Callable
 
+import tensorflow as tf
+from absl import flags
 from absl import logging as absl_logging
 
+import tfdist
+from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
+from tfdist.strategies import ALL_REDUCE_CHOICES, COLLECTIVE_CHOICES, strategy_names
+
+# Where the job runs: the same flags in every binary.
+STRATEGY = flags.DEFINE_enum(
+    "strategy", "auto", strategy_names(),
+    "tf.distribute strategy; 'auto' picks from TF_CONFIG and the hardware present.",
+)  # fmt: skip
+NUM_CPU_DEVICES = flags.DEFINE_integer(
+    "num_cpu_devices", 1,
+    "Split the host CPU into this many logical devices (replicas for mirrored and "
+    "central_storage without GPUs).",
+    lower_bound=1,
+)  # fmt: skip
+TPU = flags.DEFINE_string(
+    "tpu", None, "TPU to use: 'local' (TPU VM), a TPU name or grpc://host:8470. Default: detected."
+)
+ALL_REDUCE = flags.DEFINE_enum(
+    "all_reduce",
+    None,
+    list(ALL_REDUCE_CHOICES),
+    "How 'mirrored' combines gradients across devices.",
+)
+COLLECTIVE = flags.DEFINE_enum(
+    "collective",
+    None,
+    list(COLLECTIVE_CHOICES),
+    "Collective implementation of multi_worker_mirrored.",
+)
+COLLECTIVE_TIMEOUT = flags.DEFINE_float(
+    "collective_timeout", None,
+    "Seconds a multi-worker collective waits for its peers before failing (default: forever).",
+)  # fmt: skip
+
+
+def start_task() -> tuple[ClusterInfo | None, tf.distribute.Strategy] | None:
+    """Reads TF_CONFIG once and sets this task up for the flags above.
+
+    Returns:
+      None when this task was a parameter-server worker or ps and has finished serving;
+      otherwise (cluster, strategy), the CPU split first if --num_cpu_devices asks.
+    """
+    cluster = tfdist.parse_tf_config()
+    if tfdist.serve_if_needed(cluster):
+        return None
+    if NUM_CPU_DEVICES.value > 1:
+        tfdist.configure_cpu_devices(NUM_CPU_DEVICES.value)
+    # Only the options the user set, so build_strategy can flag those that don't apply.
+    options = {
+        "tpu": TPU.value,
+        "all_reduce": ALL_REDUCE.value,
+        "collective": COLLECTIVE.value,
+        "collective_timeout": COLLECTIVE_TIMEOUT.value,
+    }
+    strategy = tfdist.build_strategy(
+        STRATEGY.value, cluster=cluster, **{k: v for k, v in options.items() if v is not None}
+    )
+    return cluster, strategy
+
 
 EXIT_USAGE = 2
 

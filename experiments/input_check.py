@@ -15,12 +15,9 @@ import json
 
 from absl import app, flags
 
-import tfdist
 from experiments import common
 from tfdist.data import PipelineOptions, distribute_dataset, prepare_digits, tfrecord_dataset
 
-_STRATEGY = flags.DEFINE_string("strategy", "auto", "Strategy to build.")
-_NUM_CPU_DEVICES = flags.DEFINE_integer("num_cpu_devices", 1, "Logical CPU devices to create.")
 _DATA_DIR = flags.DEFINE_string(
     "data_dir", None, "Where the digits TFRecords live (written on first use)."
 )
@@ -34,12 +31,10 @@ def main(argv: list[str]) -> None:
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     common.setup_logging()
-    cluster = tfdist.parse_tf_config()
-    if tfdist.serve_if_needed(cluster):
+    started = common.start_task()
+    if started is None:
         return
-    if _NUM_CPU_DEVICES.value > 1:
-        tfdist.configure_cpu_devices(_NUM_CPU_DEVICES.value)
-    strategy = tfdist.build_strategy(_STRATEGY.value, cluster=cluster)
+    cluster, strategy = started
     source = prepare_digits(_DATA_DIR.value).sources[_SPLIT.value]
     # One epoch in file order, partial last batches kept: every example should arrive once.
     options = PipelineOptions(

@@ -25,12 +25,10 @@ import sys
 import numpy as np
 from absl import app, flags
 
-import tfdist
 from experiments import common
 from experiments.configs import CONFIGS
 from tfdist.data import dataset_names
 from tfdist.models import model_names
-from tfdist.strategies import ALL_REDUCE_CHOICES, COLLECTIVE_CHOICES
 from tfdist.training import TrainConfig, Trainer
 from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS
 
@@ -46,39 +44,6 @@ _STRATEGY_NAMES = [
 ]
 _DEFAULTS = TrainConfig()
 
-# Where the job runs.
-flags.DEFINE_enum(
-    "strategy",
-    "auto",
-    _STRATEGY_NAMES,
-    "tf.distribute strategy; 'auto' picks from TF_CONFIG and the hardware.",
-)
-flags.DEFINE_integer(
-    "num_cpu_devices",
-    1,
-    "Split the host CPU into this many logical devices (replicas for mirrored / central_storage without GPUs).",
-    lower_bound=1,
-)
-flags.DEFINE_string(
-    "tpu", None, "TPU to use: 'local' (TPU VM), a TPU name or grpc://host:8470. Default: detected."
-)
-flags.DEFINE_enum(
-    "all_reduce",
-    None,
-    list(ALL_REDUCE_CHOICES),
-    "How 'mirrored' combines gradients across local devices.",
-)
-flags.DEFINE_enum(
-    "collective",
-    None,
-    list(COLLECTIVE_CHOICES),
-    "Collective implementation of multi_worker_mirrored.",
-)
-flags.DEFINE_float(
-    "collective_timeout",
-    None,
-    "Seconds a multi-worker collective waits for its peers before failing (default: forever).",
-)
 # What it trains.
 flags.DEFINE_string(
     "config",
@@ -228,21 +193,11 @@ def main(argv: list[str]) -> None:
     if FLAGS.config and FLAGS.config not in CONFIGS:
         raise app.UsageError(f"Unknown --config={FLAGS.config}. Valid: {', '.join(CONFIGS)}")
     common.setup_logging()
-    cluster = tfdist.parse_tf_config()
-    if tfdist.serve_if_needed(cluster):
-        return
     config = train_config()  # validated before anything slow happens
-    if FLAGS.num_cpu_devices > 1:
-        tfdist.configure_cpu_devices(FLAGS.num_cpu_devices)
-    options = {
-        "tpu": FLAGS.tpu,
-        "all_reduce": FLAGS.all_reduce,
-        "collective": FLAGS.collective,
-        "collective_timeout": FLAGS.collective_timeout,
-    }
-    strategy = tfdist.build_strategy(
-        FLAGS.strategy, cluster=cluster, **{k: v for k, v in options.items() if v is not None}
-    )
+    started = common.start_task()
+    if started is None:
+        return
+    cluster, strategy = started
     trainer = Trainer(config, strategy=strategy, cluster=cluster)
     result = trainer.fit()
     if FLAGS.save_weights_to:

@@ -440,8 +440,12 @@ def check_first_record(files: RecordFiles) -> None:
                 )
 
 
-def parse_fn(metadata: Metadata) -> Callable[[tf.Tensor], dict[str, tf.Tensor]]:
-    """A function that parses one serialized example into a dict of typed, shaped tensors."""
+def batch_parse_fn(metadata: Metadata) -> Callable[[tf.Tensor], dict[str, tf.Tensor]]:
+    """A function that parses a batch of serialized examples into typed, shaped tensors.
+
+    One parse op per batch rather than per record: on a small CPU every per-record op is
+    time the model does not get (tools/input_bench.py measures it).
+    """
     spec = {}
     for key, feature in metadata.features.items():
         if feature.encoding == "int64_list":
@@ -451,15 +455,17 @@ def parse_fn(metadata: Metadata) -> Callable[[tf.Tensor], dict[str, tf.Tensor]]:
         else:
             spec[key] = tf.io.FixedLenFeature([], tf.string)
 
-    def parse(record: tf.Tensor) -> dict[str, tf.Tensor]:
-        parsed = tf.io.parse_single_example(record, spec)
+    def parse(records: tf.Tensor) -> dict[str, tf.Tensor]:
+        parsed = tf.io.parse_example(records, spec)
+        # A batch that dropped its remainder has a static size; keep it in the shapes.
+        batch = records.shape[0] if records.shape[0] is not None else -1
         out = {}
         for key, feature in metadata.features.items():
             value = parsed[key]
             if feature.encoding == "bytes":
                 value = tf.io.decode_raw(value, tf.dtypes.as_dtype(feature.dtype))
             if feature.encoding != "string":
-                value = tf.reshape(tf.cast(value, feature.dtype), feature.shape)
+                value = tf.reshape(tf.cast(value, feature.dtype), [batch, *feature.shape])
             out[key] = value
         return out
 
