@@ -8,11 +8,13 @@ from tests.conftest import run_module
 
 
 def last_lines(stderr: str) -> list[str]:
-    # TensorFlow's C++ runtime prints a few start-up lines of its own before any Python runs.
+    # TensorFlow's C++ runtime prints a few start-up lines of its own before any Python runs,
+    # and absl follows a flag error with a hint to --helpshort.
     return [
         line
         for line in stderr.splitlines()
-        if not line.startswith(("I0000", "E0000", "W0000", "WARNING: All"))
+        if line
+        and not line.startswith(("I0000", "E0000", "W0000", "WARNING: All", "Pass --helpshort"))
     ]
 
 
