@@ -80,7 +80,9 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--epochs", type=int, default=4, help="epochs per run; the first is warm-up"
     )
-    parser.add_argument("--steps", type=int, default=100, help="steps per epoch (short windows are noisy)")
+    parser.add_argument(
+        "--steps", type=int, default=100, help="steps per epoch (short windows are noisy)"
+    )
     parser.add_argument("--global_batch_size", type=int, default=64)
     parser.add_argument(
         "--out_csv", default="train_bench.csv", help="where to write every measurement"
