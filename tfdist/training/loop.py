@@ -140,6 +140,7 @@ class Trainer:
             max_to_keep=config.max_checkpoints,
         )
         self.epoch_end_times: list[float] = []  # when each epoch's steps were done (benchmarks)
+        self.epoch_timings: list[tuple[int, float]] = []  # (steps, seconds) of each epoch
         self.reporter = Reporter(
             is_chief=self.is_chief,
             model_dir=config.model_dir,
@@ -256,6 +257,9 @@ class Trainer:
                     runner.save(step)
             sums = runner.finish_epoch(step)
             self.epoch_end_times.append(time.perf_counter())
+            self.epoch_timings.append(
+                (step - epoch_first_step, self.epoch_end_times[-1] - epoch_start)
+            )
             self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
             train_metrics = {f"train_{k}": v for k, v in _averages(sums).items()}
             metrics = dict(train_metrics)
@@ -285,21 +289,24 @@ class Trainer:
             train_accuracy=train_metrics.get("train_accuracy", math.nan),
             eval_loss=eval_metrics.get("eval_loss"),
             eval_accuracy=eval_metrics.get("eval_accuracy"),
-            examples_per_second=self._examples_per_second(start, start_step, step),
+            examples_per_second=self._examples_per_second(),
             wall_seconds=time.perf_counter() - start,
         )
         self.reporter.finish(result, self.model)
         return result
 
-    def _examples_per_second(self, start: float, start_step: int, step: int) -> float:
-        """Training throughput after the first epoch, whose time includes tracing the step."""
-        ends = self.epoch_end_times
-        if len(ends) >= 2:
-            steps = (len(ends) - 1) * self.steps_per_epoch
-            return steps * self.config.global_batch_size / (ends[-1] - ends[0])
-        if ends and step > start_step:
-            return (step - start_step) * self.config.global_batch_size / (ends[0] - start)
-        return math.nan
+    def _examples_per_second(self) -> float:
+        """Training throughput over the epochs' steps, evaluation and checkpoints excluded.
+
+        The first epoch is left out when there are others: its time includes tracing.
+        """
+        epochs = self.epoch_timings[1:] or self.epoch_timings
+        seconds = sum(t for _, t in epochs)
+        return (
+            sum(n for n, _ in epochs) * self.config.global_batch_size / seconds
+            if seconds
+            else math.nan
+        )
 
 
 class _SyncRunner:
