@@ -1,11 +1,14 @@
-"""Large-batch SGD on digits: the linear scaling rule with warmup (Goyal et al., 2017).
+"""Large-batch training on digits: LAMB with the linear scaling rule and warmup.
 
-The learning rate 0.1 is meant for a batch of 64; at a global batch of 512 the linear rule
-raises it to 0.8, and 2 warmup epochs ramp up to it so the first steps do not diverge.
+The learning rate 0.003 is meant for a batch of 64; at a global batch of 512 the linear rule
+(Goyal et al., 2017) raises it 8x to 0.024, 2 warmup epochs ramp up to it and a cosine decay
+brings it down. LAMB (You et al., 2019) adapts the step per layer, which is what lets the
+large batch train: plain SGD with momentum did not learn this model in 80 large steps here
+(test accuracy 0.08-0.14 at peak rates 0.3-0.8).
 
   python -m experiments.train --config=digits_large_batch --strategy=mirrored --num_cpu_devices=2
 
-Expect: test accuracy about 0.95 after 40 epochs (80 steps of 512).
+Expect: test accuracy about 0.94 after 40 epochs (80 steps of 512), under 30 s on 2 cores.
 """
 
 
@@ -13,9 +16,8 @@ def get_config() -> dict:
     return {
         "dataset": "digits",
         "model": "cnn",
-        "optimizer": "sgd",
-        "momentum": 0.9,
-        "learning_rate": 0.1,
+        "optimizer": "lamb",
+        "learning_rate": 0.003,
         "lr_scaling": "linear",
         "base_batch_size": 64,
         "warmup_epochs": 2.0,

@@ -2,7 +2,8 @@
 
   python -m experiments.train --config=synthetic_resnet --strategy=mirrored --num_cpu_devices=2
 
-Expect: no accuracy to speak of (random labels); the final line reports examples/s.
+Expect: no accuracy to speak of (random labels); the final line reports examples/s
+(about 500 on 2 cores over 2 logical CPUs).
 """
 
 
