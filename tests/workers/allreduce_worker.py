@@ -1,0 +1,90 @@
+"""Runs on every worker of a launched job: tfdist's ring against TensorFlow's all-reduce.
+
+Prints one line "ALLREDUCE_RESULT {json}" per case: the largest difference between the two
+results (0 for integers means bit-exact). With --mismatch, rank 0 passes a longer tensor
+than the others, and the line reports the error each rank got instead.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
+from tfdist.collective import CollectiveMismatchError, ProcessRing  # noqa: E402
+
+DTYPES = (
+    sys.argv[1].split(",")
+    if len(sys.argv) > 1 and not sys.argv[1].startswith("--")
+    else ["float16", "bfloat16", "float32", "float64", "int32", "int64"]
+)
+
+
+def main() -> None:
+    cluster = tfdist.parse_tf_config()
+    strategy = tfdist.build_strategy(
+        "multi_worker_mirrored", cluster=cluster, collective_timeout=60
+    )
+    rank, ranks = cluster.task_index, cluster.num_workers
+    ring = ProcessRing(rank=rank, ranks=ranks, timeout_seconds=60)
+    if "--mismatch" in sys.argv:
+        try:
+            ring.all_reduce(tf.ones([12 if rank == 0 else 11]))
+            outcome = "no error"
+        except CollectiveMismatchError as e:
+            outcome = str(e)
+        except tf.errors.OpError as e:  # the peer that explained it has gone
+            outcome = f"{type(e).__name__}: {e.message[:200]}"
+        print("ALLREDUCE_RESULT " + json.dumps({"rank": rank, "error": outcome}), flush=True)
+        return
+    rng = np.random.default_rng(rank)
+    lengths = [0, 1, ranks - 1, ranks + 1, 1001, 3 * ranks]
+    for dtype in DTYPES:
+        for length in lengths:
+            for reduction in ("sum", "mean"):
+                values = (
+                    rng.integers(-1000, 1000, size=length)
+                    if "int" in dtype
+                    else rng.normal(size=length) * 10
+                )
+                tensor = tf.cast(tf.constant(values), dtype)
+                ours = ring.all_reduce(tensor, reduction)
+                op = (
+                    tf.distribute.ReduceOp.SUM
+                    if reduction == "sum"
+                    else tf.distribute.ReduceOp.MEAN
+                )
+                # TensorFlow's all-reduce takes no bfloat16: its reference runs in float32.
+                reference = tf.cast(tensor, tf.float32) if dtype == "bfloat16" else tensor
+                if length:
+                    theirs = strategy.reduce(
+                        op,
+                        strategy.experimental_distribute_values_from_function(
+                            lambda _, value=reference: value
+                        ),
+                        axis=None,
+                    )
+                    theirs = tf.cast(theirs, tensor.dtype)
+                else:  # TensorFlow 2.21's all-reduce of an empty float64 tensor crashes the process
+                    theirs = tensor
+                diff = (
+                    float(
+                        tf.reduce_max(
+                            tf.abs(tf.cast(ours, tf.float64) - tf.cast(theirs, tf.float64))
+                        )
+                    )
+                    if length
+                    else 0.0
+                )
+                scale = float(tf.reduce_max(tf.abs(tf.cast(theirs, tf.float64)))) if length else 0.0
+                case = {"rank": rank, "dtype": dtype, "length": length, "reduction": reduction, "diff": diff, "scale": scale,
+                        "shape_ok": ours.shape == tensor.shape and ours.dtype == tensor.dtype}  # fmt: skip
+                print("ALLREDUCE_RESULT " + json.dumps(case), flush=True)
+
+
+if __name__ == "__main__":
+    main()

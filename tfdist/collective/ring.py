@@ -1,0 +1,95 @@
+"""The ring all-reduce algorithm, independent of how bytes travel between ranks.
+
+N ranks sit on a ring. A flat buffer is cut into N chunks whose sizes differ by at most one
+element. Reduce-scatter: in step s (0 <= s < N-1) rank r sends chunk (r - s) to rank r+1 and
+adds the chunk (r - s - 1) it receives from rank r-1; afterwards rank r holds the complete
+sum of chunk (r + 1). All-gather: in step s rank r passes chunk (r + 1 - s) on and takes
+chunk (r - s) as it arrives. Each rank sends 2(N-1)/N of the buffer, whatever N is — which is
+why the ring does not make one rank the bottleneck the way gather-to-one does.
+
+The transport is a function `exchange(send, recv_size, step)` that hands `send` to the
+right neighbour and returns the `recv_size` elements the left neighbour handed over in the
+same step (None and 0 when a chunk is empty); the functions here only build the tensor
+program around it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import tensorflow as tf
+
+REDUCTIONS = ("sum", "mean")
+
+Exchange = Callable[[tf.Tensor | None, int, int], tf.Tensor | None]
+"""(tensor to send right or None, elements to receive from the left or 0, step) -> received."""
+
+
+def chunk_bounds(length: int, ranks: int) -> list[tuple[int, int]]:
+    """[start, end) of each rank's chunk; sizes differ by at most one, larger ones first."""
+    base, extra = divmod(length, ranks)
+    bounds, start = [], 0
+    for i in range(ranks):
+        end = start + base + (1 if i < extra else 0)
+        bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def reduce_scatter_schedule(rank: int, ranks: int) -> list[tuple[int, int]]:
+    """(chunk sent, chunk received and added) for each reduce-scatter step of `rank`."""
+    return [((rank - s) % ranks, (rank - s - 1) % ranks) for s in range(ranks - 1)]
+
+
+def all_gather_schedule(rank: int, ranks: int) -> list[tuple[int, int]]:
+    """(chunk sent, chunk received and kept) for each all-gather step of `rank`."""
+    return [((rank + 1 - s) % ranks, (rank - s) % ranks) for s in range(ranks - 1)]
+
+
+def ring_all_reduce(
+    flat: tf.Tensor, *, rank: int, ranks: int, exchange: Exchange, reduction: str = "sum"
+) -> tf.Tensor:
+    """Builds the ring all-reduce of a 1-D tensor over `ranks` ranks.
+
+    Args:
+      flat: this rank's 1-D tensor; every rank must pass the same length and dtype.
+      rank: this rank's position on the ring, 0 <= rank < ranks.
+      ranks: how many ranks take part.
+      exchange: the transport; see the module docstring.
+      reduction: 'sum' or 'mean' (integer means round toward zero, like TensorFlow's).
+
+    Returns:
+      The element-wise reduction over all ranks, on every rank.
+    """
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be 'sum' or 'mean'. Received: reduction={reduction!r}")
+    length = int(flat.shape[0])
+    bounds = chunk_bounds(length, ranks)
+    chunks = [flat[start:end] for start, end in bounds]
+    sizes = [end - start for start, end in bounds]
+
+    # With fewer elements than ranks some chunks are empty: nothing is sent or received for
+    # them, and both neighbours agree on that because they compute the same sizes.
+    def swap(sent: int, received: int, step: int) -> tf.Tensor | None:
+        return exchange(chunks[sent] if sizes[sent] else None, sizes[received], step)
+
+    steps = 0
+    for sent, received in reduce_scatter_schedule(rank, ranks):
+        got = swap(sent, received, steps)
+        if got is not None:
+            chunks[received] = chunks[received] + got
+        steps += 1
+    for sent, received in all_gather_schedule(rank, ranks):
+        got = swap(sent, received, steps)
+        if got is not None:
+            chunks[received] = got
+        steps += 1
+    result = tf.concat(chunks, axis=0) if chunks else flat
+    return mean_of_sum(result, ranks) if reduction == "mean" else result
+
+
+def mean_of_sum(tensor: tf.Tensor, ranks: int) -> tf.Tensor:
+    """A sum over `ranks` ranks turned into their mean (integers round toward zero)."""
+    if tensor.dtype.is_integer:
+        return tf.truncatediv(tensor, tf.cast(ranks, tensor.dtype))
+    return tensor / tf.cast(ranks, tensor.dtype)
