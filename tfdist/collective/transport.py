@@ -19,7 +19,7 @@ import re
 
 import tensorflow as tf
 
-from tfdist.collective.ring import mean_of_sum, ring_all_reduce
+from tfdist.collective.ring import chunk_bounds, mean_of_sum, ring_all_reduce
 from tfdist.errors import TfdistError
 
 log = logging.getLogger(__name__)
@@ -59,12 +59,15 @@ class ProcessRing:
         ranks: int,
         timeout_seconds: float | None = None,
         group_key_base: int = GROUP_KEY_BASE,
+        max_pieces: int = 4,
+        min_piece_bytes: int = 1 << 20,
     ):
         if not 0 <= rank < ranks:
             raise ValueError(f"rank must be in [0, {ranks}). Received: rank={rank}")
         self.rank, self.ranks = rank, ranks
         self._timeout = float(timeout_seconds or 0)
         self._group_base = group_key_base
+        self.max_pieces, self.min_piece_bytes = max_pieces, min_piece_bytes
         self._programs: dict[tuple, tf.types.experimental.ConcreteFunction] = {}
         self._next_program = itertools.count()
 
@@ -99,20 +102,33 @@ class ProcessRing:
             # Ranks build programs in the same order, so they agree on each one's keys.
             keys = next(self._next_program) * _KEYS_PER_PROGRAM + 1
             exchange = self._exchange(dtype, keys)
+            pieces = self._pieces(length * dtype.size)
+
+            def build(flat):
+                # Several rings over slices of the buffer run at once: while one slice is on
+                # the wire, another is being added, so transfer and arithmetic overlap.
+                steps = 2 * (self.ranks - 1)
+                outs = []
+                for i, (start, end) in enumerate(chunk_bounds(length, pieces)):
+                    outs.append(
+                        ring_all_reduce(
+                            flat[start:end],
+                            rank=self.rank,
+                            ranks=self.ranks,
+                            exchange=_offset(exchange, i * steps),
+                            reduction=reduction,
+                        )  # fmt: skip
+                    )
+                return tf.concat(outs, axis=0)
+
             self._programs[signature] = tf.compat.v1.wrap_function(
-                lambda flat: _with_sends(
-                    lambda: ring_all_reduce(
-                        flat,
-                        rank=self.rank,
-                        ranks=self.ranks,
-                        exchange=exchange,
-                        reduction=reduction,
-                    ),
-                    exchange,
-                ),
+                lambda flat: _with_sends(lambda: build(flat), exchange),
                 [tf.TensorSpec([length], dtype)],
             )
         return self._programs[signature]
+
+    def _pieces(self, nbytes: int) -> int:
+        return max(1, min(self.max_pieces, nbytes // self.min_piece_bytes))
 
     def _exchange(self, dtype: tf.DType, first_key: int):
         right_edge = self._group_base + self.rank  # this rank -> rank + 1
@@ -146,6 +162,10 @@ class ProcessRing:
 
         exchange.sends = sends
         return exchange
+
+
+def _offset(exchange, first_step: int):
+    return lambda send, recv_size, step: exchange(send, recv_size, first_step + step)
 
 
 def _with_sends(build, exchange):
