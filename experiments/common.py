@@ -8,7 +8,7 @@ import sys
 from collections.abc import Callable
 
 import tensorflow as tf
-from absl import flags
+from absl import app, flags
 from absl import logging as absl_logging
 
 import tfdist
@@ -48,13 +48,16 @@ COLLECTIVE_TIMEOUT = flags.DEFINE_float(
 )  # fmt: skip
 
 
-def start_task() -> tuple[ClusterInfo | None, tf.distribute.Strategy] | None:
-    """Reads TF_CONFIG once and sets this task up for the flags above.
+def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strategy] | None:
+    """Checks the command line, then reads TF_CONFIG once and sets this task up for the flags.
 
     Returns:
       None when this task was a parameter-server worker or ps and has finished serving;
       otherwise (cluster, strategy), the CPU split first if --num_cpu_devices asks.
     """
+    if len(argv) > 1:
+        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
+    setup_logging()
     cluster = tfdist.parse_tf_config()
     if tfdist.serve_if_needed(cluster):
         return None

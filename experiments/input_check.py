@@ -28,10 +28,7 @@ _GLOBAL_BATCH_SIZE = flags.DEFINE_integer(
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    common.setup_logging()
-    started = common.start_task()
+    started = common.start_task(argv)
     if started is None:
         return
     cluster, strategy = started

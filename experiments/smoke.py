@@ -29,10 +29,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the data and the initial weight
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
-    common.setup_logging()
-    started = common.start_task()
+    started = common.start_task(argv)
     if started is None:
         return
     _, strategy = started

@@ -188,13 +188,10 @@ def save_weights(model, directory: str, name: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    if len(argv) > 1:
-        raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     if FLAGS.config and FLAGS.config not in CONFIGS:
         raise app.UsageError(f"Unknown --config={FLAGS.config}. Valid: {', '.join(CONFIGS)}")
-    common.setup_logging()
     config = train_config()  # validated before anything slow happens
-    started = common.start_task()
+    started = common.start_task(argv)
     if started is None:
         return
     cluster, strategy = started
