@@ -189,14 +189,14 @@ def train_command(model_dir, data_dir, weights_dir, *extra):
 def test_a_killed_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path):
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
-    whole = subprocess.run(
-        train_command(tmp_path / "whole", data_dir, tmp_path / "w1"),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+
+    def run_to_the_end(model_dir, weights_dir):
+        command = train_command(model_dir, data_dir, weights_dir)
+        return subprocess.run(
+            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+        )
+
+    whole = run_to_the_end(tmp_path / "whole", tmp_path / "w1")
     assert whole.returncode == 0, whole.stderr[-2000:]
 
     interrupted = tmp_path / "interrupted"
@@ -216,14 +216,7 @@ def test_a_killed_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path):
     proc.send_signal(signal.SIGKILL)  # a crash: no chance to save anything more
     proc.wait()
     assert not (interrupted / "summary.json").exists()
-    resumed = subprocess.run(
-        train_command(interrupted, data_dir, tmp_path / "w2"),
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    resumed = run_to_the_end(interrupted, tmp_path / "w2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
     first, second = read_summary(tmp_path / "whole"), read_summary(interrupted)

@@ -139,8 +139,8 @@ class Trainer:
             is_chief=self.is_chief,
             max_to_keep=config.max_checkpoints,
         )
-        self.epoch_end_times: list[float] = []  # when each epoch's steps were done (benchmarks)
-        self.epoch_timings: list[tuple[int, float]] = []  # (steps, seconds) of each epoch
+        # (steps, start, end) of each epoch's training steps, in perf_counter seconds.
+        self.epoch_timings: list[tuple[int, float, float]] = []
         self.reporter = Reporter(
             is_chief=self.is_chief,
             model_dir=config.model_dir,
@@ -256,10 +256,7 @@ class Trainer:
                 ):
                     runner.save(step)
             sums = runner.finish_epoch(step)
-            self.epoch_end_times.append(time.perf_counter())
-            self.epoch_timings.append(
-                (step - epoch_first_step, self.epoch_end_times[-1] - epoch_start)
-            )
+            self.epoch_timings.append((step - epoch_first_step, epoch_start, time.perf_counter()))
             self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
             train_metrics = {f"train_{k}": v for k, v in _averages(sums).items()}
             metrics = dict(train_metrics)
@@ -267,7 +264,7 @@ class Trainer:
             metrics["examples_per_second"] = (
                 (step - epoch_first_step)
                 * self.config.global_batch_size
-                / max(self.epoch_end_times[-1] - epoch_start, 1e-9)
+                / max(self.epoch_timings[-1][2] - epoch_start, 1e-9)
             )
             last = epoch + 1 == self.config.epochs
             if last or (self.config.eval_every and (epoch + 1) % self.config.eval_every == 0):
@@ -301,9 +298,9 @@ class Trainer:
         The first epoch is left out when there are others: its time includes tracing.
         """
         epochs = self.epoch_timings[1:] or self.epoch_timings
-        seconds = sum(t for _, t in epochs)
+        seconds = sum(end - start for _, start, end in epochs)
         return (
-            sum(n for n, _ in epochs) * self.config.global_batch_size / seconds
+            sum(n for n, _, _ in epochs) * self.config.global_batch_size / seconds
             if seconds
             else math.nan
         )
