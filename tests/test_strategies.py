@@ -14,7 +14,14 @@ import tensorflow as tf
 import tfdist
 from tests.conftest import NUM_CPU_DEVICES, run_module
 from tfdist.cluster import parse_tf_config
-from tfdist.strategies import StrategyError, detect_tpu, resolve_auto, strategy_kind
+from tfdist.strategies import (
+    StrategyError,
+    check_tpu_node_paths,
+    detect_tpu,
+    resolve_auto,
+    strategy_kind,
+    tpu_node_address,
+)
 from tfdist.training import run_smoke_steps
 from tools.smoke import parse_results
 
@@ -161,6 +168,59 @@ def test_tpu_without_tpu_kernels_is_explained():
     # 'local' reaches TensorFlow's TPU initialisation, which this CPU-only build cannot run.
     with pytest.raises(StrategyError, match=r"No TPU is attached at 'local'.*tensorflow-tpu"):
         tfdist.build_strategy("tpu", cluster=None, tpu="local")
+
+
+def test_tpu_name_that_cannot_be_looked_up_is_explained(monkeypatch):
+    # A TPU name is resolved through Google Cloud's metadata server; '.invalid' never resolves
+    # (RFC 6761), so the look-up fails here as it does anywhere off Google Cloud.
+    monkeypatch.setenv("GCE_METADATA_HOST", "metadata.invalid")
+    with pytest.raises(StrategyError, match=r"Could not find the TPU 'my-tpu' \(.*grpc://host"):
+        tfdist.build_strategy("tpu", cluster=None, tpu="my-tpu")
+
+
+def test_tpu_node_address_is_none_off_tpu_and_for_a_tpu_vm():
+    assert tpu_node_address(tfdist.build_strategy("one_device", cluster=None)) is None
+    local = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="local")
+    assert tpu_node_address(local) is None
+    node = tf.distribute.cluster_resolver.TPUClusterResolver(tpu="grpc://10.0.0.2:8470")
+    assert tpu_node_address(node) == "grpc://10.0.0.2:8470"
+
+
+@pytest.mark.parametrize(
+    "address, paths",
+    [
+        (None, {"model_dir": "/tmp/run", "data_dir": None}),
+        ("local", {"model_dir": "/tmp/run", "data_dir": "/content/data"}),
+        ("grpc://10.0.0.2:8470", {"model_dir": "gs://b/run", "data_dir": "gs://b/data"}),
+        ("grpc://10.0.0.2:8470", {}),
+    ],
+)
+def test_tpu_node_paths_that_are_fine(address, paths):
+    check_tpu_node_paths(address, paths)  # raises nothing
+
+
+@pytest.mark.parametrize(
+    "paths, message",
+    [
+        (
+            {"model_dir": "/tmp/run", "data_dir": "gs://b/data"},
+            r"so model_dir must be gs:// URLs.*Received: model_dir='/tmp/run'$",
+        ),
+        (
+            {"model_dir": "gs://b/run", "data_dir": None},
+            r"so data_dir must be.*Received: data_dir=None \(a default on the local disk\)$",
+        ),
+        (
+            {"model_dir": "runs/x", "data_dir": "/content/data"},
+            r"model_dir and data_dir must be.*or use a TPU VM.*"
+            r"Received: model_dir='runs/x', data_dir='/content/data'$",
+        ),
+    ],
+)
+def test_local_paths_on_a_tpu_node_are_explained(paths, message):
+    with pytest.raises(StrategyError, match=r"'grpc://10\.0\.0\.2:8470' is a TPU Node") as info:
+        check_tpu_node_paths("grpc://10.0.0.2:8470", paths)
+    assert info.match(message)
 
 
 @pytest.fixture(scope="module")
