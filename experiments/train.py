@@ -26,6 +26,7 @@ import os
 import sys
 
 import numpy as np
+import tensorflow as tf
 from absl import app, flags
 
 import tfdist
@@ -34,6 +35,12 @@ from experiments.configs import CONFIGS
 from tfdist.data import dataset_names
 from tfdist.models import model_names
 from tfdist.training import TrainConfig, Trainer
+from tfdist.training.auto import (
+    AUTO,
+    TPU_STEPS_PER_EXECUTION,
+    auto_mixed_precision,
+    auto_steps_per_execution,
+)
 from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS
 from tfdist.training.evaluator import EvaluatorTimeoutError, evaluate_checkpoints
 
@@ -120,15 +127,21 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_enum(
     "mixed_precision",
-    None,
-    list(MIXED_PRECISION),
-    "Compute in float16 or bfloat16, keep float32 variables.",
+    AUTO,
+    [AUTO, "none", *MIXED_PRECISION],
+    "Compute in float16 or bfloat16, keep float32 variables. 'auto': mixed_bfloat16 on a "
+    "TPU, none (float32) elsewhere.",
 )
-flags.DEFINE_integer(
+flags.DEFINE_string(
     "steps_per_execution",
-    _DEFAULTS.steps_per_execution,
-    "Training steps per tf.function call.",
-    lower_bound=1,
+    AUTO,
+    f"Training steps per tf.function call. 'auto': {TPU_STEPS_PER_EXECUTION} on a TPU (each "
+    "call is a round trip to the TPU's host), 1 elsewhere.",
+)
+flags.register_validator(
+    "steps_per_execution",
+    lambda value: value == AUTO or (value.isdigit() and int(value) >= 1),
+    message="--steps_per_execution must be 'auto' or a positive whole number.",
 )
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
 flags.DEFINE_integer(
@@ -175,6 +188,11 @@ flags.DEFINE_string(
 )
 
 FLAGS = flags.FLAGS
+# Flags whose 'auto' depends on the strategy, resolved once it is built.
+_AUTO_RESOLVERS = {
+    "steps_per_execution": auto_steps_per_execution,
+    "mixed_precision": auto_mixed_precision,
+}
 # Flags that map one to one onto TrainConfig fields.
 _CONFIG_FLAGS = [
     "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
@@ -184,12 +202,22 @@ _CONFIG_FLAGS = [
 ]  # fmt: skip
 
 
-def train_config() -> TrainConfig:
-    """The TrainConfig the flags (over an optional --config recipe) describe."""
+def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
+    """The TrainConfig the flags (over an optional --config recipe) describe.
+
+    'auto' values are resolved for `strategy`; without one (to validate the flags before the
+    strategy exists) they take TrainConfig's defaults.
+    """
     values = dict(CONFIGS[FLAGS.config].get_config()) if FLAGS.config else {}
     for name in _CONFIG_FLAGS:
         if FLAGS[name].present or name not in values:
             values[name] = FLAGS[name].value
+    for name, resolve in _AUTO_RESOLVERS.items():
+        if values[name] == AUTO:
+            values[name] = getattr(_DEFAULTS, name) if strategy is None else resolve(strategy)
+    if values["mixed_precision"] == "none":
+        values["mixed_precision"] = None
+    values["steps_per_execution"] = int(values["steps_per_execution"])
     if values["model"] == "resnet":
         values.setdefault("model_options", {"depth": FLAGS.resnet_depth})
     if values["dataset"] == "synthetic":
@@ -243,6 +271,11 @@ def main(argv: list[str]) -> None:
     if started is None:
         return
     cluster, strategy = started
+    config = train_config(strategy)
+    log.info(
+        "steps_per_execution %d, mixed precision %s",
+        config.steps_per_execution, config.mixed_precision or "none (float32)",
+    )  # fmt: skip
     trainer = Trainer(config, strategy=strategy, cluster=cluster)
     result = trainer.fit()
     if FLAGS.save_weights_to:

@@ -1,0 +1,69 @@
+"""What 'auto' means per strategy (tfdist.training.auto), and the training binary's use of it."""
+
+from __future__ import annotations
+
+import pytest
+from absl import flags
+
+import tfdist
+from experiments import train as train_binary
+from tfdist.training.auto import (
+    TPU_STEPS_PER_EXECUTION,
+    auto_mixed_precision,
+    auto_steps_per_execution,
+)
+
+
+@pytest.mark.parametrize(
+    "kind, steps, precision",
+    [
+        ("tpu", TPU_STEPS_PER_EXECUTION, "mixed_bfloat16"),
+        ("one_device", 1, None),
+        ("mirrored", 1, None),
+        ("multi_worker_mirrored", 1, None),
+        ("parameter_server", 1, None),
+    ],
+)
+def test_auto_settings_by_strategy_kind(kind, steps, precision):
+    assert auto_steps_per_execution(kind) == steps
+    assert auto_mixed_precision(kind) == precision
+
+
+def test_auto_settings_of_a_strategy_object():
+    strategy = tfdist.build_strategy("mirrored", cluster=None, devices=("/cpu:0", "/cpu:1"))
+    assert auto_steps_per_execution(strategy) == 1
+    assert auto_mixed_precision(strategy) is None
+
+
+@pytest.fixture
+def parse_flags():
+    """Parses the training binary's flags from a command line, unparsing them afterwards."""
+
+    def parse(*args: str):
+        train_binary.FLAGS(["train", *args])
+
+    yield parse
+    train_binary.FLAGS.unparse_flags()
+
+
+@pytest.mark.parametrize(
+    "args, steps, precision",
+    [
+        ((), 1, None),
+        (("--steps_per_execution=8", "--mixed_precision=mixed_bfloat16"), 8, "mixed_bfloat16"),
+        (("--mixed_precision=none",), 1, None),
+    ],
+)
+def test_binary_resolves_auto_flags_for_the_strategy(parse_flags, args, steps, precision):
+    parse_flags(*args)
+    config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
+    assert (config.steps_per_execution, config.mixed_precision) == (steps, precision)
+    # Before the strategy exists, 'auto' takes TrainConfig's defaults, so flags validate early.
+    assert train_binary.train_config().steps_per_execution == steps
+
+
+def test_binary_rejects_a_bad_steps_per_execution(parse_flags):
+    with pytest.raises(
+        flags.IllegalFlagValueError, match=r"must be 'auto' or a positive whole number"
+    ):
+        parse_flags("--steps_per_execution=0")
