@@ -312,11 +312,109 @@ def test_parameter_server_run_ends_when_the_chief_finishes(tmp_path):
 def test_a_parameter_server_that_exits_by_itself_is_a_failure(tmp_path):
     command = task_command(tmp_path, 3, {"ps-0": "exit:0"})
 
-    result, _ = run_launch(launch_argv("--chief", "--workers", "1", "--ps", "1", command=command))
+    # --grace bounds the wait for the chief to report the lost ps (this chief never does).
+    result, seconds = run_launch(
+        launch_argv("--chief", "--workers", "1", "--ps", "1", "--grace", "1", command=command)
+    )
 
     assert result.returncode == 1, result.stdout + result.stderr
     assert "[launch] ps:0 exited by itself, but under parameter-server training" in result.stdout
+    assert "giving the chief up to 1 s to report" in result.stdout
+    assert seconds < 10
     assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_dead_parameter_server_lets_the_chief_report_before_stopping_it(tmp_path):
+    # The chief stands for a trainer that notices the lost ps and exits with its explanation.
+    command = task_command(tmp_path, 3, {"ps-0": "kill:9", "chief-0": "exit:1:1"})
+
+    result, seconds = run_launch(
+        launch_argv("--chief", "--workers", "1", "--ps", "1", command=command)
+    )
+
+    assert result.returncode == 137, result.stdout + result.stderr
+    assert seconds < 10
+    lines = launch_lines(result.stdout)
+    assert lines[1].startswith("[launch] ps:0 was killed by SIGKILL; parameter-server training")
+    # It exited by itself within the grace period, not stopped by the launcher.
+    assert "[launch] chief:0 exit 1" in lines
+    assert "[launch] worker:0 stopped" in lines
+    assert lines[-1] == (
+        "[launch] ps:0 failed with exit code 137 (SIGKILL), which parameter-server training "
+        "cannot survive; the job resumes from the chief's last checkpoint in its model_dir when "
+        "run again, or when launched with --max_restarts N"
+    )
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+@pytest.mark.parametrize("how", ["kill:9", "exit:0"])
+def test_a_parameter_server_job_survives_a_dead_worker(tmp_path, how):
+    # The chief finishes a second after every task started, long after worker:1 has gone.
+    command = task_command(tmp_path, 5, {"worker-1": how, "chief-0": "exit:0:1.5"})
+
+    result, seconds = run_launch(
+        launch_argv("--chief", "--workers", "2", "--ps", "2", command=command)
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert seconds < 10
+    outcome = "was killed by SIGKILL" if how == "kill:9" else "exited by itself"
+    [lost] = [line for line in launch_lines(result.stdout) if "worker:1 " + outcome in line]
+    assert lost.endswith("parameter-server training continues on the other 1 worker (worker:0)")
+    assert (
+        "[launch] the program finished despite losing worker:1; stopping the serving tasks "
+        "worker:0, ps:0, ps:1" in result.stdout
+    )
+    assert "[launch] chief:0 exit 0" in result.stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_parameter_server_job_fails_when_its_last_worker_dies(tmp_path):
+    command = task_command(tmp_path, 4, {"worker-0": "kill:9", "worker-1": "exit:3:0.5"})
+
+    result, seconds = run_launch(
+        launch_argv("--chief", "--workers", "2", "--ps", "1", command=command)
+    )
+
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert seconds < 10
+    assert "[launch] worker:0 was killed by SIGKILL; parameter-server training continues" in (
+        result.stdout
+    )
+    assert (
+        "[launch] worker:1 failed with exit code 3, and it was the last worker: "
+        "parameter-server training cannot go on; stopping the other tasks" in result.stdout
+    )
+    assert "[launch] chief:0 stopped" in result.stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_on_worker_failure_stop_ends_a_parameter_server_job(tmp_path):
+    command = task_command(tmp_path, 4, {"worker-1": "kill:9"})
+
+    result, seconds = run_launch(
+        launch_argv(
+            "--chief", "--workers", "2", "--ps", "1", "--on_worker_failure", "stop", command=command
+        )
+    )
+
+    assert result.returncode == 137, result.stdout + result.stderr
+    assert seconds < 10
+    assert "[launch] worker:1 was killed by SIGKILL; stopping the other tasks" in result.stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_on_worker_failure_continue_needs_parameter_servers():
+    result, _ = run_launch(
+        launch_argv("--workers", "2", "--on_worker_failure", "continue", command=["true"])
+    )
+
+    assert result.returncode == launch.EXIT_USAGE
+    assert re.search(
+        r"--on_worker_failure continue needs parameter-server training.*"
+        r"Received: --on_worker_failure=continue without --ps",
+        result.stderr,
+    )
 
 
 def test_timeout_stops_everything_even_a_task_that_ignores_sigterm(tmp_path):

@@ -13,6 +13,7 @@ examples:
   # parameter-server training: the chief coordinates, the workers and ps serve
   python -m tools.launch --chief --workers 2 --ps 1 -- python train.py
   # restart the whole job up to 3 times if a task fails, is killed or is preempted
+  # (a parameter-server worker that dies is survived without a restart)
   python -m tools.launch --workers 2 --max_restarts 3 -- python train.py
   # print each task's TF_CONFIG and command line instead of starting anything
   python -m tools.launch --chief --workers 2 --ps 1 --dry_run -- python train.py
@@ -21,6 +22,16 @@ roles:
   Without --ps every task runs COMMAND to completion. With --ps only the chief (and the
   evaluator) run the training program; COMMAND should make workers and ps start a
   tf.distribute.Server and wait, and the launcher stops them once the chief exits 0.
+
+failures in parameter-server training (--ps M):
+  A worker that dies does not end the job (--on_worker_failure continue, the default with
+  --ps): the chief's ClusterCoordinator re-runs the steps the worker was running on the
+  other workers, and the launcher logs the loss and carries on; only when every worker is
+  gone does the job fail. --on_worker_failure stop ends the job instead, as a failure of
+  any task does without --ps (synchronous training cannot lose a worker). A dead ps or
+  chief ends the job: the variables live on the ps and the chief coordinates. After a ps
+  dies the chief gets --grace seconds to report where training stopped and which checkpoint
+  a restart resumes from; --max_restarts N then restarts the job from that checkpoint.
 
 restarts (--max_restarts N):
   When a task fails (a non-zero exit, or death by a signal) the launcher stops every task, as
@@ -37,7 +48,8 @@ exit status:
   0        every program task exited 0
   N        the first task to fail exited with N (128+S if signal S killed it) and no
            restarts were left; 42 means it was preempted with its state saved
-  1        a worker or ps server exited by itself while the program ran
+  1        a worker or ps server exited by itself while the program ran, or every worker
+           of a parameter-server job died
   2        bad usage
   124      --timeout passed
   126/127  COMMAND cannot be run / was not found
@@ -73,6 +85,8 @@ _POLL_SECONDS = 0.1
 # A task may leave a daemon holding its output pipe open; wait this long for it, not forever.
 _DRAIN_SECONDS = 5.0
 _EXAMPLE = "python -m tools.launch --workers 2 -- python train.py"
+# What a worker's death does to a parameter-server job (without ps, any failure ends the job).
+WORKER_FAILURE_CHOICES = ("continue", "stop")
 
 
 class UsageError(ValueError):
@@ -276,6 +290,25 @@ def _failure(returncode: int, *, with_code: bool = False) -> str:
     return "exited by itself, but under parameter-server training it must serve until stopped"
 
 
+def _worker_failure_mode(choice: str | None, parameter_server: bool) -> str:
+    # Synchronous training cannot lose a worker: its collectives need every one of them.
+    if choice is None:
+        return "continue" if parameter_server else "stop"
+    if choice not in WORKER_FAILURE_CHOICES:
+        raise UsageError(
+            f"--on_worker_failure must be one of {', '.join(WORKER_FAILURE_CHOICES)}. "
+            f"Received: --on_worker_failure={choice}"
+        )
+    if choice == "continue" and not parameter_server:
+        raise UsageError(
+            "--on_worker_failure continue needs parameter-server training (--ps M): without ps "
+            "tasks every worker takes part in every step, so the job cannot go on without one; "
+            "use --max_restarts N to restart it instead. Received: --on_worker_failure=continue "
+            "without --ps"
+        )
+    return choice
+
+
 def _plural(items: Sequence[object], noun: str) -> str:
     return f"{len(items)} {noun}" + ("" if len(items) == 1 else "s")
 
@@ -294,10 +327,13 @@ class Launcher:
         stopped.
       grace: seconds a task gets to exit after SIGTERM before it is killed with SIGKILL.
       max_restarts: how many times the whole job may be started again after a task fails.
+      on_worker_failure: with ps tasks, "continue" (the default) survives a worker's death,
+        since the chief reschedules its steps on the others; "stop" ends the job. Without
+        ps tasks only "stop" (the default) is possible.
 
     Raises:
-      UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0 or
-        `max_restarts` < 0.
+      UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0,
+        `max_restarts` < 0, or `on_worker_failure` is unknown or "continue" without ps.
     """
 
     def __init__(
@@ -308,6 +344,7 @@ class Launcher:
         timeout: float = 3600.0,
         grace: float = 10.0,
         max_restarts: int = 0,
+        on_worker_failure: str | None = None,
     ) -> None:
         if not command:
             raise UsageError(f"no command to run: put it after `--`, e.g. `{_EXAMPLE}`")
@@ -323,6 +360,7 @@ class Launcher:
             )
         self._command, self._tasks = list(command), list(tasks)
         self._serving = serving_tasks(self._tasks)
+        self._worker_failure = _worker_failure_mode(on_worker_failure, bool(self._serving))
         self._timeout, self._grace = timeout, grace
         self._max_restarts, self._restarts = max_restarts, 0
         self._lock = threading.Lock()
@@ -381,6 +419,12 @@ class Launcher:
         if self._restarts == self._max_restarts:
             if self._max_restarts:
                 self._say(f"{cause}; no restarts left (--max_restarts {self._max_restarts})")
+            elif self._serving and task.type in ("chief", "ps"):
+                self._say(
+                    f"{cause}, which parameter-server training cannot survive; the job resumes "
+                    "from the chief's last checkpoint in its model_dir when run again, or when "
+                    "launched with --max_restarts N"
+                )
             return code
         if time.monotonic() > deadline:
             # With restarts left, only success, a signal or the timeout end the run.
@@ -436,21 +480,42 @@ class Launcher:
 
     def _supervise(self, deadline: float) -> tuple[int, tuple[Task, int] | None]:
         programs = [task for task in self._tasks if task not in self._serving]
+        workers = [task for task in self._serving if task.type == "worker"]
         exited: set[Task] = set()
         while not self._signals:
             for task, proc in self._procs.items():
                 if task in exited or proc.poll() is None:
                     continue
                 exited.add(task)
-                if proc.returncode != 0 or task in self._serving:
-                    self._readers[task].join(1.0)  # its last lines (a traceback?) come first
-                    self._say(f"{task.name} {_failure(proc.returncode)}; stopping the other tasks")
-                    # A server that exits 0 failed too.
+                if proc.returncode == 0 and task not in self._serving:
+                    continue
+                self._readers[task].join(1.0)  # its last lines (a traceback?) come first
+                if task in workers and self._worker_failure == "continue":
+                    left = [w for w in workers if w not in exited]
+                    if left:
+                        self._say(
+                            f"{task.name} {_failure(proc.returncode)}; parameter-server training "
+                            f"continues on the other {_plural(left, 'worker')} "
+                            f"({', '.join(w.name for w in left)})"
+                        )
+                        continue
+                    self._say(
+                        f"{task.name} {_failure(proc.returncode)}, and it was the last worker: "
+                        "parameter-server training cannot go on; stopping the other tasks"
+                    )
                     return _exit_code(proc.returncode) or 1, (task, proc.returncode)
+                if task.type == "ps" and self._serving:
+                    self._let_chief_report(task, proc.returncode)
+                else:
+                    self._say(f"{task.name} {_failure(proc.returncode)}; stopping the other tasks")
+                # A server that exits 0 failed too.
+                return _exit_code(proc.returncode) or 1, (task, proc.returncode)
             if exited.issuperset(programs):
+                lost = [task for task in workers if task in exited]
                 if self._serving:
-                    names = ", ".join(task.name for task in self._serving)
-                    self._say(f"the program finished; stopping the serving tasks {names}")
+                    names = ", ".join(task.name for task in self._serving if task not in lost)
+                    despite = f" despite losing {', '.join(t.name for t in lost)}" if lost else ""
+                    self._say(f"the program finished{despite}; stopping the serving tasks {names}")
                 return 0, None
             if time.monotonic() > deadline:
                 running = ", ".join(task.name for task in self._tasks if task not in exited)
@@ -459,6 +524,21 @@ class Launcher:
             time.sleep(_POLL_SECONDS)
         self._say(f"received {_signal_name(self._signals[0])}; stopping all tasks")
         return 128 + self._signals[0], None
+
+    def _let_chief_report(self, ps: Task, returncode: int) -> None:
+        # The chief notices a dead ps within seconds and explains where training stopped
+        # and where a restart resumes; stopping it at once would cut that message off.
+        chief = next(task for task in self._tasks if task.type == "chief")
+        proc = self._procs[chief]
+        self._say(
+            f"{ps.name} {_failure(returncode)}; parameter-server training cannot continue "
+            f"without it; giving the chief up to {self._grace:g} s to report, then stopping "
+            "the other tasks"
+        )
+        deadline = time.monotonic() + self._grace
+        while proc.poll() is None and time.monotonic() < deadline and not self._signals:
+            time.sleep(_POLL_SECONDS)
+        self._readers[chief].join(1.0 if proc.poll() is not None else 0)
 
     def _stop_all(self) -> None:
         running = [task for task, proc in self._procs.items() if proc.poll() is None]
@@ -578,6 +658,14 @@ def _build_parser() -> argparse.ArgumentParser:
         f"{RESTART_COUNT_ENV} (default: 0)",
     )
     add(
+        "--on_worker_failure",
+        choices=WORKER_FAILURE_CHOICES,
+        default=None,
+        help="with --ps: 'continue' (the default) keeps parameter-server training going when a "
+        "worker dies, its steps rescheduled on the others; 'stop' ends the job. Without --ps a "
+        "failed task always ends the job (default: continue with --ps, else stop)",
+    )
+    add(
         "--dry_run",
         action="store_true",
         help="print each task's TF_CONFIG and command line, to run by hand or on other hosts, "
@@ -619,6 +707,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             timeout=args.timeout,
             grace=args.grace,
             max_restarts=args.max_restarts,
+            on_worker_failure=args.on_worker_failure,
         )
     except UsageError as error:
         print(f"launch: error: {error}", file=sys.stderr)
