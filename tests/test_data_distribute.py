@@ -16,6 +16,7 @@ from tfdist.data import (
     plan_batches,
     prepare_synthetic,
 )
+from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
 from tools.smoke import parse_results
 
 
@@ -90,3 +91,65 @@ def test_two_worker_multi_worker_mirrored_reads_tfrecords_exactly_once(tmp_path)
         "reads 2 of 4 files" in result.stdout
         and "Global batch 64 = 2 replica(s) x 32" in result.stdout
     )
+
+
+def labelled(count: int) -> tf.data.Dataset:
+    """`count` examples (image = label = index) in batches of 3, the last one partial."""
+    images = tf.reshape(tf.range(count, dtype=tf.float32), [count, 1, 1])
+    return tf.data.Dataset.from_tensor_slices((images, tf.range(count))).batch(3)
+
+
+@pytest.mark.parametrize(
+    "count, batches_per_step, batches",
+    [(10, 2, 4), (9, 3, 3), (9, 1, 3), (1, 4, 4), (0, 2, 0)],
+)
+def test_padding_gives_whole_steps_of_full_batches(count, batches_per_step, batches):
+    padded = list(
+        pad_to_whole_steps(labelled(count), batch_size=3, batches_per_step=batches_per_step)
+    )
+    assert len(padded) == batches
+    assert all(images.shape == (3, 1, 1) and labels.shape == (3,) for images, labels in padded)
+    labels = [int(x) for _, batch in padded for x in batch]
+    images = [int(x) for batch, _ in padded for x in tf.reshape(batch, [-1])]
+    real = [x for x in labels if x != PAD_LABEL]
+    assert real == list(range(count))  # every example once, in order, before the padding
+    assert labels == real + [PAD_LABEL] * (len(labels) - count)
+    assert images[count:] == [0] * (len(images) - count)
+
+
+def test_padded_evaluation_feeds_every_replica_a_full_batch(synthetic):
+    strategy = tfdist.build_strategy("mirrored", cluster=None)  # 4 replicas
+    test_examples = synthetic.info.num_examples["test"]  # 16: one full step of 12, then 4
+
+    def dataset_fn(context, batch_size):
+        options = PipelineOptions(repeat=False, shuffle_buffer=0, drop_remainder=False)
+        dataset = synthetic.dataset(
+            "test", batch_size=batch_size, input_context=context, options=options
+        )
+        per_pipeline = context.num_replicas_in_sync // context.num_input_pipelines
+        return pad_to_whole_steps(dataset, batch_size=batch_size, batches_per_step=per_pipeline)
+
+    steps = list(distribute_dataset(strategy, dataset_fn, global_batch_size=12))
+    assert len(steps) == 2
+    shards = [labels for _, step in steps for labels in strategy.experimental_local_results(step)]
+    assert [s.shape[0] for s in shards] == [3] * 8
+    real = tf.concat([s[s != PAD_LABEL] for s in shards], axis=0)
+    expected = tf.concat(
+        [
+            labels
+            for _, labels in synthetic.dataset(
+                "test",
+                batch_size=64,
+                options=PipelineOptions(repeat=False, shuffle_buffer=0, drop_remainder=False),
+            )
+        ],
+        axis=0,
+    )
+    assert real.shape[0] == test_examples
+    assert sorted(real.numpy().tolist()) == sorted(expected.numpy().tolist())
+
+
+def test_padding_needs_images_of_a_fixed_shape():
+    ragged = tf.data.Dataset.range(3).map(lambda i: (tf.zeros([i + 1]), tf.cast(i, tf.int32)))
+    with pytest.raises(DataError, match=r"needs images of a fixed shape"):
+        pad_to_whole_steps(ragged.batch(1), batch_size=2, batches_per_step=1)

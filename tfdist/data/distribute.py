@@ -103,3 +103,51 @@ def distribute_dataset(
             lambda: strategy.distribute_datasets_from_function(per_pipeline)
         )
     return strategy.distribute_datasets_from_function(per_pipeline)
+
+
+# The label of the examples `pad_to_whole_steps` adds; evaluation weights them out.
+PAD_LABEL = -1
+
+
+def pad_to_whole_steps(
+    dataset: tf.data.Dataset, *, batch_size: int, batches_per_step: int
+) -> tf.data.Dataset:
+    """Pads one input pipeline's (image, label) batches into whole steps of full batches.
+
+    For evaluation on a TPU, which compiles a program per input shape: every batch gets the
+    static shape [batch_size, ...] and the pipeline ends on a whole step (a batch for each of
+    its replicas). Dropping the last partial batch instead would silently skip up to a batch
+    per replica of the test set and make a TPU's figures differ from a GPU's; so the batches
+    are topped up with zero images labelled PAD_LABEL, which the evaluation step counts for
+    nothing.
+
+    Args:
+      dataset: batches of (image, label), the last batch possibly partial, images of a fully
+        known shape.
+      batch_size: the per-replica batch.
+      batches_per_step: the replicas this pipeline feeds (num_replicas_in_sync //
+        num_input_pipelines).
+
+    Returns:
+      Full batches, a multiple of `batches_per_step` of them, ending with the first step
+      that holds the last real example.
+    """
+    examples = dataset.unbatch()
+    image_spec, label_spec = examples.element_spec
+    if not image_spec.shape.is_fully_defined():
+        raise DataError(
+            "Padding evaluation batches to a static shape needs images of a fixed shape. "
+            f"Received: image shape {image_spec.shape}"
+        )
+    filler = tf.data.Dataset.from_tensors(
+        (tf.zeros(image_spec.shape, image_spec.dtype), tf.constant(PAD_LABEL, label_spec.dtype))
+    ).repeat()
+    # The filler never ends, so every step is whole; a step that starts with padding holds
+    # no real example, and is where the pipeline ends.
+    steps = (
+        examples.concatenate(filler)
+        .batch(batch_size, drop_remainder=True)
+        .batch(batches_per_step, drop_remainder=True)
+        .take_while(lambda images, labels: labels[0, 0] != PAD_LABEL)
+    )
+    return steps.unbatch().prefetch(tf.data.AUTOTUNE)
