@@ -346,3 +346,27 @@ def test_sigterm_saves_and_stops_and_the_rerun_ends_with_uninterrupted_weights(d
     result = resumed.fit()
     assert result.resumed_from_step == stop.value.step and result.steps == 18
     assert max_diff(resumed.model.get_weights(), uninterrupted.model.get_weights()) <= TOLERANCE
+
+
+def test_static_shape_evaluation_counts_every_test_example_once(data_dir):
+    # TPU evaluation pads the last batches to full ones and masks the padding out; on 4 CPU
+    # replicas it must give exactly the figures of plain evaluation (359 test examples do not
+    # fill 64-example steps, so padding is needed at the end).
+    config = TrainConfig(
+        data_dir=data_dir,
+        **{**EXACT, "global_batch_size": 64, "epochs": 2, "steps_per_epoch": 2, "eval_every": 1},
+    )
+    results = {}
+    for static_shapes in (False, True):
+        trainer = Trainer(config, strategy=tfdist.build_strategy("mirrored", cluster=None))
+        assert trainer.data.info.num_examples["test"] % 64
+        trainer.static_shapes = static_shapes
+        results[static_shapes] = trainer.fit()
+    plain, padded = results[False], results[True]
+    assert padded.eval_loss == pytest.approx(plain.eval_loss, abs=TOLERANCE)
+    assert padded.eval_accuracy == pytest.approx(plain.eval_accuracy, abs=TOLERANCE)
+    # The per-epoch history (the notebook's learning curve) agrees with the final figures.
+    assert [h["epoch"] for h in padded.history] == [1, 2]
+    assert [h["step"] for h in padded.history] == [2, 4]
+    assert padded.history[-1]["eval_accuracy"] == padded.eval_accuracy
+    assert padded.history[-1]["train_loss"] == padded.train_loss

@@ -23,9 +23,10 @@ import tensorflow as tf
 
 from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, distribute_dataset, plan_batches, prepare_dataset
+from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
 from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
-from tfdist.strategies import strategy_kind
+from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.config import TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
@@ -87,6 +88,19 @@ class Trainer:
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
+        # Before anything is read or written, as a TPU Node's host sees only Cloud Storage.
+        # Synthetic data is made in memory; without a model_dir nothing is written.
+        paths = {} if config.dataset == "synthetic" else {"data_dir": config.data_dir}
+        if config.model_dir is not None:
+            paths["model_dir"] = config.model_dir
+        check_tpu_node_paths(tpu_node_address(strategy), paths)
+        # TPUs compile a program per input shape, so evaluation pads its last batches.
+        self.static_shapes = strategy_kind(strategy) == "tpu"
+        if self.static_shapes and self.is_chief:
+            log.info(
+                "Evaluation pads its last batches to full ones for the TPU's static shapes; "
+                "the padding is masked out, so every test example counts once"
+            )
         self.data = prepare_dataset(
             config.dataset, data_dir=config.data_dir, **config.dataset_options
         )
@@ -169,7 +183,10 @@ class Trainer:
     def replica_eval(self, images, labels):
         def evaluate():
             logits = self.model(images, training=False)
-            return _sums(self.loss_fn(labels, logits), logits, labels)
+            # Padding added for static shapes (PAD_LABEL) is scored as class 0, then weighed 0.
+            real = labels != PAD_LABEL
+            known = tf.where(real, labels, tf.zeros_like(labels))
+            return _sums(self.loss_fn(known, logits), logits, known, weights=real)
 
         # The last evaluation batch can leave a replica empty-handed, and oneDNN's convolution
         # rejects a batch of zero images; such a replica simply adds nothing.
@@ -200,9 +217,15 @@ class Trainer:
         options = PipelineOptions(
             repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
         )
-        return self.data.dataset(
+        dataset = self.data.dataset(
             "test", batch_size=batch_size, input_context=context, options=options
         )
+        if not self.static_shapes:
+            return dataset
+        # Dropping the partial last batches would skip test examples (and make the figures
+        # differ from other hardware's); padding keeps every one and the shapes static.
+        replicas_here = context.num_replicas_in_sync // context.num_input_pipelines
+        return pad_to_whole_steps(dataset, batch_size=batch_size, batches_per_step=replicas_here)
 
     # --- the loop -----------------------------------------------------------------------------
 
@@ -235,6 +258,7 @@ class Trainer:
         )
         train_metrics: dict[str, float] = {}
         eval_metrics: dict[str, float] = {}
+        history: list[dict[str, float]] = []
         # Reading the running sums synchronises the host with the steps (and, across workers,
         # is a collective), so the progress bar is fed about ten times an epoch, at the same
         # steps on every worker, not after every call.
@@ -281,6 +305,7 @@ class Trainer:
                 metrics.update(eval_metrics)
             runner.save(step)
             self.reporter.end_epoch(epoch, step, metrics)
+            history.append({"epoch": epoch + 1, "step": step, **metrics})
         if not train_metrics:  # nothing left to train: still report where the run stands
             eval_metrics = {f"eval_{k}": v for k, v in _averages(runner.evaluate()).items()}
         result = TrainResult(
@@ -297,6 +322,7 @@ class Trainer:
             eval_accuracy=eval_metrics.get("eval_accuracy"),
             examples_per_second=self._examples_per_second(),
             wall_seconds=time.perf_counter() - start,
+            history=tuple(history),
         )
         self.reporter.finish(result, self.model)
         return result
@@ -465,12 +491,19 @@ def _sum_variable() -> tf.Variable:
     )
 
 
-def _sums(per_example_loss, logits, labels):
+def _sums(per_example_loss, logits, labels, weights=None):
     correct = tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32) == labels, tf.float32)
-    count = tf.cast(tf.shape(labels)[0], tf.float32)
-    return tf.stack(
-        [tf.reduce_sum(tf.cast(per_example_loss, tf.float32)), tf.reduce_sum(correct), count]
-    )
+    per_example_loss = tf.cast(per_example_loss, tf.float32)
+    if weights is None:
+        count = tf.cast(tf.shape(labels)[0], tf.float32)
+    else:  # examples of weight 0 count for nothing
+        weights = tf.cast(weights, tf.float32)
+        per_example_loss, correct, count = (
+            per_example_loss * weights,
+            correct * weights,
+            tf.reduce_sum(weights),
+        )
+    return tf.stack([tf.reduce_sum(per_example_loss), tf.reduce_sum(correct), count])
 
 
 def _averages(sums) -> dict[str, float]:

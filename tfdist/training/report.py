@@ -38,6 +38,10 @@ class TrainResult:
     eval_accuracy: float | None
     examples_per_second: float
     wall_seconds: float
+    # One dict per epoch this run trained (a resumed run: the epochs since it resumed): the
+    # epoch's metrics as logged (train_loss, train_accuracy, eval_* when evaluated, ...)
+    # with its "epoch" number (from 1) and the "step" it ended on; e.g. a learning curve.
+    history: tuple[dict[str, float], ...] = ()
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2)
