@@ -124,6 +124,7 @@ def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], 
             sys.exit(EXIT_PREEMPTED)
         except TfdistError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_USAGE)
+            # A failure of the cluster rather than of the command line says so in its code.
+            sys.exit(getattr(e, "exit_code", EXIT_USAGE))
 
     return wrapper

@@ -143,6 +143,12 @@ flags.register_validator(
     lambda value: value == AUTO or (value.isdigit() and int(value) >= 1),
     message="--steps_per_execution must be 'auto' or a positive whole number.",
 )
+flags.DEFINE_bool(
+    "staleness_aware_lr",
+    _DEFAULTS.staleness_aware_lr,
+    "parameter_server only: divide each update's learning rate by its staleness (the updates "
+    "that reached the parameters between the worker's read and its write; Zhang et al., 2016).",
+)
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
 flags.DEFINE_integer(
     "shuffle_buffer",
@@ -198,7 +204,7 @@ _CONFIG_FLAGS = [
     "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
     "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
     "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
-    "checkpoint_every",
+    "checkpoint_every", "staleness_aware_lr",
 ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ can, with checkpoints, resume, progress, TensorBoard and a summary written by th
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import time
@@ -28,10 +29,17 @@ from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training.checkpoints import Checkpoints
-from tfdist.training.config import TrainConfig
+from tfdist.training.config import ConfigError, TrainConfig
+from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error
 from tfdist.training.optim import build_optimizer, build_schedule
 from tfdist.training.preemption import Preempted, PreemptionWatcher
 from tfdist.training.report import Reporter, TrainResult
+from tfdist.training.staleness import (
+    STALENESS_STATS,
+    StalenessAwareSchedule,
+    StalenessStats,
+    UpdateCounter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +93,13 @@ class Trainer:
     ):
         self.config, self.strategy = config, strategy
         self.is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+        if config.staleness_aware_lr and not self.is_ps:
+            raise ConfigError(
+                "staleness_aware_lr applies to parameter-server training only: synchronous "
+                "strategies apply every update to the parameters it was computed from "
+                "(staleness 0). Use the parameter_server strategy or drop the option. "
+                f"Received: staleness_aware_lr=True with {strategy_kind(strategy)}"
+            )
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
@@ -131,9 +146,11 @@ class Trainer:
                 )
             finally:
                 keras.mixed_precision.set_dtype_policy(previous_policy)
-            self.optimizer = build_optimizer(
-                config, build_schedule(config, steps_per_epoch=self.steps_per_epoch)
-            )
+            schedule = build_schedule(config, steps_per_epoch=self.steps_per_epoch)
+            if config.staleness_aware_lr:
+                schedule = StalenessAwareSchedule(schedule)
+            self.schedule = schedule
+            self.optimizer = build_optimizer(config, schedule)
             self.optimizer.build(self.model.trainable_variables)
             # The step counter is ours: assigned from the host after each execution.
             self.step = tf.Variable(
@@ -142,12 +159,19 @@ class Trainer:
                 trainable=False,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
+            # Parameter-server updates are asynchronous: count them on a ps to measure their
+            # staleness. Synchronous strategies have none, and skip the counter's cost.
+            self.update_counter = UpdateCounter() if self.is_ps else None
             if not self.is_ps:
                 # Per-replica running sums, added without communication and summed on read.
                 self.train_sums = _sum_variable()
                 self.eval_sums = _sum_variable()
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
+        if self.update_counter is not None:
+            # Saved so that updates applied minus steps counts the updates a dead worker's
+            # re-run closures applied twice, across restarts too.
+            checkpoint.applied_updates = self.update_counter.variable
         self.checkpoints = Checkpoints(
             checkpoint,
             model_dir=config.model_dir,
@@ -166,8 +190,15 @@ class Trainer:
     # --- the step every strategy runs ---------------------------------------------------------
 
     def replica_step(self, images, labels):
-        """One replica's share of a training step; returns [loss sum, correct, count]."""
-        with tf.GradientTape() as tape:
+        """One replica's share of a training step; returns [loss sum, correct, count].
+
+        Under parameter-server training it returns [loss sum, correct, count, staleness]: see
+        tfdist/training/staleness.py.
+        """
+        counter = self.update_counter
+        read = counter.read() if counter is not None else None
+        # The counter must be read before the weights are, or the staleness comes out low.
+        with tf.control_dependencies([] if read is None else [read]), tf.GradientTape() as tape:
             logits = self.model(images, training=True)
             per_example = self.loss_fn(labels, logits)
             loss = tf.nn.compute_average_loss(
@@ -177,8 +208,17 @@ class Trainer:
                 loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
             scaled = self.optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, self.model.trainable_variables)
-        self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
-        return _sums(per_example, logits, labels)
+        if counter is None:
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+            return _sums(per_example, logits, labels)
+        staleness = counter.claim(read, after=grads)
+        with (
+            self.schedule.scaled(staleness)
+            if isinstance(self.schedule, StalenessAwareSchedule)
+            else contextlib.nullcontext()
+        ):
+            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
+        return tf.concat([_sums(per_example, logits, labels), [staleness]], axis=0)
 
     def replica_eval(self, images, labels):
         def evaluate():
@@ -293,6 +333,7 @@ class Trainer:
             self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
             train_metrics = {f"train_{k}": v for k, v in _averages(sums).items()}
             metrics = dict(train_metrics)
+            metrics.update({f"train_{k}": v for k, v in runner.epoch_metrics().items()})
             metrics["learning_rate"] = float(self.optimizer.learning_rate)
             metrics["examples_per_second"] = (
                 (step - epoch_first_step)
@@ -322,6 +363,7 @@ class Trainer:
             eval_accuracy=eval_metrics.get("eval_accuracy"),
             examples_per_second=self._examples_per_second(),
             wall_seconds=time.perf_counter() - start,
+            **runner.run_summary(),
             history=tuple(history),
         )
         self.reporter.finish(result, self.model)
@@ -407,9 +449,21 @@ class _SyncRunner:
         self.run_state.step.assign(step)
         self.run_state.checkpoints.save(step)  # every worker saves; only the chief keeps it
 
+    def epoch_metrics(self) -> dict[str, float]:
+        return {}  # staleness is 0 by construction: not measured, not reported
+
+    def run_summary(self) -> dict[str, float | int | None]:
+        return {}
+
 
 class _ParameterServerRunner:
-    """parameter_server: steps are closures the coordinator schedules on any free worker."""
+    """parameter_server: steps are closures the coordinator schedules on any free worker.
+
+    A worker that dies is survived: the coordinator re-queues the closure it was running and
+    another worker runs it (its updates that reached the ps before it died are then applied
+    twice; `applied_updates` - `steps` in summary.json counts them). A ps that dies ends
+    training with ClusterTaskFailed, which says where a restart resumes.
+    """
 
     def __init__(self, run: Trainer, start_step: int):
         self.run_state = run
@@ -425,10 +479,16 @@ class _ParameterServerRunner:
 
         @tf.function
         def train_steps(iterator, n):
+            # [loss sum, correct, count] + [staleness sum, staleness max, updates]
             totals = tf.zeros([3])
+            staleness = tf.zeros([STALENESS_STATS])
             for _ in tf.range(n):
-                totals += strategy.run(run.replica_step, args=next(iterator))
-            return totals
+                out = strategy.run(run.replica_step, args=next(iterator))
+                totals += out[:3]
+                staleness = tf.stack(
+                    [staleness[0] + out[3], tf.maximum(staleness[1], out[3]), staleness[2] + 1.0]
+                )
+            return tf.concat([totals, staleness], axis=0)
 
         self._train_steps = train_steps
         # Results are fetched a few closures behind the newest, which keeps the progress bar
@@ -436,50 +496,92 @@ class _ParameterServerRunner:
         self._lag = 2 * len(run.cluster.cluster["worker"])
         self._pending: collections.deque = collections.deque()
         self._sums = [0.0, 0.0, 0.0]
+        self.staleness = StalenessStats()
         self._eval_fn = tf.function(run.replica_eval)
+        # For the message if a ps dies: how far training got, and where a restart resumes.
+        self._scheduled_step = start_step
+        self._saved_step = start_step if run.checkpoints.directory and start_step else None
+
+    @contextlib.contextmanager
+    def _explained(self):
+        # Every call that waits on the ps tasks goes through here, so that a dead ps ends the
+        # run with one message instead of TensorFlow's traceback.
+        try:
+            yield
+        except CLUSTER_ERRORS as e:
+            run = self.run_state
+            explained = explain_cluster_error(
+                e,
+                cluster=dict(run.cluster.cluster) if run.cluster else None,
+                step=self._scheduled_step,
+                total_steps=run.total_steps,
+                checkpoint_step=self._saved_step,
+                checkpoint_dir=run.checkpoints.directory,
+            )
+            if explained is None:
+                raise
+            raise explained from None
 
     def reset_sums(self):
         self._pending.clear()
         self._sums = [0.0, 0.0, 0.0]
+        self.staleness.reset_epoch()
 
     def run(self, n: int) -> None:
-        self._pending.append(
-            self.coordinator.schedule(
-                self._train_steps, args=(self.iterator, tf.constant(n, tf.int64))
+        with self._explained():
+            self._pending.append(
+                self.coordinator.schedule(
+                    self._train_steps, args=(self.iterator, tf.constant(n, tf.int64))
+                )
             )
-        )
-        while len(self._pending) > self._lag:
-            self._add(self._pending.popleft())
+            self._scheduled_step += n
+            while len(self._pending) > self._lag:
+                self._add(self._pending.popleft())
 
     def peek(self) -> list[float]:
         return self._sums
 
     def _add(self, remote) -> None:
-        self._sums = [a + float(b) for a, b in zip(self._sums, remote.fetch(), strict=True)]
+        values = [float(v) for v in remote.fetch()]
+        self._sums = [a + b for a, b in zip(self._sums, values[:3], strict=True)]
+        self.staleness.add(*values[3:])
 
     def finish_epoch(self, step: int) -> list[float]:
-        self.coordinator.join()  # the epoch ends when every scheduled step has run
-        while self._pending:
-            self._add(self._pending.popleft())
-        sums = self._sums
-        run = self.run_state
-        run.step.assign(step)
-        # Keep the optimizer's own counter (which drives the learning-rate schedule) on ours.
-        run.optimizer.iterations.assign(step)
-        return sums
+        with self._explained():
+            self.coordinator.join()  # the epoch ends when every scheduled step has run
+            while self._pending:
+                self._add(self._pending.popleft())
+            run = self.run_state
+            run.step.assign(step)
+            # Keep the optimizer's own counter (which drives the learning-rate schedule) on ours.
+            run.optimizer.iterations.assign(step)
+        return self._sums
+
+    def epoch_metrics(self) -> dict[str, float]:
+        return self.staleness.epoch_metrics()
+
+    def run_summary(self) -> dict[str, float | int | None]:
+        mean, largest = self.staleness.run_summary()
+        with self._explained():
+            applied = self.run_state.update_counter.value()
+        return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
 
     def evaluate(self) -> list[float]:
         # On the coordinator: it reads the variables from the ps tasks.
         run = self.run_state
         sums = tf.zeros([3])
-        for batch in run.eval_dataset_fn(None, run.config.global_batch_size):
-            sums += self._eval_fn(*batch)
-        return sums.numpy().tolist()
+        with self._explained():
+            for batch in run.eval_dataset_fn(None, run.config.global_batch_size):
+                sums += self._eval_fn(*batch)
+            return sums.numpy().tolist()
 
     def save(self, step: int) -> None:
-        self.coordinator.join()
-        self.run_state.step.assign(step)
-        self.run_state.checkpoints.save(step)
+        with self._explained():
+            self.coordinator.join()
+            self.run_state.step.assign(step)
+            self.run_state.checkpoints.save(step)
+        if self.run_state.checkpoints.directory:
+            self._saved_step = step
 
 
 def _sum_variable() -> tf.Variable:

@@ -38,6 +38,13 @@ class TrainResult:
     eval_accuracy: float | None
     examples_per_second: float
     wall_seconds: float
+    # Parameter-server training only (None for synchronous strategies, whose updates are
+    # never stale): staleness over this run's updates, and the updates that reached the
+    # parameters since the first step; more than `steps` means a dead worker's re-run
+    # closures applied some steps twice.
+    staleness_mean: float | None = None
+    staleness_max: int | None = None
+    applied_updates: int | None = None
     # One dict per epoch this run trained (a resumed run: the epochs since it resumed): the
     # epoch's metrics as logged (train_loss, train_accuracy, eval_* when evaluated, ...)
     # with its "epoch" number (from 1) and the "step" it ended on; e.g. a learning curve.

@@ -1,0 +1,207 @@
+"""Parameter-server training under real process deaths: a killed worker is survived, a killed
+ps ends the job with one explained error, and a restart resumes from the last checkpoint.
+
+Every job runs through tools.launch and the training binary; the test kills the task's real
+process (found by its TF_CONFIG among the launcher's children) with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import tensorflow as tf
+
+from tests.conftest import REPO
+from tfdist.training.faults import ClusterTaskFailed, explain_cluster_error
+
+STEPS = 600  # ~10 s of mlp steps on 2 workers: long enough to kill something mid-way
+CHECKPOINT_EVERY = 50
+
+
+def train_argv(model_dir: Path, data_dir: str, *launch_flags: str) -> list[str]:
+    return [
+        sys.executable, "-m", "tools.launch", "--chief", "--workers", "2", "--ps", "1",
+        "--timeout", "240", *launch_flags, "--",
+        "python", "-m", "experiments.train", "--strategy=parameter_server", "--model=mlp",
+        "--epochs=2", f"--steps_per_epoch={STEPS // 2}", "--eval_every=0",
+        f"--checkpoint_every={CHECKPOINT_EVERY}", "--optimizer=sgd", "--learning_rate=0.05",
+        f"--data_dir={data_dir}", f"--model_dir={model_dir}",
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("data"))
+
+
+def task_pid(launcher_pid: int, task: str) -> int | None:
+    """The pid of the launcher's child that plays `task` ("worker:1"), from its TF_CONFIG."""
+    task_type, index = task.split(":")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        for variable in environ:
+            if variable.startswith(b"TF_CONFIG="):
+                role = json.loads(variable[len(b"TF_CONFIG=") :])["task"]
+                if role == {"type": task_type, "index": int(index)}:
+                    return int(entry.name)
+    return None
+
+
+def kill_after_first_checkpoint(proc: subprocess.Popen, model_dir: Path, task: str) -> float:
+    """SIGKILLs `task` once training has checkpointed; returns when (monotonic seconds)."""
+    deadline = time.monotonic() + 180
+    while not list((model_dir / "checkpoints").glob("ckpt-*.index")):
+        assert proc.poll() is None, "the job ended before its first checkpoint"
+        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        time.sleep(0.05)
+    assert not (model_dir / "summary.json").exists()
+    pid = task_pid(proc.pid, task)
+    assert pid is not None, f"no process plays {task}"
+    os.kill(pid, signal.SIGKILL)
+    return time.monotonic()
+
+
+def run_and_kill(model_dir: Path, data_dir: str, task: str, *launch_flags: str):
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    log_path = model_dir.parent / f"{model_dir.name}.log"
+    model_dir.mkdir()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            train_argv(model_dir, data_dir, *launch_flags),
+            cwd=REPO,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            killed_at = kill_after_first_checkpoint(proc, model_dir, task)
+            proc.wait(timeout=200)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return proc.returncode, log_path.read_text(), time.monotonic() - killed_at
+
+
+def read_summary(model_dir: Path) -> dict:
+    return json.loads((model_dir / "summary.json").read_text())
+
+
+# What the coordinator raised from fetch() when this test's ps was killed (abridged).
+PS_GONE = (
+    "Graph execution error:\n\n2 root error(s) found.\n  (0) UNAVAILABLE:  failed to connect to "
+    "all addresses; last error: UNKNOWN: ipv4:127.0.0.1:49365: Failed to connect to remote host: "
+    "Connection refused\n  (1) CANCELLED:  Function was cancelled before it was started"
+)
+CLUSTER = {
+    "chief": ["127.0.0.1:49360"],
+    "worker": ["127.0.0.1:49363", "127.0.0.1:4936"],
+    "ps": ["127.0.0.1:49364", "127.0.0.1:49365"],
+}
+
+
+@pytest.mark.parametrize(
+    ("error", "task"),
+    [
+        (tf.errors.UnavailableError(None, None, PS_GONE), "ps:1"),
+        (tf.errors.AbortedError(None, None, "from remote target /job:ps/replica:0/task:0"), "ps:0"),
+        (tf.errors.CancelledError(None, None, "cancelled"), None),
+    ],
+)
+def test_a_cluster_error_names_the_task_and_where_a_restart_resumes(error, task):
+    explained = explain_cluster_error(
+        error, cluster=CLUSTER, step=130, total_steps=600, checkpoint_step=100,
+        checkpoint_dir="/runs/a/checkpoints",
+    )  # fmt: skip
+
+    assert isinstance(explained, ClusterTaskFailed) and explained.exit_code == 1
+    assert explained.task == task
+    message = str(explained)
+    assert message.startswith(f"parameter server {task} is unreachable" if task else "a parameter")
+    assert (
+        "stopped after scheduling step 130 of 600; the last checkpoint in /runs/a/checkpoints is "
+        "at step 100, where a restart resumes (30 steps are run again)"
+    ) in message
+    assert "\n" not in message and "--max_restarts" in message
+    assert "Received: " + type(error).__name__ in message
+    if task == "ps:1":
+        assert message.endswith("Received: UnavailableError: (0) UNAVAILABLE:  failed to connect "
+                                "to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:49365: "
+                                "Failed to connect to remote host: Connection refused")  # fmt: skip
+
+
+def test_other_errors_are_left_alone():
+    error = tf.errors.InvalidArgumentError(None, None, "bad shape")
+    assert explain_cluster_error(
+        error, cluster=CLUSTER, step=1, total_steps=2, checkpoint_step=None, checkpoint_dir=None
+    ) is None  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_is_survived_and_training_reaches_every_step(data_dir, tmp_path):
+    model_dir = tmp_path / "run"
+
+    code, output, seconds_after_kill = run_and_kill(model_dir, data_dir, "worker:1")
+
+    assert code == 0, output[-3000:]
+    assert "[launch] worker:1 was killed by SIGKILL; parameter-server training continues on " in (
+        output
+    )
+    assert "the program finished despite losing worker:1" in output
+    summary = read_summary(model_dir)
+    # The step counter lives on the coordinator: the dead worker's closures were re-run.
+    assert summary["steps"] == STEPS, summary
+    assert summary["resumed_from_step"] == 0
+    # At most the closure that was running when the worker died is applied twice.
+    assert STEPS <= summary["applied_updates"] <= STEPS + 1, summary
+    assert 0 <= summary["staleness_mean"] <= summary["staleness_max"], summary
+    assert "Traceback" not in output
+    print(f"finished {seconds_after_kill:.1f} s after the kill; summary {summary}")
+
+
+@pytest.mark.multiprocess
+def test_a_killed_ps_ends_the_attempt_with_one_message_and_the_restart_resumes(data_dir, tmp_path):
+    model_dir = tmp_path / "run"
+
+    code, output, _ = run_and_kill(model_dir, data_dir, "ps:0", "--max_restarts", "1")
+
+    assert code == 0, output[-3000:]
+    errors = re.findall(r"\[chief:0\] error: (.*)", output)
+    assert len(errors) == 1, output[-3000:]
+    match = re.match(
+        r"parameter server ps:0 is unreachable, and parameter-server training cannot continue "
+        r"without the variables it holds\. Training stopped after scheduling step (\d+) of "
+        rf"{STEPS}; the last checkpoint in \S+ is at step (\d+), where a restart resumes "
+        r"\(\d+ steps are run again\)\. Restart the job .* Received: \w+Error: ",
+        errors[0],
+    )
+    assert match, errors[0]
+    stopped, checkpoint = int(match.group(1)), int(match.group(2))
+    assert 0 < checkpoint <= stopped < STEPS
+    assert "Traceback" not in output
+    assert "[launch] ps:0 was killed by SIGKILL; parameter-server training cannot continue" in (
+        output
+    )
+    assert "[launch] ps:0 failed with exit code 137 (SIGKILL); restarting the job" in output
+    summary = read_summary(model_dir)
+    # The checkpoint named, unless the ps died while the next one was being written and that
+    # one still came out complete.
+    assert checkpoint <= summary["resumed_from_step"] <= stopped, summary
+    assert summary["steps"] == STEPS, summary
