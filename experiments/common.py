@@ -65,6 +65,18 @@ COLLECTIVE_TIMEOUT = flags.DEFINE_float(
     "collective_timeout", None,
     "Seconds a multi-worker collective waits for its peers before failing (default: forever).",
 )  # fmt: skip
+STARTUP_TIMEOUT = flags.DEFINE_float(
+    "startup_timeout", None,
+    "multi_worker_mirrored: seconds to wait for every chief/worker task to start before failing "
+    "with an error naming the missing ones (default 600; 0 waits forever).",
+    lower_bound=0,
+)  # fmt: skip
+HEARTBEAT_TIMEOUT = flags.DEFINE_float(
+    "heartbeat_timeout", None,
+    "multi_worker_mirrored: seconds without a heartbeat before a peer is declared dead and "
+    "the job stops with an error naming it (default: TensorFlow's, 10).",
+    lower_bound=0,
+)  # fmt: skip
 
 
 def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strategy] | None:
@@ -90,10 +102,12 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
         "compression": COMPRESSION.value,
         "collective": COLLECTIVE.value,
         "collective_timeout": COLLECTIVE_TIMEOUT.value,
+        "heartbeat_timeout": HEARTBEAT_TIMEOUT.value,
     }
-    strategy = tfdist.build_strategy(
-        STRATEGY.value, cluster=cluster, **{k: v for k, v in options.items() if v is not None}
-    )
+    options = {k: v for k, v in options.items() if v is not None}
+    if STARTUP_TIMEOUT.value is not None:
+        options["startup_timeout"] = STARTUP_TIMEOUT.value or None  # 0: wait forever
+    strategy = tfdist.build_strategy(STRATEGY.value, cluster=cluster, **options)
     return cluster, strategy
 
 

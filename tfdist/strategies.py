@@ -33,6 +33,7 @@ import tensorflow as tf
 from tfdist import devices as _devices
 from tfdist.cluster import CHIEF, FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 from tfdist.errors import TfdistError
+from tfdist.peers import DEFAULT_STARTUP_TIMEOUT, configure_coordination, explain_peer_error
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,11 @@ class StrategyOptions:
       collective: multi_worker_mirrored's collective implementation: 'auto', 'ring', 'nccl'.
       collective_timeout: seconds a multi-worker collective may wait for its peers before it
         fails (TensorFlow waits forever by default).
+      startup_timeout: seconds a multi_worker_mirrored task waits for every chief and worker
+        task to start before failing with an error naming the missing ones; None waits
+        forever (TensorFlow's default). Default 600.
+      heartbeat_timeout: seconds without a heartbeat before multi_worker_mirrored declares a
+        peer dead and stops with an error naming it. Default: TensorFlow's (10 s).
       ps_min_shard_bytes: parameter_server splits variables larger than this across the ps
         tasks (at most one shard per ps); 0 keeps every variable whole.
       tpu: the TPU to connect to: 'local' (Colab TPU VM / Cloud TPU VM), a TPU name, or a
@@ -82,6 +88,8 @@ class StrategyOptions:
     compression: str | None = None
     collective: str = "auto"
     collective_timeout: float | None = None
+    startup_timeout: float | None = DEFAULT_STARTUP_TIMEOUT
+    heartbeat_timeout: float | None = None
     ps_min_shard_bytes: int = DEFAULT_PS_MIN_SHARD_BYTES
     tpu: str | None = None
 
@@ -124,11 +132,13 @@ class StrategyOptions:
                 f"all_reduce='ring' (--all_reduce=ring). Received: all_reduce={self.all_reduce!r}"
             )
         _check_choice("collective", self.collective, COLLECTIVE_CHOICES)
-        if self.collective_timeout is not None and not self.collective_timeout > 0:
-            raise StrategyError(
-                "collective_timeout must be a positive number of seconds, or None to wait "
-                f"forever. Received: collective_timeout={self.collective_timeout!r}"
-            )
+        for name in ("collective_timeout", "startup_timeout", "heartbeat_timeout"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, (int, float)) and value > 0):
+                raise StrategyError(
+                    f"{name} must be a positive number of seconds, or None for TensorFlow's "
+                    f"default. Received: {name}={value!r}"
+                )
         if not isinstance(self.ps_min_shard_bytes, int) or self.ps_min_shard_bytes < 0:
             raise StrategyError(
                 "ps_min_shard_bytes must be a whole number of bytes >= 0 (0 disables "
@@ -153,6 +163,8 @@ _OPTION_USERS = {
     "all_reduce": ("mirrored", "multi_worker_mirrored"),
     "collective": ("multi_worker_mirrored",),
     "collective_timeout": ("multi_worker_mirrored",),
+    "startup_timeout": ("multi_worker_mirrored",),
+    "heartbeat_timeout": ("multi_worker_mirrored",),
     "ps_min_shard_bytes": ("parameter_server",),
     "tpu": ("tpu",),
 }
@@ -419,10 +431,25 @@ def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyO
             "all_reduce='ring', or collective='ring'/'nccl' to pick TensorFlow's collective "
             f"implementation. Received: all_reduce={options.all_reduce!r}"
         )
+    from tensorflow.python.eager import context
+
+    if context.context().coordination_service is None:  # else: the caller configured it
+        configure_coordination(
+            cluster,
+            startup_timeout=options.startup_timeout,
+            heartbeat_timeout=options.heartbeat_timeout,
+        )
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=cluster.cluster_resolver(), communication_options=communication
         )
+    except tf.errors.OpError as e:
+        explained = explain_peer_error(
+            e, cluster, starting=True, startup_timeout=options.startup_timeout
+        )
+        if explained is None:
+            raise
+        raise explained from None
     except (RuntimeError, ValueError) as e:
         if "startup" not in str(e) and "initialized" not in str(e):
             raise

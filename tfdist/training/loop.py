@@ -27,6 +27,7 @@ from tfdist.data import PipelineOptions, distribute_dataset, plan_batches, prepa
 from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
 from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
+from tfdist.peers import explain_peer_error
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.config import ConfigError, TrainConfig
@@ -282,8 +283,27 @@ class Trainer:
             if explained is None:
                 raise
             raise explained from None
+        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as e:
+            lost = (
+                None
+                if self.is_ps or self.cluster is None
+                else explain_peer_error(
+                    e, self.cluster, starting=False, resume_hint=self._resume_hint()
+                )
+            )
+            if lost is None:
+                raise
+            raise lost from None
         finally:
             self.checkpoints.close()
+
+    def _resume_hint(self) -> str:
+        if self.checkpoints.directory is None:
+            return "Nothing was saved (no model_dir), so a restart starts over. "
+        latest = tf.train.latest_checkpoint(self.checkpoints.directory)
+        if latest is None:
+            return f"No checkpoint was saved yet in {self.checkpoints.directory}. "
+        return f"A restart resumes from {latest}, the newest checkpoint. "
 
     def _fit(self, watcher: PreemptionWatcher) -> TrainResult:
         start = time.perf_counter()

@@ -1,0 +1,288 @@
+"""Missing and lost peers: bounded start-up, errors naming the task, restarts to the same weights.
+
+The multi-process tests start real training processes on loopback: a task whose peer never
+starts, a peer killed (SIGKILL) or frozen (SIGSTOP) during training, and a worker killed at a
+random step under `tools.launch --max_restarts`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests.conftest import REPO
+from tfdist.cluster import parse_tf_config
+from tfdist.peers import PeerError, explain_peer_error
+from tfdist.training import TrainConfig, Trainer
+
+TWO_WORKERS = {"cluster": {"worker": ["localhost:2001", "localhost:2002"]}}
+WITH_CHIEF = {"cluster": {"chief": ["h0:2000"], "worker": ["h1:2001", "h2:2002"]}}
+BARRIER = (
+    "Barrier timed out. Id: [Init]Wait_for_all_tasks_to_register::0.\n"
+    "# of tasks that reached the barrier: 1/2.\n"
+    "The first task at the barrier: /job:worker/replica:0/task:0. Some timed out task names:\n"
+    "/job:worker/replica:0/task:1\n"
+)
+HEARTBEAT = (
+    "Collective ops is aborted by: Error reported from /job:worker/task:1: The following tasks "
+    "are unhealthy (stopped sending heartbeats):\n/job:worker/replica:0/task:1\nThe tasks have "
+    "crashed."
+)
+RESET = (
+    "recvmsg:Connection reset by peer\nAdditional GRPC error information from remote target "
+    "/job:worker/replica:0/task:1 while calling /tensorflow.WorkerService/RecvBuf:"
+)
+
+
+def cluster(spec, task_type="worker", index=0):
+    return parse_tf_config({**spec, "task": {"type": task_type, "index": index}})
+
+
+@pytest.mark.parametrize(
+    "error, spec, task, starting, expected",
+    [
+        (
+            tf.errors.DeadlineExceededError(None, None, BARRIER),
+            TWO_WORKERS, ("worker", 0), True,
+            r"^worker:1 \(localhost:2002\) did not join the job within 5 s \(worker:0 was waiting",
+        ),
+        (  # a task that cannot reach the leader hears only "Deadline Exceeded": name the leader
+            tf.errors.DeadlineExceededError(None, None, "Deadline Exceeded"),
+            WITH_CHIEF, ("worker", 1), True,
+            r"^chief:0 \(h0:2000\) did not join the job within 5 s",
+        ),
+        (
+            tf.errors.UnavailableError(None, None, HEARTBEAT),
+            TWO_WORKERS, ("worker", 0), False,
+            r"^Lost worker:1 \(localhost:2002\) during training: it stopped sending heartbeats",
+        ),
+        (
+            tf.errors.UnavailableError(None, None, RESET),
+            TWO_WORKERS, ("worker", 0), False,
+            r"^Lost worker:1 \(localhost:2002\) during training: it closed its connection",
+        ),
+    ],
+)  # fmt: skip
+def test_errors_name_the_missing_task_and_its_address(error, spec, task, starting, expected):
+    explained = explain_peer_error(
+        error, cluster(spec, *task), starting=starting, startup_timeout=5.0
+    )
+    assert isinstance(explained, PeerError)
+    assert re.search(expected, str(explained)), str(explained)
+
+
+@pytest.mark.parametrize(
+    "error, task",
+    [
+        (tf.errors.InvalidArgumentError(None, None, RESET), 0),  # not a peer-failure type
+        (tf.errors.UnavailableError(None, None, "Socket closed"), 0),  # no task named
+        (tf.errors.UnavailableError(None, None, RESET), 1),  # names only this task itself
+    ],
+)
+def test_errors_that_are_not_about_a_peer_are_left_alone(error, task):
+    assert explain_peer_error(error, cluster(TWO_WORKERS, "worker", task), starting=False) is None
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"startup_timeout": 0}, r"startup_timeout must be a positive number of seconds"),
+        ({"heartbeat_timeout": -1.0}, r"heartbeat_timeout must be a positive number"),
+    ],
+)
+def test_timeouts_are_validated(options, message):
+    with pytest.raises(tfdist.StrategyError, match=message):
+        tfdist.StrategyOptions(**options)
+
+
+def test_timeouts_only_apply_to_multi_worker_mirrored():
+    with pytest.raises(tfdist.StrategyError, match="Option startup_timeout does not apply"):
+        tfdist.build_strategy("one_device", cluster=None, startup_timeout=5.0)
+
+
+# --- real processes -----------------------------------------------------------------------
+
+
+def free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def start_worker(index, ports, *flags, log):
+    tf_config = {
+        "cluster": {"worker": [f"localhost:{p}" for p in ports]},
+        "task": {"type": "worker", "index": index},
+    }
+    env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    command = [sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored"]
+    with open(log, "w") as out:  # the child keeps its own copy of the file descriptor
+        return subprocess.Popen(
+            [*command, "--model=mlp", *flags], cwd=REPO, env=env, stdout=out, stderr=out
+        )
+
+
+def error_line(log_path):
+    lines = [line for line in Path(log_path).read_text().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, Path(log_path).read_text()[-3000:]
+    return lines[0]
+
+
+@pytest.mark.multiprocess
+def test_a_task_whose_peer_never_starts_fails_within_the_startup_timeout(tmp_path):
+    # Two one-task "jobs" at once: worker 0 (the coordination leader, which TensorFlow lets
+    # wait forever) missing worker 1, and worker 1 missing its leader.
+    jobs = []
+    for index in (0, 1):
+        log, ports = tmp_path / f"worker{index}.log", free_ports(2)
+        proc = start_worker(index, ports, "--startup_timeout=3", "--epochs=1", log=log)
+        jobs.append((proc, log, ports[1 - index]))
+    started = time.monotonic()
+    for index, (proc, log, missing_port) in enumerate(jobs):
+        assert proc.wait(timeout=90) == 1
+        assert error_line(log) == (
+            f"error: worker:{1 - index} (localhost:{missing_port}) did not join the job within "
+            f"3 s (worker:{index} was waiting for every task in the TF_CONFIG environment "
+            "variable). Start every task of the cluster, or fix the address in TF_CONFIG; if "
+            "tasks start slowly (image pulls, scheduling), raise --startup_timeout. Received: "
+            "startup_timeout=3.0"
+        )
+    # TensorFlow's start-up (a few seconds) + the 3 s bound + shutdown, never a hang.
+    assert time.monotonic() - started < 60
+
+
+@pytest.mark.multiprocess
+def test_a_peer_that_dies_or_freezes_in_training_is_named_within_the_heartbeat_timeout(
+    tmp_path,
+):
+    jobs = {}
+    for stop in (signal.SIGKILL, signal.SIGSTOP):
+        ports = free_ports(2)
+        logs = [tmp_path / f"{stop.name}-{i}.log" for i in range(2)]
+        flags = ["--epochs=200", "--heartbeat_timeout=2", f"--model_dir={tmp_path / stop.name}"]
+        procs = [start_worker(i, ports, *flags, log=logs[i]) for i in range(2)]
+        jobs[stop] = procs, logs, ports
+    try:
+        for stop, (procs, logs, ports) in jobs.items():
+            deadline = time.monotonic() + 120
+            while "epoch 2/200" not in logs[0].read_text():
+                assert procs[0].poll() is None and time.monotonic() < deadline
+                time.sleep(0.1)
+            procs[1].send_signal(stop)
+            killed = time.monotonic()
+            assert procs[0].wait(timeout=60) == 1
+            seconds = time.monotonic() - killed
+            # A killed peer's connection drops at once, but a worker between collectives
+            # may hear first from the heartbeat; a frozen one keeps its connection open.
+            how = "closed its connection|stopped" if stop == signal.SIGKILL else "stopped"
+            line = error_line(logs[0])
+            assert re.match(
+                rf"error: Lost worker:1 \(localhost:{ports[1]}\) during training: it ({how})", line
+            ), line
+            assert f"A restart resumes from {tmp_path / stop.name}/checkpoints/ckpt-" in line
+            assert seconds < 30, f"{stop.name}: worker 0 took {seconds:.1f} s to stop"
+    finally:
+        for procs, _, _ in jobs.values():
+            for proc in procs:
+                proc.kill()
+                proc.wait()
+
+
+# --- restart after a kill at a random step ---------------------------------------------------
+
+# Plain SGD, no shuffle: the same global batches on one device and on two workers.
+EXACT = dict(
+    model="mlp", optimizer="sgd", momentum=0.0, learning_rate=0.1, shuffle_buffer=0,
+    global_batch_size=32, epochs=3, steps_per_epoch=20, eval_every=0, checkpoint_every=4,
+)  # fmt: skip
+
+
+def child_pids(parent):
+    """The processes whose parent is `parent`, read from /proc."""
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def worker_pid(launcher, index, deadline):
+    while time.monotonic() < deadline:
+        for pid in child_pids(launcher):
+            try:
+                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            config = [e for e in environ if e.startswith(b"TF_CONFIG=")]
+            if config and json.loads(config[0][10:])["task"]["index"] == index:
+                return pid
+        time.sleep(0.1)
+    raise AssertionError(f"worker {index} of launcher {launcher} not found")
+
+
+@pytest.mark.multiprocess
+def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(tmp_path):
+    rng = random.Random()
+    victim, delay = rng.randrange(2), rng.uniform(0.0, 2.0)
+    print(f"killing worker {victim} {delay:.2f} s after the first checkpoint")
+    data_dir, model_dir = tmp_path / "data", tmp_path / "run"
+    flags = [f"--{k}={v}" for k, v in EXACT.items()]
+    launcher = subprocess.Popen(
+        [
+            sys.executable, "-m", "tools.launch", "--workers", "2", "--max_restarts", "1",
+            "--timeout", "300", "--", sys.executable, "-m", "experiments.train",
+            "--strategy=multi_worker_mirrored", f"--data_dir={data_dir}",
+            f"--model_dir={model_dir}", f"--save_weights_to={tmp_path / 'weights'}", *flags,
+        ],
+        cwd=REPO, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 200
+        while not (model_dir / "checkpoints" / "checkpoint").exists():
+            assert launcher.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(delay)
+        os.kill(worker_pid(launcher.pid, victim, deadline), signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=240)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, output[-4000:]
+    assert f"[launch] worker:{victim} killed by SIGKILL" in output, output[-4000:]
+    assert "restarting the job (restart 1 of 1)" in output
+
+    summary = json.loads((model_dir / "summary.json").read_text())
+    assert summary["steps"] == 60
+    assert 0 < summary["resumed_from_step"] < 60 and summary["resumed_from_step"] % 4 == 0
+
+    reference = Trainer(
+        TrainConfig(data_dir=str(data_dir), **EXACT),
+        strategy=tfdist.build_strategy("one_device", cluster=None),
+    )
+    assert reference.fit().steps == 60
+    for index in range(2):
+        saved = np.load(tmp_path / "weights" / f"worker_{index}.npz")
+        weights = [saved[f"arr_{j}"] for j in range(len(saved.files))]
+        for got, want in zip(weights, reference.model.get_weights(), strict=True):
+            assert float(np.max(np.abs(got - want))) <= 1e-5
