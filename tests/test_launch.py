@@ -369,6 +369,39 @@ def test_a_parameter_server_job_survives_a_dead_worker(tmp_path, how):
     assert_all_gone(recorded_pids(tmp_path))
 
 
+def test_on_worker_failure_restart_restarts_a_dead_worker_in_place(tmp_path):
+    # worker:1 dies on every start: it is restarted 3 times, then the job goes on without it.
+    command = task_command(tmp_path, 4, {"worker-1": "kill:9", "chief-0": "exit:0:3"})
+
+    result, seconds = run_launch(
+        launch_argv(
+            "--chief",
+            "--workers",
+            "2",
+            "--ps",
+            "1",
+            "--on_worker_failure",
+            "restart",
+            command=command,
+        )  # fmt: skip
+    )
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert seconds < 15
+    lines = launch_lines(result.stdout)
+    restarts = [line for line in lines if "restarts in place" in line]
+    assert restarts == [
+        "[launch] worker:1 was killed by SIGKILL; parameter-server training continues on the "
+        f"other workers, and worker:1 restarts in place ({n} of 3)"
+        for n in (1, 2, 3)
+    ]
+    assert "[launch] worker:1 has been restarted 3 times; not again" in lines
+    assert "the program finished despite losing worker:1" in result.stdout
+    # Every start said it was worker 1, with the job's TF_CONFIG.
+    assert result.stdout.count("[worker:1] I am worker 1") == 4
+    assert_all_gone(recorded_pids(tmp_path))
+
+
 def test_a_parameter_server_job_fails_when_its_last_worker_dies(tmp_path):
     command = task_command(tmp_path, 4, {"worker-0": "kill:9", "worker-1": "exit:3:0.5"})
 

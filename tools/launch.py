@@ -27,8 +27,10 @@ failures in parameter-server training (--ps M):
   A worker that dies does not end the job (--on_worker_failure continue, the default with
   --ps): the chief's ClusterCoordinator re-runs the steps the worker was running on the
   other workers, and the launcher logs the loss and carries on; only when every worker is
-  gone does the job fail. --on_worker_failure stop ends the job instead, as a failure of
-  any task does without --ps (synchronous training cannot lose a worker). A dead ps or
+  gone does the job fail. --on_worker_failure restart also starts the dead worker again
+  with its TF_CONFIG (at most 3 times), as Kubernetes restarts a pod; the coordinator then
+  gives it work again. --on_worker_failure stop ends the job instead, as a failure of any
+  task does without --ps (synchronous training cannot lose a worker). A dead ps or
   chief ends the job: the variables live on the ps and the chief coordinates. After a ps
   dies the chief gets --grace seconds to report where training stopped and which checkpoint
   a restart resumes from; --max_restarts N then restarts the job from that checkpoint.
@@ -86,7 +88,10 @@ _POLL_SECONDS = 0.1
 _DRAIN_SECONDS = 5.0
 _EXAMPLE = "python -m tools.launch --workers 2 -- python train.py"
 # What a worker's death does to a parameter-server job (without ps, any failure ends the job).
-WORKER_FAILURE_CHOICES = ("continue", "stop")
+WORKER_FAILURE_CHOICES = ("continue", "restart", "stop")
+# --on_worker_failure restart: how often one worker is restarted in place before the job
+# goes on without it (a worker that keeps dying at once has a problem a restart won't fix).
+WORKER_RESTARTS = 3
 
 
 class UsageError(ValueError):
@@ -299,12 +304,12 @@ def _worker_failure_mode(choice: str | None, parameter_server: bool) -> str:
             f"--on_worker_failure must be one of {', '.join(WORKER_FAILURE_CHOICES)}. "
             f"Received: --on_worker_failure={choice}"
         )
-    if choice == "continue" and not parameter_server:
+    if choice != "stop" and not parameter_server:
         raise UsageError(
-            "--on_worker_failure continue needs parameter-server training (--ps M): without ps "
+            f"--on_worker_failure {choice} needs parameter-server training (--ps M): without ps "
             "tasks every worker takes part in every step, so the job cannot go on without one; "
-            "use --max_restarts N to restart it instead. Received: --on_worker_failure=continue "
-            "without --ps"
+            f"use --max_restarts N to restart the whole job instead. Received: "
+            f"--on_worker_failure={choice} without --ps"
         )
     return choice
 
@@ -328,12 +333,14 @@ class Launcher:
       grace: seconds a task gets to exit after SIGTERM before it is killed with SIGKILL.
       max_restarts: how many times the whole job may be started again after a task fails.
       on_worker_failure: with ps tasks, "continue" (the default) survives a worker's death,
-        since the chief reschedules its steps on the others; "stop" ends the job. Without
-        ps tasks only "stop" (the default) is possible.
+        since the chief reschedules its steps on the others; "restart" also restarts the
+        worker in place (up to WORKER_RESTARTS times); "stop" ends the job. Without ps tasks
+        only "stop" (the default) is possible.
 
     Raises:
       UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0,
-        `max_restarts` < 0, or `on_worker_failure` is unknown or "continue" without ps.
+        `max_restarts` < 0, or `on_worker_failure` is unknown, or other than "stop"
+        without ps.
     """
 
     def __init__(
@@ -396,6 +403,7 @@ class Launcher:
         # Runs the job once. Returns its exit code and, if a task's failure ended it, that
         # task with its Popen return code: the one kind of ending a restart may cure.
         self._procs, self._readers, self._stopped = {}, {}, {}
+        self._worker_restarts: dict[Task, int] = {}
         failed = None
         try:
             code = self._start_all()
@@ -452,31 +460,34 @@ class Launcher:
         self._say(
             f"starting {_plural(self._tasks, 'task')}{again}: {where}; command: {command}{serving}"
         )
-        cluster = _cluster_of(self._tasks)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines should arrive as they are printed
-        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # N copies of TF's C++ INFO logs bury the rest
-        env[RESTART_COUNT_ENV] = str(self._restarts)  # so the program can say it is resuming
-        argv = _with_own_python(self._command)
         for task in self._tasks:
             try:
-                proc = subprocess.Popen(
-                    argv,
-                    env={**env, "TF_CONFIG": tf_config_for(cluster, task)},
-                    stdin=subprocess.DEVNULL,  # several tasks cannot share one terminal's input
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # a group of its own: stopping it reaches its children
-                )
+                self._start(task)
             except OSError as error:
                 stopping = "; stopping the tasks already started" if self._procs else ""
                 self._say(f"cannot start {task.name}: {error}{stopping}")
                 return EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_NO_EXEC
-            self._procs[task] = proc
-            self._readers[task] = threading.Thread(
-                target=self._relay, args=(task, proc.stdout), daemon=True
-            )
-            self._readers[task].start()
         return None
+
+    def _start(self, task: Task) -> None:
+        # Starts (or restarts in place) one task with its TF_CONFIG; raises OSError if it cannot.
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines should arrive as they are printed
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # N copies of TF's C++ INFO logs bury the rest
+        env[RESTART_COUNT_ENV] = str(self._restarts)  # so the program can say it is resuming
+        env["TF_CONFIG"] = tf_config_for(_cluster_of(self._tasks), task)
+        proc = subprocess.Popen(
+            _with_own_python(self._command),
+            env=env,
+            stdin=subprocess.DEVNULL,  # several tasks cannot share one terminal's input
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # a group of its own: stopping it reaches its children
+        )
+        self._procs[task] = proc
+        self._readers[task] = threading.Thread(
+            target=self._relay, args=(task, proc.stdout), daemon=True
+        )
+        self._readers[task].start()
 
     def _supervise(self, deadline: float) -> tuple[int, tuple[Task, int] | None]:
         programs = [task for task in self._tasks if task not in self._serving]
@@ -490,7 +501,11 @@ class Launcher:
                 if proc.returncode == 0 and task not in self._serving:
                     continue
                 self._readers[task].join(1.0)  # its last lines (a traceback?) come first
-                if task in workers and self._worker_failure == "continue":
+                restart = task in workers and self._worker_failure == "restart"
+                if restart and self._restart_in_place(task, proc.returncode):
+                    exited.discard(task)
+                    continue
+                if task in workers and self._worker_failure in ("continue", "restart"):
                     left = [w for w in workers if w not in exited]
                     if left:
                         self._say(
@@ -524,6 +539,25 @@ class Launcher:
             time.sleep(_POLL_SECONDS)
         self._say(f"received {_signal_name(self._signals[0])}; stopping all tasks")
         return 128 + self._signals[0], None
+
+    def _restart_in_place(self, task: Task, returncode: int) -> bool:
+        # What Kubernetes does with a worker pod: the chief's coordinator waits for the
+        # worker at its old address, rebuilds its datasets and sends it closures again.
+        count = self._worker_restarts.get(task, 0) + 1
+        if count > WORKER_RESTARTS:
+            self._say(f"{task.name} has been restarted {WORKER_RESTARTS} times; not again")
+            return False
+        self._say(
+            f"{task.name} {_failure(returncode)}; parameter-server training continues on the "
+            f"other workers, and {task.name} restarts in place ({count} of {WORKER_RESTARTS})"
+        )
+        self._worker_restarts[task] = count
+        try:
+            self._start(task)
+        except OSError as error:
+            self._say(f"cannot restart {task.name}: {error}")
+            return False
+        return True
 
     def _let_chief_report(self, ps: Task, returncode: int) -> None:
         # The chief notices a dead ps within seconds and explains where training stopped
@@ -662,8 +696,10 @@ def _build_parser() -> argparse.ArgumentParser:
         choices=WORKER_FAILURE_CHOICES,
         default=None,
         help="with --ps: 'continue' (the default) keeps parameter-server training going when a "
-        "worker dies, its steps rescheduled on the others; 'stop' ends the job. Without --ps a "
-        "failed task always ends the job (default: continue with --ps, else stop)",
+        "worker dies, its steps rescheduled on the others; 'restart' also starts the worker "
+        f"again in place, up to {WORKER_RESTARTS} times, and the chief gives it work again; "
+        "'stop' ends the job. Without --ps a failed task always ends the job (default: "
+        "continue with --ps, else stop)",
     )
     add(
         "--dry_run",
