@@ -92,7 +92,7 @@ def test_tpu_detection_from_environment(monkeypatch):
         (
             "mirrored",
             {"compression": "bfloat16"},
-            r"compression='bfloat16' only apply to tfdist's ring all-reduce; add all_reduce='ring'",
+            r"compression='bfloat16' only applies to tfdist's ring all-reduce; add all_reduce='ring'",
         ),
         (
             "mirrored",

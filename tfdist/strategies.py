@@ -128,7 +128,8 @@ class StrategyOptions:
         ]
         if ring_only and self.all_reduce != "ring":
             raise StrategyError(
-                f"{' and '.join(ring_only)} only apply to tfdist's ring all-reduce; add "
+                f"{' and '.join(ring_only)} only {'applies' if len(ring_only) == 1 else 'apply'} "
+                "to tfdist's ring all-reduce; add "
                 f"all_reduce='ring' (--all_reduce=ring). Received: all_reduce={self.all_reduce!r}"
             )
         _check_choice("collective", self.collective, COLLECTIVE_CHOICES)
