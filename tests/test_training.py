@@ -353,8 +353,7 @@ def test_static_shape_evaluation_counts_every_test_example_once(data_dir):
     # replicas it must give exactly the figures of plain evaluation (359 test examples do not
     # fill 64-example steps, so padding is needed at the end).
     config = TrainConfig(
-        data_dir=data_dir,
-        **{**EXACT, "global_batch_size": 64, "epochs": 2, "steps_per_epoch": 2, "eval_every": 1},
+        data_dir=data_dir, **{**EXACT, "global_batch_size": 64, "steps_per_epoch": 2}
     )
     results = {}
     for static_shapes in (False, True):
@@ -366,7 +365,6 @@ def test_static_shape_evaluation_counts_every_test_example_once(data_dir):
     assert padded.eval_loss == pytest.approx(plain.eval_loss, abs=TOLERANCE)
     assert padded.eval_accuracy == pytest.approx(plain.eval_accuracy, abs=TOLERANCE)
     # The per-epoch history (the notebook's learning curve) agrees with the final figures.
-    assert [h["epoch"] for h in padded.history] == [1, 2]
-    assert [h["step"] for h in padded.history] == [2, 4]
+    assert [(h["epoch"], h["step"]) for h in padded.history] == [(1, 2)]
     assert padded.history[-1]["eval_accuracy"] == padded.eval_accuracy
     assert padded.history[-1]["train_loss"] == padded.train_loss
