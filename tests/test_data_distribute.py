@@ -16,7 +16,7 @@ from tfdist.data import (
     plan_batches,
     prepare_synthetic,
 )
-from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
+from tfdist.data.distribute import PAD_LABEL, BatchPlan, pad_to_whole_steps
 from tools.smoke import parse_results
 
 
@@ -153,3 +153,17 @@ def test_padding_needs_images_of_a_fixed_shape():
     ragged = tf.data.Dataset.range(3).map(lambda i: (tf.zeros([i + 1]), tf.cast(i, tf.int32)))
     with pytest.raises(DataError, match=r"needs images of a fixed shape"):
         pad_to_whole_steps(ragged.batch(1), batch_size=2, batches_per_step=1)
+
+
+@pytest.mark.parametrize(
+    "plan, advice",
+    [
+        (BatchPlan("tpu", 32, 8), "a multiple of 64 wastes none"),
+        (BatchPlan("tpu", 64, 8), None),
+        (BatchPlan("mirrored", 12, 4), None),
+    ],
+)
+def test_tpu_batches_that_cores_would_pad_are_pointed_out(plan, advice):
+    text = plan.describe()
+    assert text.startswith(f"Global batch {plan.global_batch_size} = {plan.replicas} replica(s)")
+    assert (advice in text) if advice else ("TPU cores pad" not in text)

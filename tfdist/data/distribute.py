@@ -18,6 +18,9 @@ from tfdist.strategies import strategy_kind
 
 log = logging.getLogger(__name__)
 
+# The per-replica batch a TPU core processes without padding comes in multiples of this.
+TPU_BATCH_MULTIPLE = 8
+
 DatasetFn = Callable[[tf.distribute.InputContext, int], tf.data.Dataset]
 """Builds one input pipeline's dataset: (input_context, per_replica_batch_size) -> batches."""
 
@@ -35,10 +38,19 @@ class BatchPlan:
         return self.global_batch_size // self.replicas
 
     def describe(self) -> str:
-        return (
+        text = (
             f"Global batch {self.global_batch_size} = {self.replicas} replica(s) x "
             f"{self.per_replica_batch_size} per replica ({self.strategy})"
         )
+        if self.strategy == "tpu" and self.per_replica_batch_size % TPU_BATCH_MULTIPLE:
+            # A TPU core multiplies matrices in 8 x 128 tiles; XLA pads a batch dimension that
+            # does not fill them, so the padded rows cost time and memory for nothing.
+            text += (
+                f"; TPU cores pad each batch to a multiple of {TPU_BATCH_MULTIPLE}, so a "
+                f"global batch that is a multiple of {TPU_BATCH_MULTIPLE * self.replicas} "
+                "wastes none of a step"
+            )
+        return text
 
 
 def plan_batches(strategy: tf.distribute.Strategy, global_batch_size: int) -> BatchPlan:
