@@ -146,8 +146,9 @@ flags.register_validator(
 flags.DEFINE_bool(
     "staleness_aware_lr",
     _DEFAULTS.staleness_aware_lr,
-    "parameter_server only: divide each update's learning rate by its staleness (the updates "
-    "that reached the parameters between the worker's read and its write; Zhang et al., 2016).",
+    "parameter_server only: divide each update's learning rate by max(1, its staleness), the "
+    "updates that reached the parameters between the worker's read and its write (Zhang et "
+    "al., 2016). Staleness is reported either way (summary.json, TensorBoard).",
 )
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
 flags.DEFINE_integer(

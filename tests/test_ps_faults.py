@@ -171,6 +171,8 @@ def test_a_killed_worker_is_survived_and_training_reaches_every_step(data_dir, t
     assert summary["resumed_from_step"] == 0
     # At most the closure that was running when the worker died is applied twice.
     assert STEPS <= summary["applied_updates"] <= STEPS + 1, summary
+    repeated = summary["applied_updates"] - STEPS
+    assert (f"{repeated} update(s) reached the parameters twice" in output) == (repeated > 0)
     assert 0 <= summary["staleness_mean"] <= summary["staleness_max"], summary
     assert "Traceback" not in output
     print(f"finished {seconds_after_kill:.1f} s after the kill; summary {summary}")

@@ -584,6 +584,12 @@ class _ParameterServerRunner:
         mean, largest = self.staleness.run_summary()
         with self._explained():
             applied = self.run_state.update_counter.value()
+        if applied > self._scheduled_step:
+            log.warning(
+                "%d update(s) reached the parameters twice: a worker died after applying them "
+                "and the coordinator ran its closure again elsewhere (%d updates for %d steps)",
+                applied - self._scheduled_step, applied, self._scheduled_step,
+            )  # fmt: skip
         return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
 
     def evaluate(self) -> list[float]:
