@@ -14,7 +14,7 @@ from absl import logging as absl_logging
 import tfdist
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
-from tfdist.exit_codes import EXIT_PREEMPTED
+from tfdist.exit_codes import EXIT_PREEMPTED, restartable_exit_code
 from tfdist.strategies import (
     ALL_REDUCE_CHOICES,
     COLLECTIVE_CHOICES,
@@ -126,7 +126,9 @@ def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], 
 
     Mistakes tfdist can detect (a bad TF_CONFIG, a strategy the cluster cannot run) already
     carry their fix in the message; a traceback would only bury it. A preempted run (SIGTERM,
-    checkpoint saved) exits with tfdist.exit_codes.EXIT_PREEMPTED, which launchers restart.
+    checkpoint saved) exits with tfdist.exit_codes.EXIT_PREEMPTED, which launchers restart;
+    it and the failures a restart cures (`restartable` errors) use TFDIST_RESTARTABLE_EXIT_CODE
+    instead when the launcher sets it.
     """
 
     @functools.wraps(main)
@@ -135,10 +137,12 @@ def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], 
             main(argv)
         except Preempted as e:  # not a mistake: state is saved, a restart resumes
             print(f"preempted: {e}", file=sys.stderr, flush=True)
-            sys.exit(EXIT_PREEMPTED)
+            sys.exit(restartable_exit_code(EXIT_PREEMPTED))
         except TfdistError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
-            # A failure of the cluster rather than of the command line says so in its code.
-            sys.exit(getattr(e, "exit_code", EXIT_USAGE))
+            # A failure of the cluster rather than of the command line says so in its code,
+            # and one that a restart cures uses the code the launcher restarts.
+            code = getattr(e, "exit_code", EXIT_USAGE)
+            sys.exit(restartable_exit_code(code) if getattr(e, "restartable", False) else code)
 
     return wrapper

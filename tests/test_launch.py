@@ -762,6 +762,19 @@ def test_restart_count_rejects_what_is_not_a_count(value):
         exit_codes.restart_count({"TFDIST_RESTART_COUNT": value})
 
 
+@pytest.mark.parametrize(
+    ("environ", "code"), [({}, 42), ({"TFDIST_RESTARTABLE_EXIT_CODE": "143"}, 143)]
+)
+def test_restartable_exits_use_the_code_the_launcher_names(environ, code):
+    assert exit_codes.restartable_exit_code(exit_codes.EXIT_PREEMPTED, environ) == code
+
+
+@pytest.mark.parametrize("value", ["", "0", "256", "soon"])
+def test_a_restartable_exit_code_outside_1_to_255_is_refused(value):
+    with pytest.raises(exit_codes.RestartCountError, match=r"exit code from 1 to 255"):
+        exit_codes.restartable_exit_code(1, {"TFDIST_RESTARTABLE_EXIT_CODE": value})
+
+
 def test_the_preempted_code_is_what_tensorflows_preemption_handler_exits_with():
     # The default TerminationConfig of PreemptionCheckpointHandler off GCE (private API: if
     # TensorFlow moves it, check that its default exit code is still the one tfdist uses).

@@ -126,12 +126,17 @@ def free_ports(count):
     return ports
 
 
-def start_worker(index, ports, *flags, log):
+def start_worker(index, ports, *flags, log, env=None):
     tf_config = {
         "cluster": {"worker": [f"localhost:{p}" for p in ports]},
         "task": {"type": "worker", "index": index},
     }
-    env = {**os.environ, "TF_CONFIG": json.dumps(tf_config), "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env = {
+        **os.environ,
+        "TF_CONFIG": json.dumps(tf_config),
+        "TF_CPP_MIN_LOG_LEVEL": "2",
+        **(env or {}),
+    }
     command = [sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored"]
     with open(log, "w") as out:  # the child keeps its own copy of the file descriptor
         return subprocess.Popen(
@@ -148,15 +153,16 @@ def error_line(log_path):
 @pytest.mark.multiprocess
 def test_a_task_whose_peer_never_starts_fails_within_the_startup_timeout(tmp_path):
     # Two one-task "jobs" at once: worker 0 (the coordination leader, which TensorFlow lets
-    # wait forever) missing worker 1, and worker 1 missing its leader.
+    # wait forever) missing worker 1, and worker 1 missing its leader. The second runs as in a
+    # Kubernetes pod under restartPolicy ExitCode, which retries only codes from 128 up.
     jobs = []
-    for index in (0, 1):
+    for index, env, code in ((0, {}, 1), (1, {"TFDIST_RESTARTABLE_EXIT_CODE": "143"}, 143)):
         log, ports = tmp_path / f"worker{index}.log", free_ports(2)
-        proc = start_worker(index, ports, "--startup_timeout=3", "--epochs=1", log=log)
-        jobs.append((proc, log, ports[1 - index]))
+        proc = start_worker(index, ports, "--startup_timeout=3", "--epochs=1", log=log, env=env)
+        jobs.append((proc, log, ports[1 - index], code))
     started = time.monotonic()
-    for index, (proc, log, missing_port) in enumerate(jobs):
-        assert proc.wait(timeout=90) == 1
+    for index, (proc, log, missing_port, code) in enumerate(jobs):
+        assert proc.wait(timeout=90) == code
         assert error_line(log) == (
             f"error: worker:{1 - index} (localhost:{missing_port}) did not join the job within "
             f"3 s (worker:{index} was waiting for every task in the TF_CONFIG environment "

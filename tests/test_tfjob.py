@@ -208,6 +208,8 @@ def test_manifest_structure(capsys):
         assert container["name"] == "tensorflow"
         assert container["image"] == IMAGE and container["workingDir"] == "/app"
         assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222}]
+        # ExitCode retries 128-255 only: tfdist's restartable exits must use such a code.
+        assert container["env"] == [{"name": "TFDIST_RESTARTABLE_EXIT_CODE", "value": "143"}]
         assert container["command"] == [
             "python", "-m", "experiments.train", "--config=digits_cnn", "--model_dir=/mnt/runs",
         ]  # fmt: skip
@@ -390,6 +392,13 @@ def test_library_errors_name_the_field():
         operator_tf_config(manifest, task_type="worker", index=2)
     with pytest.raises(TFJobError, match=r"expected a TFJob manifest .* kind='Pod'"):
         operator_tf_config({"kind": "Pod"}, task_type="worker", index=0)
+
+
+@pytest.mark.parametrize("policy", ["OnFailure", "Never"])
+def test_only_the_exit_code_policy_needs_a_restartable_exit_code(capsys, policy):
+    manifest = manifest_from_cli(capsys, "--workers", "2", "--restart_policy", policy)
+    (container,) = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    assert "env" not in container and container["name"] == "tensorflow"
 
 
 def test_help_explains_roles_and_restart_policy(capsys):

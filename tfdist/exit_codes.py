@@ -24,9 +24,14 @@ from tfdist.errors import TfdistError
 # On GCE, TensorFlow exits with 143 instead (failure_handling_util._RESTARTABLE_EXIT_CODE),
 # which is also what a shell reports for a process *killed* by SIGTERM (128 + 15), state saved
 # or not; a code below 128 can never be mistaken for a death by signal.
-# Note: Kubeflow's TFJob restartPolicy "ExitCode" treats 1-127 as permanent failures, so a pod
-# that exits 42 is recreated only under restartPolicy "OnFailure".
 EXIT_PREEMPTED = 42
+
+# Kubeflow's TFJob restartPolicy "ExitCode" recreates a pod that exits 128-255 and fails the
+# whole job on 1-127. A failure a restart cures (a preemption with state saved, a lost peer,
+# an unreachable parameter server) must then exit 128 or more: the environment variable below
+# names that code, and tools.tfjob sets it to 143, TensorFlow's own restartable code.
+RESTARTABLE_EXIT_ENV = "TFDIST_RESTARTABLE_EXIT_CODE"
+KUBERNETES_RESTARTABLE_EXIT = 143
 
 # How many times the launcher has restarted the job: "0" on the first attempt, as
 # torchrun's TORCHELASTIC_RESTART_COUNT.
@@ -34,7 +39,7 @@ RESTART_COUNT_ENV = "TFDIST_RESTART_COUNT"
 
 
 class RestartCountError(TfdistError, ValueError):
-    """The restart-count environment variable holds something other than a count."""
+    """A launcher's environment variable (restart count, exit code) holds a bad value."""
 
 
 def restart_count(environ: Mapping[str, str] | None = None) -> int:
@@ -59,5 +64,28 @@ def restart_count(environ: Mapping[str, str] | None = None) -> int:
             f"{RESTART_COUNT_ENV} must be a whole number 0 or more, as tools.launch sets it; "
             f"unset it to run as a first attempt. Received: {RESTART_COUNT_ENV}={value!r} "
             "from the environment"
+        )
+    return int(value)
+
+
+def restartable_exit_code(code: int, environ: Mapping[str, str] | None = None) -> int:
+    """The exit code for a failure that a restart cures: `code`, unless the launcher asks
+    for another one through `TFDIST_RESTARTABLE_EXIT_CODE` (Kubernetes' ExitCode policy).
+
+    Args:
+      code: the code used when the variable is not set (EXIT_PREEMPTED for a preemption).
+      environ: the environment to read; `os.environ` by default.
+
+    Raises:
+      RestartCountError: if the variable is set but is not a code from 1 to 255.
+    """
+    value = (os.environ if environ is None else environ).get(RESTARTABLE_EXIT_ENV)
+    if value is None:
+        return code
+    if not value.strip().isdecimal() or not 1 <= int(value) <= 255:
+        raise RestartCountError(
+            f"{RESTARTABLE_EXIT_ENV} must be an exit code from 1 to 255 (Kubernetes' ExitCode "
+            f"restart policy retries 128-255). Received: {RESTARTABLE_EXIT_ENV}={value!r} from "
+            "the environment"
         )
     return int(value)

@@ -38,7 +38,9 @@ pkg/apis/kubeflow.org/v1/{tensorflow_types.go,tensorflow_validation.go,common_ty
   single host. An evaluator counts: one worker plus an evaluator is a two-pod cluster.
 - restartPolicy per replica type defaults to Never. ExitCode restarts a pod whose container
   exited 128-255 (killed by a signal: preemption, node drain, OOM kill) and fails the job on
-  1-127 (a bug or a usage error, which would fail again).
+  1-127 (a bug or a usage error, which would fail again). Manifests written here with
+  ExitCode set TFDIST_RESTARTABLE_EXIT_CODE=143, so that tfdist's own restartable exits (a
+  preemption after its checkpoint, a lost peer) are retried too.
 - With a Chief the job's outcome is the chief's; without one it is worker 0's. The
   cleanPodPolicy "Running" deletes the pods still running then: the worker and ps servers of
   parameter-server training, which never exit on their own.
@@ -54,6 +56,7 @@ from typing import Any
 
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
+from tfdist.exit_codes import KUBERNETES_RESTARTABLE_EXIT, RESTARTABLE_EXIT_ENV
 
 API_VERSION = "kubeflow.org/v1"
 KIND = "TFJob"
@@ -314,6 +317,11 @@ def tfjob_manifest(config: TFJobConfig) -> dict[str, Any]:
             container["workingDir"] = config.workdir
         container["command"] = list(command)
         container["ports"] = [{"name": PORT_NAME, "containerPort": config.port}]
+        if config.restart_policy == "ExitCode":
+            # Preempted, a lost peer: exit with a code this policy retries (tfdist.exit_codes).
+            container["env"] = [
+                {"name": RESTARTABLE_EXIT_ENV, "value": str(KUBERNETES_RESTARTABLE_EXIT)}
+            ]
         # Under parameter-server training the chief only coordinates and ps only hold
         # variables: GPUs there would sit idle.
         computes = replica_type in ("Worker", "Evaluator") or (

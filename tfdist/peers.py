@@ -43,9 +43,11 @@ class PeerError(TfdistError, RuntimeError):
     Attributes:
       exit_code: what a binary exits with: 1, a failure a restart may cure, not a mistake in
         the command line (2).
+      restartable: a restart of the whole job cures it (see tfdist.exit_codes).
     """
 
     exit_code = 1
+    restartable = True
 
 
 def coordination_leader(cluster: ClusterInfo) -> tuple[str, int]:

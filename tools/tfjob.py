@@ -28,7 +28,9 @@ restart policy (--restart_policy, applied to every replica type):
   ExitCode   (default) the operator recreates a pod killed by a signal (exit 128-255:
              preemption, node drain, OOM kill) and fails the job on exit 1-127 (a bug or a
              usage error, which would only fail again). With --model_dir on storage every pod
-             shares, a recreated job resumes from its last checkpoint.
+             shares, a recreated job resumes from its last checkpoint. The pods get
+             TFDIST_RESTARTABLE_EXIT_CODE=143, so a task that saved its state after SIGTERM,
+             or lost a peer, exits 143 and is recreated too.
   OnFailure  the kubelet restarts any failed container in place, whatever the cause.
   Never      nothing is restarted; the first failure fails the job.
 

@@ -42,6 +42,7 @@ class ClusterTaskFailed(TfdistError, RuntimeError):
     """
 
     exit_code = 1
+    restartable = True  # a restart of the whole job resumes from the last checkpoint
 
     def __init__(
         self,
