@@ -67,8 +67,8 @@ COLLECTIVE_TIMEOUT = flags.DEFINE_float(
 )  # fmt: skip
 STARTUP_TIMEOUT = flags.DEFINE_float(
     "startup_timeout", None,
-    "multi_worker_mirrored: seconds to wait for every chief/worker task to start before failing "
-    "with an error naming the missing ones (default 600; 0 waits forever).",
+    "multi_worker_mirrored and parameter_server: seconds to wait for every other task to start "
+    "before failing with an error naming the missing ones (default 600; 0 waits forever).",
     lower_bound=0,
 )  # fmt: skip
 HEARTBEAT_TIMEOUT = flags.DEFINE_float(

@@ -25,7 +25,7 @@ import tensorflow as tf
 import tfdist
 from tests.conftest import REPO
 from tfdist.cluster import parse_tf_config
-from tfdist.peers import PeerError, explain_peer_error
+from tfdist.peers import PeerError, explain_peer_error, wait_for_servers
 from tfdist.training import TrainConfig, Trainer
 
 TWO_WORKERS = {"cluster": {"worker": ["localhost:2001", "localhost:2002"]}}
@@ -114,6 +114,26 @@ def test_timeouts_only_apply_to_multi_worker_mirrored():
 
 
 # --- real processes -----------------------------------------------------------------------
+
+
+def test_a_parameter_server_chief_names_the_servers_that_do_not_answer():
+    with socket.socket() as listening:
+        listening.bind(("localhost", 0))
+        listening.listen()
+        (closed,) = free_ports(1)
+        spec = {
+            "cluster": {
+                "chief": ["localhost:1"],
+                "worker": [f"localhost:{listening.getsockname()[1]}"],
+                "ps": [f"localhost:{closed}"],
+            }
+        }
+        started = time.monotonic()
+        with pytest.raises(PeerError) as error:
+            wait_for_servers(cluster(spec, "chief"), timeout=1.0, poll_seconds=0.1)
+    assert str(error.value).startswith(f"ps:0 (localhost:{closed}) did not start within 1 s")
+    assert "worker:0" not in str(error.value)
+    assert 1.0 <= time.monotonic() - started < 10
 
 
 def free_ports(count):

@@ -1,8 +1,10 @@
 """Multi-worker peers: bounded start-up, and errors that name the task that went missing.
 
-TensorFlow's synchronous multi-worker runtime waits forever for a task that never starts,
-and reports a peer that died as a collective-op failure deep inside a traceback. tfdist sets
-up TensorFlow's coordination service so that both end within a bound:
+TensorFlow's multi-worker runtimes wait forever for a task that never starts, and report a
+peer that died as a collective-op failure deep inside a traceback. A parameter-server chief
+first waits (`wait_for_servers`) for its workers and ps to accept connections; for
+multi_worker_mirrored, tfdist sets up TensorFlow's coordination service so that both end
+within a bound:
 
 - start-up: every task waits at most `startup_timeout` seconds for the whole cluster to
   register (the service's registration barrier, which also covers the coordination leader);
@@ -17,8 +19,10 @@ its address.
 from __future__ import annotations
 
 import re
+import socket
+import time
 
-from tfdist.cluster import CHIEF, WORKER, ClusterInfo
+from tfdist.cluster import CHIEF, PS, WORKER, ClusterInfo
 from tfdist.errors import TfdistError
 
 # torchrun waits 600 s for its rendezvous by default; Kubernetes pods pulling an image or
@@ -92,6 +96,63 @@ def configure_coordination(
     ctx.coordination_service.cluster_register_with_barrier = startup_timeout is not None
 
 
+def wait_for_servers(
+    cluster: ClusterInfo, *, timeout: float | None, poll_seconds: float = 0.5
+) -> None:
+    """Waits until every worker and ps server of a parameter-server cluster accepts a
+    connection; the chief calls it before building the strategy.
+
+    TensorFlow's ParameterServerStrategy waits forever for a task that never starts. A task
+    that serves (tfdist.serve_if_needed) listens on its TF_CONFIG port, so a plain TCP
+    connection tells whether it is up without speaking TensorFlow's protocol.
+
+    Args:
+      cluster: the chief's view of the job.
+      timeout: seconds to wait; None waits forever.
+      poll_seconds: pause between rounds of connection attempts.
+
+    Raises:
+      PeerError: naming the tasks that did not accept a connection within `timeout`.
+    """
+    pending = {
+        f"{task_type}:{index}": address
+        for task_type in (WORKER, PS)
+        for index, address in _indexed(cluster, task_type)
+    }
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while pending:
+        for name, address in list(pending.items()):
+            if _accepts(address):
+                del pending[name]
+        if not pending:
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            missing = " and ".join(f"{name} ({address})" for name, address in pending.items())
+            raise PeerError(
+                f"{missing} did not start within {timeout:g} s: nothing accepted a connection "
+                f"there ({cluster.task_name} was waiting for every worker and ps in "
+                f"{cluster.source}). Start every task of the cluster (workers and ps run "
+                "tfdist.serve_if_needed()), or fix the address in TF_CONFIG; if tasks start "
+                f"slowly, raise --startup_timeout. Received: startup_timeout={timeout!r}"
+            )
+        time.sleep(poll_seconds)
+
+
+def _indexed(cluster: ClusterInfo, task_type: str) -> list[tuple[int, str]]:
+    addresses = cluster.cluster.get(task_type, ())
+    indices = (cluster.sparse_indices or {}).get(task_type, range(len(addresses)))
+    return list(zip(indices, addresses, strict=True))
+
+
+def _accepts(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=1.0):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def explain_peer_error(
     error: BaseException,
     cluster: ClusterInfo,
@@ -158,9 +219,7 @@ def _tasks(text: str, cluster: ClusterInfo) -> list[str]:
 
 
 def _address_of(cluster: ClusterInfo, task_type: str, index: int) -> str | None:
-    addresses = cluster.cluster.get(task_type, ())
-    indices = (cluster.sparse_indices or {}).get(task_type, range(len(addresses)))
-    return addresses[list(indices).index(index)] if index in indices else None
+    return dict(_indexed(cluster, task_type)).get(index)
 
 
 def _milliseconds(seconds: float | None) -> int:

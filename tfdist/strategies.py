@@ -33,7 +33,12 @@ import tensorflow as tf
 from tfdist import devices as _devices
 from tfdist.cluster import CHIEF, FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 from tfdist.errors import TfdistError
-from tfdist.peers import DEFAULT_STARTUP_TIMEOUT, configure_coordination, explain_peer_error
+from tfdist.peers import (
+    DEFAULT_STARTUP_TIMEOUT,
+    configure_coordination,
+    explain_peer_error,
+    wait_for_servers,
+)
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +75,9 @@ class StrategyOptions:
       collective_timeout: seconds a multi-worker collective may wait for its peers before it
         fails (TensorFlow waits forever by default).
       startup_timeout: seconds a multi_worker_mirrored task waits for every chief and worker
-        task to start before failing with an error naming the missing ones; None waits
-        forever (TensorFlow's default). Default 600.
+        task (a parameter_server chief: for every worker and ps) to start before failing with
+        an error naming the missing ones; None waits forever (TensorFlow's default).
+        Default 600.
       heartbeat_timeout: seconds without a heartbeat before multi_worker_mirrored declares a
         peer dead and stops with an error naming it. Default: TensorFlow's (10 s).
       ps_min_shard_bytes: parameter_server splits variables larger than this across the ps
@@ -164,7 +170,7 @@ _OPTION_USERS = {
     "all_reduce": ("mirrored", "multi_worker_mirrored"),
     "collective": ("multi_worker_mirrored",),
     "collective_timeout": ("multi_worker_mirrored",),
-    "startup_timeout": ("multi_worker_mirrored",),
+    "startup_timeout": ("multi_worker_mirrored", "parameter_server"),
     "heartbeat_timeout": ("multi_worker_mirrored",),
     "ps_min_shard_bytes": ("parameter_server",),
     "tpu": ("tpu",),
@@ -513,6 +519,7 @@ def _build_parameter_server(cluster: ClusterInfo | None, options: StrategyOption
             f"{cluster.task_name}. Call tfdist.serve_if_needed() at the start of main(): it runs "
             "the worker and ps servers and returns only when the job ends."
         )
+    wait_for_servers(cluster, timeout=options.startup_timeout)
     partitioner = None
     if options.ps_min_shard_bytes and cluster.num_ps > 1:
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
