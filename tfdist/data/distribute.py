@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import weakref
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -51,6 +52,10 @@ class BatchPlan:
                 "wastes none of a step"
             )
         return text
+
+
+# strategy -> the batch plans already logged for it.
+_DESCRIBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def plan_batches(strategy: tf.distribute.Strategy, global_batch_size: int) -> BatchPlan:
@@ -100,7 +105,11 @@ def distribute_dataset(
         used without a coordinator.
     """
     plan = plan_batches(strategy, global_batch_size)
-    log.info("%s", plan.describe())
+    # Said once per strategy and batch: a loop that rebuilds its evaluation data every epoch
+    # would otherwise repeat the line each time.
+    said = _DESCRIBED.setdefault(strategy, set())
+    log.log(logging.DEBUG if plan.describe() in said else logging.INFO, "%s", plan.describe())
+    said.add(plan.describe())
 
     def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return dataset_fn(context, context.get_per_replica_batch_size(global_batch_size))
