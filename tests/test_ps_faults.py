@@ -20,7 +20,7 @@ import pytest
 import tensorflow as tf
 
 from tests.conftest import REPO
-from tfdist.training.faults import ClusterTaskFailed, explain_cluster_error
+from tfdist.training.faults import ClusterTaskFailed, explain_cluster_error, lost_worker
 
 STEPS = 600  # ~10 s of mlp steps on 2 workers: long enough to kill something mid-way
 CHECKPOINT_EVERY = 50
@@ -207,3 +207,21 @@ def test_a_killed_ps_ends_the_attempt_with_one_message_and_the_restart_resumes(d
     # one still came out complete.
     assert checkpoint <= summary["resumed_from_step"] <= stopped, summary
     assert summary["steps"] == STEPS, summary
+
+
+# What fetch() raised on the chief for a step that had finished on worker:1, killed since.
+RESULT_LOST = (
+    "2 root error(s) found.\n  (0) UNAVAILABLE: {{function_node __wrapped__Identity_device_/job:"
+    "chief/replica:0/task:0/device:CPU:0}} recvmsg:Connection reset by peer\nAdditional GRPC "
+    "error information from remote target /job:worker/replica:0/task:1 while calling "
+    "/tensorflow.eager.EagerService/Enqueue:"
+)
+
+
+@pytest.mark.parametrize(
+    ("message", "worker"),
+    [(RESULT_LOST, "worker:1"), (PS_GONE, None), ("cancelled", None)],
+)
+def test_a_lost_result_of_a_dead_worker_is_told_apart_from_a_dead_ps(message, worker):
+    error = tf.errors.UnavailableError(None, None, message)
+    assert lost_worker(error, cluster=CLUSTER) == worker

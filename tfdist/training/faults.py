@@ -97,6 +97,19 @@ def explain_cluster_error(
     )
 
 
+def lost_worker(error: BaseException, *, cluster: dict[str, list[str]] | None) -> str | None:
+    """The worker ("worker:1") a cluster error names when it names no ps, else None.
+
+    Fetching the result of a step that finished on a worker which died since fails, though the
+    step's update reached the ps: training survives that, only the step's metrics are lost.
+    """
+    if not isinstance(error, CLUSTER_ERRORS):
+        return None
+    original = error.original_exception if isinstance(error, _WRAPPERS) else error
+    task = _failed_task(getattr(original, "message", None) or str(original), cluster or {})
+    return task if task is not None and task.startswith("worker:") else None
+
+
 def _failed_task(text: str, cluster: dict[str, list[str]]) -> str | None:
     # gRPC names the address it could not reach; TensorFlow sometimes names the task instead.
     # A ps first: a worker's report of the ps it lost can name both.
