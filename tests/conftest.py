@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -42,3 +43,27 @@ def run_module(
 @pytest.fixture
 def no_tf_config(monkeypatch):
     monkeypatch.delenv("TF_CONFIG", raising=False)
+
+
+def task_pid(launcher_pid: int, task: str) -> int | None:
+    """The pid of the launcher's child that plays `task` ("worker:1"), from its TF_CONFIG.
+
+    Fault tests kill that real process; None while the launcher has not started it.
+    """
+    task_type, index = task.split(":")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != launcher_pid:
+                continue
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        for variable in environ:
+            if variable.startswith(b"TF_CONFIG="):
+                role = json.loads(variable[len(b"TF_CONFIG=") :])["task"]
+                if role == {"type": task_type, "index": int(index)}:
+                    return int(entry.name)
+    return None

@@ -23,7 +23,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests.conftest import REPO
+from tests.conftest import REPO, task_pid
 from tfdist.cluster import parse_tf_config
 from tfdist.peers import PeerError, explain_peer_error, wait_for_servers
 from tfdist.training import TrainConfig, Trainer
@@ -240,33 +240,6 @@ EXACT = dict(
 )  # fmt: skip
 
 
-def child_pids(parent):
-    """The processes whose parent is `parent`, read from /proc."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == parent:
-            children.append(int(stat.parent.name))
-    return children
-
-
-def worker_pid(launcher, index, deadline):
-    while time.monotonic() < deadline:
-        for pid in child_pids(launcher):
-            try:
-                environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            config = [e for e in environ if e.startswith(b"TF_CONFIG=")]
-            if config and json.loads(config[0][10:])["task"]["index"] == index:
-                return pid
-        time.sleep(0.1)
-    raise AssertionError(f"worker {index} of launcher {launcher} not found")
-
-
 @pytest.mark.multiprocess
 def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(tmp_path):
     rng = random.Random()
@@ -290,7 +263,10 @@ def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(
             assert launcher.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
         time.sleep(delay)
-        os.kill(worker_pid(launcher.pid, victim, deadline), signal.SIGKILL)
+        while (pid := task_pid(launcher.pid, f"worker:{victim}")) is None:
+            assert time.monotonic() < deadline, f"worker:{victim} of the launcher not found"
+            time.sleep(0.1)
+        os.kill(pid, signal.SIGKILL)
         output, _ = launcher.communicate(timeout=240)
     finally:
         launcher.kill()

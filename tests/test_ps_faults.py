@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import tensorflow as tf
 
-from tests.conftest import REPO
+from tests.conftest import REPO, task_pid
 from tfdist.training.faults import ClusterTaskFailed, explain_cluster_error, lost_worker
 
 STEPS = 600  # ~10 s of mlp steps on 2 workers: long enough to kill something mid-way
@@ -40,27 +40,6 @@ def train_argv(model_dir: Path, data_dir: str, *launch_flags: str) -> list[str]:
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("data"))
-
-
-def task_pid(launcher_pid: int, task: str) -> int | None:
-    """The pid of the launcher's child that plays `task` ("worker:1"), from its TF_CONFIG."""
-    task_type, index = task.split(":")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        for variable in environ:
-            if variable.startswith(b"TF_CONFIG="):
-                role = json.loads(variable[len(b"TF_CONFIG=") :])["task"]
-                if role == {"type": task_type, "index": int(index)}:
-                    return int(entry.name)
-    return None
 
 
 def kill_after_first_checkpoint(proc: subprocess.Popen, model_dir: Path, task: str) -> float:

@@ -119,11 +119,13 @@ class ClusterInfo:
     @property
     def address(self) -> str | None:
         """This task's own "host:port" (None for an evaluator that is not listed in the cluster)."""
-        addresses = self.cluster.get(self.task_type, ())
-        if self.sparse_indices is not None:
-            indices = self.sparse_indices.get(self.task_type, ())
-            return addresses[indices.index(self.task_index)] if self.task_index in indices else None
-        return addresses[self.task_index] if self.task_index < len(addresses) else None
+        return dict(self.indexed_addresses(self.task_type)).get(self.task_index)
+
+    def indexed_addresses(self, task_type: str) -> list[tuple[int, str]]:
+        """(task index, "host:port") of every listed task of `task_type`, sparse clusters too."""
+        addresses = self.cluster.get(task_type, ())
+        indices = (self.sparse_indices or {}).get(task_type, range(len(addresses)))
+        return list(zip(indices, addresses, strict=True))
 
     @property
     def cluster_strategy(self) -> str | None:
@@ -148,14 +150,14 @@ class ClusterInfo:
         The evaluator never joins the training collective, so strategies must not see it.
         """
         spec: dict[str, Any] = {}
-        for task_type, addresses in self.cluster.items():
+        for task_type in self.cluster:
             if task_type == EVALUATOR:
                 continue
-            indices = (self.sparse_indices or {}).get(task_type, range(len(addresses)))
-            if tuple(indices) == tuple(range(len(addresses))):
-                spec[task_type] = list(addresses)
+            indexed = self.indexed_addresses(task_type)
+            if [index for index, _ in indexed] == list(range(len(indexed))):
+                spec[task_type] = [address for _, address in indexed]
             else:  # some indices missing: TensorFlow's sparse form, index -> address
-                spec[task_type] = dict(zip(indices, addresses, strict=True))
+                spec[task_type] = dict(indexed)
         return spec
 
     def cluster_resolver(self):

@@ -65,7 +65,8 @@ def configure_coordination(
     """Bounds how long this task waits for its peers; call before building the strategy.
 
     MultiWorkerMirroredStrategy configures the coordination service itself only when nothing
-    configured it before, so this configuration is the one it uses.
+    configured it before, so this configuration is the one it uses. A configuration the
+    caller made earlier is kept.
 
     Args:
       cluster: this task's place in the job.
@@ -82,8 +83,10 @@ def configure_coordination(
         for job in _COORDINATED_JOBS
         if cluster.cluster.get(job)
     ]
-    leader_type, leader_index = coordination_leader(cluster)
     ctx = context.context()
+    if ctx.coordination_service is not None:
+        return
+    leader_type, leader_index = coordination_leader(cluster)
     ctx.configure_coordination_service(
         service_type="standalone",
         service_leader=f"/job:{leader_type}/replica:0/task:{leader_index}",
@@ -117,7 +120,7 @@ def wait_for_servers(
     pending = {
         f"{task_type}:{index}": address
         for task_type in (WORKER, PS)
-        for index, address in _indexed(cluster, task_type)
+        for index, address in cluster.indexed_addresses(task_type)
     }
     deadline = None if timeout is None else time.monotonic() + timeout
     while pending:
@@ -136,12 +139,6 @@ def wait_for_servers(
                 f"slowly, raise --startup_timeout. Received: startup_timeout={timeout!r}"
             )
         time.sleep(poll_seconds)
-
-
-def _indexed(cluster: ClusterInfo, task_type: str) -> list[tuple[int, str]]:
-    addresses = cluster.cluster.get(task_type, ())
-    indices = (cluster.sparse_indices or {}).get(task_type, range(len(addresses)))
-    return list(zip(indices, addresses, strict=True))
 
 
 def _accepts(address: str) -> bool:
@@ -219,7 +216,7 @@ def _tasks(text: str, cluster: ClusterInfo) -> list[str]:
 
 
 def _address_of(cluster: ClusterInfo, task_type: str, index: int) -> str | None:
-    return dict(_indexed(cluster, task_type)).get(index)
+    return dict(cluster.indexed_addresses(task_type)).get(index)
 
 
 def _milliseconds(seconds: float | None) -> int:

@@ -438,14 +438,11 @@ def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyO
             "all_reduce='ring', or collective='ring'/'nccl' to pick TensorFlow's collective "
             f"implementation. Received: all_reduce={options.all_reduce!r}"
         )
-    from tensorflow.python.eager import context
-
-    if context.context().coordination_service is None:  # else: the caller configured it
-        configure_coordination(
-            cluster,
-            startup_timeout=options.startup_timeout,
-            heartbeat_timeout=options.heartbeat_timeout,
-        )
+    configure_coordination(
+        cluster,
+        startup_timeout=options.startup_timeout,
+        heartbeat_timeout=options.heartbeat_timeout,
+    )
     try:
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
             cluster_resolver=cluster.cluster_resolver(), communication_options=communication

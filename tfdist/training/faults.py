@@ -85,8 +85,8 @@ def explain_cluster_error(
     """The ClusterTaskFailed `error` amounts to, or None if it is not a cluster failure."""
     if not isinstance(error, CLUSTER_ERRORS):
         return None
-    original = error.original_exception if isinstance(error, _WRAPPERS) else error
-    text = getattr(original, "message", None) or str(original)
+    original = _unwrapped(error)
+    text = _message(original)
     return ClusterTaskFailed(
         task=_failed_task(text, cluster or {}),
         step=step,
@@ -105,9 +105,16 @@ def lost_worker(error: BaseException, *, cluster: dict[str, list[str]] | None) -
     """
     if not isinstance(error, CLUSTER_ERRORS):
         return None
-    original = error.original_exception if isinstance(error, _WRAPPERS) else error
-    task = _failed_task(getattr(original, "message", None) or str(original), cluster or {})
+    task = _failed_task(_message(_unwrapped(error)), cluster or {})
     return task if task is not None and task.startswith("worker:") else None
+
+
+def _unwrapped(error: BaseException) -> BaseException:
+    return error.original_exception if isinstance(error, _WRAPPERS) else error
+
+
+def _message(error: BaseException) -> str:
+    return getattr(error, "message", None) or str(error)
 
 
 def _failed_task(text: str, cluster: dict[str, list[str]]) -> str | None:
