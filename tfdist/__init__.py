@@ -2,6 +2,7 @@
 
 The public API, listed explicitly:
 
+  fit, evaluate, FitError                         train / evaluate any compiled Keras model
   parse_tf_config, ClusterInfo, TFConfigError     the cluster TF_CONFIG describes
   build_strategy, StrategyOptions, StrategyError  the tf.distribute strategy for it
   configure_cpu_devices                           split the CPU into logical devices
@@ -23,6 +24,9 @@ _EXPORTS = {
     "DeviceConfigurationError": "tfdist.devices",
     "configure_cpu_devices": "tfdist.devices",
     "TfdistError": "tfdist.errors",
+    "FitError": "tfdist.training.fit_data",
+    "evaluate": "tfdist.training.fit",
+    "fit": "tfdist.training.fit",
     "serve_if_needed": "tfdist.roles",
     "StrategyError": "tfdist.strategies",
     "StrategyOptions": "tfdist.strategies",

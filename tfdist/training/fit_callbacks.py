@@ -1,0 +1,120 @@
+"""Keras callbacks in a multi-worker job: one writer, the same decisions everywhere.
+
+Every worker of a synchronous job runs the user's callbacks (saving can need every worker's
+part, and EarlyStopping must stop them all at the same epoch), but only the chief writes
+where the user asked. On the other workers the file-writing callbacks Keras ships
+(ModelCheckpoint, BackupAndRestore, CSVLogger, TensorBoard) write into a private scratch
+directory removed at the end — the rule tf.distribute applies to checkpoints. A worker
+still *reads* BackupAndRestore's backup from the shared directory, so every worker resumes
+from the chief's state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import keras
+
+log = logging.getLogger(__name__)
+
+# The path attributes of the writing callbacks, redirected on non-chief workers.
+_WRITE_PATHS = {
+    keras.callbacks.ModelCheckpoint: ("filepath",),
+    keras.callbacks.CSVLogger: ("filename",),
+    keras.callbacks.TensorBoard: ("log_dir",),
+}
+# BackupAndRestore reads its paths in on_train_begin and writes them later.
+_BACKUP_PATHS = (
+    "backup_dir",
+    "_weights_path",
+    "_training_metadata_path",
+    "_prev_weights_path",
+    "_prev_training_metadata_path",
+)
+# Callbacks that hook batches but read no batch logs: they need no logs fetched per batch.
+_NO_BATCH_LOGS = (keras.callbacks.BackupAndRestore, keras.callbacks.History)
+
+
+def hooks_batches(callback: keras.callbacks.Callback) -> bool:
+    """Whether `callback` overrides a per-batch training hook."""
+    base = keras.callbacks.Callback
+    return any(
+        getattr(type(callback), hook) is not getattr(base, hook)
+        for hook in ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
+    )
+
+
+def needs_batch_logs(callbacks: Sequence[keras.callbacks.Callback], *, progress_bar: bool) -> bool:
+    """Whether any callback reads per-batch logs (every worker must agree: it is collective)."""
+    return progress_bar or any(
+        hooks_batches(c) and not isinstance(c, _NO_BATCH_LOGS) for c in callbacks
+    )
+
+
+def backups(
+    callbacks: Sequence[keras.callbacks.Callback],
+) -> list[keras.callbacks.BackupAndRestore]:
+    return [c for c in callbacks if isinstance(c, keras.callbacks.BackupAndRestore)]
+
+
+@contextlib.contextmanager
+def writes_redirected(
+    callbacks: Sequence[keras.callbacks.Callback], *, is_chief: bool
+) -> Iterator[_Redirect]:
+    """On a non-chief worker, points the writing callbacks at a private scratch directory.
+
+    Yields a `_Redirect` whose `after_restore()` also moves BackupAndRestore's writes once it
+    has read the chief's backup. The callbacks' paths are put back, and the scratch directory
+    removed, on exit.
+    """
+    redirect = _Redirect(callbacks, is_chief=is_chief)
+    try:
+        redirect.start()
+        yield redirect
+    finally:
+        redirect.undo()
+
+
+class _Redirect:
+    def __init__(self, callbacks, *, is_chief: bool):
+        self.callbacks, self.is_chief = list(callbacks), is_chief
+        self.scratch: str | None = None
+        self._saved: list[tuple[object, str, object]] = []
+
+    def _move(self, callback, attribute: str) -> None:
+        value = getattr(callback, attribute, None)
+        if value is None:
+            return
+        self._saved.append((callback, attribute, value))
+        name = os.path.basename(os.fspath(value).rstrip("/")) or attribute
+        setattr(callback, attribute, os.path.join(self.scratch, f"{id(callback)}-{name}"))
+
+    def start(self) -> None:
+        if self.is_chief:
+            return
+        self.scratch = tempfile.mkdtemp(prefix="tfdist-worker-")
+        for callback in self.callbacks:
+            for kind, attributes in _WRITE_PATHS.items():
+                if isinstance(callback, kind):
+                    for attribute in attributes:
+                        self._move(callback, attribute)
+
+    def after_restore(self) -> None:
+        if self.is_chief:
+            return
+        for callback in backups(self.callbacks):
+            for attribute in _BACKUP_PATHS:
+                self._move(callback, attribute)
+
+    def undo(self) -> None:
+        for callback, attribute, value in reversed(self._saved):
+            setattr(callback, attribute, value)
+        self._saved.clear()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+            self.scratch = None

@@ -1,0 +1,278 @@
+"""The data `tfdist.fit` accepts, in the three forms Keras users already write.
+
+1. A `tf.data.Dataset` batched with the GLOBAL batch, as for `model.fit`: tfdist splits each
+   batch over the replicas (`experimental_distribute_dataset`) and shards it over workers.
+2. A `dataset_fn(input_context)` returning PER-REPLICA batches, as for
+   `strategy.distribute_datasets_from_function`: each input pipeline builds its own.
+3. Arrays (numpy, tensors, dicts or lists of them) with `batch_size`, as for `model.fit(x, y)`.
+
+`FitData` turns any of them into what a runner iterates — a distributed dataset for the
+synchronous strategies, a per-worker dataset for parameter_server — and knows where a resumed
+run continues: the batches already trained are skipped before the data is distributed, so a
+resumed run reads exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.errors import TfdistError
+
+log = logging.getLogger(__name__)
+
+# Keras's own default, for arrays given without a batch size.
+DEFAULT_BATCH_SIZE = 32
+
+
+class FitError(TfdistError, ValueError):
+    """A model, its data or an argument `tfdist.fit` cannot train with; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitData:
+    """One input of `fit` or `evaluate`, in whichever form the user gave it.
+
+    Attributes:
+      dataset: the global-batched dataset (forms 1 and 3), or None.
+      dataset_fn: the per-replica dataset function (form 2), or None.
+      num_batches: batches in one pass over the data, when tf.data can tell; else None.
+      infinite: the data repeats without end.
+      sample_batch: the first batch, for building the model and checking its shape.
+    """
+
+    dataset: tf.data.Dataset | None
+    dataset_fn: Callable[[tf.distribute.InputContext], tf.data.Dataset] | None
+    num_batches: int | None
+    sample_batch: Any
+    infinite: bool = False
+
+    @property
+    def form(self) -> str:
+        return "dataset_fn" if self.dataset_fn is not None else "dataset"
+
+    def distribute(self, strategy: tf.distribute.Strategy, *, skip: int = 0, repeat: bool = False):
+        """The data as `strategy`'s steps consume it, `skip` global batches in.
+
+        Args:
+          strategy: any synchronous strategy (parameter_server: see `per_worker`).
+          skip: global batches to leave out at the start (a resumed run's position).
+          repeat: repeat the data without end (the steps per epoch then bound an epoch).
+        """
+        if self.dataset is not None:
+            dataset = _positioned(self.dataset, skip=skip, repeat=repeat)
+            return strategy.experimental_distribute_dataset(dataset)
+        user_fn = self.dataset_fn
+
+        def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
+            # Each pipeline feeds num_replicas / num_pipelines replicas a batch per step.
+            replicas_here = context.num_replicas_in_sync // context.num_input_pipelines
+            return _positioned(user_fn(context), skip=skip * replicas_here, repeat=repeat)
+
+        return strategy.distribute_datasets_from_function(per_pipeline)
+
+    def per_worker(self, coordinator) -> Any:
+        """Per-worker datasets for parameter-server training: each worker streams its own copy.
+
+        Every worker reads the whole data, repeated; shuffle it (with a different order per
+        worker, i.e. no fixed seed) unless the workers should see the same order.
+        """
+        if self.dataset is not None:
+            dataset = self.dataset.repeat()
+            return coordinator.create_per_worker_dataset(dataset)
+        user_fn = self.dataset_fn
+        return coordinator.create_per_worker_dataset(lambda context: user_fn(context).repeat())
+
+    def local(self) -> tf.data.Dataset:
+        """The data as one process reads it whole (parameter_server's evaluation)."""
+        if self.dataset is not None:
+            return self.dataset
+        return self.dataset_fn(tf.distribute.InputContext())
+
+
+def _positioned(dataset: tf.data.Dataset, *, skip: int, repeat: bool) -> tf.data.Dataset:
+    if repeat:
+        dataset = dataset.repeat()
+    return dataset.skip(skip) if skip else dataset
+
+
+def make_fit_data(
+    x: Any,
+    y: Any = None,
+    *,
+    sample_weight: Any = None,
+    batch_size: int | None = None,
+    shuffle: bool = False,
+    strategy: tf.distribute.Strategy,
+    what: str = "x",
+) -> FitData:
+    """Recognises the form of `x` (and `y`, `sample_weight`) and checks it once.
+
+    Raises:
+      FitError: the data is of no form fit knows, arguments contradict the form, or a batch
+        does not split evenly over the replicas.
+    """
+    replicas = strategy.num_replicas_in_sync
+    if isinstance(x, tf.data.Dataset):
+        _no_extra_arrays(what, y=y, sample_weight=sample_weight, batch_size=batch_size)
+        sample = _first_batch(x, what)
+        batch = _batch_size_of(sample)
+        if batch is not None and batch % replicas:
+            raise FitError(
+                f"The first batch of `{what}` holds {batch} examples, which does not split "
+                f"evenly over the {replicas} replicas in sync. tfdist.fit takes a dataset "
+                "batched with the GLOBAL batch (as model.fit does): batch it with a multiple "
+                f"of {replicas}, e.g. dataset.batch({max(replicas, batch // replicas * replicas)}"
+                f"). Received: batch of {batch}"
+            )
+        return FitData(x, None, _known_batches(x), sample, _is_infinite(x))
+    if callable(x) and not isinstance(x, (np.ndarray, tf.Tensor, dict, list, tuple)):
+        _no_extra_arrays(what, y=y, sample_weight=sample_weight, batch_size=batch_size)
+        _check_dataset_fn(x, what)
+        probe = x(
+            tf.distribute.InputContext(num_input_pipelines=1, input_pipeline_id=0,
+                                       num_replicas_in_sync=replicas)
+        )  # fmt: skip
+        if not isinstance(probe, tf.data.Dataset):
+            raise FitError(
+                f"The dataset function passed as `{what}` must return a tf.data.Dataset of "
+                "per-replica batches. Received: a function returning "
+                f"{type(probe).__name__}"
+            )
+        return FitData(
+            None, x, _known_batches(probe), _first_batch(probe, what), _is_infinite(probe)
+        )
+    if x is None:
+        raise FitError(
+            f"No data: pass `{what}` as a tf.data.Dataset batched with the global batch, a "
+            "dataset_fn(input_context) returning per-replica batches, or arrays with "
+            "batch_size."
+        )
+    if isinstance(x, keras.utils.PyDataset) or inspect.isgenerator(x):
+        raise FitError(
+            f"tfdist.fit reads tf.data pipelines and arrays; `{what}` is a "
+            f"{type(x).__name__}. Wrap it with tf.data.Dataset.from_generator(...) and batch "
+            "it with the global batch."
+        )
+    return _from_arrays(
+        x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
+        replicas=replicas, what=what,
+    )  # fmt: skip
+
+
+def _from_arrays(x, y, *, sample_weight, batch_size, shuffle, replicas, what) -> FitData:
+    batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise FitError(f"batch_size must be a positive whole number. Received: {batch_size!r}")
+    if batch_size % replicas:
+        raise FitError(
+            f"batch_size={batch_size} (the global batch) does not split evenly over the "
+            f"{replicas} replicas in sync; use a multiple of {replicas}. "
+            f"Received: batch_size={batch_size}"
+        )
+    parts = tuple(part for part in (x, y, sample_weight) if part is not None)
+    if sample_weight is not None and y is None:
+        raise FitError(f"sample_weight needs labels: pass `y` with `{what}`.")
+    try:
+        sizes = {int(np.shape(leaf)[0]) for leaf in tf.nest.flatten(parts)}
+    except (IndexError, TypeError) as e:
+        raise FitError(
+            f"`{what}`, y and sample_weight must be arrays (or dicts/lists of arrays) with "
+            f"the examples along their first axis. Received: {type(x).__name__} ({e})"
+        ) from None
+    if len(sizes) != 1:
+        raise FitError(
+            f"`{what}`, y and sample_weight must hold the same number of examples. "
+            f"Received: first dimensions {sorted(sizes)}"
+        )
+    (examples,) = sizes
+    dataset = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+    if shuffle:
+        dataset = dataset.shuffle(examples, reshuffle_each_iteration=True)
+    dataset = dataset.batch(batch_size)
+    last = examples % batch_size
+    if last % replicas:
+        log.warning(
+            "The last batch of %s holds %d of %d examples, which does not split evenly over "
+            "the %d replicas: its replicas weigh their examples a little differently from one "
+            "device. Use a number of examples that divides by %d, or drop it with a dataset "
+            "and .batch(..., drop_remainder=True).",
+            what, last, examples, replicas, replicas,
+        )  # fmt: skip
+    return FitData(dataset, None, _known_batches(dataset), _first_batch(dataset, what))
+
+
+def _no_extra_arrays(what, **given) -> None:
+    extra = sorted(name for name, value in given.items() if value is not None)
+    if extra:
+        raise FitError(
+            f"`{what}` is a dataset, which carries its own labels, weights and batching; "
+            f"{', '.join(extra)} apply to arrays only. Put them in the dataset's elements, "
+            "(x, y) or (x, y, sample_weight), batched with the global batch. "
+            f"Received: {', '.join(f'{name}=...' for name in extra)}"
+        )
+
+
+def _check_dataset_fn(fn, what) -> None:
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return  # a builtin or a callable object: let the call tell
+    required = [
+        p for p in parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]  # fmt: skip
+    if len(required) > 1:
+        raise FitError(
+            f"A dataset function passed as `{what}` takes one argument, the "
+            "tf.distribute.InputContext, and returns per-replica batches. Received: a "
+            f"function of {len(required)} required arguments ({', '.join(p.name for p in required)})"
+        )
+
+
+def _first_batch(dataset: tf.data.Dataset, what: str):
+    try:
+        return next(iter(dataset.take(1)))
+    except StopIteration:
+        raise FitError(f"`{what}` yields no batch: the dataset is empty.") from None
+
+
+def _batch_size_of(batch) -> int | None:
+    for leaf in tf.nest.flatten(batch):
+        if leaf is not None and getattr(leaf, "shape", None) is not None and leaf.shape.rank:
+            return int(leaf.shape[0])
+    return None
+
+
+def _known_batches(dataset: tf.data.Dataset) -> int | None:
+    cardinality = int(dataset.cardinality())
+    return cardinality if cardinality >= 0 else None
+
+
+def _is_infinite(dataset: tf.data.Dataset) -> bool:
+    return int(dataset.cardinality()) == int(tf.data.INFINITE_CARDINALITY)
+
+
+def unpack(batch) -> tuple[Any, Any, Any]:
+    """(x, y, sample_weight) of a batch, as Keras reads one."""
+    if isinstance(batch, list):
+        batch = tuple(batch)
+    if not isinstance(batch, tuple):
+        return batch, None, None
+    if len(batch) == 1:
+        return batch[0], None, None
+    if len(batch) == 2:
+        return batch[0], batch[1], None
+    if len(batch) == 3:
+        return batch
+    raise FitError(
+        "A batch is x, (x,), (x, y) or (x, y, sample_weight); wrap several inputs in a tuple "
+        f"or dict as x. Received: a tuple of {len(batch)} elements"
+    )

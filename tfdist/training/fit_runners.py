@@ -1,0 +1,429 @@
+"""How `tfdist.fit` runs a compiled Keras model's steps under each kind of strategy.
+
+Both runners offer the same narrow interface, so the loop in fit.py is written once:
+
+  train(iterator, n, bounded=, with_logs=) -> (steps run, logs or None)
+  logs() -> the epoch's logs so far           reset() -> a new epoch's metrics
+  evaluate(data, steps) -> logs               finish_epoch(steps) -> None
+
+SyncRunner (one_device, mirrored, central_storage, multi_worker_mirrored, tpu) runs the
+model's own `train_step` / `test_step` inside `strategy.run`, as Keras's fit does on one host:
+a user's overridden step runs unchanged. Keras scales each replica's loss by 1/replicas, so
+with equal per-replica batches the all-reduced gradient is that of the global batch; metric
+variables are SUM-aggregated on read, so the logs are those of every replica and worker.
+
+ParameterServerRunner schedules closures on the workers through a ClusterCoordinator. Metric
+variables live on the ps tasks there and several workers would update them at once (racing),
+so each closure accumulates its metric state in local tensors (Keras's stateless metric API)
+and returns it; the coordinator adds the states up — the same sum a replica read does.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.losses.loss import unscale_loss_for_distribution
+
+from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
+from tfdist.training.fit_data import FitData, FitError, unpack
+
+log = logging.getLogger(__name__)
+
+
+def _float_logs(logs) -> dict[str, float]:
+    """Keras logs as plain floats (what callbacks and History keep)."""
+    out = {}
+    for name, value in logs.items():
+        value = np.asarray(value)
+        out[name] = float(value) if value.size == 1 else value.tolist()
+    return out
+
+
+def _batch_size(x) -> tf.Tensor:
+    leaf = next(leaf for leaf in tf.nest.flatten(x) if leaf is not None)
+    return tf.shape(leaf)[0]
+
+
+class SyncRunner:
+    """Synchronous strategies: every replica runs every step; see the module docstring."""
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        self.model, self.strategy = model, strategy
+        self._train_fns: dict[tuple[int, bool], tf.types.experimental.PolymorphicFunction] = {}
+        self._stream_fns: dict[bool, tf.types.experimental.PolymorphicFunction] = {}
+        self._metric_names = None
+        self._read_logs = tf.function(lambda: model.get_metrics_result())
+        self._test_fn = None
+
+    # --- training -----------------------------------------------------------------------------
+
+    def _train_fn(self, n: int, with_logs: bool):
+        key = (n, with_logs)
+        if key not in self._train_fns:
+            model, strategy = self.model, self.strategy
+
+            @tf.function
+            def train(iterator):
+                # n is a Python number: one graph per distinct count (the steps per execution
+                # and an epoch's remainder), and no loop at all for a single step.
+                if n > 1:
+                    for _ in tf.range(n - 1):
+                        strategy.run(model.train_step, args=(next(iterator),))
+                outputs = strategy.run(model.train_step, args=(next(iterator),))
+                return self._logs_of(outputs) if with_logs else {}
+
+            self._train_fns[key] = train
+        return self._train_fns[key]
+
+    def _stream_fn(self, with_logs: bool):
+        # For data of unknown length: each step first asks whether there is a batch.
+        if with_logs not in self._stream_fns:
+            model, strategy = self.model, self.strategy
+
+            @tf.function
+            def train(iterator, n):
+                done = tf.constant(0)
+                for _ in tf.range(n):
+                    batch = iterator.get_next_as_optional()
+                    if not batch.has_value():
+                        break
+                    strategy.run(model.train_step, args=(batch.get_value(),))
+                    done += 1
+                return done, (model.get_metrics_result() if with_logs else {})
+
+            self._stream_fns[with_logs] = train
+        return self._stream_fns[with_logs]
+
+    def _logs_of(self, outputs) -> dict:
+        # Keras's rule (Trainer._get_metrics_result_or_logs): the metrics, read over every
+        # replica, when the step returns them; a custom train_step's own logs otherwise, each
+        # averaged over the replicas.
+        metrics = self.model.get_metrics_result()
+        if not isinstance(outputs, dict) or set(outputs) == set(metrics):
+            return metrics
+        return {
+            name: self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+            for name, value in outputs.items()
+        }
+
+    def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
+        if bounded:
+            logs = self._train_fn(n, with_logs)(iterator)
+            return n, (_float_logs(logs) if with_logs else None)
+        done, logs = self._stream_fn(with_logs)(iterator, tf.constant(n))
+        return int(done), (_float_logs(logs) if with_logs else None)
+
+    def logs(self) -> dict[str, float]:
+        return _float_logs(self._read_logs())
+
+    def reset(self) -> None:
+        self.model.reset_metrics()
+
+    def finish_epoch(self) -> None:
+        pass  # synchronous updates count themselves
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        if self._test_fn is None:
+            model, strategy = self.model, self.strategy
+
+            def replica_test(batch):
+                def run():
+                    model.test_step(batch)
+                    return tf.constant(0)
+
+                # The last batch can leave a replica without examples, and some kernels
+                # (oneDNN's convolution) reject an empty batch: such a replica adds nothing.
+                x, _, _ = unpack(batch)
+                tf.cond(_batch_size(x) > 0, run, lambda: tf.constant(0))
+
+            @tf.function
+            def test(iterator, n):
+                done = tf.constant(0)
+                for _ in tf.range(n):
+                    batch = iterator.get_next_as_optional()
+                    if not batch.has_value():
+                        break
+                    strategy.run(replica_test, args=(batch.get_value(),))
+                    done += 1
+                return done
+
+            self._test_fn = test
+        self.reset()
+        iterator = iter(data.distribute(self.strategy))
+        per_call = max(1, self.model.steps_per_execution)
+        remaining = steps
+        while remaining is None or remaining > 0:
+            n = per_call if remaining is None else min(per_call, remaining)
+            done = int(self._test_fn(iterator, tf.constant(n)))
+            if remaining is not None:
+                remaining -= done
+            if done < n:
+                break
+        return self.logs()
+
+
+class _StatelessMetrics:
+    """Metric state carried in tensors instead of the metric variables (Keras's stateless API).
+
+    For strategies whose metric variables cannot take concurrent updates: parameter_server
+    (one variable on a ps, updated by several workers) and central_storage (one variable on
+    the CPU, updated by every replica: Keras's own fit logs wrong figures there). Each step
+    starts from zeros and returns its metric state; states add up, as a SUM-aggregated read
+    of replicas would.
+    """
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        self.model, self.strategy = model, strategy
+        self.metric_variables = list(model.metrics_variables)
+        for variable in self.metric_variables:
+            if getattr(variable, "aggregation", "sum") not in ("sum", None):
+                raise FitError(
+                    f"Under {type(strategy).__name__}, tfdist adds up the metric state of "
+                    "every step, which needs metric variables aggregated by 'sum'. Metric "
+                    f"variable {variable.path} is aggregated by {variable.aggregation!r}; "
+                    "compute that metric after training, or drop it from compile(). "
+                    f"Received: aggregation={variable.aggregation!r}"
+                )
+        self._state = self._zeros()
+
+    def _zeros(self) -> list[np.ndarray]:
+        return [np.zeros(v.shape, v.dtype) for v in self.metric_variables]
+
+    def _zero_tensors(self) -> list[tf.Tensor]:
+        return [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
+
+    def _stateless_train_step(self, batch, state):
+        model = self.model
+        x, y, sample_weight = unpack(batch)
+        mapping = list(zip(self.metric_variables, state, strict=True))
+        with tf.GradientTape() as tape:
+            y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            with keras.StatelessScope(state_mapping=mapping) as scope:
+                loss = model._compute_loss(
+                    x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
+                )
+                model._loss_tracker.update_state(
+                    unscale_loss_for_distribution(loss), sample_weight=_batch_size(x)
+                )
+                model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
+            scaled = model.optimizer.scale_loss(loss)
+        weights = model.trainable_weights
+        model.optimizer.apply_gradients(zip(tape.gradient(scaled, weights), weights, strict=True))
+        return [scope.get_current_value(v) for v in self.metric_variables]
+
+    def _stateless_test_step(self, batch, state):
+        mapping = list(zip(self.metric_variables, state, strict=True))
+        with keras.StatelessScope(state_mapping=mapping) as scope:
+            self.model.test_step(batch)
+        return [scope.get_current_value(v) for v in self.metric_variables]
+
+    def _logs_of(self, state) -> dict[str, float]:
+        mapping = list(zip(self.metric_variables, state, strict=True))
+        with keras.StatelessScope(state_mapping=mapping):
+            return _float_logs(self.model.get_metrics_result())
+
+    def _add_state(self, values) -> None:
+        self._state = [a + np.asarray(b) for a, b in zip(self._state, values, strict=True)]
+
+    def logs(self) -> dict[str, float]:
+        return self._logs_of(self._state)
+
+    def reset(self) -> None:
+        self._state = self._zeros()
+
+
+class CentralStorageRunner(_StatelessMetrics):
+    """central_storage: synchronous replicas, variables on one device, metrics in tensors."""
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        super().__init__(model, strategy)
+        self._train_fns: dict[int, tf.types.experimental.PolymorphicFunction] = {}
+        self._test_fn = None
+
+    def _summed(self, per_replica) -> list[tf.Tensor]:
+        return [
+            self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+            for value in per_replica
+        ]
+
+    def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
+        if n not in self._train_fns:
+            strategy = self.strategy
+
+            @tf.function
+            def train(iterator, n):
+                done, state = tf.constant(0), self._zero_tensors()
+                for _ in tf.range(n):
+                    batch = iterator.get_next_as_optional()
+                    if not batch.has_value():
+                        break
+                    step = strategy.run(
+                        self._stateless_train_step, args=(batch.get_value(), self._zero_tensors())
+                    )
+                    state = [a + b for a, b in zip(state, self._summed(step), strict=True)]
+                    done += 1
+                return done, state
+
+            self._train_fns[n] = train
+        done, state = self._train_fns[n](iterator, tf.constant(n))
+        self._add_state(state)
+        return int(done), (self.logs() if with_logs else None)
+
+    def finish_epoch(self) -> None:
+        pass
+
+    def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        if self._test_fn is None:
+            strategy = self.strategy
+
+            def replica_test(batch):
+                x, _, _ = unpack(batch)
+                zeros = self._zero_tensors()
+                # A replica the last batch left without examples adds nothing.
+                return tf.cond(
+                    _batch_size(x) > 0,
+                    lambda: self._stateless_test_step(batch, zeros),
+                    lambda: zeros,
+                )
+
+            @tf.function
+            def test(iterator, n):
+                done, state = tf.constant(0), self._zero_tensors()
+                for _ in tf.range(n):
+                    batch = iterator.get_next_as_optional()
+                    if not batch.has_value():
+                        break
+                    step = strategy.run(replica_test, args=(batch.get_value(),))
+                    state = [a + b for a, b in zip(state, self._summed(step), strict=True)]
+                    done += 1
+                return done, state
+
+            self._test_fn = test
+        iterator = iter(data.distribute(self.strategy))
+        total, remaining = self._zeros(), steps
+        per_call = max(1, self.model.steps_per_execution)
+        while remaining is None or remaining > 0:
+            n = per_call if remaining is None else min(per_call, remaining)
+            done, state = self._test_fn(iterator, tf.constant(n))
+            total = [a + np.asarray(b) for a, b in zip(total, state, strict=True)]
+            done = int(done)
+            if remaining is not None:
+                remaining -= done
+            if done < n:
+                break
+        return self._logs_of(total)
+
+
+class ParameterServerRunner(_StatelessMetrics):
+    """parameter_server: closures of `n` steps scheduled on any free worker; see the module."""
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        super().__init__(model, strategy)
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self._pending: collections.deque = collections.deque()
+        self._lag = 2 * max(
+            1, len(strategy.cluster_resolver.cluster_spec().as_dict().get("worker", []))
+        )
+        self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
+        self._eval_step = tf.function(self._stateless_test_step)
+        self._per_worker_iterators: dict[int, object] = {}
+        # Steps scheduled since the first (a restored run counts on from its backup).
+        self.scheduled_steps = int(model.optimizer.iterations.numpy())
+
+    def _closure(self, n: int):
+        if n not in self._closures:
+            strategy = self.strategy
+
+            @tf.function
+            def steps(iterator):
+                state = self._zero_tensors()
+                for _ in tf.range(n):
+                    state = strategy.run(self._stateless_train_step, args=(next(iterator), state))
+                return state
+
+            self._closures[n] = steps
+        return self._closures[n]
+
+    # --- the runner interface -------------------------------------------------------------------
+
+    def per_worker_iterator(self, data: FitData):
+        key = id(data)
+        if key not in self._per_worker_iterators:
+            self._per_worker_iterators[key] = iter(data.per_worker(self.coordinator))
+        return self._per_worker_iterators[key]
+
+    def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
+        del bounded  # per-worker data repeats without end
+        with self._explained():
+            self._pending.append(self.coordinator.schedule(self._closure(n), args=(iterator,)))
+            self.scheduled_steps += n
+            while len(self._pending) > self._lag:
+                self._add(self._pending.popleft())
+        return n, (self.logs() if with_logs else None)
+
+    def _add(self, remote) -> None:
+        try:
+            values = remote.fetch()
+        except CLUSTER_ERRORS as e:
+            worker = lost_worker(e, cluster=self._cluster())
+            if worker is None:
+                raise
+            # The steps ran and their updates reached the ps; their metrics died with it.
+            log.warning("The metrics of steps that ran on %s were lost with it", worker)
+            return
+        self._add_state(values)
+
+    def reset(self) -> None:
+        self._pending.clear()
+        super().reset()
+
+    def finish_epoch(self) -> None:
+        with self._explained():
+            self.coordinator.join()  # the epoch ends when every scheduled step has run
+            while self._pending:
+                self._add(self._pending.popleft())
+            # Keras's iteration counter loses increments under asynchronous updates; the
+            # coordinator's count is exact, and drives the learning-rate schedule.
+            self.model.optimizer.iterations.assign(self.scheduled_steps)
+
+    def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        # On the coordinator, reading the variables from the ps tasks: every example once.
+        state = self._zeros()
+        dataset = data.local()
+        if steps is not None:
+            dataset = dataset.take(steps)
+        with self._explained():
+            for batch in dataset:
+                state = self._eval_step(batch, state)
+        return self._logs_of(state)
+
+    # --- failures -------------------------------------------------------------------------------
+
+    def _cluster(self) -> dict[str, list[str]]:
+        return self.strategy.cluster_resolver.cluster_spec().as_dict()
+
+    @contextlib.contextmanager
+    def _explained(self):
+        # Every call that waits on the ps tasks goes through here: a dead ps ends training
+        # with one ClusterTaskFailed message instead of TensorFlow's traceback.
+        try:
+            yield
+        except CLUSTER_ERRORS as e:
+            explained = explain_cluster_error(
+                e,
+                cluster=self._cluster(),
+                step=self.scheduled_steps,
+                total_steps=self.scheduled_steps,
+                checkpoint_step=None,
+                checkpoint_dir=None,
+            )
+            if explained is None:
+                raise
+            raise explained from None
