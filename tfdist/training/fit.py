@@ -228,7 +228,7 @@ class _Loop:
         self.first_epoch = first_epoch
         self.per_call = max(1, int(model.steps_per_execution))
         self.iterator = None
-        self.data_ended = False
+        self.pass_position = 0
         # Steps are run without asking for the end of the data when its length is known:
         # parameter-server data and repeated data never end, and a known number of batches
         # per epoch bounds each pass (asking costs a collective per step across workers).
@@ -247,10 +247,14 @@ class _Loop:
             return self.runner.per_worker_iterator(self.data)
         if self.user_steps is None:  # each epoch is one pass over the data (Keras's rule)
             return iter(self.data.distribute(self.strategy, skip=skip))
-        # With steps_per_epoch the data is one stream across epochs, as in Keras.
+        # With steps_per_epoch the data is one stream across epochs, as in Keras: a pass
+        # that runs out ends its epoch early, and the next epoch starts a new pass.
         if self.iterator is None:
-            stream_skip = (epoch - self.first_epoch) * self.user_steps + skip
-            self.iterator = iter(self.data.distribute(self.strategy, skip=max(0, stream_skip)))
+            position = (epoch - self.first_epoch) * self.user_steps + skip
+            if self.data.num_batches:
+                position %= self.data.num_batches
+            self.pass_position = position
+            self.iterator = iter(self.data.distribute(self.strategy, skip=position))
         return self.iterator
 
     def epoch(self, epoch: int, start_step: int) -> dict[str, float]:
@@ -269,12 +273,11 @@ class _Loop:
                 self.callbacks.on_train_batch_end(step - 1, logs)
             if done < n:  # the data ran out
                 if self.user_steps is not None:
-                    self.data_ended = True
+                    self.iterator = None
                     log.warning(
-                        "The training data ran out in epoch %d after %d of %d steps; training "
-                        "stops. With steps_per_epoch the data is one stream across epochs (as "
-                        "in Keras): it must hold steps_per_epoch x epochs batches; add "
-                        ".repeat() to the dataset.",
+                        "The training data ran out in epoch %d after %d of %d steps: the "
+                        "epoch ends there and the next one starts a new pass (as in Keras). "
+                        "Give the data steps_per_epoch x epochs batches, e.g. with .repeat().",
                         epoch + 1, step, self.steps,
                     )  # fmt: skip
                 break
@@ -282,6 +285,10 @@ class _Loop:
                 break
         if self.steps is None:
             self.steps = step  # a first whole pass tells the length of an epoch
+        if self.iterator is not None:
+            self.pass_position += step - start_step
+            if self.data.num_batches and self.pass_position >= self.data.num_batches:
+                self.iterator = None
         self.runner.finish_epoch()
         return self.runner.logs()
 
@@ -298,7 +305,7 @@ class _Loop:
         return stop
 
     def stopping(self) -> bool:
-        return self.data_ended or self._agreed_stop()
+        return self._agreed_stop()
 
 
 # --- checks at the boundary -------------------------------------------------------------------

@@ -202,9 +202,12 @@ class _StatelessMetrics:
     def _stateless_train_step(self, batch, state):
         model = self.model
         x, y, sample_weight = unpack(batch)
-        mapping = list(zip(self.metric_variables, state, strict=True))
         with tf.GradientTape() as tape:
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
+            # Regularisers read the trainable weights through the scope: map them to
+            # themselves, read inside the tape so the penalty's gradient reaches them.
+            mapping = [(v, v.value) for v in model.trainable_weights]
+            mapping += list(zip(self.metric_variables, state, strict=True))
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 loss = model._compute_loss(
                     x=x, y=y, y_pred=y_pred, sample_weight=sample_weight, training=True
@@ -219,7 +222,8 @@ class _StatelessMetrics:
         return [scope.get_current_value(v) for v in self.metric_variables]
 
     def _stateless_test_step(self, batch, state):
-        mapping = list(zip(self.metric_variables, state, strict=True))
+        mapping = [(v, v.value) for v in self.model.trainable_weights]  # for regularisers
+        mapping += list(zip(self.metric_variables, state, strict=True))
         with keras.StatelessScope(state_mapping=mapping) as scope:
             self.model.test_step(batch)
         return [scope.get_current_value(v) for v in self.metric_variables]

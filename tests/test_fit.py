@@ -1,0 +1,164 @@
+"""tfdist.fit / tfdist.evaluate: the same weights and logs as Keras's own model.fit on one device.
+
+Each case of tests/fit_models.py is trained by Keras's `model.fit` without a strategy (the
+reference) and by `tfdist.fit` under mirrored (2 and 4 logical CPUs) and central_storage, with
+the same global batches in the same order. Multi-worker and parameter-server runs, with real
+processes, are in tests/test_fit_multiworker.py.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests import fit_models
+from tfdist.training.fit_data import FitError
+
+WEIGHTS_TOLERANCE = 1e-5
+LOGS_TOLERANCE = 1e-4
+STRATEGIES = {
+    "mirrored_x2": lambda: tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"]),
+    "mirrored_x4": lambda: tfdist.build_strategy(
+        "mirrored", cluster=None, devices=["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
+    ),
+    "central_storage": lambda: tfdist.build_strategy("central_storage", cluster=None),
+}
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def assert_logs_close(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=LOGS_TOLERANCE, err_msg=name)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Keras's own fit and evaluate on one device, per case (built once per module)."""
+    out = {}
+    for name, case in fit_models.CASES.items():
+        model, data = case()
+        history = model.fit(data, epochs=fit_models.EPOCHS, verbose=0, shuffle=False)
+        evaluation = model.evaluate(data, verbose=0, return_dict=True)
+        out[name] = (model.get_weights(), history.history, evaluation)
+    return out
+
+
+@pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))
+@pytest.mark.parametrize("case", sorted(fit_models.CASES))
+def test_fit_matches_keras_on_one_device(references, case, strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model, data = fit_models.CASES[case]()
+    history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
+    weights, keras_history, keras_evaluation = references[case]
+    assert max_diff(model.get_weights(), weights) <= WEIGHTS_TOLERANCE
+    assert_logs_close(history.history, keras_history)
+    assert_logs_close(tfdist.evaluate(model, data, verbose=0, return_dict=True), keras_evaluation)
+
+
+def test_arrays_dataset_fn_and_validation(references):
+    """numpy arrays with batch_size, and a dataset_fn of per-replica batches, train alike."""
+    strategy = STRATEGIES["mirrored_x2"]()
+    _, data = fit_models.regularised()
+    x, y = (np.concatenate(part) for part in zip(*data.as_numpy_iterator(), strict=True))
+    with strategy.scope():
+        from_arrays, _ = fit_models.regularised()
+        from_fn, _ = fit_models.regularised()
+    history = tfdist.fit(
+        from_arrays, x, y, batch_size=fit_models.GLOBAL_BATCH, epochs=fit_models.EPOCHS,
+        shuffle=False, verbose=0, validation_data=(x[:64], y[:64]),
+    )  # fmt: skip
+    assert max_diff(from_arrays.get_weights(), references["regularised"][0]) <= WEIGHTS_TOLERANCE
+    assert sorted(history.history) == ["loss", "mae", "val_loss", "val_mae"]
+    assert history.history["val_loss"][-1] == pytest.approx(
+        tfdist.evaluate(from_arrays, x[:64], y[:64], verbose=0)[0], abs=1e-6
+    )
+
+    def dataset_fn(context: tf.distribute.InputContext) -> tf.data.Dataset:
+        per_replica = context.get_per_replica_batch_size(fit_models.GLOBAL_BATCH)
+        # Replica r of a global batch takes its r-th slice: the order one device sees.
+        shard = tf.data.Dataset.from_tensor_slices((x, y)).batch(per_replica)
+        return shard
+
+    tfdist.fit(from_fn, dataset_fn, epochs=1, verbose=0, steps_per_epoch=4)
+    assert int(from_fn.optimizer.iterations.numpy()) == 4
+
+
+def test_steps_per_execution_and_early_stopping(references):
+    strategy = STRATEGIES["mirrored_x2"]()
+    with strategy.scope():
+        model, data = fit_models.cnn()
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=3,  # 8 batches: calls of 3, 3 and 2 steps
+        )
+    tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
+    assert max_diff(model.get_weights(), references["cnn"][0]) <= WEIGHTS_TOLERANCE
+
+    stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=100.0, patience=0)
+    history = tfdist.fit(model, data, epochs=5, verbose=0, callbacks=[stop])
+    assert len(history.history["loss"]) == 2  # epoch 2 did not improve by 100: stop
+
+
+def test_backup_and_restore_resumes_mid_epoch_exactly(references, tmp_path):
+    """A run stopped after 5 of 8 steps resumes at step 6 and ends on the reference weights."""
+    backup = str(tmp_path / "backup")
+    strategy = STRATEGIES["mirrored_x2"]()
+
+    class Crash(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def on_train_batch_end(self, batch, logs=None):
+            if (self.epoch, batch) == (1, 4):  # epoch 2, after its 5th step
+                raise KeyboardInterrupt
+
+    with strategy.scope():
+        model, data = fit_models.cnn()
+    callbacks = [keras.callbacks.BackupAndRestore(backup, save_freq=1)]
+    with pytest.raises(KeyboardInterrupt):
+        tfdist.fit(model, data, epochs=2, verbose=0, steps_per_epoch=8,
+                   callbacks=[*callbacks, Crash()])  # fmt: skip
+    with strategy.scope():
+        fresh, data = fit_models.cnn()
+    seen = []
+    logger = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda b, logs: seen.append(b))
+    tfdist.fit(fresh, data, epochs=2, verbose=0, steps_per_epoch=8, callbacks=[*callbacks, logger])
+    assert seen[0] == 5  # epoch 2's 6th step (0-based 5) is the first one run again
+    assert max_diff(fresh.get_weights(), references["cnn"][0]) <= WEIGHTS_TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m, d: tfdist.fit(keras.Sequential([keras.layers.Dense(1)]), d), r"is not compiled: call model\.compile"),
+        (lambda m, d: tfdist.fit(m, d, epoch=3), r"unknown keyword `epoch` \(did you mean `epochs`\?\)"),
+        (lambda m, d: tfdist.fit(m, d, class_weight={0: 1.0}), r"does not take `class_weight` yet"),
+        (lambda m, d: tfdist.fit(m, d.unbatch().batch(33)), r"holds 33 examples, which does not split evenly over the 2 replicas"),
+        (lambda m, d: tfdist.fit(m, d.map(lambda x, y: x)), r"yields inputs without labels, but the model was compiled with a loss"),
+        (lambda m, d: tfdist.fit(m, d, y=np.zeros(3)), r"y apply to arrays only"),
+        (lambda m, d: tfdist.fit(m, np.zeros((10, 5)), np.zeros(10), batch_size=3), r"batch_size=3 \(the global batch\) does not split evenly over the 2"),
+    ],
+    ids=["uncompiled", "unknown-keyword", "class-weight", "uneven-batch", "no-labels", "y-with-dataset", "odd-batch-size"],
+)  # fmt: skip
+def test_mistakes_get_one_clear_message(call, message):
+    strategy = STRATEGIES["mirrored_x2"]()
+    with strategy.scope():
+        model, data = fit_models.regularised()
+    with pytest.raises(FitError, match=message):
+        call(model, data)
+
+
+def test_a_model_built_outside_the_scope_is_refused():
+    model, data = fit_models.regularised()  # no scope: the default strategy's variables
+    with pytest.raises(FitError, match=r"created outside any strategy's scope.*strategy\.scope\(\)"):
+        tfdist.fit(model, data, strategy=STRATEGIES["mirrored_x2"]())
