@@ -81,13 +81,13 @@ def regularised():
     model = keras.Sequential(
         [
             keras.Input((5,)),
-            keras.layers.Dense(16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01)),
+            keras.layers.Dense(
+                16, activation="relu", kernel_regularizer=keras.regularizers.L2(0.01)
+            ),
             keras.layers.Dense(1, kernel_regularizer=keras.regularizers.L2(0.01)),
         ]
     )
-    model.compile(
-        optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"]
-    )
+    model.compile(optimizer=keras.optimizers.SGD(0.05, momentum=0.9), loss="mse", metrics=["mae"])
     rng = _rng()
     x = rng.normal(size=(EXAMPLES, 5)).astype("float32")
     y = (x @ np.arange(1, 6, dtype="float32")[:, None]) * 0.1

@@ -20,7 +20,9 @@ from tfdist.training.fit_data import FitError
 WEIGHTS_TOLERANCE = 1e-5
 LOGS_TOLERANCE = 1e-4
 STRATEGIES = {
-    "mirrored_x2": lambda: tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"]),
+    "mirrored_x2": lambda: tfdist.build_strategy(
+        "mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"]
+    ),
     "mirrored_x4": lambda: tfdist.build_strategy(
         "mirrored", cluster=None, devices=["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]
     ),
@@ -160,5 +162,7 @@ def test_mistakes_get_one_clear_message(call, message):
 
 def test_a_model_built_outside_the_scope_is_refused():
     model, data = fit_models.regularised()  # no scope: the default strategy's variables
-    with pytest.raises(FitError, match=r"created outside any strategy's scope.*strategy\.scope\(\)"):
+    with pytest.raises(
+        FitError, match=r"created outside any strategy's scope.*strategy\.scope\(\)"
+    ):
         tfdist.fit(model, data, strategy=STRATEGIES["mirrored_x2"]())

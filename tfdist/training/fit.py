@@ -136,8 +136,12 @@ def fit(
     if is_ps:
         _warn_batch_hooks_under_ps(callbacks)
     progress_bar = verbose != 0 and is_chief
-    with_batch_logs = fit_callbacks.needs_batch_logs(callbacks, progress_bar=verbose != 0)
     workers = _sync_workers(strategy)
+    # Reading batch logs is collective across workers, so they must all do it or none: a
+    # callback only some workers were given counts for all.
+    with_batch_logs = _any_worker(
+        strategy, workers, fit_callbacks.needs_batch_logs(callbacks, progress_bar=verbose != 0)
+    )
 
     with fit_callbacks.writes_redirected(callbacks, is_chief=is_chief) as redirect:
         callback_list = keras.callbacks.CallbackList(
@@ -295,13 +299,8 @@ class _Loop:
     def _agreed_stop(self) -> bool:
         # Callbacks decide on the same reduced logs everywhere; the agreement also covers a
         # decision only one worker took, which would otherwise leave the others waiting.
-        stop = bool(self.model.stop_training)
-        if self.workers > 1:
-            flags = self.strategy.experimental_distribute_values_from_function(
-                lambda _: tf.constant(int(stop), tf.int32)
-            )
-            stop = int(self.strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)) > 0
-            self.model.stop_training = stop
+        stop = _any_worker(self.strategy, self.workers, bool(self.model.stop_training))
+        self.model.stop_training = stop
         return stop
 
     def stopping(self) -> bool:
@@ -390,6 +389,16 @@ def _sync_workers(strategy) -> int:
     if _is_parameter_server(strategy):
         return 1
     return int(getattr(strategy.extended, "_num_workers", 1) or 1)
+
+
+def _any_worker(strategy, workers: int, flag: bool) -> bool:
+    """Whether `flag` is true on any worker (every worker must call this at the same point)."""
+    if workers <= 1:
+        return flag
+    flags = strategy.experimental_distribute_values_from_function(
+        lambda _: tf.constant(int(flag), tf.int32)
+    )
+    return int(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)) > 0
 
 
 def _check_count(name: str, value, *, minimum: int) -> None:

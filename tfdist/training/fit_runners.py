@@ -332,9 +332,9 @@ class ParameterServerRunner(_StatelessMetrics):
         super().__init__(model, strategy)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         self._pending: collections.deque = collections.deque()
-        self._lag = 2 * max(
-            1, len(strategy.cluster_resolver.cluster_spec().as_dict().get("worker", []))
-        )
+        # Results are fetched a few closures behind the newest: the progress stays current
+        # without waiting on every step.
+        self._lag = 2 * max(1, len(self._cluster().get("worker", [])))
         self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
         self._eval_step = tf.function(self._stateless_test_step)
         self._per_worker_iterators: dict[int, object] = {}
@@ -411,7 +411,11 @@ class ParameterServerRunner(_StatelessMetrics):
     # --- failures -------------------------------------------------------------------------------
 
     def _cluster(self) -> dict[str, list[str]]:
-        return self.strategy.cluster_resolver.cluster_spec().as_dict()
+        # ParameterServerStrategy keeps its resolver privately (its public attribute is None).
+        resolver = self.strategy.cluster_resolver or getattr(
+            self.strategy, "_cluster_resolver", None
+        )
+        return resolver.cluster_spec().as_dict() if resolver is not None else {}
 
     @contextlib.contextmanager
     def _explained(self):

@@ -1,0 +1,104 @@
+"""tfdist.fit with real processes: multi_worker_mirrored and parameter_server jobs.
+
+Each test launches tests/workers/fit_worker.py — a user's own script — through tools.launch,
+then checks what every task wrote against Keras's own model.fit on one device.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from tests import fit_models
+from tests.conftest import run_module
+
+pytestmark = pytest.mark.multiprocess
+
+WEIGHTS_TOLERANCE = 1e-5
+LOGS_TOLERANCE = 1e-4
+
+
+def launch(mode: str, out, *layout: str) -> str:
+    result = run_module(
+        "tools.launch", *layout, "--timeout", "280", "--",
+        sys.executable, "-m", "tests.workers.fit_worker", mode, str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return result.stdout
+
+
+def written(out, task: str, name: str) -> tuple[list[np.ndarray], dict]:
+    arrays = np.load(out / task / f"{name}.npz")
+    weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    return weights, json.loads((out / task / f"{name}.json").read_text())
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+@pytest.fixture(scope="module")
+def references():
+    out = {}
+    for name, case in fit_models.CASES.items():
+        model, data = case()
+        history = model.fit(data, epochs=fit_models.EPOCHS, verbose=0, shuffle=False)
+        out[name] = (
+            model.get_weights(),
+            history.history,
+            model.evaluate(data, verbose=0, return_dict=True),
+        )
+    return out
+
+
+def test_two_workers_match_keras_on_one_device(references, tmp_path):
+    launch("equivalence", tmp_path, "--workers", "2")
+    for name, (weights, history, evaluation) in references.items():
+        for task in ("worker_0", "worker_1"):
+            got, logs = written(tmp_path, task, name)
+            assert max_diff(got, weights) <= WEIGHTS_TOLERANCE, (name, task)
+            for key, values in history.items():
+                np.testing.assert_allclose(logs["history"][key], values, atol=LOGS_TOLERANCE)
+            for key, value in evaluation.items():
+                assert logs["evaluate"][key] == pytest.approx(value, abs=LOGS_TOLERANCE)
+
+
+def test_callbacks_stop_together_and_only_the_chief_writes(tmp_path):
+    launch("callbacks", tmp_path, "--workers", "2")
+    (_, chief), (_, other) = (written(tmp_path, t, "cnn") for t in ("worker_0", "worker_1"))
+    epochs = len(chief["history"]["loss"])
+    assert 1 < epochs < 20  # EarlyStopping ended it, on both workers at the same epoch
+    assert chief == other
+    shared = tmp_path / "shared"
+    assert sorted(p.name for p in shared.glob("ckpt-*")) == [
+        f"ckpt-{e:02d}.weights.h5" for e in range(1, epochs + 1)
+    ]
+    # CSVLogger appends: a second writer would have doubled the rows.
+    rows = (shared / "log.csv").read_text().strip().splitlines()
+    assert len(rows) == 1 + epochs
+    assert rows[0].split(",") == ["epoch", "accuracy", "loss", "val_accuracy", "val_loss"]
+    for part in ("train", "validation"):
+        assert len(list((shared / "tb" / part).glob("events.out.tfevents.*"))) == 1
+
+
+def test_backup_and_restore_survives_a_killed_worker(references, tmp_path):
+    """worker:1 is SIGKILLed mid-epoch 2; the restarted job resumes and ends on Keras's weights."""
+    output = launch("backup", tmp_path, "--workers", "2", "--max_restarts", "1")
+    assert "worker:1 was killed by SIGKILL" in output
+    assert (tmp_path / "shared" / "killed").exists()
+    assert "Resuming from the backup at epoch 2, step 5 of 8" in output
+    for task in ("worker_0", "worker_1"):
+        got, _ = written(tmp_path, task, "cnn")
+        assert max_diff(got, references["cnn"][0]) <= WEIGHTS_TOLERANCE
+
+
+def test_parameter_server_trains_a_user_model(tmp_path):
+    output = launch("ps", tmp_path, "--chief", "--workers", "2", "--ps", "1")
+    _, logs = written(tmp_path, "chief_0", "mlp")
+    assert logs["evaluate"]["accuracy"] > 0.6  # ten classes: chance is 0.1
+    assert logs["history"]["loss"][-1] < logs["history"]["loss"][0]
+    assert "val_accuracy" in logs["history"]
+    assert "parameter_server test accuracy" in output

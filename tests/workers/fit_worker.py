@@ -1,0 +1,149 @@
+"""A user's own training script, run by every task of a launched job: tfdist.fit at work.
+
+  python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker equivalence OUT
+  python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker callbacks OUT
+  python -m tools.launch --workers 2 --max_restarts 1 -- python -m tests.workers.fit_worker backup OUT
+  python -m tools.launch --chief --workers 2 --ps 1 -- python -m tests.workers.fit_worker ps OUT
+
+Each task writes what it trained to OUT/<task>/ for tests/test_fit_multiworker.py to check.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tfdist  # noqa: E402
+from tests import fit_models  # noqa: E402
+
+
+def task_name() -> str:
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    return f"{task['type']}_{task['index']}"
+
+
+def save(out: str, name: str, model: keras.Model, history: dict) -> None:
+    os.makedirs(out, exist_ok=True)
+    np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(history, f)
+
+
+def equivalence(out: str) -> None:
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    for name, case in fit_models.CASES.items():
+        with strategy.scope():
+            model, data = case()
+        history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
+        evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
+        save(out, name, model, {"history": history.history, "evaluate": evaluation})
+
+
+def callbacks(out: str, shared: str) -> None:
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    with strategy.scope():
+        model, data = fit_models.cnn()
+    stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.05, patience=0)
+    history = tfdist.fit(
+        model,
+        data,
+        epochs=20,
+        verbose=0,
+        validation_data=data.take(2),
+        callbacks=[
+            stop,
+            keras.callbacks.ModelCheckpoint(
+                os.path.join(shared, "ckpt-{epoch:02d}.weights.h5"), save_weights_only=True
+            ),
+            keras.callbacks.CSVLogger(os.path.join(shared, "log.csv"), append=True),
+            keras.callbacks.TensorBoard(os.path.join(shared, "tb")),
+        ],
+    )
+    save(out, "cnn", model, {"history": history.history, "stopped_epoch": stop.stopped_epoch})
+
+
+class KillOnce(keras.callbacks.Callback):
+    """SIGKILLs this process at (epoch, batch) the first time the job runs."""
+
+    def __init__(self, marker: str, at: tuple[int, int]):
+        super().__init__()
+        self.marker, self.at, self.epoch = marker, at, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def backup(out: str, shared: str) -> None:
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    with strategy.scope():
+        model, data = fit_models.cnn()
+    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), save_freq=1)]
+    if task_name() == "worker_1":
+        callbacks.append(KillOnce(os.path.join(shared, "killed"), at=(1, 4)))
+    history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0, callbacks=callbacks)
+    save(out, "cnn", model, {"history": history.history})
+
+
+def parameter_server(out: str) -> None:
+    if tfdist.serve_if_needed():
+        return  # a worker or ps: served until the chief finished
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = (digits.images[..., None] / 16.0).astype("float32")
+    y = digits.target.astype("int64")
+    strategy = tfdist.build_strategy("parameter_server")
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((8, 8, 1)),
+                keras.layers.Flatten(),
+                keras.layers.Dense(64, activation="relu"),
+                keras.layers.Dense(10),
+            ]
+        )
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.003),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+    train = tf.data.Dataset.from_tensor_slices((x[:1400], y[:1400])).shuffle(1400).batch(64)
+    test = tf.data.Dataset.from_tensor_slices((x[1400:], y[1400:])).batch(64)
+    history = tfdist.fit(
+        model, train, epochs=4, steps_per_epoch=40, validation_data=test, verbose=2
+    )
+    evaluation = tfdist.evaluate(model, test, return_dict=True, verbose=0)
+    print(f"parameter_server test accuracy {evaluation['accuracy']:.3f}", flush=True)
+    save(out, "mlp", model, {"history": history.history, "evaluate": evaluation})
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tfdist").setLevel(logging.INFO)
+    mode, out = sys.argv[1], sys.argv[2]
+    here = os.path.join(out, task_name())
+    if mode == "equivalence":
+        equivalence(here)
+    elif mode == "callbacks":
+        callbacks(here, os.path.join(out, "shared"))
+    elif mode == "backup":
+        backup(here, os.path.join(out, "shared"))
+    elif mode == "ps":
+        parameter_server(here)
+    else:
+        sys.exit(f"unknown mode {mode!r}: equivalence, callbacks, backup or ps")
