@@ -152,6 +152,11 @@ def fit(
         callback_list.on_train_begin()
         redirect.after_restore()
         start_epoch, start_step = _resume_point(model, initial_epoch, steps, callbacks)
+        runner.begin(
+            start_epoch * steps + start_step if steps else int(model.optimizer.iterations.numpy()),
+            total_steps=epochs * steps if steps else None,
+            checkpoint_status=_checkpoint_status(callbacks),
+        )
         loop = _Loop(
             model=model, runner=runner, data=data, steps=steps, user_steps=steps_per_epoch,
             callbacks=callback_list, with_batch_logs=with_batch_logs, workers=workers,
@@ -441,13 +446,20 @@ def _build(model, strategy, data: FitData) -> None:
 
 
 def _resume_point(model, initial_epoch: int, steps: int | None, callbacks) -> tuple[int, int]:
-    """(epoch, steps into it) where training starts: after a BackupAndRestore backup if any.
+    """(epoch, steps into it) where training starts: after a restored backup if any.
 
-    Keras's BackupAndRestore restores the weights and optimizer and the epoch the backup was
-    taken in; the optimizer's iteration count then says how far into that epoch it was.
+    A callback with a `restored_step` attribute (tfdist's own checkpoints) gives the global
+    step it restored. Keras's BackupAndRestore restores the weights and optimizer and the
+    epoch the backup was taken in; the optimizer's iteration count then says how far into
+    that epoch it was.
     """
     restored = model._initial_epoch
     model._initial_epoch = None  # consumed: a later fit call starts afresh
+    for callback in callbacks:
+        # A callback that restored a checkpoint of its own says at which step it was taken.
+        step = getattr(callback, "restored_step", None)
+        if step and steps:
+            return divmod(int(step), steps)
     if restored is None or not fit_callbacks.backups(callbacks):
         return initial_epoch, 0
     epoch = int(restored)
@@ -460,6 +472,18 @@ def _resume_point(model, initial_epoch: int, steps: int | None, callbacks) -> tu
     if into == steps:  # the backup was taken after the epoch's last step, before its end
         return epoch + 1, 0
     return epoch, 0
+
+
+def _checkpoint_status(callbacks):
+    """A function giving (step, directory) of the newest checkpoint a callback saved, if any.
+
+    A callback that saves checkpoints of its own may offer `checkpoint_status()`; the message
+    when a parameter server dies then says where a restart resumes.
+    """
+    for callback in callbacks:
+        if callable(getattr(callback, "checkpoint_status", None)):
+            return callback.checkpoint_status
+    return None
 
 
 def _warn_batch_hooks_under_ps(callbacks) -> None:

@@ -50,9 +50,16 @@ def hooks_batches(callback: keras.callbacks.Callback) -> bool:
 
 
 def needs_batch_logs(callbacks: Sequence[keras.callbacks.Callback], *, progress_bar: bool) -> bool:
-    """Whether any callback reads per-batch logs (every worker must agree: it is collective)."""
+    """Whether any callback reads per-batch logs (every worker must agree: it is collective).
+
+    A callback that hooks batches without reading their logs can say so with a class
+    attribute `reads_batch_logs = False`, and spare every step a read of the metrics.
+    """
     return progress_bar or any(
-        hooks_batches(c) and not isinstance(c, _NO_BATCH_LOGS) for c in callbacks
+        hooks_batches(c)
+        and not isinstance(c, _NO_BATCH_LOGS)
+        and getattr(c, "reads_batch_logs", True)
+        for c in callbacks
     )
 
 

@@ -87,8 +87,12 @@ class FitData:
         if self.dataset is not None:
             dataset = self.dataset.repeat()
             return coordinator.create_per_worker_dataset(dataset)
-        user_fn = self.dataset_fn
-        return coordinator.create_per_worker_dataset(lambda context: user_fn(context).repeat())
+        user_fn, strategy = self.dataset_fn, coordinator.strategy
+        return coordinator.create_per_worker_dataset(
+            lambda: strategy.distribute_datasets_from_function(
+                lambda context: user_fn(context).repeat()
+            )
+        )
 
     def local(self) -> tf.data.Dataset:
         """The data as one process reads it whole (parameter_server's evaluation)."""

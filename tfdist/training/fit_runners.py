@@ -27,12 +27,21 @@ import logging
 import keras
 import numpy as np
 import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData, FitError, unpack
+from tfdist.training.staleness import (
+    STALENESS_STATS,
+    StalenessAwareSchedule,
+    StalenessStats,
+    attach_update_counter,
+)
 
 log = logging.getLogger(__name__)
+
+_KERAS_TRAIN_STEP = TensorFlowTrainer.train_step  # Keras's own step on TensorFlow
 
 
 def _float_logs(logs) -> dict[str, float]:
@@ -42,6 +51,12 @@ def _float_logs(logs) -> dict[str, float]:
         value = np.asarray(value)
         out[name] = float(value) if value.size == 1 else value.tolist()
     return out
+
+
+def _logs_from_state(model: keras.Model, variables, state) -> dict[str, float]:
+    """The model's metric results had its metric variables held `state`."""
+    with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))):
+        return _float_logs(model.get_metrics_result())
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -54,31 +69,45 @@ class SyncRunner:
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy
-        self._train_fns: dict[tuple[int, bool], tf.types.experimental.PolymorphicFunction] = {}
+        self._train_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self._stream_fns: dict[bool, tf.types.experimental.PolymorphicFunction] = {}
-        self._metric_names = None
-        self._read_logs = tf.function(lambda: model.get_metrics_result())
+        self.metric_variables = list(model.metrics_variables)
+        self._read_state = tf.function(self._summed_state)
         self._test_fn = None
 
     # --- training -----------------------------------------------------------------------------
 
-    def _train_fn(self, n: int, with_logs: bool):
-        key = (n, with_logs)
-        if key not in self._train_fns:
-            model, strategy = self.model, self.strategy
+    def _train_fn(self, n: int):
+        """The traced call that runs `n` steps (its count is an argument: one graph for all).
+
+        Logs are read by a call of their own: an all-reduce of metric state in the same graph
+        as the gradients' would share the ring all-reduce's transfer keys.
+        """
+        model = self.model
+        # A custom train_step's own logs are those of the call's last step, run after the
+        # loop and returned; a single step needs no loop, which spares a small model's step
+        # on a CPU the loop's overhead.
+        kind = (
+            "single"
+            if n == 1
+            else "loop"
+            if type(model).train_step is _KERAS_TRAIN_STEP
+            else "custom"
+        )
+        if kind not in self._train_fns:
+            strategy = self.strategy
 
             @tf.function
-            def train(iterator):
-                # n is a Python number: one graph per distinct count (the steps per execution
-                # and an epoch's remainder), and no loop at all for a single step.
-                if n > 1:
-                    for _ in tf.range(n - 1):
+            def train(iterator, n):
+                if kind != "single":
+                    for _ in tf.range(n if kind == "loop" else n - 1):
                         strategy.run(model.train_step, args=(next(iterator),))
-                outputs = strategy.run(model.train_step, args=(next(iterator),))
-                return self._logs_of(outputs) if with_logs else {}
+                if kind == "loop":
+                    return None
+                return strategy.run(model.train_step, args=(next(iterator),))
 
-            self._train_fns[key] = train
-        return self._train_fns[key]
+            self._train_fns[kind] = train
+        return self._train_fns[kind]
 
     def _stream_fn(self, with_logs: bool):
         # For data of unknown length: each step first asks whether there is a batch.
@@ -94,38 +123,72 @@ class SyncRunner:
                         break
                     strategy.run(model.train_step, args=(batch.get_value(),))
                     done += 1
-                return done, (model.get_metrics_result() if with_logs else {})
+                return done
 
             self._stream_fns[with_logs] = train
         return self._stream_fns[with_logs]
 
-    def _logs_of(self, outputs) -> dict:
+    def _logs_of(self, outputs) -> dict[str, float]:
         # Keras's rule (Trainer._get_metrics_result_or_logs): the metrics, read over every
         # replica, when the step returns them; a custom train_step's own logs otherwise, each
         # averaged over the replicas.
-        metrics = self.model.get_metrics_result()
+        metrics = self.logs()
         if not isinstance(outputs, dict) or set(outputs) == set(metrics):
             return metrics
-        return {
-            name: self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
-            for name, value in outputs.items()
-        }
+        return _float_logs(
+            {
+                name: self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+                for name, value in outputs.items()
+            }
+        )
 
     def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
         if bounded:
-            logs = self._train_fn(n, with_logs)(iterator)
-            return n, (_float_logs(logs) if with_logs else None)
-        done, logs = self._stream_fn(with_logs)(iterator, tf.constant(n))
-        return int(done), (_float_logs(logs) if with_logs else None)
+            outputs = self._train_fn(n)(iterator, tf.constant(n))
+            return n, (self._logs_of(outputs) if with_logs else None)
+        done = self._stream_fn(with_logs)(iterator, tf.constant(n))
+        return int(done), (self.logs() if with_logs else None)
+
+    def _summed_state(self) -> list[tf.Tensor]:
+        # Every metric variable summed over the replicas in one all-reduce per dtype, rather
+        # than a reduce per variable: cheaper across workers, and tfdist's ring cannot take
+        # several unfused all-reduces in one graph.
+        variables = self.metric_variables
+        groups: dict[str, list[int]] = {}
+        for i, v in enumerate(variables):
+            groups.setdefault(str(v.dtype), []).append(i)
+
+        def local():
+            return {
+                dtype: tf.concat([tf.reshape(variables[i].value, [-1]) for i in members], 0)
+                for dtype, members in groups.items()
+            }
+
+        per_replica = self.strategy.run(local)
+        flats = {
+            dtype: self.strategy.reduce(tf.distribute.ReduceOp.SUM, flat, axis=None)
+            for dtype, flat in per_replica.items()
+        }
+        state = [None] * len(variables)
+        for dtype, members in groups.items():
+            sizes = [int(np.prod(variables[i].shape)) for i in members]
+            for i, part in zip(members, tf.split(flats[dtype], sizes), strict=True):
+                state[i] = tf.reshape(part, variables[i].shape)
+        return state
 
     def logs(self) -> dict[str, float]:
-        return _float_logs(self._read_logs())
+        if not self.metric_variables:
+            return _float_logs(self.model.get_metrics_result())
+        return _logs_from_state(self.model, self.metric_variables, self._read_state())
 
     def reset(self) -> None:
         self.model.reset_metrics()
 
-    def finish_epoch(self) -> None:
+    def begin(self, global_step: int, **unused) -> None:
         pass  # synchronous updates count themselves
+
+    def finish_epoch(self) -> None:
+        pass
 
     # --- evaluation ---------------------------------------------------------------------------
 
@@ -200,6 +263,12 @@ class _StatelessMetrics:
         return [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
 
     def _stateless_train_step(self, batch, state):
+        gradients, state = self._stateless_gradients(batch, state)
+        self.model.optimizer.apply_gradients(gradients)
+        return state
+
+    def _stateless_gradients(self, batch, state):
+        """(gradient, variable) pairs of one step and the metric state it leads to."""
         model = self.model
         x, y, sample_weight = unpack(batch)
         with tf.GradientTape() as tape:
@@ -218,8 +287,8 @@ class _StatelessMetrics:
                 model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             scaled = model.optimizer.scale_loss(loss)
         weights = model.trainable_weights
-        model.optimizer.apply_gradients(zip(tape.gradient(scaled, weights), weights, strict=True))
-        return [scope.get_current_value(v) for v in self.metric_variables]
+        gradients = list(zip(tape.gradient(scaled, weights), weights, strict=True))
+        return gradients, [scope.get_current_value(v) for v in self.metric_variables]
 
     def _stateless_test_step(self, batch, state):
         mapping = [(v, v.value) for v in self.model.trainable_weights]  # for regularisers
@@ -229,9 +298,7 @@ class _StatelessMetrics:
         return [scope.get_current_value(v) for v in self.metric_variables]
 
     def _logs_of(self, state) -> dict[str, float]:
-        mapping = list(zip(self.metric_variables, state, strict=True))
-        with keras.StatelessScope(state_mapping=mapping):
-            return _float_logs(self.model.get_metrics_result())
+        return _logs_from_state(self.model, self.metric_variables, state)
 
     def _add_state(self, values) -> None:
         self._state = [a + np.asarray(b) for a, b in zip(self._state, values, strict=True)]
@@ -279,6 +346,9 @@ class CentralStorageRunner(_StatelessMetrics):
         done, state = self._train_fns[n](iterator, tf.constant(n))
         self._add_state(state)
         return int(done), (self.logs() if with_logs else None)
+
+    def begin(self, global_step: int, **unused) -> None:
+        pass
 
     def finish_epoch(self) -> None:
         pass
@@ -338,8 +408,28 @@ class ParameterServerRunner(_StatelessMetrics):
         self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
         self._eval_step = tf.function(self._stateless_test_step)
         self._per_worker_iterators: dict[int, object] = {}
-        # Steps scheduled since the first (a restored run counts on from its backup).
-        self.scheduled_steps = int(model.optimizer.iterations.numpy())
+        self.counter = attach_update_counter(model, strategy)
+        self.staleness = StalenessStats()
+        self.scheduled_steps = 0
+        self.total_steps: int | None = None
+        self.checkpoint_status = None
+
+    def _step_with_staleness(self, batch, state):
+        # The counter is read before the step reads the weights, and claimed once its
+        # gradients exist: the updates that landed in between are its staleness.
+        read = self.counter.read()
+        with tf.control_dependencies([read]):
+            gradients, state = self._stateless_gradients(batch, state)
+        staleness = self.counter.claim(read, after=[g for g, _ in gradients])
+        schedule = getattr(self.model.optimizer, "_learning_rate", None)
+        scaled = (
+            schedule.scaled(staleness)
+            if isinstance(schedule, StalenessAwareSchedule)
+            else contextlib.nullcontext()
+        )
+        with scaled:
+            self.model.optimizer.apply_gradients(gradients)
+        return state, staleness
 
     def _closure(self, n: int):
         if n not in self._closures:
@@ -348,9 +438,14 @@ class ParameterServerRunner(_StatelessMetrics):
             @tf.function
             def steps(iterator):
                 state = self._zero_tensors()
+                # [sum, max, count] of the closure's staleness
+                stats = tf.zeros([STALENESS_STATS])
                 for _ in tf.range(n):
-                    state = strategy.run(self._stateless_train_step, args=(next(iterator), state))
-                return state
+                    state, tau = strategy.run(
+                        self._step_with_staleness, args=(next(iterator), state)
+                    )
+                    stats = tf.stack([stats[0] + tau, tf.maximum(stats[1], tau), stats[2] + 1.0])
+                return state, stats
 
             self._closures[n] = steps
         return self._closures[n]
@@ -382,10 +477,32 @@ class ParameterServerRunner(_StatelessMetrics):
             # The steps ran and their updates reached the ps; their metrics died with it.
             log.warning("The metrics of steps that ran on %s were lost with it", worker)
             return
-        self._add_state(values)
+        state, stats = values
+        self._add_state(state)
+        self.staleness.add(*np.asarray(stats).tolist())
+
+    def begin(
+        self, global_step: int, *, total_steps: int | None = None, checkpoint_status=None
+    ) -> None:
+        """Starts counting at `global_step` (a resumed run counts on from its checkpoint).
+
+        Args:
+          global_step: the step training starts from.
+          total_steps: the steps the run is to reach (for the message if a ps dies).
+          checkpoint_status: returns (step, directory) of the newest checkpoint, where a
+            restart would resume; None if nothing saves checkpoints.
+        """
+        self.scheduled_steps = global_step
+        self.total_steps = total_steps
+        self.checkpoint_status = checkpoint_status
+
+    def logs(self) -> dict[str, float]:
+        # Staleness is part of what asynchronous training did: logged beside the metrics.
+        return {**super().logs(), **self.staleness.epoch_metrics()}
 
     def reset(self) -> None:
         self._pending.clear()
+        self.staleness.reset_epoch()
         super().reset()
 
     def finish_epoch(self) -> None:
@@ -424,13 +541,16 @@ class ParameterServerRunner(_StatelessMetrics):
         try:
             yield
         except CLUSTER_ERRORS as e:
+            saved_step, directory = (
+                self.checkpoint_status() if self.checkpoint_status else (None, None)
+            )
             explained = explain_cluster_error(
                 e,
                 cluster=self._cluster(),
                 step=self.scheduled_steps,
-                total_steps=self.scheduled_steps,
-                checkpoint_step=None,
-                checkpoint_dir=None,
+                total_steps=self.total_steps or self.scheduled_steps,
+                checkpoint_step=saved_step,
+                checkpoint_dir=directory,
             )
             if explained is None:
                 raise

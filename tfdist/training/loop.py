@@ -1,21 +1,18 @@
-"""The distributed training loop: one entry point, `train()`, for every strategy.
+"""The training binary's run: a zoo model and a named dataset, trained by `tfdist.fit`.
 
-Synchronous strategies (one_device, mirrored, central_storage, multi_worker_mirrored, tpu)
-run `steps_per_execution` steps per tf.function call through `strategy.run`; each replica's
-loss is averaged over the GLOBAL batch, so the strategy's gradient sum equals one device's
-gradient of the same batch. parameter_server schedules the same steps on its workers through
-a ClusterCoordinator and counts them on the coordinator — Keras's `optimizer.iterations`
-loses increments under asynchronous updates, so it cannot be the step counter.
-
-Keras 3's model.fit cannot train under multi_worker_mirrored or parameter_server; this loop
-can, with checkpoints, resume, progress, TensorBoard and a summary written by the chief.
+`Trainer` is one client of `tfdist.fit` (tfdist/training/fit.py), the engine every Keras
+model trains on: it turns a TrainConfig into a compiled model, dataset functions and the
+callbacks that give the binary its duties — checkpoints that resume at the saved step and
+data position, SIGTERM preemption, progress, TensorBoard and summary.json written by the
+chief (tfdist/training/trainer_callbacks.py). Strategy-specific work (parameter-server
+closures, staleness, surviving a dead worker) lives in fit's runners, not here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
+import sys
 import time
 
 import keras
@@ -28,20 +25,19 @@ from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
 from tfdist.peers import explain_peer_error
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
+from tfdist.training import fit as fit_module
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
-from tfdist.training.preemption import Preempted, PreemptionWatcher
+from tfdist.training.preemption import PreemptionWatcher
 from tfdist.training.report import Reporter, TrainResult
-from tfdist.training.runners import ParameterServerRunner, SyncRunner
-from tfdist.training.staleness import (
-    StalenessAwareSchedule,
-    UpdateCounter,
-)
+from tfdist.training.staleness import StalenessAwareSchedule, attach_update_counter
+from tfdist.training.trainer_callbacks import CheckpointsAndPreemption, Progress, Report
 
 log = logging.getLogger(__name__)
 
-# Sums kept per step: loss summed over examples, correct predictions, examples.
+# Sums kept per evaluation step (the evaluator task's): loss summed over examples, correct
+# predictions, examples.
 _LOSS, _CORRECT, _COUNT = range(3)
 
 
@@ -68,7 +64,7 @@ def train(
 
 
 class Trainer:
-    """One training run: the model, its optimizer and data, and the loop for its strategy.
+    """One run of the training binary: the model, its optimizer and data, and tfdist.fit.
 
     Example:
 
@@ -150,20 +146,16 @@ class Trainer:
             self.schedule = schedule
             self.optimizer = build_optimizer(config, schedule)
             self.optimizer.build(self.model.trainable_variables)
-            # The step counter is ours: assigned from the host after each execution.
+            # The step counter is ours: assigned from the host at every save.
             self.step = tf.Variable(
                 0,
                 dtype=tf.int64,
                 trainable=False,
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )
-            # Parameter-server updates are asynchronous: count them on a ps to measure their
-            # staleness. Synchronous strategies have none, and skip the counter's cost.
-            self.update_counter = UpdateCounter() if self.is_ps else None
-            if not self.is_ps:
-                # Per-replica running sums, added without communication and summed on read.
-                self.train_sums = _sum_variable()
-                self.eval_sums = _sum_variable()
+        # Parameter-server updates are asynchronous: fit counts them on a ps to measure their
+        # staleness. Synchronous strategies have none, and skip the counter's cost.
+        self.update_counter = attach_update_counter(self.model, strategy) if self.is_ps else None
         self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
         checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
         if self.update_counter is not None:
@@ -185,73 +177,24 @@ class Trainer:
             epochs=config.epochs,
         )
 
-    # --- the step every strategy runs ---------------------------------------------------------
-
-    def replica_step(self, images, labels):
-        """One replica's share of a training step; returns [loss sum, correct, count].
-
-        Under parameter-server training it returns [loss sum, correct, count, staleness]: see
-        tfdist/training/staleness.py.
-        """
-        counter = self.update_counter
-        read = counter.read() if counter is not None else None
-        # The counter must be read before the weights are, or the staleness comes out low.
-        with tf.control_dependencies([] if read is None else [read]), tf.GradientTape() as tape:
-            logits = self.model(images, training=True)
-            per_example = self.loss_fn(labels, logits)
-            loss = tf.nn.compute_average_loss(
-                per_example, global_batch_size=self.config.global_batch_size
-            )
-            if self.model.losses:  # weight decay: every replica adds 1/replicas of it
-                loss += tf.nn.scale_regularization_loss(tf.add_n(self.model.losses))
-            scaled = self.optimizer.scale_loss(loss)
-        grads = tape.gradient(scaled, self.model.trainable_variables)
-        if counter is None:
-            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
-            return _sums(per_example, logits, labels)
-        staleness = counter.claim(read, after=grads)
-        with (
-            self.schedule.scaled(staleness)
-            if isinstance(self.schedule, StalenessAwareSchedule)
-            else contextlib.nullcontext()
-        ):
-            self.optimizer.apply_gradients(zip(grads, self.model.trainable_variables, strict=True))
-        return tf.concat([_sums(per_example, logits, labels), [staleness]], axis=0)
-
-    def replica_eval(self, images, labels):
-        def evaluate():
-            logits = self.model(images, training=False)
-            # Padding added for static shapes (PAD_LABEL) is scored as class 0, then weighed 0.
-            real = labels != PAD_LABEL
-            known = tf.where(real, labels, tf.zeros_like(labels))
-            return _sums(self.loss_fn(known, logits), logits, known, weights=real)
-
-        # The last evaluation batch can leave a replica empty-handed, and oneDNN's convolution
-        # rejects a batch of zero images; such a replica simply adds nothing.
-        return tf.cond(tf.size(labels) > 0, evaluate, lambda: tf.zeros([3]))
-
     # --- data ---------------------------------------------------------------------------------
 
-    def train_dataset_fn(self, start_step: int):
+    def train_dataset_fn(self, context: tf.distribute.InputContext) -> tf.data.Dataset:
+        """One input pipeline's per-replica training batches, repeated, in a seeded order."""
         options = PipelineOptions(
             seed=self.config.seed,
             shuffle_buffer=self.config.shuffle_buffer,
             deterministic=True,  # with the seed, the data order is a function of the step
         )
-
-        def dataset_fn(context, batch_size):
-            dataset = self.data.dataset(
-                "train", batch_size=batch_size, input_context=context, options=options
-            )
-            # Resume where the checkpoint left off: each pipeline skips the batches it fed.
-            # (Parameter-server workers read independently; their position is not tracked.)
-            replicas_here = context.num_replicas_in_sync // context.num_input_pipelines
-            skip = 0 if self.is_ps else start_step * replicas_here
-            return dataset.skip(skip) if skip else dataset
-
-        return dataset_fn
+        return self.data.dataset(
+            "train",
+            batch_size=context.get_per_replica_batch_size(self.config.global_batch_size),
+            input_context=context,
+            options=options,
+        )
 
     def eval_dataset_fn(self, context, batch_size):
+        """One pipeline's (image, label) test batches (the evaluator task's input too)."""
         options = PipelineOptions(
             repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
         )
@@ -262,19 +205,74 @@ class Trainer:
             return dataset
         # Dropping the partial last batches would skip test examples (and make the figures
         # differ from other hardware's); padding keeps every one and the shapes static.
-        replicas_here = context.num_replicas_in_sync // context.num_input_pipelines
+        replicas_here = (
+            1 if context is None else context.num_replicas_in_sync // context.num_input_pipelines
+        )
         return pad_to_whole_steps(dataset, batch_size=batch_size, batches_per_step=replicas_here)
 
-    # --- the loop -----------------------------------------------------------------------------
+    def _validation_fn(self, context: tf.distribute.InputContext) -> tf.data.Dataset:
+        batch_size = context.get_per_replica_batch_size(self.config.global_batch_size)
+        dataset = self.eval_dataset_fn(context, batch_size)
+        if not self.static_shapes:
+            return dataset
+        # Padding (PAD_LABEL) is scored as class 0 with weight 0: it counts for nothing.
+        return dataset.map(
+            lambda images, labels: (
+                images,
+                tf.maximum(labels, 0),
+                tf.cast(labels != PAD_LABEL, tf.float32),
+            )
+        )
+
+    # --- the evaluator task's step --------------------------------------------------------------
+
+    def replica_eval(self, images, labels):
+        """[loss sum, correct, count] of one test batch (padding, PAD_LABEL, counts nothing)."""
+
+        def evaluate():
+            logits = self.model(images, training=False)
+            real = labels != PAD_LABEL
+            known = tf.where(real, labels, tf.zeros_like(labels))
+            return _sums(self.loss_fn(known, logits), logits, known, weights=real)
+
+        # oneDNN's convolution rejects a batch of zero images: such a batch adds nothing.
+        return tf.cond(tf.size(labels) > 0, evaluate, lambda: tf.zeros([3]))
+
+    # --- the run ------------------------------------------------------------------------------
+
+    def _compile(self) -> None:
+        # Metric variables are created with the metric: inside the scope, to be the strategy's.
+        with self.strategy.scope():
+            accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
+            if self.static_shapes:
+                # The padding's zero weights must count for nothing: weighted metrics honour
+                # them, but the loss Keras tracks counts every example of a batch, so the exact
+                # test loss is a weighted cross-entropy metric ("xent").
+                metrics, weighted = (
+                    None,
+                    [
+                        accuracy,
+                        keras.metrics.SparseCategoricalCrossentropy(from_logits=True, name="xent"),
+                    ],
+                )
+            else:
+                metrics, weighted = [accuracy], None
+            self.model.compile(
+                optimizer=self.optimizer,
+                loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=metrics,
+                weighted_metrics=weighted,
+                steps_per_execution=self.config.steps_per_execution,
+            )
 
     def fit(self) -> TrainResult:
         """Trains to `config.epochs`, resuming from the newest checkpoint; see `train()`."""
-        # Synchronous workers each run this loop and must agree on a preemption; in
+        # Synchronous workers each run the loop and must agree on a preemption; in
         # parameter-server training only the chief does.
         workers = 1 if self.is_ps or self.cluster is None else self.cluster.num_workers
         try:
             with PreemptionWatcher(self.strategy, workers=workers) as watcher:
-                return self._fit(watcher)
+                return self._fit(watcher, workers)
         except tf.errors.InvalidArgumentError as e:
             explained = explain_data_error(e)  # a truncated TFRecord, named
             if explained is None:
@@ -302,68 +300,44 @@ class Trainer:
             return f"No checkpoint was saved yet in {self.checkpoints.directory}. "
         return f"A restart resumes from {latest}, the newest checkpoint. "
 
-    def _fit(self, watcher: PreemptionWatcher) -> TrainResult:
+    def _fit(self, watcher: PreemptionWatcher, workers: int) -> TrainResult:
         start = time.perf_counter()
-        self.checkpoints.restore_latest()
-        step = start_step = int(self.step.numpy())
+        self._compile()
+        checkpoints = CheckpointsAndPreemption(self, watcher, workers=workers)
+        report = Report(self)
+        callbacks = [checkpoints, report]
+        # A bar only where it can redraw in place; in a log file the epoch line says it all.
+        if self.is_chief and sys.stdout.isatty():
+            callbacks.append(Progress(self.reporter))
+        eval_every = self.config.eval_every
+        validation_freq = sorted(
+            {*(range(eval_every, self.config.epochs + 1, eval_every) if eval_every else ()),
+             self.config.epochs}
+        )  # fmt: skip
+        fit_module.fit(
+            self.model,
+            self.train_dataset_fn,
+            epochs=self.config.epochs,
+            steps_per_epoch=self.steps_per_epoch,
+            validation_data=self._validation_fn,
+            validation_freq=validation_freq,
+            callbacks=callbacks,
+            verbose=0,
+            strategy=self.strategy,
+        )
+        start_step = checkpoints.restored_step or 0
+        step = max(start_step, checkpoints.step)
         if start_step >= self.total_steps:
             log.info("Already trained %d of %d steps; nothing to do", start_step, self.total_steps)
-        runner = (
-            ParameterServerRunner(self, start_step) if self.is_ps else SyncRunner(self, start_step)
-        )
-        train_metrics: dict[str, float] = {}
-        eval_metrics: dict[str, float] = {}
-        history: list[dict[str, float]] = []
-        # Reading the running sums synchronises the host with the steps (and, across workers,
-        # is a collective), so the progress bar is fed about ten times an epoch, at the same
-        # steps on every worker, not after every call.
-        progress_every = max(1, self.steps_per_epoch // 10)
-        for epoch in range(start_step // self.steps_per_epoch, self.config.epochs):
-            epoch_end = (epoch + 1) * self.steps_per_epoch
-            self.reporter.start_epoch(epoch, step - epoch * self.steps_per_epoch)
-            runner.reset_sums()
-            epoch_start, epoch_first_step = time.perf_counter(), step
-            while step < epoch_end:
-                n = min(self.config.steps_per_execution, epoch_end - step)
-                if self.config.checkpoint_every:
-                    n = min(n, self.config.checkpoint_every - step % self.config.checkpoint_every)
-                runner.run(n)
-                synchronised = (step + n) // progress_every != step // progress_every
-                if synchronised and step + n < epoch_end:
-                    self.reporter.progress(
-                        step + n - epoch * self.steps_per_epoch, **_averages(runner.peek())
-                    )
-                step += n
-                if (synchronised or step == epoch_end or watcher.workers == 1) and watcher.agreed():
-                    runner.save(step)
-                    raise Preempted(step, self.checkpoints.directory)
-                if (
-                    self.config.checkpoint_every
-                    and step % self.config.checkpoint_every == 0
-                    and step < epoch_end
-                ):
-                    runner.save(step)
-            sums = runner.finish_epoch(step)
-            self.epoch_timings.append((step - epoch_first_step, epoch_start, time.perf_counter()))
-            self.reporter.progress(step - epoch * self.steps_per_epoch, **_averages(sums))
-            train_metrics = {f"train_{k}": v for k, v in _averages(sums).items()}
-            metrics = dict(train_metrics)
-            metrics.update({f"train_{k}": v for k, v in runner.epoch_metrics().items()})
-            metrics["learning_rate"] = float(self.optimizer.learning_rate)
-            metrics["examples_per_second"] = (
-                (step - epoch_first_step)
-                * self.config.global_batch_size
-                / max(self.epoch_timings[-1][2] - epoch_start, 1e-9)
-            )
-            last = epoch + 1 == self.config.epochs
-            if last or (self.config.eval_every and (epoch + 1) % self.config.eval_every == 0):
-                eval_metrics = {f"eval_{k}": v for k, v in _averages(runner.evaluate()).items()}
-                metrics.update(eval_metrics)
-            runner.save(step)
-            self.reporter.end_epoch(epoch, step, metrics)
-            history.append({"epoch": epoch + 1, "step": step, **metrics})
-        if not train_metrics:  # nothing left to train: still report where the run stands
-            eval_metrics = {f"eval_{k}": v for k, v in _averages(runner.evaluate()).items()}
+        history = report.history
+        last = history[-1] if history else {}
+        eval_metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
+        if not history:  # nothing left to train: still report where the run stands
+            logs = fit_module.evaluate(
+                self.model, self._validation_fn, verbose=0, return_dict=True,
+                strategy=self.strategy,
+            )  # fmt: skip
+            eval_metrics = report.eval_metrics(logs)
         result = TrainResult(
             strategy=strategy_kind(self.strategy),
             replicas=self.strategy.num_replicas_in_sync,
@@ -372,17 +346,42 @@ class Trainer:
             steps=step,
             epochs=self.config.epochs,
             resumed_from_step=start_step,
-            train_loss=train_metrics.get("train_loss", math.nan),
-            train_accuracy=train_metrics.get("train_accuracy", math.nan),
+            train_loss=last.get("train_loss", math.nan),
+            train_accuracy=last.get("train_accuracy", math.nan),
             eval_loss=eval_metrics.get("eval_loss"),
             eval_accuracy=eval_metrics.get("eval_accuracy"),
             examples_per_second=self._examples_per_second(),
             wall_seconds=time.perf_counter() - start,
-            **runner.run_summary(),
+            **self._staleness_summary(history, step),
             history=tuple(history),
         )
         self.reporter.finish(result, self.model)
         return result
+
+    def _staleness_summary(self, history, step: int) -> dict:
+        if self.update_counter is None:
+            return {}
+        # Each epoch's mean weighs by its steps (epoch_timings holds them, epoch by epoch).
+        measured = [
+            (h, n)
+            for h, (n, _, _) in zip(history, self.epoch_timings, strict=True)
+            if "train_staleness_mean" in h
+        ]
+        mean = (
+            sum(h["train_staleness_mean"] * n for h, n in measured)
+            / max(sum(n for _, n in measured), 1)
+            if measured
+            else None
+        )
+        largest = max((int(h["train_staleness_max"]) for h, _ in measured), default=None)
+        applied = self.update_counter.value()
+        if applied > step:
+            log.warning(
+                "%d update(s) reached the parameters twice: a worker died after applying them "
+                "and the coordinator ran its closure again elsewhere (%d updates for %d steps)",
+                applied - step, applied, step,
+            )  # fmt: skip
+        return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
 
     def _examples_per_second(self) -> float:
         """Training throughput over the epochs' steps, evaluation and checkpoints excluded.
@@ -398,15 +397,6 @@ class Trainer:
         )
 
 
-def _sum_variable() -> tf.Variable:
-    return tf.Variable(
-        tf.zeros([3]),
-        trainable=False,
-        synchronization=tf.VariableSynchronization.ON_READ,
-        aggregation=tf.VariableAggregation.SUM,
-    )
-
-
 def _sums(per_example_loss, logits, labels, weights=None):
     correct = tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32) == labels, tf.float32)
     per_example_loss = tf.cast(per_example_loss, tf.float32)
@@ -420,11 +410,6 @@ def _sums(per_example_loss, logits, labels, weights=None):
             tf.reduce_sum(weights),
         )
     return tf.stack([tf.reduce_sum(per_example_loss), tf.reduce_sum(correct), count])
-
-
-def _averages(sums) -> dict[str, float]:
-    count = max(sums[_COUNT], 1.0)
-    return {"loss": sums[_LOSS] / count, "accuracy": sums[_CORRECT] / count}
 
 
 __all__ = ["TrainResult", "Trainer", "train"]

@@ -1,0 +1,171 @@
+"""The training binary's duties, as Keras callbacks that `tfdist.fit` runs on every worker.
+
+- CheckpointsAndPreemption: restores the newest checkpoint before the first step (telling
+  fit the step to resume from, so it skips the data already trained), saves at epoch ends
+  and every `checkpoint_every` steps, and turns SIGTERM into a checkpoint and `Preempted`.
+- Report: the chief's epoch log lines and TensorBoard scalars, and the run's history.
+- Progress: the chief's progress bar, where a terminal shows one.
+
+Every worker calls them at the same steps, which is what makes their collective parts (a
+save under multi_worker_mirrored, the preemption vote) safe.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import keras
+import tensorflow as tf
+
+from tfdist.training.preemption import Preempted, PreemptionWatcher
+
+if TYPE_CHECKING:
+    from tfdist.training.loop import Trainer
+
+
+class CheckpointsAndPreemption(keras.callbacks.Callback):
+    """Restore, save and stop on SIGTERM for a Trainer; see the module docstring.
+
+    Attributes:
+      restored_step: the step of the checkpoint restored at the start (0: none); fit resumes
+        there.
+      step: the last step trained.
+    """
+
+    reads_batch_logs = False  # it counts steps; fit need not read the metrics for it
+
+    def __init__(self, trainer: Trainer, watcher: PreemptionWatcher, *, workers: int):
+        super().__init__()
+        self.trainer, self.watcher, self.workers = trainer, watcher, workers
+        self.restored_step = 0
+        self.step = 0
+        self._saved_step: int | None = None
+        self._epoch = 0
+        # The preemption vote is a collective across workers: taken about ten times an epoch
+        # at the same steps everywhere (and at every call with one worker), not every step.
+        self._vote_every = max(1, trainer.steps_per_epoch // 10)
+
+    def checkpoint_status(self) -> tuple[int | None, str | None]:
+        """(step, directory) of the newest checkpoint this run saved or restored."""
+        return self._saved_step, self.trainer.checkpoints.directory
+
+    def on_train_begin(self, logs=None):
+        self.trainer.checkpoints.restore_latest()
+        self.restored_step = self.step = int(self.trainer.step.numpy())
+        if self.restored_step and self.trainer.checkpoints.directory:
+            self._saved_step = self.restored_step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        previous, self.step = self.step, self._epoch * self.trainer.steps_per_epoch + batch + 1
+        epoch_end = batch + 1 == self.trainer.steps_per_epoch
+        voting = (
+            self.workers == 1
+            or epoch_end
+            or self.step // self._vote_every != previous // self._vote_every
+        )
+        if voting and self.watcher.agreed():
+            self.save()
+            raise Preempted(self.step, self.trainer.checkpoints.directory)
+        every = self.trainer.config.checkpoint_every
+        if every and self.step % every == 0 and not epoch_end:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.save()
+
+    def save(self) -> None:
+        trainer = self.trainer
+        if trainer.is_ps:
+            # Every scheduled step must have reached the ps before the variables are saved.
+            tf.distribute.experimental.coordinator.ClusterCoordinator(trainer.strategy).join()
+        trainer.step.assign(self.step)
+        trainer.checkpoints.save(self.step)  # every worker saves; only the chief keeps it
+        if trainer.checkpoints.directory:
+            self._saved_step = self.step
+
+
+class Report(keras.callbacks.Callback):
+    """Epoch lines, TensorBoard scalars and the history of the run, in the binary's names."""
+
+    reads_batch_logs = False
+
+    def __init__(self, trainer: Trainer):
+        super().__init__()
+        self.trainer = trainer
+        self.history: list[dict[str, float]] = []
+        self._epoch = 0
+        self._start = self._end = 0.0
+        self._first_batch: int | None = None
+        self._last_batch = 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch, self._first_batch, self._end = epoch, None, 0.0
+        self._start = time.perf_counter()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._first_batch is None:
+            self._first_batch = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._last_batch = batch
+
+    def on_test_begin(self, logs=None):
+        self._end = self._end or time.perf_counter()  # evaluation is not training time
+
+    def on_epoch_end(self, epoch, logs=None):
+        trainer = self.trainer
+        end = self._end or time.perf_counter()
+        steps = 0 if self._first_batch is None else self._last_batch + 1 - self._first_batch
+        trainer.epoch_timings.append((steps, self._start, end))
+        logs = dict(logs or {})
+        metrics = {
+            "train_loss": logs.pop("loss", None),
+            "train_accuracy": logs.pop("accuracy", None),
+        }
+        eval_logs = {k: logs.pop(k) for k in list(logs) if k.startswith("val_")}
+        logs.pop("xent", None)  # the padding-exact test loss's twin on training data
+        metrics.update({f"train_{k}": v for k, v in logs.items()})
+        metrics = {k: v for k, v in metrics.items() if v is not None}
+        metrics["learning_rate"] = float(trainer.optimizer.learning_rate)
+        metrics["examples_per_second"] = (
+            steps * trainer.config.global_batch_size / max(end - self._start, 1e-9)
+        )
+        if eval_logs:
+            metrics.update(self.eval_metrics({k[len("val_") :]: v for k, v in eval_logs.items()}))
+        step = (epoch + 1) * trainer.steps_per_epoch
+        trainer.reporter.end_epoch(epoch, step, metrics)
+        self.history.append({"epoch": epoch + 1, "step": step, **metrics})
+
+    def eval_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        """eval_loss and eval_accuracy from evaluation logs (padding-exact under static shapes)."""
+        loss = logs["xent"] if "xent" in logs else logs["loss"]
+        return {"eval_loss": loss, "eval_accuracy": logs["accuracy"]}
+
+
+class Progress(keras.callbacks.Callback):
+    """The chief's progress bar (the Reporter draws it only on a terminal)."""
+
+    def __init__(self, reporter):
+        super().__init__()
+        self.reporter = reporter
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._started = False
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if not self._started:
+            self.reporter.start_epoch(self._epoch, batch)
+            self._started = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        if logs:
+            self.reporter.progress(
+                batch + 1,
+                loss=logs.get("loss", float("nan")),
+                accuracy=logs.get("accuracy", float("nan")),
+            )
