@@ -8,8 +8,8 @@ with `tfdist.fit` where Keras 3's `model.fit` fails under MultiWorkerMirroredStr
   python -m tools.launch --chief --workers 2 --ps 1 -- python -m experiments.own_model
 
 Nothing in it is tfdist's but the strategy, `tfdist.fit` and `tfdist.evaluate`: the model,
-its loss, metrics and callbacks are plain Keras. On 2 workers it prints each epoch's
-loss and accuracy (the same on both workers) and ends near "test accuracy 0.95".
+its loss, metrics and callbacks are plain Keras. On 2 workers the chief prints each epoch's
+loss and accuracy (those of both workers' batches) and ends near "test accuracy 0.93".
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from absl import app, flags  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import tfdist  # noqa: E402
+from experiments import common  # noqa: E402
 
 flags.DEFINE_integer("epochs", 3, "Epochs to train.", lower_bound=1)
 flags.DEFINE_integer("steps_per_epoch", 70, "Steps per epoch.", lower_bound=1)
@@ -73,6 +74,7 @@ def build_and_compile_cnn_model() -> keras.Model:
 
 def main(argv):
     del argv
+    common.setup_logging()  # tfdist's INFO lines; TensorFlow's from WARNING up
     if tfdist.serve_if_needed():
         return  # a parameter-server worker or ps: it served until the chief finished
     strategy = tfdist.build_strategy("auto")  # from TF_CONFIG: multi_worker_mirrored here
@@ -95,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    app.run(common.friendly_errors(main))

@@ -58,6 +58,17 @@ class BatchPlan:
 _DESCRIBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def first_description(strategy: tf.distribute.Strategy, plan: BatchPlan) -> bool:
+    """Whether `plan` is new for `strategy` (and now recorded): its line is said once.
+
+    A loop that rebuilds its evaluation data every epoch would otherwise repeat the line.
+    """
+    said = _DESCRIBED.setdefault(strategy, set())
+    new = plan.describe() not in said
+    said.add(plan.describe())
+    return new
+
+
 def plan_batches(strategy: tf.distribute.Strategy, global_batch_size: int) -> BatchPlan:
     """Derives the per-replica batch from the global one.
 
@@ -105,11 +116,9 @@ def distribute_dataset(
         used without a coordinator.
     """
     plan = plan_batches(strategy, global_batch_size)
-    # Said once per strategy and batch: a loop that rebuilds its evaluation data every epoch
-    # would otherwise repeat the line each time.
-    said = _DESCRIBED.setdefault(strategy, set())
-    log.log(logging.DEBUG if plan.describe() in said else logging.INFO, "%s", plan.describe())
-    said.add(plan.describe())
+    log.log(
+        logging.INFO if first_description(strategy, plan) else logging.DEBUG, "%s", plan.describe()
+    )
 
     def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return dataset_fn(context, context.get_per_replica_batch_size(global_batch_size))

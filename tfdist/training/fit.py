@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist.data.distribute import first_description, plan_batches
 from tfdist.training import fit_callbacks
 from tfdist.training.fit_data import FitData, FitError, make_fit_data, unpack
 from tfdist.training.fit_runners import CentralStorageRunner, ParameterServerRunner, SyncRunner
@@ -122,6 +123,11 @@ def fit(
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
     _build(model, strategy, data)
+    is_chief = strategy.extended.should_checkpoint
+    if data.global_batch is not None:
+        plan = plan_batches(strategy, data.global_batch)
+        if first_description(strategy, plan) and is_chief:
+            log.info("%s", plan.describe())
 
     steps = steps_per_epoch or data.num_batches
     if is_ps and steps is None:
@@ -131,7 +137,6 @@ def fit(
             "Received: steps_per_epoch=None with data of unknown length"
         )
     runner = _runner_for(model, strategy)
-    is_chief = strategy.extended.should_checkpoint
     callbacks = list(callbacks or [])
     if is_ps:
         _warn_batch_hooks_under_ps(callbacks)

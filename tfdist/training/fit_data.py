@@ -53,6 +53,7 @@ class FitData:
     num_batches: int | None
     sample_batch: Any
     infinite: bool = False
+    global_batch: int | None = None
 
     @property
     def form(self) -> str:
@@ -136,7 +137,7 @@ def make_fit_data(
                 f"of {replicas}, e.g. dataset.batch({max(replicas, batch // replicas * replicas)}"
                 f"). Received: batch of {batch}"
             )
-        return FitData(x, None, _known_batches(x), sample, _is_infinite(x))
+        return FitData(x, None, _known_batches(x), sample, _is_infinite(x), batch)
     if callable(x) and not isinstance(x, (np.ndarray, tf.Tensor, dict, list, tuple)):
         _no_extra_arrays(what, y=y, sample_weight=sample_weight, batch_size=batch_size)
         _check_dataset_fn(x, what)
@@ -150,8 +151,15 @@ def make_fit_data(
                 "per-replica batches. Received: a function returning "
                 f"{type(probe).__name__}"
             )
+        sample = _first_batch(probe, what)
+        per_replica = _batch_size_of(sample)
         return FitData(
-            None, x, _known_batches(probe), _first_batch(probe, what), _is_infinite(probe)
+            None,
+            x,
+            _known_batches(probe),
+            sample,
+            _is_infinite(probe),
+            None if per_replica is None else per_replica * replicas,
         )
     if x is None:
         raise FitError(
@@ -210,7 +218,9 @@ def _from_arrays(x, y, *, sample_weight, batch_size, shuffle, replicas, what) ->
             "and .batch(..., drop_remainder=True).",
             what, last, examples, replicas, replicas,
         )  # fmt: skip
-    return FitData(dataset, None, _known_batches(dataset), _first_batch(dataset, what))
+    return FitData(
+        dataset, None, _known_batches(dataset), _first_batch(dataset, what), False, batch_size
+    )
 
 
 def _no_extra_arrays(what, **given) -> None:

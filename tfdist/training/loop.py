@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, plan_batches, prepare_dataset
-from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
+from tfdist.data.distribute import PAD_LABEL, first_description, pad_to_whole_steps
 from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
 from tfdist.peers import explain_peer_error
@@ -118,6 +118,7 @@ class Trainer:
             1, train_examples // config.global_batch_size
         )
         self.total_steps = config.epochs * self.steps_per_epoch
+        first_description(strategy, self.plan)  # said here, with the rest of the run's shape
         if self.is_chief:
             log.info(
                 "%s; %d steps per epoch x %d epochs; %s on %s (%d training examples)",
