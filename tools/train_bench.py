@@ -59,7 +59,10 @@ def throughput(
             metrics=["accuracy"],
         )
     clock = _EpochClock()
-    fit = {"tfdist.fit": lambda **kw: tfdist.fit(model, dataset, **kw), "keras fit": model.fit}
+    fit = {
+        "tfdist.fit": lambda **kw: tfdist.fit(model, dataset, **kw),
+        "keras fit": lambda **kw: model.fit(dataset, **kw),
+    }
     fit[trainer](epochs=epochs, steps_per_epoch=steps, verbose=0, callbacks=[clock])
     # Epoch 1 traces the step: it is the warm-up, left out.
     return (epochs - 1) * steps * batch / (clock.ends[-1] - clock.ends[0])

@@ -69,7 +69,8 @@ class SyncRunner:
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy
-        self._train_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
+        self._train_fns: dict[tuple[str, bool], tf.types.experimental.PolymorphicFunction] = {}
+        self._counts: dict[int, tf.Tensor] = {}
         self._stream_fns: dict[bool, tf.types.experimental.PolymorphicFunction] = {}
         self.metric_variables = list(model.metrics_variables)
         self._read_state = tf.function(self._summed_state)
@@ -85,26 +86,28 @@ class SyncRunner:
         """
         model = self.model
         # A custom train_step's own logs are those of the call's last step, run after the
-        # loop and returned; a single step needs no loop, which spares a small model's step
-        # on a CPU the loop's overhead.
-        kind = (
-            "single"
-            if n == 1
-            else "loop"
-            if type(model).train_step is _KERAS_TRAIN_STEP
-            else "custom"
-        )
+        # loop and returned; Keras's step logs its metrics, read apart. A single step needs
+        # no loop (nor a count), which spares a small model's step on a CPU the overhead.
+        custom = type(model).train_step is not _KERAS_TRAIN_STEP
+        kind = ("single" if n == 1 else "loop", custom)
         if kind not in self._train_fns:
             strategy = self.strategy
+            step = model.train_step
 
-            @tf.function
-            def train(iterator, n):
-                if kind != "single":
-                    for _ in tf.range(n if kind == "loop" else n - 1):
-                        strategy.run(model.train_step, args=(next(iterator),))
-                if kind == "loop":
-                    return None
-                return strategy.run(model.train_step, args=(next(iterator),))
+            if n == 1:
+
+                @tf.function
+                def train(iterator):
+                    outputs = strategy.run(step, args=(next(iterator),))
+                    return outputs if custom else None
+
+            else:
+
+                @tf.function
+                def train(iterator, n):
+                    for _ in tf.range(n - 1 if custom else n):
+                        strategy.run(step, args=(next(iterator),))
+                    return strategy.run(step, args=(next(iterator),)) if custom else None
 
             self._train_fns[kind] = train
         return self._train_fns[kind]
@@ -142,11 +145,17 @@ class SyncRunner:
             }
         )
 
+    def _count(self, n: int) -> tf.Tensor:
+        if n not in self._counts:  # made once: a constant per call costs a small step time
+            self._counts[n] = tf.constant(n)
+        return self._counts[n]
+
     def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
         if bounded:
-            outputs = self._train_fn(n)(iterator, tf.constant(n))
+            train = self._train_fn(n)
+            outputs = train(iterator) if n == 1 else train(iterator, self._count(n))
             return n, (self._logs_of(outputs) if with_logs else None)
-        done = self._stream_fn(with_logs)(iterator, tf.constant(n))
+        done = self._stream_fn(with_logs)(iterator, self._count(n))
         return int(done), (self.logs() if with_logs else None)
 
     def _summed_state(self) -> list[tf.Tensor]:
