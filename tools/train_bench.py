@@ -9,7 +9,10 @@ medians, min and max over the repeats and the median of the per-repeat ratios tf
   python -m tools.train_bench                      # about 3 minutes on 2 cores
   python -m tools.train_bench --repeats 7 --out_csv /tmp/train_bench.csv
 
-This is a benchmark, not a test: it reports figures and never fails on them.
+This is a benchmark, not a test: it reports figures and never fails on them. Measured on 2
+shared cores (TensorFlow 2.21, Keras 3.15), median ratio tfdist.fit / keras fit: 1.013 on
+one_device and 1.067 on mirrored x2 (an earlier run, before a one-step call stopped taking a
+step count: 0.966 and 1.021).
 """
 
 from __future__ import annotations
