@@ -117,3 +117,14 @@ def text():
 
 
 CASES = {"cnn": cnn, "two_heads": two_heads, "regularised": regularised, "text": text}
+
+
+def keras_references() -> dict[str, tuple[list[np.ndarray], dict, dict]]:
+    """Per case, Keras's own fit on one device: (final weights, history, evaluation)."""
+    out = {}
+    for name, case in CASES.items():
+        model, data = case()
+        history = model.fit(data, epochs=EPOCHS, verbose=0, shuffle=False)
+        evaluation = model.evaluate(data, verbose=0, return_dict=True)
+        out[name] = (model.get_weights(), history.history, evaluation)
+    return out

@@ -42,14 +42,8 @@ def assert_logs_close(got: dict, want: dict) -> None:
 
 @pytest.fixture(scope="module")
 def references():
-    """Keras's own fit and evaluate on one device, per case (built once per module)."""
-    out = {}
-    for name, case in fit_models.CASES.items():
-        model, data = case()
-        history = model.fit(data, epochs=fit_models.EPOCHS, verbose=0, shuffle=False)
-        evaluation = model.evaluate(data, verbose=0, return_dict=True)
-        out[name] = (model.get_weights(), history.history, evaluation)
-    return out
+    """Keras's own fit and evaluate on one device, per case."""
+    return fit_models.keras_references()
 
 
 @pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))

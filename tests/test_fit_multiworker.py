@@ -42,16 +42,8 @@ def max_diff(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def references():
-    out = {}
-    for name, case in fit_models.CASES.items():
-        model, data = case()
-        history = model.fit(data, epochs=fit_models.EPOCHS, verbose=0, shuffle=False)
-        out[name] = (
-            model.get_weights(),
-            history.history,
-            model.evaluate(data, verbose=0, return_dict=True),
-        )
-    return out
+    """Keras's own fit and evaluate on one device, per case."""
+    return fit_models.keras_references()
 
 
 def test_two_workers_match_keras_on_one_device(references, tmp_path):

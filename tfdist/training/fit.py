@@ -492,11 +492,7 @@ def _checkpoint_status(callbacks):
 
 
 def _warn_batch_hooks_under_ps(callbacks) -> None:
-    hooked = [
-        type(c).__name__
-        for c in callbacks
-        if fit_callbacks.hooks_batches(c) and not isinstance(c, fit_callbacks._NO_BATCH_LOGS)
-    ]
+    hooked = [type(c).__name__ for c in callbacks if fit_callbacks.reads_batch_logs(c)]
     if hooked:
         log.warning(
             "Under parameter_server, batch-level callbacks (%s) run on the coordinator as "

@@ -49,18 +49,22 @@ def hooks_batches(callback: keras.callbacks.Callback) -> bool:
     )
 
 
-def needs_batch_logs(callbacks: Sequence[keras.callbacks.Callback], *, progress_bar: bool) -> bool:
-    """Whether any callback reads per-batch logs (every worker must agree: it is collective).
+def reads_batch_logs(callback: keras.callbacks.Callback) -> bool:
+    """Whether `callback` hooks batches and reads their logs.
 
     A callback that hooks batches without reading their logs can say so with a class
     attribute `reads_batch_logs = False`, and spare every step a read of the metrics.
     """
-    return progress_bar or any(
-        hooks_batches(c)
-        and not isinstance(c, _NO_BATCH_LOGS)
-        and getattr(c, "reads_batch_logs", True)
-        for c in callbacks
+    return (
+        hooks_batches(callback)
+        and not isinstance(callback, _NO_BATCH_LOGS)
+        and getattr(callback, "reads_batch_logs", True)
     )
+
+
+def needs_batch_logs(callbacks: Sequence[keras.callbacks.Callback], *, progress_bar: bool) -> bool:
+    """Whether any callback reads per-batch logs (every worker must agree: it is collective)."""
+    return progress_bar or any(reads_batch_logs(c) for c in callbacks)
 
 
 def backups(

@@ -59,6 +59,21 @@ def _logs_from_state(model: keras.Model, variables, state) -> dict[str, float]:
         return _float_logs(model.get_metrics_result())
 
 
+def _run_until_end(iterator, n, step) -> tf.Tensor:
+    """Runs `step(batch)` on up to `n` batches, stopping where the data ends (in a tf.function).
+
+    Returns how many ran. Every worker's distributed iterator agrees on the end.
+    """
+    done = tf.constant(0)
+    for _ in tf.range(n):
+        batch = iterator.get_next_as_optional()
+        if not batch.has_value():
+            break
+        step(batch.get_value())
+        done += 1
+    return done
+
+
 def _batch_size(x) -> tf.Tensor:
     leaf = next(leaf for leaf in tf.nest.flatten(x) if leaf is not None)
     return tf.shape(leaf)[0]
@@ -119,14 +134,9 @@ class SyncRunner:
 
             @tf.function
             def train(iterator, n):
-                done = tf.constant(0)
-                for _ in tf.range(n):
-                    batch = iterator.get_next_as_optional()
-                    if not batch.has_value():
-                        break
-                    strategy.run(model.train_step, args=(batch.get_value(),))
-                    done += 1
-                return done
+                return _run_until_end(
+                    iterator, n, lambda batch: strategy.run(model.train_step, args=(batch,))
+                )
 
             self._stream_fns[with_logs] = train
         return self._stream_fns[with_logs]
@@ -217,14 +227,9 @@ class SyncRunner:
 
             @tf.function
             def test(iterator, n):
-                done = tf.constant(0)
-                for _ in tf.range(n):
-                    batch = iterator.get_next_as_optional()
-                    if not batch.has_value():
-                        break
-                    strategy.run(replica_test, args=(batch.get_value(),))
-                    done += 1
-                return done
+                return _run_until_end(
+                    iterator, n, lambda batch: strategy.run(replica_test, args=(batch,))
+                )
 
             self._test_fn = test
         self.reset()
