@@ -160,3 +160,66 @@ def test_a_model_built_outside_the_scope_is_refused():
         FitError, match=r"created outside any strategy's scope.*strategy\.scope\(\)"
     ):
         tfdist.fit(model, data, strategy=STRATEGIES["mirrored_x2"]())
+
+
+def test_deciding_callbacks_act_as_under_keras(references):
+    """LearningRateScheduler, ReduceLROnPlateau and TerminateOnNaN under mirrored x2 do what
+    they do under Keras's own fit on one device."""
+
+    def run(fit, model, data):
+        seen = []
+        callbacks = [
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: 0.02 / (epoch + 1)),
+            keras.callbacks.ReduceLROnPlateau(
+                monitor="loss", factor=0.5, patience=0, min_delta=10.0
+            ),
+            keras.callbacks.LambdaCallback(
+                on_epoch_end=lambda epoch, logs: seen.append(
+                    float(keras.ops.convert_to_numpy(model.optimizer.learning_rate))
+                )
+            ),
+        ]
+        history = fit(model, data, callbacks)
+        return model.get_weights(), history.history, seen
+
+    model, data = fit_models.cnn()
+    keras_run = run(lambda m, d, c: m.fit(d, epochs=3, verbose=0, callbacks=c), model, data)
+    with STRATEGIES["mirrored_x2"]().scope():
+        model, data = fit_models.cnn()
+    tfdist_run = run(
+        lambda m, d, c: tfdist.fit(m, d, epochs=3, verbose=0, callbacks=c), model, data
+    )
+    assert max_diff(tfdist_run[0], keras_run[0]) <= WEIGHTS_TOLERANCE
+    assert_logs_close(tfdist_run[1], keras_run[1])
+    np.testing.assert_allclose(tfdist_run[2], keras_run[2], rtol=1e-6)
+    # epoch 1: the schedule's 0.02; epoch 2: its 0.01, halved on the plateau
+    assert tfdist_run[2][:2] == pytest.approx([0.02, 0.005])
+
+    with STRATEGIES["mirrored_x2"]().scope():
+        model, data = fit_models.regularised()
+        model.compile(optimizer=keras.optimizers.SGD(1e6), loss="mse")  # diverges at once
+    history = tfdist.fit(
+        model, data, epochs=3, verbose=0, callbacks=[keras.callbacks.TerminateOnNaN()]
+    )
+    assert len(history.history.get("loss", [])) <= 1 and model.stop_training
+
+
+def test_mixed_float16_with_loss_scaling_matches_keras_fit_under_the_same_strategy():
+    """Loss scaling (mixed_float16 wraps the optimizer) as Keras's own fit does it under
+    mirrored x2, where Keras's fit works: the same computation."""
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_float16")
+    try:
+        weights = []
+        for trainer in (
+            lambda m, d: m.fit(d, epochs=2, verbose=0),
+            lambda m, d: tfdist.fit(m, d, epochs=2, verbose=0),
+        ):
+            with STRATEGIES["mirrored_x2"]().scope():
+                model, data = fit_models.cnn()
+            assert isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+            trainer(model, data)
+            weights.append(model.get_weights())
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    assert max_diff(weights[0], weights[1]) <= 1e-3  # float16 compute: same ops, same order

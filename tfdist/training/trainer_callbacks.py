@@ -130,7 +130,9 @@ class Report(keras.callbacks.Callback):
         logs.pop("xent", None)  # the padding-exact test loss's twin on training data
         metrics.update({f"train_{k}": v for k, v in logs.items()})
         metrics = {k: v for k, v in metrics.items() if v is not None}
-        metrics["learning_rate"] = float(trainer.optimizer.learning_rate)
+        metrics["learning_rate"] = float(
+            keras.ops.convert_to_numpy(trainer.optimizer.learning_rate)
+        )
         metrics["examples_per_second"] = (
             steps * trainer.config.global_batch_size / max(end - self._start, 1e-9)
         )
