@@ -223,3 +223,21 @@ def test_mixed_float16_with_loss_scaling_matches_keras_fit_under_the_same_strate
     finally:
         keras.mixed_precision.set_dtype_policy(previous)
     assert max_diff(weights[0], weights[1]) <= 1e-3  # float16 compute: same ops, same order
+
+
+def test_arrays_shuffle_alike_on_every_worker_and_anew_each_epoch():
+    """Workers split the same global batch, so their shuffles must agree (a fixed seed)."""
+    from tfdist.training.fit_data import make_fit_data
+
+    x = np.arange(24, dtype="float32")
+
+    def two_epochs():  # what one worker's pipeline yields, as a fresh process would build it
+        data = make_fit_data(
+            x, x, batch_size=4, shuffle=True, strategy=tf.distribute.get_strategy()
+        )
+        return [[batch[0].numpy().tolist() for batch in data.dataset] for _ in range(2)]
+
+    worker_0, worker_1 = two_epochs(), two_epochs()
+    assert worker_0 == worker_1
+    assert worker_0[0] != worker_0[1]  # a new order each epoch
+    assert sorted(v for batch in worker_0[1] for v in batch) == x.tolist()  # each example once

@@ -30,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # Keras's own default, for arrays given without a batch size.
 DEFAULT_BATCH_SIZE = 32
+# The seed of the shuffle of arrays: the same order on every worker (see _from_arrays).
+ARRAY_SHUFFLE_SEED = 20_240_601
 
 
 class FitError(TfdistError, ValueError):
@@ -207,7 +209,9 @@ def _from_arrays(x, y, *, sample_weight, batch_size, shuffle, replicas, what) ->
     (examples,) = sizes
     dataset = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
     if shuffle:
-        dataset = dataset.shuffle(examples, reshuffle_each_iteration=True)
+        # Every worker splits the same global batch, so every worker must shuffle alike: a
+        # fixed seed gives each epoch a new order that is the same on all of them.
+        dataset = dataset.shuffle(examples, seed=ARRAY_SHUFFLE_SEED, reshuffle_each_iteration=True)
     dataset = dataset.batch(batch_size)
     last = examples % batch_size
     if last % replicas:
