@@ -1,16 +1,21 @@
 """How `tfdist.fit` runs a compiled Keras model's steps under each kind of strategy.
 
-Both runners offer the same narrow interface, so the loop in fit.py is written once:
+Every runner offers the same narrow interface, so the loop in fit.py is written once:
 
+  begin(global_step, ...) -> where counting starts    reset() -> a new epoch's metrics
   train(iterator, n, bounded=, with_logs=) -> (steps run, logs or None)
-  logs() -> the epoch's logs so far           reset() -> a new epoch's metrics
-  evaluate(data, steps) -> logs               finish_epoch(steps) -> None
+  logs() -> the epoch's logs so far                   finish_epoch() -> every step landed
+  evaluate(data, steps) -> logs
 
-SyncRunner (one_device, mirrored, central_storage, multi_worker_mirrored, tpu) runs the
-model's own `train_step` / `test_step` inside `strategy.run`, as Keras's fit does on one host:
-a user's overridden step runs unchanged. Keras scales each replica's loss by 1/replicas, so
-with equal per-replica batches the all-reduced gradient is that of the global batch; metric
-variables are SUM-aggregated on read, so the logs are those of every replica and worker.
+SyncRunner (one_device, mirrored, multi_worker_mirrored, tpu) runs the model's own
+`train_step` / `test_step` inside `strategy.run`, as Keras's fit does on one host: a user's
+overridden step runs unchanged. Keras scales each replica's loss by 1/replicas, so with equal
+per-replica batches the all-reduced gradient is that of the global batch; metric variables
+are summed over the replicas (one all-reduce per dtype), so the logs are those of every
+replica and worker.
+
+CentralStorageRunner keeps central_storage's metric state in tensors (see _StatelessMetrics):
+its metric variables live once on the CPU and Keras's own fit logs wrong figures there.
 
 ParameterServerRunner schedules closures on the workers through a ClusterCoordinator. Metric
 variables live on the ps tasks there and several workers would update them at once (racing),
