@@ -7,6 +7,7 @@ then checks what every task wrote against Keras's own model.fit on one device.
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import numpy as np
@@ -88,9 +89,26 @@ def test_backup_and_restore_survives_a_killed_worker(references, tmp_path):
 
 
 def test_parameter_server_trains_a_user_model(tmp_path):
-    output = launch("ps", tmp_path, "--chief", "--workers", "2", "--ps", "1")
+    # 3 workers and 2 ps: the model's variables are whole (below ps_min_shard_bytes), placed
+    # round-robin on the two ps tasks.
+    output = launch("ps", tmp_path, "--chief", "--workers", "3", "--ps", "2")
     _, logs = written(tmp_path, "chief_0", "mlp")
     assert logs["evaluate"]["accuracy"] > 0.6  # ten classes: chance is 0.1
     assert logs["history"]["loss"][-1] < logs["history"]["loss"][0]
     assert "val_accuracy" in logs["history"]
     assert "parameter_server test accuracy" in output
+
+
+def test_variables_split_across_ps_tasks_are_refused_in_one_line(tmp_path):
+    """experiments/own_model's 590 KB kernel is split over 2 ps: one error, exit 2, no step."""
+    result = run_module(
+        "tools.launch", "--chief", "--workers", "2", "--ps", "2", "--timeout", "200", "--",
+        sys.executable, "-m", "experiments.own_model", f"--backup_dir={tmp_path / 'backup'}",
+    )  # fmt: skip
+    assert "[launch] chief:0 exit 2" in result.stdout, result.stdout[-3000:]
+    assert re.search(
+        r"\[chief:0\] error: Variable sequential/dense/kernel \(589,824 bytes\) is split into 2 "
+        r"shards across the ps tasks, which Keras 3 cannot train yet\..*ps_min_shard_bytes",
+        result.stdout,
+    )
+    assert "Traceback" not in result.stdout

@@ -64,6 +64,27 @@ def _logs_from_state(model: keras.Model, variables, state) -> dict[str, float]:
         return _float_logs(model.get_metrics_result())
 
 
+def _refuse_sharded_variables(model: keras.Model) -> None:
+    """One message, before any step, for variables a partitioner split across ps tasks.
+
+    Keras 3 backs such a variable with a ShardedVariable, which its gradients and optimizers
+    cannot update yet ('ShardedVariable' object has no attribute 'handle', deep in a step).
+    """
+    for variable in model.trainable_variables:
+        shards = getattr(variable.value, "variables", None)
+        if shards is None or hasattr(variable.value, "handle"):
+            continue
+        size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+        raise FitError(
+            f"Variable {variable.path} ({size:,} bytes) is split into {len(shards)} shards "
+            "across the ps tasks, which Keras 3 cannot train yet. Keep whole variables: "
+            "build the strategy with ps_min_shard_bytes above the largest variable, or 0 "
+            "(tfdist.build_strategy('parameter_server', ps_min_shard_bytes=0)), give your own "
+            "ParameterServerStrategy no variable_partitioner, or run one ps. "
+            f"Received: {len(shards)} shards of {variable.path}"
+        )
+
+
 def _run_until_end(iterator, n, step) -> tf.Tensor:
     """Runs `step(batch)` on up to `n` batches, stopping where the data ends (in a tf.function).
 
@@ -419,6 +440,7 @@ class ParameterServerRunner(_StatelessMetrics):
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
+        _refuse_sharded_variables(model)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         self._pending: collections.deque = collections.deque()
         # Results are fetched a few closures behind the newest: the progress stays current
