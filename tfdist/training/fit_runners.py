@@ -40,7 +40,6 @@ from tfdist.training.fit_data import FitData, FitError, unpack
 from tfdist.training.staleness import (
     STALENESS_STATS,
     StalenessAwareSchedule,
-    StalenessStats,
     attach_update_counter,
 )
 
@@ -98,6 +97,20 @@ def _run_until_end(iterator, n, step) -> tf.Tensor:
         step(batch.get_value())
         done += 1
     return done
+
+
+def _call_until_end(call, model: keras.Model, steps: int | None) -> None:
+    """Calls `call(n)` (which runs up to n steps and returns how many ran) for `steps` steps,
+    steps_per_execution at a time, or until the data ends."""
+    per_call = max(1, model.steps_per_execution)
+    remaining = steps
+    while remaining is None or remaining > 0:
+        n = per_call if remaining is None else min(per_call, remaining)
+        done = call(tf.constant(n))
+        if remaining is not None:
+            remaining -= done
+        if done < n:
+            break
 
 
 def _batch_size(x) -> tf.Tensor:
@@ -260,15 +273,7 @@ class SyncRunner:
             self._test_fn = test
         self.reset()
         iterator = iter(data.distribute(self.strategy))
-        per_call = max(1, self.model.steps_per_execution)
-        remaining = steps
-        while remaining is None or remaining > 0:
-            n = per_call if remaining is None else min(per_call, remaining)
-            done = int(self._test_fn(iterator, tf.constant(n)))
-            if remaining is not None:
-                remaining -= done
-            if done < n:
-                break
+        _call_until_end(lambda n: int(self._test_fn(iterator, n)), self.model, steps)
         return self.logs()
 
 
@@ -355,35 +360,38 @@ class CentralStorageRunner(_StatelessMetrics):
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
-        self._train_fns: dict[int, tf.types.experimental.PolymorphicFunction] = {}
-        self._test_fn = None
 
-    def _summed(self, per_replica) -> list[tf.Tensor]:
-        return [
-            self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-            for value in per_replica
-        ]
+        def replica_train(batch):
+            return self._stateless_train_step(batch, self._zero_tensors())
+
+        def replica_test(batch):
+            x, _, _ = unpack(batch)
+            zeros = self._zero_tensors()
+            # A replica the last batch left without examples adds nothing.
+            return tf.cond(
+                _batch_size(x) > 0, lambda: self._stateless_test_step(batch, zeros), lambda: zeros
+            )
+
+        self._train_fn = tf.function(lambda it, n: self._summed_steps(it, n, replica_train))
+        self._test_fn = tf.function(lambda it, n: self._summed_steps(it, n, replica_test))
+
+    def _summed_steps(self, iterator, n, replica_fn):
+        """(steps run, metric state summed over them and the replicas), until the data ends."""
+        done, state = tf.constant(0), self._zero_tensors()
+        for _ in tf.range(n):
+            batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            per_replica = self.strategy.run(replica_fn, args=(batch.get_value(),))
+            state = [
+                total + self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+                for total, value in zip(state, per_replica, strict=True)
+            ]
+            done += 1
+        return done, state
 
     def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
-        if n not in self._train_fns:
-            strategy = self.strategy
-
-            @tf.function
-            def train(iterator, n):
-                done, state = tf.constant(0), self._zero_tensors()
-                for _ in tf.range(n):
-                    batch = iterator.get_next_as_optional()
-                    if not batch.has_value():
-                        break
-                    step = strategy.run(
-                        self._stateless_train_step, args=(batch.get_value(), self._zero_tensors())
-                    )
-                    state = [a + b for a, b in zip(state, self._summed(step), strict=True)]
-                    done += 1
-                return done, state
-
-            self._train_fns[n] = train
-        done, state = self._train_fns[n](iterator, tf.constant(n))
+        done, state = self._train_fn(iterator, tf.constant(n))
         self._add_state(state)
         return int(done), (self.logs() if with_logs else None)
 
@@ -394,44 +402,16 @@ class CentralStorageRunner(_StatelessMetrics):
         pass
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
-        if self._test_fn is None:
-            strategy = self.strategy
-
-            def replica_test(batch):
-                x, _, _ = unpack(batch)
-                zeros = self._zero_tensors()
-                # A replica the last batch left without examples adds nothing.
-                return tf.cond(
-                    _batch_size(x) > 0,
-                    lambda: self._stateless_test_step(batch, zeros),
-                    lambda: zeros,
-                )
-
-            @tf.function
-            def test(iterator, n):
-                done, state = tf.constant(0), self._zero_tensors()
-                for _ in tf.range(n):
-                    batch = iterator.get_next_as_optional()
-                    if not batch.has_value():
-                        break
-                    step = strategy.run(replica_test, args=(batch.get_value(),))
-                    state = [a + b for a, b in zip(state, self._summed(step), strict=True)]
-                    done += 1
-                return done, state
-
-            self._test_fn = test
         iterator = iter(data.distribute(self.strategy))
-        total, remaining = self._zeros(), steps
-        per_call = max(1, self.model.steps_per_execution)
-        while remaining is None or remaining > 0:
-            n = per_call if remaining is None else min(per_call, remaining)
-            done, state = self._test_fn(iterator, tf.constant(n))
+        total = self._zeros()
+
+        def call(n):
+            nonlocal total
+            done, state = self._test_fn(iterator, n)
             total = [a + np.asarray(b) for a, b in zip(total, state, strict=True)]
-            done = int(done)
-            if remaining is not None:
-                remaining -= done
-            if done < n:
-                break
+            return int(done)
+
+        _call_until_end(call, self.model, steps)
         return self._logs_of(total)
 
 
@@ -450,7 +430,7 @@ class ParameterServerRunner(_StatelessMetrics):
         self._eval_step = tf.function(self._stateless_test_step)
         self._per_worker_iterators: dict[int, object] = {}
         self.counter = attach_update_counter(model, strategy)
-        self.staleness = StalenessStats()
+        self.staleness = self.counter.stats
         self.scheduled_steps = 0
         self.total_steps: int | None = None
         self.checkpoint_status = None

@@ -36,10 +36,6 @@ from tfdist.training.trainer_callbacks import CheckpointsAndPreemption, Progress
 
 log = logging.getLogger(__name__)
 
-# Sums kept per evaluation step (the evaluator task's): loss summed over examples, correct
-# predictions, examples.
-_LOSS, _CORRECT, _COUNT = range(3)
-
 
 def train(
     config: TrainConfig, *, strategy: tf.distribute.Strategy, cluster: ClusterInfo | None = None
@@ -142,9 +138,8 @@ class Trainer:
             finally:
                 keras.mixed_precision.set_dtype_policy(previous_policy)
             schedule = build_schedule(config, steps_per_epoch=self.steps_per_epoch)
-            if config.staleness_aware_lr:
+            if config.staleness_aware_lr:  # fit's parameter-server runner scales it per update
                 schedule = StalenessAwareSchedule(schedule)
-            self.schedule = schedule
             self.optimizer = build_optimizer(config, schedule)
             self.optimizer.build(self.model.trainable_variables)
             # The step counter is ours: assigned from the host at every save.
@@ -353,28 +348,16 @@ class Trainer:
             eval_accuracy=eval_metrics.get("eval_accuracy"),
             examples_per_second=self._examples_per_second(),
             wall_seconds=time.perf_counter() - start,
-            **self._staleness_summary(history, step),
+            **self._staleness_summary(step),
             history=tuple(history),
         )
         self.reporter.finish(result, self.model)
         return result
 
-    def _staleness_summary(self, history, step: int) -> dict:
+    def _staleness_summary(self, step: int) -> dict:
         if self.update_counter is None:
             return {}
-        # Each epoch's mean weighs by its steps (epoch_timings holds them, epoch by epoch).
-        measured = [
-            (h, n)
-            for h, (n, _, _) in zip(history, self.epoch_timings, strict=True)
-            if "train_staleness_mean" in h
-        ]
-        mean = (
-            sum(h["train_staleness_mean"] * n for h, n in measured)
-            / max(sum(n for _, n in measured), 1)
-            if measured
-            else None
-        )
-        largest = max((int(h["train_staleness_max"]) for h, _ in measured), default=None)
+        mean, largest = self.update_counter.stats.run_summary()
         applied = self.update_counter.value()
         if applied > step:
             log.warning(
