@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
 import sys
 from collections.abc import Callable
 
@@ -12,6 +13,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import tfdist
+from tfdist import signals
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
 from tfdist.exit_codes import EXIT_PREEMPTED, restartable_exit_code
@@ -71,6 +73,12 @@ STARTUP_TIMEOUT = flags.DEFINE_float(
     "before failing with an error naming the missing ones (default 600; 0 waits forever).",
     lower_bound=0,
 )  # fmt: skip
+MIN_WORKERS = flags.DEFINE_integer(
+    "min_workers", None,
+    "parameter_server: start training once every ps and this many workers are up (the "
+    "others get 15 s more; workers missing then take no part in the run). Default 1.",
+    lower_bound=1,
+)  # fmt: skip
 HEARTBEAT_TIMEOUT = flags.DEFINE_float(
     "heartbeat_timeout", None,
     "multi_worker_mirrored: seconds without a heartbeat before a peer is declared dead and "
@@ -90,6 +98,8 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     setup_logging()
     cluster = tfdist.parse_tf_config()
+    if cluster is not None:
+        signals.set_name(cluster.task_name)
     if tfdist.serve_if_needed(cluster):
         return None
     if NUM_CPU_DEVICES.value > 1:
@@ -103,6 +113,7 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
         "collective": COLLECTIVE.value,
         "collective_timeout": COLLECTIVE_TIMEOUT.value,
         "heartbeat_timeout": HEARTBEAT_TIMEOUT.value,
+        "min_workers": MIN_WORKERS.value,
     }
     options = {k: v for k, v in options.items() if v is not None}
     if STARTUP_TIMEOUT.value is not None:
@@ -136,6 +147,9 @@ def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], 
         try:
             main(argv)
         except Preempted as e:  # not a mistake: state is saved, a restart resumes
+            if e.signum == signal.SIGINT:  # a person's Ctrl-C: stopped, not to be restarted
+                print(f"interrupted: {e}", file=sys.stderr, flush=True)
+                sys.exit(128 + signal.SIGINT)
             print(f"preempted: {e}", file=sys.stderr, flush=True)
             sys.exit(restartable_exit_code(EXIT_PREEMPTED))
         except TfdistError as e:

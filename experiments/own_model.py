@@ -16,6 +16,12 @@ from __future__ import annotations
 
 import os
 
+from tfdist.signals import route_stop_signals  # noqa: E402
+
+if __name__ == "__main__":
+    # Before TensorFlow starts a thread, so SIGTERM ends this task at any moment (tfdist/signals.py).
+    route_stop_signals()
+
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402

@@ -13,13 +13,19 @@ with the same --seed every synchronous strategy ends with the weights of one_dev
 
 from __future__ import annotations
 
-import dataclasses
-import json
+from tfdist.signals import route_stop_signals
 
-from absl import app, flags
+if __name__ == "__main__":
+    # Before TensorFlow starts a thread, so SIGTERM ends this task at any moment (tfdist/signals.py).
+    route_stop_signals()
 
-from experiments import common
-from tfdist.training import run_smoke_steps
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+from absl import app, flags  # noqa: E402
+
+from experiments import common  # noqa: E402
+from tfdist.training import run_smoke_steps  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 3, "Training steps to run.", lower_bound=1)
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer(

@@ -20,29 +20,35 @@ and ps tasks serve until the chief is done. The chief prints the final line
 
 from __future__ import annotations
 
-import dataclasses
-import logging
-import os
-import sys
+from tfdist import signals
 
-import numpy as np
-import tensorflow as tf
-from absl import app, flags
+if __name__ == "__main__":
+    # Before TensorFlow starts a thread, so SIGTERM ends this task at any moment (tfdist/signals.py).
+    signals.route_stop_signals()
 
-import tfdist
-from experiments import common
-from experiments.configs import CONFIGS
-from tfdist.data import dataset_names
-from tfdist.models import model_names
-from tfdist.training import TrainConfig, Trainer
-from tfdist.training.auto import (
+import dataclasses  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+import tfdist  # noqa: E402
+from experiments import common  # noqa: E402
+from experiments.configs import CONFIGS  # noqa: E402
+from tfdist.data import dataset_names  # noqa: E402
+from tfdist.models import model_names  # noqa: E402
+from tfdist.training import TrainConfig, Trainer  # noqa: E402
+from tfdist.training.auto import (  # noqa: E402
     AUTO,
     TPU_STEPS_PER_EXECUTION,
     auto_mixed_precision,
     auto_steps_per_execution,
 )
-from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS
-from tfdist.training.evaluator import EvaluatorTimeoutError, evaluate_checkpoints
+from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS  # noqa: E402
+from tfdist.training.evaluator import EvaluatorTimeoutError, evaluate_checkpoints  # noqa: E402
 
 log = logging.getLogger("tfdist.train")
 _STRATEGY_NAMES = [
@@ -271,6 +277,8 @@ def main(argv: list[str]) -> None:
         raise app.UsageError(f"Unknown --config={FLAGS.config}. Valid: {', '.join(CONFIGS)}")
     config = train_config()  # validated before anything slow happens
     cluster = tfdist.parse_tf_config()
+    if cluster is not None:
+        signals.set_name(cluster.task_name)
     if cluster is not None and cluster.is_evaluator:
         evaluate_beside_training(config, argv)
         return
@@ -283,7 +291,8 @@ def main(argv: list[str]) -> None:
         "steps_per_execution %d, mixed precision %s",
         config.steps_per_execution, config.mixed_precision or "none (float32)",
     )  # fmt: skip
-    trainer = Trainer(config, strategy=strategy, cluster=cluster)
+    with signals.doing("preparing the data and the model"):
+        trainer = Trainer(config, strategy=strategy, cluster=cluster)
     result = trainer.fit()
     if FLAGS.save_weights_to:
         save_weights(

@@ -104,6 +104,29 @@ def test_skips_a_partial_and_a_vanished_checkpoint_and_stops_at_the_final_step(
         assert f.read().endswith('}\n{"step": 9, "eval_lo\n')
 
 
+def test_evaluates_a_run_on_a_non_local_filesystem(trained, data_dir):
+    # ram://, one of TensorFlow's own filesystems, stands for gs://: every read and write of
+    # model_dir goes through tf.io.gfile.
+    import tensorflow as tf
+
+    model_dir = f"ram://tfdist-eval-{os.getpid()}/run"
+    for local in tf.io.gfile.glob(os.path.join(trained[0], "*")):  # copy the finished run
+        for directory, _, files in tf.io.gfile.walk(local):
+            target = model_dir + directory[len(trained[0]) :]
+            tf.io.gfile.makedirs(target)
+            for name in files:
+                tf.io.gfile.copy(os.path.join(directory, name), f"{target}/{name}")
+    config = TrainConfig(data_dir=data_dir, model_dir=model_dir, **SHORT)
+    records = evaluate_checkpoints(config, poll_seconds=0.1, timeout_seconds=30)
+    assert [r.step for r in records] == [2, 3, 4]
+    assert records[-1].eval_accuracy == pytest.approx(trained[1].eval_accuracy, abs=1e-7)
+    with tf.io.gfile.GFile(f"{model_dir}/eval.jsonl") as f:
+        assert [json.loads(line)["step"] for line in f] == [2, 3, 4]
+    assert tf.io.gfile.glob(f"{model_dir}/logs/eval/events.out.tfevents.*")
+    # A restarted evaluator reads eval.jsonl back from there and evaluates nothing twice.
+    assert evaluate_checkpoints(config, poll_seconds=0.1, timeout_seconds=30) == []
+
+
 def test_an_empty_model_dir_times_out_with_a_clear_message(tmp_path, data_dir):
     config = TrainConfig(data_dir=data_dir, model_dir=str(tmp_path / "nothing"), **SHORT)
     with pytest.raises(

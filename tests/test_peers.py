@@ -7,7 +7,9 @@ random step under `tools.launch --max_restarts`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import logging
 import os
 import random
 import re
@@ -25,7 +27,7 @@ import tensorflow as tf
 import tfdist
 from tests.conftest import REPO, task_pid
 from tfdist.cluster import parse_tf_config
-from tfdist.peers import PeerError, explain_peer_error, wait_for_servers
+from tfdist.peers import PeerError, explain_peer_error, wait_for_peers, wait_for_servers
 from tfdist.training import TrainConfig, Trainer
 
 TWO_WORKERS = {"cluster": {"worker": ["localhost:2001", "localhost:2002"]}}
@@ -136,6 +138,67 @@ def test_a_parameter_server_chief_names_the_servers_that_do_not_answer():
     assert 1.0 <= time.monotonic() - started < 10
 
 
+def listening_sockets(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+        s.listen()
+    return sockets
+
+
+def test_a_parameter_server_chief_starts_with_min_workers_and_names_the_missing(caplog):
+    # Every ps and one of the two workers listen (a server's port is all the wait looks at).
+    ps, worker1 = listening_sockets(2)
+    (missing,) = free_ports(1)
+    spec = {
+        "cluster": {
+            "chief": ["localhost:1"],
+            "worker": [f"localhost:{missing}", f"localhost:{worker1.getsockname()[1]}"],
+            "ps": [f"localhost:{ps.getsockname()[1]}"],
+        }
+    }
+    with ps, worker1, caplog.at_level(logging.INFO, logger="tfdist"):
+        started = time.monotonic()
+        present = wait_for_servers(
+            cluster(spec, "chief"), timeout=30, min_workers=1, last_call=1.0, poll_seconds=0.1
+        )
+        waited = time.monotonic() - started
+        with pytest.raises(PeerError, match=r"waiting for every ps and 2 of 2 workers"):
+            wait_for_servers(cluster(spec, "chief"), timeout=0.5, min_workers=None)
+    assert present == [1] and 1.0 <= waited < 10
+    messages = [record.getMessage() for record in caplog.records]
+    assert messages[0] == (
+        f"1 of 2 workers and every ps are up; waiting up to 1 s more for worker:0 "
+        f"(localhost:{missing})"
+    )
+    assert messages[1].startswith(
+        f"Starting parameter-server training with 1 of 2 workers: worker:0 (localhost:{missing}) "
+        "did not start"
+    )
+
+
+def test_synchronous_tasks_waiting_for_each_other_all_start():
+    # Each task listens on its own port while it waits, so two waiting tasks see each other
+    # (their gRPC servers start only after the wait); a third one's absence is named.
+    ports = free_ports(3)
+    spec = {"cluster": {"worker": [f"localhost:{port}" for port in ports[:2]]}}
+    servers = []
+
+    def start(index):  # the wait, then the task's own server on its port, as TensorFlow's
+        wait_for_peers(cluster(spec, "worker", index), timeout=20, poll_seconds=0.05)
+        server = socket.create_server(("localhost", ports[index]), reuse_port=True)
+        servers.append(server)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waits = [pool.submit(start, i) for i in range(2)]
+        assert [w.result(timeout=30) for w in waits] == [None, None]
+    spec["cluster"]["worker"].append(f"localhost:{ports[2]}")
+    with pytest.raises(PeerError, match=rf"^worker:2 \(localhost:{ports[2]}\) did not join"):
+        wait_for_peers(cluster(spec, "worker", 0), timeout=0.3, poll_seconds=0.05)
+    for server in servers:
+        server.close()
+
+
 def free_ports(count):
     sockets = [socket.socket() for _ in range(count)]
     for s in sockets:
@@ -185,10 +248,10 @@ def test_a_task_whose_peer_never_starts_fails_within_the_startup_timeout(tmp_pat
         assert proc.wait(timeout=90) == code
         assert error_line(log) == (
             f"error: worker:{1 - index} (localhost:{missing_port}) did not join the job within "
-            f"3 s (worker:{index} was waiting for every task in the TF_CONFIG environment "
-            "variable). Start every task of the cluster, or fix the address in TF_CONFIG; if "
-            "tasks start slowly (image pulls, scheduling), raise --startup_timeout. Received: "
-            "startup_timeout=3.0"
+            f"3 s: nothing accepted a connection there (worker:{index} was waiting for every "
+            "task in the TF_CONFIG environment variable). Start every task of the cluster, or "
+            "fix the address in TF_CONFIG; if tasks start slowly (image pulls, scheduling), "
+            "raise --startup_timeout. Received: startup_timeout=3.0"
         )
     # TensorFlow's start-up (a few seconds) + the 3 s bound + shutdown, never a hang.
     assert time.monotonic() - started < 60

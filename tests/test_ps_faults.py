@@ -158,6 +158,46 @@ def test_a_killed_worker_is_survived_and_training_reaches_every_step(data_dir, t
 
 
 @pytest.mark.multiprocess
+def test_a_worker_that_exits_at_start_is_left_out_and_training_reaches_every_step(
+    data_dir, tmp_path
+):
+    model_dir, log_path = tmp_path / "run", tmp_path / "run.log"
+    argv = train_argv(model_dir, data_dir)
+    split = argv.index("--") + 1  # every task runs the binary, but worker:1 exits at once
+    argv[split:split] = ["python", "-m", "tests.workers.fail_as", "worker:1", "--"]
+    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"},
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    started = time.monotonic()
+    try:
+        named = None
+        while proc.poll() is None and named is None:
+            if re.search(
+                r"\[chief:0\].* waiting up to 15 s more for worker:1", log_path.read_text()
+            ):
+                named = time.monotonic() - started
+            time.sleep(0.1)
+        proc.wait(timeout=200)
+    finally:
+        proc.kill()
+    output = log_path.read_text()
+    assert proc.returncode == 0, output[-3000:]
+    # The chief names the missing worker as soon as it has the others, within 30 s of launch.
+    assert named is not None and named < 30, output[-3000:]
+    assert re.search(
+        r"Starting parameter-server training with 1 of 2 workers: worker:1 \(\S+\) did not start",
+        output,
+    )
+    assert (
+        "[launch] worker:1 failed with exit code 3; parameter-server training continues" in output
+    )
+    summary = read_summary(model_dir)
+    assert summary["steps"] == STEPS and summary["applied_updates"] == STEPS, summary
+    assert "Traceback" not in output
+
+
+@pytest.mark.multiprocess
 def test_a_killed_ps_ends_the_attempt_with_one_message_and_the_restart_resumes(data_dir, tmp_path):
     model_dir = tmp_path / "run"
 

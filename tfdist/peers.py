@@ -2,7 +2,8 @@
 
 TensorFlow's multi-worker runtimes wait forever for a task that never starts, and report a
 peer that died as a collective-op failure deep inside a traceback. A parameter-server chief
-first waits (`wait_for_servers`) for its workers and ps to accept connections; for
+first waits (`wait_for_servers`) for every ps and enough workers to accept connections, and
+trains with those present (parameter-server training is meant to survive workers); for
 multi_worker_mirrored, tfdist sets up TensorFlow's coordination service so that both end
 within a bound:
 
@@ -18,6 +19,7 @@ its address.
 
 from __future__ import annotations
 
+import logging
 import re
 import socket
 import time
@@ -25,9 +27,15 @@ import time
 from tfdist.cluster import CHIEF, PS, WORKER, ClusterInfo
 from tfdist.errors import TfdistError
 
+log = logging.getLogger(__name__)
+
 # torchrun waits 600 s for its rendezvous by default; Kubernetes pods pulling an image or
 # waiting for a node can take minutes, so a shorter default would fail healthy jobs.
 DEFAULT_STARTUP_TIMEOUT = 600.0
+# A parameter-server chief that has every ps and enough workers waits this much longer for
+# the rest: tasks launched together are up within seconds of each other.
+LAST_CALL_SECONDS = 15.0
+REPORT_EVERY_SECONDS = 30.0
 
 # The jobs whose tasks run the synchronous training program (the evaluator and ps never do).
 _COORDINATED_JOBS = (CHIEF, WORKER)
@@ -100,45 +108,183 @@ def configure_coordination(
 
 
 def wait_for_servers(
-    cluster: ClusterInfo, *, timeout: float | None, poll_seconds: float = 0.5
-) -> None:
-    """Waits until every worker and ps server of a parameter-server cluster accepts a
-    connection; the chief calls it before building the strategy.
+    cluster: ClusterInfo,
+    *,
+    timeout: float | None,
+    min_workers: int | None = None,
+    last_call: float = LAST_CALL_SECONDS,
+    report_every: float = REPORT_EVERY_SECONDS,
+    poll_seconds: float = 0.5,
+) -> list[int]:
+    """Waits for the servers a parameter-server chief needs: every ps and enough workers.
 
-    TensorFlow's ParameterServerStrategy waits forever for a task that never starts. A task
-    that serves (tfdist.serve_if_needed) listens on its TF_CONFIG port, so a plain TCP
-    connection tells whether it is up without speaking TensorFlow's protocol.
+    TensorFlow's ParameterServerStrategy waits (for minutes) for every task it is given. A
+    task that serves (tfdist.serve_if_needed) listens on its TF_CONFIG port, so a plain TCP
+    connection tells whether it is up without speaking TensorFlow's protocol. Once every ps
+    and `min_workers` workers answer, the wait goes on for `last_call` seconds more for the
+    other workers (a "last call", as torchrun's elastic rendezvous), so that tasks started
+    together all take part; workers still missing then are named in the log and left out.
+    While waiting, a log line at once and every `report_every` seconds after names the tasks
+    still missing and the time left.
 
     Args:
       cluster: the chief's view of the job.
+      timeout: seconds to wait for every ps and `min_workers` workers; None waits forever.
+      min_workers: the fewest workers to start training with; None: every worker.
+      last_call: seconds to wait for the other workers once there are enough.
+      report_every: seconds between log lines naming the tasks still missing.
+      poll_seconds: pause between rounds of connection attempts.
+
+    Returns:
+      The indices of the workers that answered, in order.
+
+    Raises:
+      PeerError: naming the tasks missing when `timeout` passed without every ps and
+        `min_workers` workers.
+    """
+    workers = dict(cluster.indexed_addresses(WORKER))
+    servers = {f"{WORKER}:{i}": a for i, a in workers.items()}
+    servers.update({f"{PS}:{i}": a for i, a in cluster.indexed_addresses(PS)})
+    need = len(workers) if min_workers is None else min(min_workers, len(workers))
+    deadline = None if timeout is None else time.monotonic() + timeout
+    reported, enough_since = None, None
+    while True:
+        missing = {name: address for name, address in servers.items() if not _accepts(address)}
+        up = [i for i in workers if f"{WORKER}:{i}" not in missing]
+        if not missing:
+            return up
+        now = time.monotonic()
+        enough = len(up) >= need and not any(name.startswith(PS) for name in missing)
+        if enough:
+            if enough_since is None:
+                enough_since = now
+                log.info(
+                    "%d of %d workers and every ps are up; waiting up to %g s more for %s",
+                    len(up), len(workers), last_call, _listed(missing),
+                )  # fmt: skip
+            elif now - enough_since >= last_call:
+                log.warning(
+                    "Starting parameter-server training with %d of %d workers: %s did not "
+                    "start (a worker that is not up now takes no part in this run; restart "
+                    "the job to use it)",
+                    len(up), len(workers), _listed(missing),
+                )  # fmt: skip
+                return up
+        elif deadline is not None and now >= deadline:
+            wanted = f"every ps and {need} of {len(workers)} workers"
+            raise PeerError(
+                f"{_listed(missing)} did not start within {timeout:g} s: nothing accepted a "
+                f"connection there ({cluster.task_name} was waiting for {wanted} in "
+                f"{cluster.source}). Start every task of the cluster (workers and ps run "
+                "tfdist.serve_if_needed()), or fix the address in TF_CONFIG; if tasks start "
+                f"slowly, raise --startup_timeout. Received: startup_timeout={timeout!r}, "
+                f"min_workers={min_workers!r}"
+            )
+        elif reported is None or now - reported >= report_every:
+            reported = now
+            _report(missing, deadline, now)
+        time.sleep(poll_seconds)
+
+
+def wait_for_peers(
+    cluster: ClusterInfo,
+    *,
+    timeout: float | None,
+    report_every: float = REPORT_EVERY_SECONDS,
+    poll_seconds: float = 0.5,
+) -> None:
+    """Waits, in Python, until every other chief and worker task of a synchronous job is up.
+
+    TensorFlow's own wait (the coordination service's registration, inside the
+    MultiWorkerMirroredStrategy constructor) holds Python's global lock: no signal handler
+    and no other Python thread runs until it ends, up to the whole start-up timeout. This
+    wait comes first and keeps the long part in Python, where SIGTERM is honoured at once
+    and a log line at once and every `report_every` seconds after names the tasks still
+    missing.
+
+    A peer's gRPC server starts only inside its own constructor, so each task listens on its
+    own port (`_Placeholder`) while it waits: two tasks waiting for each other both see the
+    other's port open. It closes before TensorFlow binds the port.
+
+    Args:
+      cluster: this task's place in the job.
       timeout: seconds to wait; None waits forever.
+      report_every: seconds between log lines naming the tasks still missing.
       poll_seconds: pause between rounds of connection attempts.
 
     Raises:
-      PeerError: naming the tasks that did not accept a connection within `timeout`.
+      PeerError: naming the tasks that never accepted a connection within `timeout`.
     """
-    pending = {
+    peers = {
         f"{task_type}:{index}": address
-        for task_type in (WORKER, PS)
+        for task_type in _COORDINATED_JOBS
         for index, address in cluster.indexed_addresses(task_type)
+        if f"{task_type}:{index}" != cluster.task_name
     }
     deadline = None if timeout is None else time.monotonic() + timeout
-    while pending:
-        for name, address in list(pending.items()):
-            if _accepts(address):
-                del pending[name]
-        if not pending:
+    reported = None
+    with _Placeholder(cluster.address):
+        while True:
+            missing = {name: address for name, address in peers.items() if not _accepts(address)}
+            if not missing:
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise PeerError(
+                    f"{_listed(missing)} did not join the job within {timeout:g} s: nothing "
+                    f"accepted a connection there ({cluster.task_name} was waiting for every "
+                    f"task in {cluster.source}). Start every task of the cluster, or fix the "
+                    "address in TF_CONFIG; if tasks start slowly (image pulls, scheduling), "
+                    f"raise --startup_timeout. Received: startup_timeout={timeout!r}"
+                )
+            if reported is None or now - reported >= report_every:
+                reported = now
+                _report(missing, deadline, now)
+            time.sleep(poll_seconds)
+
+
+class _Placeholder:
+    """Listens on this task's port, without accepting, until TensorFlow's server takes it.
+
+    The kernel completes a connection to a listening socket by itself, which is all a peer's
+    probe needs. The socket binds where TensorFlow's server will (every interface), or only
+    loopback for a loopback address. A port that cannot be bound (already taken) is left
+    alone: TensorFlow reports it when it binds.
+    """
+
+    def __init__(self, address: str | None):
+        self._socket = None
+        if address is None:
             return
-        if deadline is not None and time.monotonic() >= deadline:
-            missing = " and ".join(f"{name} ({address})" for name, address in pending.items())
-            raise PeerError(
-                f"{missing} did not start within {timeout:g} s: nothing accepted a connection "
-                f"there ({cluster.task_name} was waiting for every worker and ps in "
-                f"{cluster.source}). Start every task of the cluster (workers and ps run "
-                "tfdist.serve_if_needed()), or fix the address in TF_CONFIG; if tasks start "
-                f"slowly, raise --startup_timeout. Received: startup_timeout={timeout!r}"
-            )
-        time.sleep(poll_seconds)
+        host, _, port = address.rpartition(":")
+        host = host.strip("[]")
+        loopback = host in ("localhost", "127.0.0.1", "::1")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host if loopback else "", int(port)))
+            sock.listen(64)
+        except (OSError, ValueError):
+            return
+        self._socket = sock
+
+    def __enter__(self) -> _Placeholder:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+
+def _report(missing: dict[str, str], deadline: float | None, now: float) -> None:
+    left = "no time limit" if deadline is None else f"{deadline - now:.0f} s left"
+    log.info("Waiting for %s to start (%s)", _listed(missing), left)
+
+
+def _listed(tasks: dict[str, str]) -> str:
+    return " and ".join(f"{name} ({address})" for name, address in tasks.items())
 
 
 def _accepts(address: str) -> bool:

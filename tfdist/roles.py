@@ -18,6 +18,7 @@ import os
 import signal
 import threading
 
+from tfdist import signals
 from tfdist.cluster import FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,8 @@ def serve_if_needed(
     Args:
       cluster: the job's cluster; default parsed from TF_CONFIG.
       stop: an event that ends serving when set (for tests and embedding). SIGTERM and
-        SIGINT, which launchers and Kubernetes send when the chief is done, also end it.
+        SIGINT, which launchers and Kubernetes send when the chief is done, also end it
+        (in a program that routed its stop signals, by ending the process: exit 143).
 
     Returns:
       False at once for tasks that run the training program (chief, evaluator, and every
@@ -66,14 +68,17 @@ def serve_if_needed(
     log.info("Serving as %s until the job ends (%s)", cluster.describe(), server.target)
     stop = stop or threading.Event()
     # server.join() blocks inside C++ where Python signal handlers never run; waiting on an
-    # event instead lets SIGTERM end the process cleanly with exit code 0.
+    # event instead lets a signal end serving. In a program that routed its stop signals
+    # (tfdist.signals), the router ends the process (exit 143 for SIGTERM) with a line saying
+    # so; otherwise SIGTERM and SIGINT make this function return.
     previous = {}
-    if threading.current_thread() is threading.main_thread():
+    if signals.router() is None and threading.current_thread() is threading.main_thread():
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: stop.set())
     try:
-        while not stop.wait(timeout=1.0):
-            pass
+        with signals.doing(f"serving as {cluster.task_name} until the job ends"):
+            while not stop.wait(timeout=1.0):
+                pass
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

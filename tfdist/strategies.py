@@ -25,18 +25,21 @@ import glob
 import itertools
 import logging
 import os
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import tensorflow as tf
 
 from tfdist import devices as _devices
+from tfdist import signals
 from tfdist.cluster import CHIEF, FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 from tfdist.errors import TfdistError
 from tfdist.peers import (
     DEFAULT_STARTUP_TIMEOUT,
     configure_coordination,
     explain_peer_error,
+    wait_for_peers,
     wait_for_servers,
 )
 
@@ -80,6 +83,9 @@ class StrategyOptions:
         Default 600.
       heartbeat_timeout: seconds without a heartbeat before multi_worker_mirrored declares a
         peer dead and stops with an error naming it. Default: TensorFlow's (10 s).
+      min_workers: parameter_server: the fewest workers to start training with. The chief
+        starts once every ps and this many workers are up (and the others had 15 s more);
+        workers missing then take no part in the run. Default 1; None waits for every worker.
       ps_min_shard_bytes: parameter_server splits variables larger than this across the ps
         tasks (at most one shard per ps); 0 keeps every variable whole.
       tpu: the TPU to connect to: 'local' (Colab TPU VM / Cloud TPU VM), a TPU name, or a
@@ -96,6 +102,7 @@ class StrategyOptions:
     collective_timeout: float | None = None
     startup_timeout: float | None = DEFAULT_STARTUP_TIMEOUT
     heartbeat_timeout: float | None = None
+    min_workers: int | None = 1
     ps_min_shard_bytes: int = DEFAULT_PS_MIN_SHARD_BYTES
     tpu: str | None = None
 
@@ -146,6 +153,13 @@ class StrategyOptions:
                     f"{name} must be a positive number of seconds, or None for TensorFlow's "
                     f"default. Received: {name}={value!r}"
                 )
+        if self.min_workers is not None and (
+            not isinstance(self.min_workers, int) or self.min_workers < 1
+        ):
+            raise StrategyError(
+                "min_workers must be a whole number >= 1, or None to wait for every worker. "
+                f"Received: min_workers={self.min_workers!r}"
+            )
         if not isinstance(self.ps_min_shard_bytes, int) or self.ps_min_shard_bytes < 0:
             raise StrategyError(
                 "ps_min_shard_bytes must be a whole number of bytes >= 0 (0 disables "
@@ -172,6 +186,7 @@ _OPTION_USERS = {
     "collective_timeout": ("multi_worker_mirrored",),
     "startup_timeout": ("multi_worker_mirrored", "parameter_server"),
     "heartbeat_timeout": ("multi_worker_mirrored",),
+    "min_workers": ("parameter_server",),
     "ps_min_shard_bytes": ("parameter_server",),
     "tpu": ("tpu",),
 }
@@ -283,7 +298,9 @@ def describe_strategy(strategy: tf.distribute.Strategy, cluster: ClusterInfo | N
     """One line: the strategy, replicas in sync, devices and this task's role."""
     if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
         # Its "worker_devices" are the chief's; the steps run on the remote workers.
-        workers = len(cluster.cluster["worker"])
+        listed = len(cluster.cluster["worker"])
+        used = len(_WORKER_NAMES.get(strategy, ())) or listed
+        workers = f"{used}" if used == listed else f"{used} of {listed}"
         devices = f"{workers} remote worker(s), variables on {cluster.num_ps} ps"
     else:
         devices = ", ".join(_short_device(d) for d in strategy.extended.worker_devices)
@@ -438,15 +455,25 @@ def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyO
             "all_reduce='ring', or collective='ring'/'nccl' to pick TensorFlow's collective "
             f"implementation. Received: all_reduce={options.all_reduce!r}"
         )
+    others = [
+        f"{task_type}:{index}"
+        for task_type in (CHIEF, WORKER)
+        for index, _ in cluster.indexed_addresses(task_type)
+        if f"{task_type}:{index}" != cluster.task_name
+    ]
+    waiting_for = " and ".join(others) if len(others) <= 3 else f"the other {len(others)} tasks"
+    with signals.doing(f"waiting for {waiting_for} to start (start-up)"):
+        wait_for_peers(cluster, timeout=options.startup_timeout)
     configure_coordination(
         cluster,
         startup_timeout=options.startup_timeout,
         heartbeat_timeout=options.heartbeat_timeout,
     )
     try:
-        strategy = tf.distribute.MultiWorkerMirroredStrategy(
-            cluster_resolver=cluster.cluster_resolver(), communication_options=communication
-        )
+        with signals.doing(f"waiting for {waiting_for} to join the job (start-up)"):
+            strategy = tf.distribute.MultiWorkerMirroredStrategy(
+                cluster_resolver=cluster.cluster_resolver(), communication_options=communication
+            )
     except tf.errors.OpError as e:
         explained = explain_peer_error(
             e, cluster, starting=True, startup_timeout=options.startup_timeout
@@ -516,15 +543,45 @@ def _build_parameter_server(cluster: ClusterInfo | None, options: StrategyOption
             f"{cluster.task_name}. Call tfdist.serve_if_needed() at the start of main(): it runs "
             "the worker and ps servers and returns only when the job ends."
         )
-    wait_for_servers(cluster, timeout=options.startup_timeout)
+    with signals.doing("waiting for the workers and ps to start (parameter-server start-up)"):
+        present = wait_for_servers(
+            cluster, timeout=options.startup_timeout, min_workers=options.min_workers
+        )
+    # TensorFlow connects to every worker it is given and waits for each; the workers that
+    # are up are given to it under indices 0..n-1 (a server takes the name the chief's
+    # connection gives it), and the map keeps their TF_CONFIG names for messages.
+    workers = dict(cluster.indexed_addresses(WORKER))
+    training = dataclasses.replace(
+        cluster,
+        cluster={**cluster.cluster, WORKER: tuple(workers[i] for i in present)},
+        sparse_indices=None
+        if cluster.sparse_indices is None
+        else {**cluster.sparse_indices, WORKER: tuple(range(len(present)))},
+    )
     partitioner = None
     if options.ps_min_shard_bytes and cluster.num_ps > 1:
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=options.ps_min_shard_bytes, max_shards=cluster.num_ps
         )
-    return tf.distribute.experimental.ParameterServerStrategy(
-        cluster.cluster_resolver(), variable_partitioner=partitioner
-    )
+    with signals.doing("connecting to the workers and ps (parameter-server start-up)"):
+        strategy = tf.distribute.experimental.ParameterServerStrategy(
+            training.cluster_resolver(), variable_partitioner=partitioner
+        )
+    _WORKER_NAMES[strategy] = {f"{WORKER}:{n}": f"{WORKER}:{i}" for n, i in enumerate(present)}
+    return strategy
+
+
+# ParameterServerStrategy -> {TensorFlow's name of a worker: its name in TF_CONFIG}.
+_WORKER_NAMES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def task_name_in_tf_config(strategy: tf.distribute.Strategy, name: str) -> str:
+    """The TF_CONFIG name ("worker:2") of the task TensorFlow calls `name` ("worker:1").
+
+    They differ when a parameter-server job started without some of its workers (the
+    workers present are numbered 0..n-1 for TensorFlow).
+    """
+    return _WORKER_NAMES.get(strategy, {}).get(name, name)
 
 
 _TPU_HELP = (

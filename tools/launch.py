@@ -28,10 +28,12 @@ failures in parameter-server training (--ps M):
   --ps): the chief's ClusterCoordinator re-runs the steps the worker was running on the
   other workers, and the launcher logs the loss and carries on; only when every worker is
   gone does the job fail. --on_worker_failure restart also starts the dead worker again
-  with its TF_CONFIG (at most 3 times), as Kubernetes restarts a pod; the coordinator then
-  gives it work again. --on_worker_failure stop ends the job instead, as a failure of any
-  task does without --ps (synchronous training cannot lose a worker). A dead ps or
-  chief ends the job: the variables live on the ps and the chief coordinates. After a ps
+  with its TF_CONFIG (--worker_restarts times at most, 3 by default), as Kubernetes restarts
+  a pod; the coordinator then gives it work again. --on_worker_failure stop ends the job
+  instead, as a failure of any task does without --ps (synchronous training cannot lose a
+  worker). A dead ps or chief ends the job: the variables live on the ps and the chief
+  coordinates. A worker missing when the job starts is left out after a grace period (the
+  chief starts with --min_workers of them, tfdist.peers.wait_for_servers). After a ps
   dies the chief gets --grace seconds to report where training stopped and which checkpoint
   a restart resumes from; --max_restarts N then restarts the job from that checkpoint.
 
@@ -334,13 +336,15 @@ class Launcher:
       max_restarts: how many times the whole job may be started again after a task fails.
       on_worker_failure: with ps tasks, "continue" (the default) survives a worker's death,
         since the chief reschedules its steps on the others; "restart" also restarts the
-        worker in place (up to WORKER_RESTARTS times); "stop" ends the job. Without ps tasks
-        only "stop" (the default) is possible.
+        worker in place (up to `worker_restarts` times); "stop" ends the job. Without ps
+        tasks only "stop" (the default) is possible.
+      worker_restarts: with on_worker_failure="restart", how many times one worker is
+        restarted in place before its death is left as it is.
 
     Raises:
       UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0,
-        `max_restarts` < 0, or `on_worker_failure` is unknown, or other than "stop"
-        without ps.
+        `max_restarts` or `worker_restarts` < 0, or `on_worker_failure` is unknown, or
+        other than "stop" without ps.
     """
 
     def __init__(
@@ -352,6 +356,7 @@ class Launcher:
         grace: float = 10.0,
         max_restarts: int = 0,
         on_worker_failure: str | None = None,
+        worker_restarts: int = WORKER_RESTARTS,
     ) -> None:
         if not command:
             raise UsageError(f"no command to run: put it after `--`, e.g. `{_EXAMPLE}`")
@@ -365,6 +370,12 @@ class Launcher:
             raise UsageError(
                 f"--max_restarts must be 0 or more. Received: --max_restarts={max_restarts}"
             )
+        if worker_restarts < 0:
+            raise UsageError(
+                "--worker_restarts must be 0 or more. Received: "
+                f"--worker_restarts={worker_restarts}"
+            )
+        self._worker_restarts_allowed = worker_restarts
         self._command, self._tasks = list(command), list(tasks)
         self._serving = serving_tasks(self._tasks)
         self._worker_failure = _worker_failure_mode(on_worker_failure, bool(self._serving))
@@ -544,12 +555,13 @@ class Launcher:
         # What Kubernetes does with a worker pod: the chief's coordinator waits for the
         # worker at its old address, rebuilds its datasets and sends it closures again.
         count = self._worker_restarts.get(task, 0) + 1
-        if count > WORKER_RESTARTS:
-            self._say(f"{task.name} has been restarted {WORKER_RESTARTS} times; not again")
+        allowed = self._worker_restarts_allowed
+        if count > allowed:
+            self._say(f"{task.name} has been restarted {allowed} times; not again")
             return False
         self._say(
             f"{task.name} {_failure(returncode)}; parameter-server training continues on the "
-            f"other workers, and {task.name} restarts in place ({count} of {WORKER_RESTARTS})"
+            f"other workers, and {task.name} restarts in place ({count} of {allowed})"
         )
         self._worker_restarts[task] = count
         try:
@@ -697,9 +709,17 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         help="with --ps: 'continue' (the default) keeps parameter-server training going when a "
         "worker dies, its steps rescheduled on the others; 'restart' also starts the worker "
-        f"again in place, up to {WORKER_RESTARTS} times, and the chief gives it work again; "
+        "again in place, up to --worker_restarts times, and the chief gives it work again; "
         "'stop' ends the job. Without --ps a failed task always ends the job (default: "
         "continue with --ps, else stop)",
+    )
+    add(
+        "--worker_restarts",
+        type=int,
+        default=WORKER_RESTARTS,
+        metavar="N",
+        help="with --on_worker_failure restart: how many times one worker is restarted in "
+        f"place (default: {WORKER_RESTARTS})",
     )
     add(
         "--dry_run",
@@ -744,6 +764,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             grace=args.grace,
             max_restarts=args.max_restarts,
             on_worker_failure=args.on_worker_failure,
+            worker_restarts=args.worker_restarts,
         )
     except UsageError as error:
         print(f"launch: error: {error}", file=sys.stderr)

@@ -19,7 +19,6 @@ import dataclasses
 import json
 import os
 import re
-import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -27,6 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import TfdistError
+from tfdist.storage import temporary_suffix, write_atomically
 
 FORMAT = "tfdist.tfrecords/1"
 META_SUFFIX = ".meta.json"
@@ -169,7 +169,7 @@ def write_tfrecords(
     ]
     # A unique suffix per writer: two processes preparing the same data (every worker of a
     # job on first use) must not write into each other's half-finished files.
-    token = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    token = temporary_suffix()
     temporary = [os.path.join(out_dir, f + token) for f in files]
     counts = [0] * num_shards
     features: dict[str, FeatureSpec] | None = None
@@ -194,7 +194,7 @@ def write_tfrecords(
         )
         for tmp, final in zip(temporary, files, strict=True):
             tf.io.gfile.rename(tmp, os.path.join(out_dir, final), overwrite=True)
-        _write_atomically(meta_path, meta.to_json(), token)
+        write_atomically(meta_path, meta.to_json(), suffix=token)
     finally:
         for writer in writers:
             writer.close()
@@ -204,12 +204,6 @@ def write_tfrecords(
     if progress is not None:
         progress(meta.num_examples)
     return meta
-
-
-def _write_atomically(path: str, text: str, token: str) -> None:
-    with tf.io.gfile.GFile(path + token, "w") as f:
-        f.write(text)
-    tf.io.gfile.rename(path + token, path, overwrite=True)
 
 
 def _iter_examples(examples) -> Iterator[Mapping[str, np.ndarray]]:

@@ -8,7 +8,6 @@ so two processes never write the same files.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import re
@@ -98,11 +97,18 @@ def checkpoint_candidates(directory: str) -> list[str]:
     """Checkpoint prefixes in `directory`, newest (highest number) first.
 
     Read from the files themselves, not from the CheckpointManager's state file, which
-    can point at a checkpoint whose writing never finished.
+    can point at a checkpoint whose writing never finished. `directory` may be any
+    filesystem TensorFlow reads (gs://, ram://, ...).
     """
     numbered = {}
-    for found in glob.glob(os.path.join(glob.escape(directory), "*.index")):
-        prefix = found[: -len(".index")]
+    # tf.io.gfile, not glob: model_dir may be remote (gs://, a TPU Node's only choice), where
+    # the local glob finds nothing and a restarted job would silently start from step 0.
+    if not tf.io.gfile.isdir(directory):
+        return []
+    for name in tf.io.gfile.listdir(directory):
+        if not name.endswith(".index"):
+            continue
+        prefix = os.path.join(directory, name[: -len(".index")])
         match = re.search(r"-(\d+)$", prefix)
         if match:
             numbered[prefix] = int(match.group(1))
@@ -112,7 +118,9 @@ def checkpoint_candidates(directory: str) -> list[str]:
 def verify_checkpoint(prefix: str) -> str | None:
     """None if every tensor of the checkpoint reads back (checksums included); else why not."""
     try:
-        reader = tf.train.load_checkpoint(prefix)
+        # Not tf.train.load_checkpoint, which takes a prefix for a directory wherever the
+        # filesystem says one exists (ram:// does for "ckpt-3", a prefix of its files).
+        reader = tf.compat.v1.train.NewCheckpointReader(prefix)
         for name in reader.get_variable_to_shape_map():
             reader.get_tensor(name)
     # The reader reports a short file as IndexError and a bad checksum as DataLossError.

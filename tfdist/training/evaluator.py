@@ -27,6 +27,7 @@ import time
 
 import tensorflow as tf
 
+from tfdist import signals
 from tfdist.errors import TfdistError
 from tfdist.strategies import build_strategy
 from tfdist.training.checkpoints import CHECKPOINT_SUBDIR
@@ -115,41 +116,44 @@ def evaluate_checkpoints(
         checkpoint_dir, total_steps, poll_seconds, timeout_seconds,
     )  # fmt: skip
     records: list[EvalRecord] = []
-    try:
-        deadline = time.monotonic() + timeout_seconds
-        while True:
-            # Read before listing: the chief saves its last checkpoint before it writes the
-            # summary, so every checkpoint of a finished run is in the listing that follows.
-            finished = _training_finished(model_dir, config.epochs)
-            for step, path in _listed_checkpoints(checkpoint_dir):
-                if step <= done_step:
-                    continue
-                record = evaluator.evaluate(path)
-                done_step, deadline = step, time.monotonic() + timeout_seconds
-                if record is not None:
-                    evaluator.write(record)
-                    records.append(record)
-            if done_step >= total_steps:
-                log.info("Evaluated up to the final step %d; the evaluator is done", done_step)
-                break
-            if finished:
-                log.info(
-                    "Training finished (%s) at step %d of %d; the evaluator is done",
-                    SUMMARY_FILE, done_step, total_steps,
-                )  # fmt: skip
-                break
-            if time.monotonic() >= deadline:
-                last = f"the newest at step {done_step}" if done_step >= 0 else "none seen yet"
-                raise EvaluatorTimeoutError(
-                    f"No new checkpoint in {checkpoint_dir} for {timeout_seconds:g} s "
-                    f"({len(records)} evaluated here, {last}; the run ends at step "
-                    f"{total_steps}). Check that the training tasks are running and write to the "
-                    "same model_dir, or raise the timeout (--eval_timeout) if their checkpoints "
-                    f"are further apart. Received: timeout_seconds={timeout_seconds:g}"
-                )
-            time.sleep(max(0.0, min(poll_seconds, deadline - time.monotonic())))
-    finally:
-        evaluator.close()
+    with signals.doing(f"watching {checkpoint_dir} for checkpoints (evaluator)"):
+        try:
+            deadline = time.monotonic() + timeout_seconds
+            while True:
+                # Read before listing: the chief saves its last checkpoint before it writes the
+                # summary, so every checkpoint of a finished run is in the listing that follows.
+                finished = _training_finished(model_dir, config.epochs)
+                for step, path in _listed_checkpoints(checkpoint_dir):
+                    if step <= done_step:
+                        continue
+                    with signals.doing(f"evaluating {path} (evaluator)"):
+                        record = evaluator.evaluate(path)
+                    done_step, deadline = step, time.monotonic() + timeout_seconds
+                    if record is not None:
+                        with signals.deferred():  # a stop signal waits: no record half written
+                            evaluator.write(record)
+                        records.append(record)
+                if done_step >= total_steps:
+                    log.info("Evaluated up to the final step %d; the evaluator is done", done_step)
+                    break
+                if finished:
+                    log.info(
+                        "Training finished (%s) at step %d of %d; the evaluator is done",
+                        SUMMARY_FILE, done_step, total_steps,
+                    )  # fmt: skip
+                    break
+                if time.monotonic() >= deadline:
+                    last = f"the newest at step {done_step}" if done_step >= 0 else "none seen yet"
+                    raise EvaluatorTimeoutError(
+                        f"No new checkpoint in {checkpoint_dir} for {timeout_seconds:g} s "
+                        f"({len(records)} evaluated here, {last}; the run ends at step "
+                        f"{total_steps}). Check that the training tasks are running and write to the "
+                        "same model_dir, or raise the timeout (--eval_timeout) if their checkpoints "
+                        f"are further apart. Received: timeout_seconds={timeout_seconds:g}"
+                    )
+                time.sleep(max(0.0, min(poll_seconds, deadline - time.monotonic())))
+        finally:
+            evaluator.close()
     return records
 
 

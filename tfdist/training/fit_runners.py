@@ -35,6 +35,7 @@ import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 
+from tfdist.strategies import task_name_in_tf_config
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData, FitError, unpack
 from tfdist.training.staleness import (
@@ -495,6 +496,7 @@ class ParameterServerRunner(_StatelessMetrics):
             worker = lost_worker(e, cluster=self._cluster())
             if worker is None:
                 raise
+            worker = task_name_in_tf_config(self.strategy, worker)
             # The steps ran and their updates reached the ps; their metrics died with it.
             log.warning("The metrics of steps that ran on %s were lost with it", worker)
             return

@@ -10,6 +10,9 @@ In a multi-worker job the workers must save at the same step (saving is collecti
 they agree through a small all-reduce whether any of them was signalled; the trainer asks
 only where it already synchronises (progress updates and epoch ends), so an uneventful run
 pays nothing extra.
+
+In a program that routed its stop signals (tfdist.signals), SIGINT (Ctrl-C) is honoured the
+same way, exiting 130 instead of asking for a restart.
 """
 
 from __future__ import annotations
@@ -20,52 +23,81 @@ import threading
 
 import tensorflow as tf
 
+from tfdist import signals
 from tfdist.errors import TfdistError
 
 log = logging.getLogger(__name__)
 
 
 class Preempted(TfdistError):
-    """Training stopped on SIGTERM after saving a checkpoint; re-running resumes from it."""
+    """Training stopped on SIGTERM (or SIGINT) after saving a checkpoint; re-running resumes.
 
-    def __init__(self, step: int, checkpoint: str | None):
-        self.step, self.checkpoint = step, checkpoint
+    Attributes:
+      signum: the signal that asked for the stop (SIGTERM unless a routed SIGINT).
+    """
+
+    def __init__(self, step: int, checkpoint: str | None, signum: int = signal.SIGTERM):
+        self.step, self.checkpoint, self.signum = step, checkpoint, signum
         where = f"checkpoint saved in {checkpoint}" if checkpoint else "no model_dir, nothing saved"
         super().__init__(
-            f"Preempted (SIGTERM) at step {step}; {where}. Run the same command again to "
-            "resume from it."
+            f"{signal.Signals(signum).name} at step {step}; {where}. Run the same command "
+            "again to resume from it."
         )
 
 
 class PreemptionWatcher:
     """Records SIGTERM while training runs; `agreed()` says whether any worker received it.
 
-    A second SIGTERM restores the default handler and terminates at once, for a process that
-    cannot reach a step boundary. Outside the main thread signals cannot be caught, and the
-    watcher stays inert.
+    A second signal ends the process at once, for a process that cannot reach a step
+    boundary. In a program that routed its stop signals (tfdist.signals) the watcher takes
+    SIGTERM and SIGINT from the router; otherwise it sets a SIGTERM handler, which only works
+    in the main thread (elsewhere the watcher stays inert).
     """
 
     def __init__(self, strategy: tf.distribute.Strategy, *, workers: int):
         self.strategy, self.workers = strategy, workers
-        self.signalled = False
+        self.signum: int | None = None
+        # Until a step has run there is nothing to save: a signal then ends the process.
+        self.stepped = False
         self._previous = None
+        self._routed = None
+
+    @property
+    def signalled(self) -> bool:
+        return self.signum is not None
 
     def __enter__(self) -> PreemptionWatcher:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        router = signals.router()
+        if router is not None:
+            self._routed = router.handling(self._on_signal)
+            self._routed.__enter__()
+        elif threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(
+                signal.SIGTERM, lambda signum, _: self._on_signal(signum)
+            )
         return self
 
     def __exit__(self, *exc) -> None:
+        if self._routed is not None:
+            self._routed.__exit__(*exc)
+            self._routed = None
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
 
-    def _on_sigterm(self, signum, frame) -> None:
+    def _on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
         if self.signalled:  # asked twice: stop waiting for a step boundary
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGTERM)
-        self.signalled = True
-        log.warning("SIGTERM received: saving a checkpoint at the next step boundary")
+            router = signals.router()
+            if router is None:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.raise_signal(signal.SIGTERM)
+                return
+            router.stop(signum, "a second time, before the step boundary the first was waiting for")
+        if not self.stepped and signals.router() is not None:
+            signals.router().stop(signum, "before the first training step")
+        self.signum = signum
+        log.warning("%s received: saving a checkpoint at the next step boundary", name)
 
     def agreed(self) -> bool:
         """Whether any worker was signalled; every worker must call this at the same step."""

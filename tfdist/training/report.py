@@ -15,6 +15,8 @@ import sys
 import keras
 import tensorflow as tf
 
+from tfdist.storage import write_atomically
+
 log = logging.getLogger(__name__)
 
 LOG_SUBDIR = "logs"
@@ -96,8 +98,7 @@ class Reporter:
         """Writes summary.json and exports the model (chief with a model_dir only)."""
         if not self.model_dir:
             return
-        with tf.io.gfile.GFile(os.path.join(self.model_dir, SUMMARY_FILE), "w") as f:
-            f.write(result.to_json())
+        write_atomically(os.path.join(self.model_dir, SUMMARY_FILE), result.to_json())
         export_dir = os.path.join(self.model_dir, "export")
         tf.io.gfile.makedirs(export_dir)
         model.save(os.path.join(export_dir, "model.keras"))

@@ -12,6 +12,7 @@ save under multi_worker_mirrored, the preemption vote) safe.
 
 from __future__ import annotations
 
+import signal
 import time
 from typing import TYPE_CHECKING
 
@@ -60,6 +61,7 @@ class CheckpointsAndPreemption(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
+        self.watcher.stepped = True
         previous, self.step = self.step, self._epoch * self.trainer.steps_per_epoch + batch + 1
         epoch_end = batch + 1 == self.trainer.steps_per_epoch
         voting = (
@@ -69,7 +71,9 @@ class CheckpointsAndPreemption(keras.callbacks.Callback):
         )
         if voting and self.watcher.agreed():
             self.save()
-            raise Preempted(self.step, self.trainer.checkpoints.directory)
+            # A worker that was not signalled itself stops for its peer's SIGTERM.
+            signum = self.watcher.signum or signal.SIGTERM
+            raise Preempted(self.step, self.trainer.checkpoints.directory, signum)
         every = self.trainer.config.checkpoint_every
         if every and self.step % every == 0 and not epoch_end:
             self.save()
