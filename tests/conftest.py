@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tools.chaos import running_tasks
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -50,20 +52,15 @@ def task_pid(launcher_pid: int, task: str) -> int | None:
 
     Fault tests kill that real process; None while the launcher has not started it.
     """
-    task_type, index = task.split(":")
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid != launcher_pid:
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        for variable in environ:
-            if variable.startswith(b"TF_CONFIG="):
-                role = json.loads(variable[len(b"TF_CONFIG=") :])["task"]
-                if role == {"type": task_type, "index": int(index)}:
-                    return int(entry.name)
-    return None
+    return running_tasks(launcher_pid).get(task)
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that were free a moment ago."""
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports

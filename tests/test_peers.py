@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests.conftest import REPO, task_pid
+from tests.conftest import REPO, free_ports, task_pid
 from tfdist.cluster import parse_tf_config
 from tfdist.peers import PeerError, explain_peer_error, wait_for_peers, wait_for_servers
 from tfdist.training import TrainConfig, Trainer
@@ -197,16 +197,6 @@ def test_synchronous_tasks_waiting_for_each_other_all_start():
         wait_for_peers(cluster(spec, "worker", 0), timeout=0.3, poll_seconds=0.05)
     for server in servers:
         server.close()
-
-
-def free_ports(count):
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def start_worker(index, ports, *flags, log, env=None):

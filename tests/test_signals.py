@@ -19,19 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
-
-
-def free_ports(count):
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("localhost", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+from tests.conftest import REPO, free_ports
 
 
 def tf_config(cluster, task_type, index):

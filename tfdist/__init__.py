@@ -7,6 +7,7 @@ The public API, listed explicitly:
   build_strategy, StrategyOptions, StrategyError  the tf.distribute strategy for it
   configure_cpu_devices                           split the CPU into logical devices
   serve_if_needed                                 run the worker / ps servers of a PS cluster
+  route_stop_signals                              SIGTERM / SIGINT honoured at any moment
   TfdistError                                     base of every error tfdist explains
 
 Names are imported on first use, so tools that only read TF_CONFIG (the launcher, the
@@ -28,6 +29,7 @@ _EXPORTS = {
     "evaluate": "tfdist.training.fit",
     "fit": "tfdist.training.fit",
     "serve_if_needed": "tfdist.roles",
+    "route_stop_signals": "tfdist.signals",
     "StrategyError": "tfdist.strategies",
     "StrategyOptions": "tfdist.strategies",
     "build_strategy": "tfdist.strategies",

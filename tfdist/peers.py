@@ -155,6 +155,8 @@ def wait_for_servers(
             return up
         now = time.monotonic()
         enough = len(up) >= need and not any(name.startswith(PS) for name in missing)
+        if not enough:
+            enough_since = None  # a worker that was up went away: the last call starts over
         if enough:
             if enough_since is None:
                 enough_since = now

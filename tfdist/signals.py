@@ -56,8 +56,8 @@ class SignalRouter:
     Args:
       name: how the process is named in its one-line message (the task, e.g. "worker:1").
       write: where the message goes; standard error by default.
-      exit: how the process ends; `os._exit` by default (the main thread may be stuck in C++,
-        so a normal exit, which needs it, could never happen).
+      exit_process: how the process ends; `os._exit` by default (the main thread may be stuck in
+        C++, so a normal exit, which needs it, could never happen).
     """
 
     def __init__(
@@ -65,11 +65,11 @@ class SignalRouter:
         *,
         name: str = "",
         write: Callable[[str], None] | None = None,
-        exit: Callable[[int], None] = os._exit,
+        exit_process: Callable[[int], None] = os._exit,
     ):
         self.name = name
         self._write = write or _write_stderr
-        self._exit = exit
+        self._exit = exit_process
         self._activities: list[str] = ["starting"]
         self._handlers: list[Handler] = []
         # Held by deferred() blocks; the exit takes it first, so it waits for them.

@@ -9,11 +9,13 @@ Two jobs run on loopback through tools.launch and the training binary, one after
   others go on; a killed chief or ps restarts the job from its last checkpoint. At the end
   every requested step must be counted (summary.json) and every update applied.
 
-Each job takes --faults kills, at random moments (start-up included: the first delay counts
-from the launch, so many land while the tasks connect), of a random task, with SIGKILL or
-SIGTERM. The soak prints one row per fault (what was killed, when, in which phase, how the
-job reacted, where it resumed, the steps redone) and a final table per job, and writes both
-as CSV under --out/<time>/ (a new directory per run: nothing earlier is overwritten).
+Each job takes --faults kills, at random moments (start-up included: each pause counts from
+the launch or the last restart, so many land while the tasks connect), of a random task,
+with SIGKILL or SIGTERM. The soak prints one row per fault (what was killed, when, in which
+phase, how the job reacted, where it resumed, the steps redone) and a final table per job,
+and writes both under --out/<time>/ (faults.csv, summary.json, each run's log; a new
+directory per run: nothing earlier is overwritten). It exits 0 only if every fault landed
+and both jobs ended with nothing lost.
 
   python -m tools.chaos --faults 20           # the soak of issue 13: ~30 min on 2 cores
   python -m tools.chaos --faults 3 --jobs sync --seed 7
@@ -97,10 +99,13 @@ class Fault:
     task: str
     signal: str
     phase: str  # "start-up" or "training"
-    step_reached: int | None  # the newest step the job had logged (checkpoints, epochs)
+    # The newest step the job had logged (its checkpoints, every CHECKPOINT_EVERY steps): the
+    # job was at most CHECKPOINT_EVERY - 1 steps further when the fault came.
+    step_reached: int | None
     reaction: str = ""
-    resumed_at: int | None = None  # where the next attempt (or the restarted task) went on
-    redone: int | None = None  # steps trained again: step_reached - resumed_at
+    resumed_at: int | None = None  # where the next attempt went on (None: no restart)
+    # Steps trained again: at least step_reached - resumed_at, at most CHECKPOINT_EVERY - 1 more.
+    redone: int | None = None
 
 
 def running_tasks(launcher_pid: int) -> dict[str, int]:
@@ -184,11 +189,15 @@ def newest_step(lines: list[str]) -> int | None:
 
 
 def inject(job: Job, faults: int, rng: random.Random, max_delay: float) -> list[Fault]:
-    """Kills random tasks of `job` until `faults` kills landed or the job ended."""
+    """Kills random tasks of `job` until `faults` kills landed or the job ended.
+
+    Each pause counts from the last time the job was (re)started whole, so kills land in
+    start-up (TensorFlow's connections, restoring the checkpoint) as often as in training.
+    """
     done: list[Fault] = []
-    settled = job.started  # the moment the job was last whole: launched or restarted
+    whole = job.started
     while len(done) < faults and job.running():
-        deadline = settled + rng.uniform(0.5, max_delay)
+        deadline = whole + rng.uniform(0.5, max_delay)
         while time.monotonic() < deadline and job.running():
             time.sleep(0.05)
         tasks = running_tasks(job.proc.pid)
@@ -196,11 +205,10 @@ def inject(job: Job, faults: int, rng: random.Random, max_delay: float) -> list[
             continue
         task = rng.choice(sorted(tasks))
         signum = rng.choice([signal.SIGKILL, signal.SIGTERM])
-        attempt = job.since(job.started)
-        starts = [i for i, line in enumerate(attempt) if line.startswith(_ATTEMPT)]
-        current = attempt[starts[-1] :] if starts else attempt
-        training = any("Global batch" in line or "] epoch " in line for line in current)
-        reached = newest_step(attempt)
+        lines = job.since(job.started)
+        starts = [i for i, line in enumerate(lines) if line.startswith(_ATTEMPT)]
+        attempt = lines[starts[-1] :] if starts else lines
+        training = newest_step(attempt) is not None or any(_RESUMED.search(x) for x in attempt)
         try:
             os.kill(tasks[task], signum)
         except ProcessLookupError:
@@ -209,39 +217,48 @@ def inject(job: Job, faults: int, rng: random.Random, max_delay: float) -> list[
         fault = Fault(
             job=job.tag, number=len(done) + 1, at_seconds=round(killed - job.started, 1),
             task=task, signal=signal.Signals(signum).name,
-            phase="training" if training else "start-up", step_reached=reached,
+            phase="training" if training else "start-up", step_reached=newest_step(lines),
         )  # fmt: skip
         done.append(fault)
-        settled = _await_reaction(job, fault, killed)
+        whole = _await_recovery(job, fault, killed)
         print(_row(fault), flush=True)
     return done
 
 
-def _await_reaction(job: Job, fault: Fault, killed: float) -> float:
-    """Fills in how the job reacted; returns when it was whole again."""
+def _await_recovery(job: Job, fault: Fault, killed: float) -> float:
+    """Waits until the job started again whole (or ended); fills in how it reacted.
+
+    Returns when that was. The job has resumed once its new attempt restored a checkpoint or
+    (with none saved yet) logged its first step; a worker restarted in place once it serves.
+    """
     deadline = killed + 300
-    reaction: list[str] = []
-    while time.monotonic() < deadline:
+    while time.monotonic() < deadline and job.running():
         lines = job.since(killed)
-        reaction = [line[len("[launch] ") :] for line in lines if line.startswith("[launch] ")]
-        restarted = [i for i, line in enumerate(lines) if line.startswith(_ATTEMPT)]
-        in_place = any("restarts in place" in line for line in lines)
-        resumed = [m for line in lines if (m := _RESUMED.search(line))]
-        if restarted and resumed:  # a new attempt has restored its checkpoint
-            fault.resumed_at = int(resumed[0].group(1) or 0)
-            break
-        if in_place and any(fault.task in line and "Serving as" in line for line in lines):
-            fault.resumed_at = None  # the others trained on; nothing to resume
-            break
-        if not job.running():
+        said = [line[len("[launch] ") :] for line in lines if line.startswith("[launch] ")]
+        # The launcher's first word on it, then how it went on.
+        fault.reaction = next((line for line in said if not _OUTCOME.match(line)), "")
+        restart = next((line for line in said if "restarting the job" in line), None)
+        if restart and restart != fault.reaction:
+            fault.reaction += "; " + restart.rsplit("; ", 1)[-1]
+        starts = [i for i, line in enumerate(lines) if line.startswith(_ATTEMPT)]
+        if starts:
+            attempt = lines[starts[-1] :]
+            resumed = [m for line in attempt if (m := _RESUMED.search(line))]
+            if resumed or newest_step(attempt) is not None:
+                fault.resumed_at = int(resumed[0].group(1) or 0) if resumed else 0
+                break
+        if any("restarts in place" in x for x in said) and any(
+            f"[{fault.task}]" in x and "Serving as" in x for x in lines
+        ):
             break
         time.sleep(0.1)
-    first = next((line for line in reaction if fault.task in line), "no reaction seen")
-    restart = next((line for line in reaction if "restarting the job" in line), "")
-    fault.reaction = first + (f"; {restart.rsplit('; ', 1)[-1]}" if restart else "")
     if fault.resumed_at is not None and fault.step_reached is not None:
         fault.redone = max(0, fault.step_reached - fault.resumed_at)
     return time.monotonic()
+
+
+# The launcher's per-task outcome lines at the end of an attempt ("worker:1 exit 0").
+_OUTCOME = re.compile(r"^\w+:\d+ (exit \d+|stopped|killed|not started)")
 
 
 _COLUMNS = ("job", "number", "at_seconds", "task", "signal", "phase", "step_reached",
@@ -256,7 +273,7 @@ def _row(fault: Fault) -> str:
 
 def _header() -> str:
     return "{:<5} {:>3} {:>7} {:<9} {:<8} {:<9} {:>8} {:>8} {:>6}  {}".format(
-        "job", "#", "at (s)", "killed", "signal", "phase", "reached", "resumed", "redone",
+        "job", "#", "at (s)", "killed", "signal", "phase", "reached", "resumed", "redone≥",
         "how the job reacted (launcher)",
     )  # fmt: skip
 
@@ -300,6 +317,7 @@ def soak(tag: str, spec: JobSpec, args, root: Path, rng: random.Random) -> dict:
         )
         result["ok"] = (
             code == 0
+            and len(faults) == args.faults
             and result["steps completed"] == job.steps
             and result["max |w - uninterrupted w|"] <= TOLERANCE
         )
@@ -307,6 +325,7 @@ def soak(tag: str, spec: JobSpec, args, root: Path, rng: random.Random) -> dict:
         result["updates applied"] = summary.get("applied_updates")
         result["ok"] = (
             code == 0
+            and len(faults) == args.faults
             and result["steps completed"] == job.steps
             and (result["updates applied"] or 0) >= job.steps
         )
@@ -322,14 +341,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--faults", type=int, default=20, help="kills per job (default 20)")
     parser.add_argument("--jobs", choices=["both", "sync", "ps"], default="both")
-    parser.add_argument("--epochs", type=int, default=60,
-                        help=f"epochs of {STEPS_PER_EPOCH} steps per job (default 60)")  # fmt: skip
-    parser.add_argument("--max_delay", type=float, default=12.0,
+    parser.add_argument("--epochs", type=int, default=None,
+                        help=f"epochs of {STEPS_PER_EPOCH} steps per job; enough for the faults "
+                        "to land before training ends (default: 15 per fault)")  # fmt: skip
+    parser.add_argument("--max_delay", type=float, default=10.0,
                         help="the longest pause in seconds before a fault, counted from the "
-                        "launch or the job's recovery from the last fault (default 12)")  # fmt: skip
+                        "launch or the job's recovery from the last fault (default 10)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     parser.add_argument("--out", default=None, help="where results go (default: a temp dir)")
     args = parser.parse_args(argv)
+    args.epochs = args.epochs or 15 * args.faults
     if args.faults < 1 or args.epochs < 1 or args.max_delay < 0.5:
         parser.error("--faults and --epochs must be 1 or more, --max_delay 0.5 or more")
     seed = args.seed if args.seed is not None else random.randrange(2**31)
