@@ -253,6 +253,6 @@ def test_checker_fails_with_one_clear_line():
     assert result.stderr.strip().splitlines() == [
         "error: Invalid TF_CONFIG (from the --tf_config flag): the "
         "cluster lists 2 tasks but there is no 'task' section. Each process must say which task "
-        'it is, e.g. "task": {"type": "worker", "index": 0}; launchers such as tools.launch or a '
+        'it is, e.g. "task": {"type": "worker", "index": 0}; launchers such as tfdist-launch or a '
         "TFJob set it per process."
     ]

@@ -188,10 +188,10 @@ def test_plan_cluster_binds_free_ipv6_ports():
     ("layout", "message"),
     [
         (dict(workers=-1), "must be 0 or more"),
-        (dict(workers=0), "no tasks to start"),
-        (dict(workers=0, evaluator=True), "no tasks to start"),
-        (dict(workers=2, ps=1), "needs a chief as coordinator: add --chief"),
-        (dict(workers=0, chief=True, ps=1), "needs workers"),
+        (dict(workers=0), "no chief and no worker, so nothing would train.*--workers 2"),
+        (dict(workers=0, evaluator=True), "nothing would train.*Received: 1 evaluator"),
+        (dict(workers=2, ps=1), "needs a chief.* e.g. `--chief --workers 2 --ps 1`"),
+        (dict(workers=0, chief=True, ps=1), "needs workers.*Received: 1 chief, 1 ps"),
         (dict(workers=2, ports=[5000]), "expected 2 ports, one per task"),
     ],
 )
@@ -510,9 +510,9 @@ def test_a_command_that_does_not_exist_exits_127(tmp_path):
     [
         (["--workers", "2"], r"no command to run: put it after `--`"),
         (["--workers", "2", "python", "train.py"], r"'python train.py'.*command goes after `--`"),
-        (["--ps", "1", "--", "python"], r"needs a chief as coordinator: add --chief"),
+        (["--ps", "1", "--", "python"], r"^tfdist-launch: error: .*needs a chief.*--chief"),
         (["--workers", "-1", "--", "python"], r"must be 0 or more.*workers=-1"),
-        (["--workers", "0", "--", "python"], r"no tasks to start"),
+        (["--workers", "0", "--", "python"], r"nothing would train"),
         (["--timeout", "0", "--", "python"], r"--timeout must be more than 0.*--timeout=0"),
         (["--max_restarts", "-1", "--", "python"], r"must be 0 or more.*--max_restarts=-1"),
     ],

@@ -147,9 +147,14 @@ def test_mistakes_are_explained(no_tf_config, monkeypatch, name, kwargs, message
         (
             "parameter_server",
             "two_workers",
-            r"needs chief, worker and ps tasks.*no chief and no ps",
+            r"^The cluster in .* does not fit: 'parameter_server' needs a chief, workers and ps "
+            r"tasks: use e.g. `tfdist-launch --chief --workers 2 --ps 1 .*Received: .*2 workers$",
         ),
-        ("multi_worker_mirrored", "ps_cluster", r"has 1 ps task\(s\).*build 'parameter_server'"),
+        (
+            "multi_worker_mirrored",
+            "ps_cluster",
+            r"has 1 ps task\(s\), which 'multi_worker_mirrored' does not use: use 'parameter_server'",
+        ),
         ("multi_worker_mirrored", "evaluator", r"This task is the evaluator"),
     ],
 )

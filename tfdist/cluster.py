@@ -1,7 +1,7 @@
 """TF_CONFIG -> ClusterInfo: parse, normalise and validate the cluster a launcher describes.
 
 Every multi-worker launcher (Kubeflow's TFJob, Vertex AI, SageMaker, tfdist's own
-``tools.launch``) tells each process its place in the job through the TF_CONFIG environment
+``tfdist-launch``) tells each process its place in the job through the TF_CONFIG environment
 variable. TensorFlow reads it lazily and fails late — often with a hang or a deep traceback.
 tfdist reads it once, at start-up, and turns every mistake it can see into one
 ``TFConfigError`` that says what was wrong and how to fix it.
@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tfdist.errors import TfdistError
+from tfdist.layout import Layout
 
 TF_CONFIG_ENV = "TF_CONFIG"
 
@@ -129,16 +130,8 @@ class ClusterInfo:
 
     @property
     def cluster_strategy(self) -> str | None:
-        """The multi-worker strategy the cluster's shape calls for, if any.
-
-        'parameter_server' when there are ps tasks, 'multi_worker_mirrored' for several
-        workers (the chief counts), None for a one-worker cluster.
-        """
-        if self.num_ps:
-            return "parameter_server"
-        if self.num_workers > 1:
-            return "multi_worker_mirrored"
-        return None
+        """The multi-worker strategy the cluster's shape calls for, if any (`Layout.strategy`)."""
+        return Layout.of_cluster(self.cluster).strategy
 
     @property
     def task_name(self) -> str:
@@ -432,7 +425,7 @@ class _Parser:
             raise self.fail(
                 f"the cluster lists {total} tasks but there is no 'task' section",
                 'Each process must say which task it is, e.g. "task": {"type": "worker", '
-                '"index": 0}; launchers such as tools.launch or a TFJob set it per process.',
+                '"index": 0}; launchers such as tfdist-launch or a TFJob set it per process.',
             )
         if not isinstance(raw, Mapping):
             raise self.fail(

@@ -1,7 +1,7 @@
 """The contract between a launcher that restarts a job and the tasks it restarts.
 
 A task that was told to stop (SIGTERM: a preemption, a node drain) saves its state and exits
-with `EXIT_PREEMPTED`; the launcher (`python -m tools.launch --max_restarts N`) then restarts
+with `EXIT_PREEMPTED`; the launcher (`tfdist-launch --max_restarts N`) then restarts
 the whole job, and tells every task which attempt it is through the `RESTART_COUNT_ENV`
 environment variable, so that a training binary can log "resuming after restart N".
 
@@ -29,7 +29,7 @@ EXIT_PREEMPTED = 42
 # Kubeflow's TFJob restartPolicy "ExitCode" recreates a pod that exits 128-255 and fails the
 # whole job on 1-127. A failure a restart cures (a preemption with state saved, a lost peer,
 # an unreachable parameter server) must then exit 128 or more: the environment variable below
-# names that code, and tools.tfjob sets it to 143, TensorFlow's own restartable code.
+# names that code, and tfdist-k8s sets it to 143, TensorFlow's own restartable code.
 RESTARTABLE_EXIT_ENV = "TFDIST_RESTARTABLE_EXIT_CODE"
 KUBERNETES_RESTARTABLE_EXIT = 143
 
@@ -61,7 +61,7 @@ def restart_count(environ: Mapping[str, str] | None = None) -> int:
     value = (os.environ if environ is None else environ).get(RESTART_COUNT_ENV, "0")
     if not value.strip().isdecimal():
         raise RestartCountError(
-            f"{RESTART_COUNT_ENV} must be a whole number 0 or more, as tools.launch sets it; "
+            f"{RESTART_COUNT_ENV} must be a whole number 0 or more, as tfdist-launch sets it; "
             f"unset it to run as a first attempt. Received: {RESTART_COUNT_ENV}={value!r} "
             "from the environment"
         )

@@ -346,7 +346,7 @@ def explain_peer_error(
     return PeerError(
         f"Lost {' and '.join(tasks)} during training: it {how} (crashed, killed or hung). The "
         f"job cannot go on without it. {resume_hint}Restart the whole job to resume "
-        "(tools.launch --max_restarts N restarts it for you)."
+        "(tfdist-launch --max_restarts N restarts it for you)."
     )
 
 

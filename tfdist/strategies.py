@@ -35,6 +35,7 @@ from tfdist import devices as _devices
 from tfdist import signals
 from tfdist.cluster import CHIEF, FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
 from tfdist.errors import TfdistError
+from tfdist.layout import Layout, LayoutError, launch_flags, validate_layout
 from tfdist.peers import (
     DEFAULT_STARTUP_TIMEOUT,
     configure_coordination,
@@ -420,7 +421,7 @@ def _require_cluster(
         raise StrategyError(
             f"The {name!r} strategy needs a cluster ({need}) but TF_CONFIG is not set. Start "
             f"the job with a launcher that sets TF_CONFIG for every process, e.g. "
-            f"`python -m tools.launch {launch_flags} -- python -m experiments.train ...`, or "
+            f"`tfdist-launch {launch_flags} -- python my_train.py`, or "
             f"use 'mirrored' to train on this host alone."
         )
     if cluster.is_evaluator:
@@ -431,15 +432,22 @@ def _require_cluster(
     return cluster
 
 
+def _check_layout(cluster: ClusterInfo, strategy: str) -> None:
+    try:
+        validate_layout(Layout.of_cluster(cluster.cluster), strategy=strategy, spell=_launch_spell)
+    except LayoutError as error:
+        raise StrategyError(f"The cluster in {cluster.source} does not fit: {error}") from None
+
+
+def _launch_spell(layout: Layout) -> str:
+    return f"tfdist-launch {launch_flags(layout)} -- python my_train.py"
+
+
 def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyOptions):
     cluster = _require_cluster(
         "multi_worker_mirrored", cluster, need="2+ workers", launch_flags="--workers 2"
     )
-    if cluster.num_ps:
-        raise StrategyError(
-            f"The cluster has {cluster.num_ps} ps task(s), which multi_worker_mirrored does not "
-            "use; build 'parameter_server' for this cluster, or remove the ps tasks."
-        )
+    _check_layout(cluster, "multi_worker_mirrored")
     implementation = {
         "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
         "ring": tf.distribute.experimental.CommunicationImplementation.RING,
@@ -530,13 +538,7 @@ def _build_parameter_server(cluster: ClusterInfo | None, options: StrategyOption
         need="a chief, 1+ workers and 1+ ps",
         launch_flags="--chief --workers 2 --ps 1",
     )
-    missing = [t for t in (CHIEF, WORKER, PS) if not cluster.cluster.get(t)]
-    if missing:
-        raise StrategyError(
-            f"parameter_server training needs chief, worker and ps tasks, but the cluster has "
-            f"no {' and no '.join(missing)} task; add them to TF_CONFIG (tools.launch: "
-            f"--chief --workers N --ps M). Received: cluster={dict(cluster.cluster)}"
-        )
+    _check_layout(cluster, "parameter_server")
     if cluster.task_type != CHIEF:
         raise StrategyError(
             f"In parameter-server training only the chief builds the strategy; this task is "

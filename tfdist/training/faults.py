@@ -69,7 +69,7 @@ class ClusterTaskFailed(TfdistError, RuntimeError):
             f"{what} is unreachable, and parameter-server training cannot continue without "
             f"the variables it holds. Training stopped after scheduling step {step} of "
             f"{total_steps}; {resume}. Restart the job with the same command, or let "
-            f"`python -m tools.launch --max_restarts N ...` restart it. Received: {cause}"
+            f"`tfdist-launch --max_restarts N ...` restart it. Received: {cause}"
         )
 
 

@@ -1,0 +1,205 @@
+"""Run a TensorFlow cluster as local processes, one per task, each with its own TF_CONFIG.
+
+Every task runs COMMAND; its TF_CONFIG names its role and lists every task's address (free
+ports on --host). Output lines are prefixed with their task, e.g. "[worker:1] ". The run ends
+when the program finishes, when a task fails (the others are then stopped; with --max_restarts
+the job then starts again), at --timeout, or on Ctrl-C. A COMMAND that starts with `python`
+or `python3` runs under the launcher's own interpreter, as torchrun does, so the tasks see the
+same virtualenv. The launcher does not import TensorFlow, so it starts instantly.
+
+examples:
+  # MultiWorkerMirroredStrategy on two workers
+  tfdist-launch --workers 2 -- python train.py
+  # parameter-server training: the chief coordinates, the workers and ps serve
+  tfdist-launch --chief --workers 2 --ps 1 -- python train.py
+  # restart the whole job up to 3 times if a task fails, is killed or is preempted
+  # (a parameter-server worker that dies is survived without a restart)
+  tfdist-launch --workers 2 --max_restarts 3 -- python train.py
+  # print each task's TF_CONFIG and command line instead of starting anything
+  tfdist-launch --chief --workers 2 --ps 1 --dry_run -- python train.py
+
+roles:
+  Without --ps every task runs COMMAND to completion. With --ps only the chief (and the
+  evaluator) run the training program; COMMAND should make workers and ps start a
+  tf.distribute.Server and wait, and the launcher stops them once the chief exits 0.
+
+failures in parameter-server training (--ps M):
+  A worker that dies does not end the job (--on_worker_failure continue, the default with
+  --ps): the chief's ClusterCoordinator re-runs the steps the worker was running on the
+  other workers, and the launcher logs the loss and carries on; only when every worker is
+  gone does the job fail. --on_worker_failure restart also starts the dead worker again
+  with its TF_CONFIG (--worker_restarts times at most, 3 by default), as Kubernetes restarts
+  a pod; the coordinator then gives it work again. --on_worker_failure stop ends the job
+  instead, as a failure of any task does without --ps (synchronous training cannot lose a
+  worker). A dead ps or chief ends the job: the variables live on the ps and the chief
+  coordinates. A worker missing when the job starts is left out after a grace period (the
+  chief starts with --min_workers of them, tfdist.peers.wait_for_servers). After a ps
+  dies the chief gets --grace seconds to report where training stopped and which checkpoint
+  a restart resumes from; --max_restarts N then restarts the job from that checkpoint.
+
+restarts (--max_restarts N):
+  When a task fails (a non-zero exit, or death by a signal) the launcher stops every task, as
+  without restarts, then starts the whole job again, at most N times, with the same command
+  and TF_CONFIG (a port another program took meanwhile is replaced, and the log says so).
+  Every task sees the attempt in TFDIST_RESTART_COUNT: 0 at first, 1 after the first restart,
+  and so on, so the program can resume from its checkpoint. A task that exits 42 was
+  preempted with its state saved (42 is what TensorFlow's PreemptionCheckpointHandler exits
+  with by default off GCE; see tfdist/exit_codes.py): it is restarted like a failure, and
+  logged as "preempted (state saved)". --timeout covers all attempts together. A signal to
+  the launcher (Ctrl-C, SIGTERM) never restarts anything.
+
+exit status:
+  0        every program task exited 0
+  N        the first task to fail exited with N (128+S if signal S killed it) and no
+           restarts were left; 42 means it was preempted with its state saved
+  1        a worker or ps server exited by itself while the program ran, or every worker
+           of a parameter-server job died
+  2        bad usage
+  124      --timeout passed
+  126/127  COMMAND cannot be run / was not found
+  128+S    the launcher received signal S (130 for Ctrl-C, 143 for SIGTERM)
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from collections.abc import Iterator, Sequence
+
+from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
+from tfdist.launch.plan import Task, UsageError, cluster_of, plan_cluster, tf_config_for
+from tfdist.launch.supervisor import (
+    EXAMPLE,
+    EXIT_USAGE,
+    WORKER_FAILURE_CHOICES,
+    WORKER_RESTARTS,
+    Launcher,
+)
+
+
+def _dry_run_lines(command: Sequence[str], tasks: Sequence[Task]) -> Iterator[str]:
+    yield f"# {len(tasks)} task{'s' if len(tasks) != 1 else ''}; run each line in a shell of its own"
+    cluster = cluster_of(tasks)
+    for task in tasks:
+        yield f"# {task.name} ({task.address})"
+        yield f"TF_CONFIG={shlex.quote(tf_config_for(cluster, task))} {shlex.join(command)}"
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="tfdist-launch",
+        usage="%(prog)s [--workers N] [--chief] [--ps M] [--evaluator] [options] -- COMMAND ...",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,  # an abbreviation could silently take a flag meant for COMMAND
+    )
+    add = parser.add_argument
+    add("--workers", type=int, default=1, metavar="N", help="number of worker tasks (default: 1)")
+    add("--chief", action="store_true", help="add a chief task; required with --ps")
+    add(
+        "--ps",
+        type=int,
+        default=0,
+        metavar="M",
+        help="number of parameter-server tasks (default: 0)",
+    )
+    add("--evaluator", action="store_true", help="add an evaluator task (side-car evaluation)")
+    add(
+        "--host",
+        default="127.0.0.1",
+        help="address the tasks listen on, e.g. ::1 (default: 127.0.0.1)",
+    )
+    add(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        metavar="SECONDS",
+        help="stop every task and exit 124 after this long, all restarts included (default: 3600)",
+    )
+    add(
+        "--grace",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="time a stopped task gets between SIGTERM and SIGKILL (default: 10)",
+    )
+    add(
+        "--max_restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help=f"when a task fails, is killed or is preempted (exits {EXIT_PREEMPTED}), stop every "
+        "task and start the whole job again, up to N times; the tasks find the attempt in "
+        f"{RESTART_COUNT_ENV} (default: 0)",
+    )
+    add(
+        "--on_worker_failure",
+        choices=WORKER_FAILURE_CHOICES,
+        default=None,
+        help="with --ps: 'continue' (the default) keeps parameter-server training going when a "
+        "worker dies, its steps rescheduled on the others; 'restart' also starts the worker "
+        "again in place, up to --worker_restarts times, and the chief gives it work again; "
+        "'stop' ends the job. Without --ps a failed task always ends the job (default: "
+        "continue with --ps, else stop)",
+    )
+    add(
+        "--worker_restarts",
+        type=int,
+        default=WORKER_RESTARTS,
+        metavar="N",
+        help="with --on_worker_failure restart: how many times one worker is restarted in "
+        f"place (default: {WORKER_RESTARTS})",
+    )
+    add(
+        "--dry_run",
+        action="store_true",
+        help="print each task's TF_CONFIG and command line, to run by hand or on other hosts, "
+        "and start nothing",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parses the command line, then launches the cluster (or prints it with --dry_run).
+
+    Args:
+      argv: the arguments after the program name; `sys.argv[1:]` by default.
+
+    Returns:
+      The exit code, as the module docstring (and --help) lists them.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Everything after the first `--` belongs to the command, even flags the launcher also has.
+    split = argv.index("--") if "--" in argv else len(argv)
+    command = argv[split + 1 :]
+    args, unknown = _build_parser().parse_known_args(argv[:split])
+    try:
+        if unknown:
+            raise UsageError(
+                f"unrecognised arguments {shlex.join(unknown)!r}: the launcher's flags are listed "
+                f"by --help, and the command goes after `--`, e.g. `{EXAMPLE}`"
+            )
+        _, tasks = plan_cluster(
+            workers=args.workers,
+            chief=args.chief,
+            ps=args.ps,
+            evaluator=args.evaluator,
+            host=args.host,
+        )
+        launcher = Launcher(
+            command,
+            tasks=tasks,
+            timeout=args.timeout,
+            grace=args.grace,
+            max_restarts=args.max_restarts,
+            on_worker_failure=args.on_worker_failure,
+            worker_restarts=args.worker_restarts,
+        )
+    except UsageError as error:
+        print(f"tfdist-launch: error: {error}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.dry_run:
+        print("\n".join(_dry_run_lines(command, tasks)), flush=True)
+        return 0
+    return launcher.run()

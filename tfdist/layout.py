@@ -1,0 +1,190 @@
+"""The rules a job's layout (how many chief, worker, ps and evaluator tasks) must follow.
+
+Every place that accepts a layout checks it here, so each rule and its message exist once:
+`tfdist-launch` (its flags), `tfdist-k8s` (the manifests it writes), and the strategy
+builders (the TF_CONFIG they are given). A caller passes `spell`, which writes an example
+layout the way its user types one (launcher flags, manifest options), so every message ends
+in a fix the reader can paste.
+
+    validate_layout(Layout(chief=1, workers=2, ps=1), strategy="parameter_server")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sized
+from typing import Any
+
+from tfdist.errors import TfdistError
+
+TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+MULTI_WORKER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+
+
+class LayoutError(TfdistError, ValueError):
+    """A layout no TensorFlow job can run; the message names the mistake and a fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How many tasks of each type a job has."""
+
+    chief: int = 0
+    workers: int = 0
+    ps: int = 0
+    evaluator: int = 0
+
+    @classmethod
+    def of_cluster(cls, cluster: Mapping[str, Sized]) -> Layout:
+        """The layout of a TF_CONFIG "cluster" (task type -> addresses; 'master' is the chief)."""
+        count = {t: len(a) for t, a in cluster.items()}
+        return cls(
+            chief=count.get("chief", 0) + count.get("master", 0),
+            workers=count.get("worker", 0),
+            ps=count.get("ps", 0),
+            evaluator=count.get("evaluator", 0),
+        )
+
+    def counts(self) -> dict[str, int]:
+        """Task type -> tasks, for the types present, in TASK_TYPES order."""
+        values = (self.chief, self.workers, self.ps, self.evaluator)
+        return {t: n for t, n in zip(TASK_TYPES, values, strict=True) if n}
+
+    @property
+    def strategy(self) -> str | None:
+        """The multi-worker strategy this layout calls for, or None for a one-worker job.
+
+        Parameter-server training where there are ps tasks; synchronous multi-worker
+        training where two or more tasks compute (the chief counts, the evaluator not).
+        """
+        if self.ps:
+            return "parameter_server"
+        if self.chief + self.workers > 1:
+            return "multi_worker_mirrored"
+        return None
+
+    def describe(self) -> str:
+        """The layout in words, e.g. '1 chief, 2 workers, 1 ps'."""
+        words = {"chief": "chief", "worker": "worker", "ps": "ps", "evaluator": "evaluator"}
+        return (
+            ", ".join(
+                f"{n} {words[t]}{'s' if n != 1 and t == 'worker' else ''}"
+                for t, n in self.counts().items()
+            )
+            or "no tasks"
+        )
+
+
+def launch_flags(layout: Layout) -> str:
+    """`layout` as tfdist-launch's flags, e.g. '--chief --workers 2 --ps 1'."""
+    flags = ["--chief"] if layout.chief else []
+    flags += [f"--workers {layout.workers}"]
+    flags += [f"--ps {layout.ps}"] if layout.ps else []
+    flags += ["--evaluator"] if layout.evaluator else []
+    return " ".join(flags)
+
+
+def example_layout(strategy: str | None) -> Layout:
+    """The smallest layout that runs `strategy` across processes, for messages."""
+    if strategy == "parameter_server":
+        return Layout(chief=1, workers=2, ps=1)
+    return Layout(workers=2)
+
+
+def validate_layout(
+    layout: Layout,
+    *,
+    strategy: str | None = None,
+    spell: Callable[[Layout], str] = Layout.describe,
+) -> Layout:
+    """Checks that `layout` can run (and can run `strategy`, when one is named).
+
+    Args:
+      layout: the task counts.
+      strategy: the strategy the job asks for; None or 'auto' means "whatever the layout
+        calls for" (`Layout.strategy`).
+      spell: writes a layout the way the caller's user asks for one, e.g.
+        ``--chief --workers 2 --ps 1``; used in the fix each message offers.
+
+    Returns:
+      `layout`, unchanged.
+
+    Raises:
+      LayoutError: the first mistake found, one message per mistake.
+    """
+    for field in ("chief", "workers", "ps", "evaluator"):
+        _check_count(field, getattr(layout, field))
+    for field in ("chief", "evaluator"):
+        if getattr(layout, field) > 1:
+            raise LayoutError(
+                f"a job has at most one {field} (TensorFlow knows one); make the others "
+                f"workers. Received: {layout.describe()}"
+            )
+    if not layout.chief and not layout.workers:
+        raise LayoutError(
+            "the job has no chief and no worker, so nothing would train: add workers, e.g. "
+            f"`{spell(Layout(workers=2))}`. Received: {layout.describe()}"
+        )
+    if layout.ps and not layout.chief:
+        raise LayoutError(
+            "parameter-server training needs a chief to coordinate the workers: add one, "
+            f"e.g. `{spell(Layout(chief=1, workers=max(layout.workers, 2), ps=layout.ps))}`. "
+            f"Received: {layout.describe()}"
+        )
+    if layout.ps and not layout.workers:
+        raise LayoutError(
+            "parameter-server training needs workers to run the steps the chief schedules: "
+            f"add workers, e.g. `{spell(Layout(chief=1, workers=2, ps=layout.ps))}`. "
+            f"Received: {layout.describe()}"
+        )
+    if strategy not in (None, "auto"):
+        _check_strategy(layout, strategy, spell)
+    return layout
+
+
+def _check_strategy(layout: Layout, strategy: str, spell: Callable[[Layout], str]) -> None:
+    calls_for = layout.strategy
+    if strategy == calls_for:
+        return
+    if strategy == "multi_worker_mirrored" and calls_for is None:
+        return  # one worker can run it: a collective of one
+    received = f"Received: strategy={strategy!r}, {layout.describe()}"
+    if strategy in MULTI_WORKER_STRATEGIES:
+        fit = spell(example_layout(strategy))
+        if strategy == "parameter_server":
+            raise LayoutError(
+                f"'parameter_server' needs a chief, workers and ps tasks: use e.g. `{fit}`, "
+                f"or {_calls_for(calls_for)} for this layout. {received}"
+            )
+        raise LayoutError(
+            f"the job has {layout.ps} ps task(s), which 'multi_worker_mirrored' does not use: "
+            f"use 'parameter_server' for this layout, or remove the ps tasks (e.g. `{fit}`). "
+            f"{received}"
+        )
+    raise LayoutError(
+        f"{strategy!r} trains within one process, but this layout starts several that would "
+        f"train apart: use {_calls_for(calls_for)}, or start one task "
+        f"(e.g. `{spell(Layout(workers=1))}`). {received}"
+    )
+
+
+def _calls_for(strategy: str | None) -> str:
+    return f"{strategy!r} (or 'auto')" if strategy else "'auto' or a single-host strategy"
+
+
+def _check_count(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LayoutError(f"{field} must be a whole number. Received: {field}={value!r}")
+    if value < 0:
+        raise LayoutError(f"{field} must be 0 or more. Received: {field}={value}")
+
+
+__all__ = [
+    "MULTI_WORKER_STRATEGIES",
+    "TASK_TYPES",
+    "Layout",
+    "LayoutError",
+    "example_layout",
+    "launch_flags",
+    "validate_layout",
+]
