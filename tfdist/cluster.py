@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tfdist.errors import TfdistError
-from tfdist.layout import Layout
+from tfdist.layout import Layout, single_task_rule, too_many
 
 TF_CONFIG_ENV = "TF_CONFIG"
 
@@ -312,14 +312,12 @@ class _Parser:
                 continue  # an empty list is how some launchers say "none of this type"
             cluster[task_type] = addresses
             sparse_indices[task_type] = indices
-        for task_type in (CHIEF, EVALUATOR):
-            if len(cluster.get(task_type, ())) > 1:
-                raise self.fail(
-                    f"{len(cluster[task_type])} {task_type} tasks are listed",
-                    f"A cluster has at most one {task_type} (a 'master' counts as the chief); "
-                    f"make the others workers.",
-                    received=list(cluster[task_type]),
-                )
+        for task_type in too_many(Layout.of_cluster(cluster)):
+            raise self.fail(
+                f"{len(cluster[task_type])} {task_type} tasks are listed",
+                single_task_rule(task_type),
+                received=list(cluster[task_type]),
+            )
         if not cluster:
             raise self.fail(
                 f"'{key}' lists no tasks",

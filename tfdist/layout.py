@@ -19,6 +19,8 @@ from tfdist.errors import TfdistError
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
 MULTI_WORKER_STRATEGIES = ("multi_worker_mirrored", "parameter_server")
+# TensorFlow knows one task of each of these types; more must be workers.
+SINGLE_TASK_TYPES = ("chief", "evaluator")
 
 
 class LayoutError(TfdistError, ValueError):
@@ -75,6 +77,19 @@ class Layout:
         )
 
 
+def too_many(layout: Layout) -> list[str]:
+    """The task types of SINGLE_TASK_TYPES that `layout` has more than one of."""
+    return [t for t in SINGLE_TASK_TYPES if layout.counts().get(t, 0) > 1]
+
+
+def single_task_rule(task_type: str) -> str:
+    """The rule (and its fix) that `too_many` checks, in words."""
+    return (
+        f"A job has at most one {task_type} (TensorFlow knows one; a 'master' counts as the "
+        "chief); make the others workers."
+    )
+
+
 def launch_flags(layout: Layout) -> str:
     """`layout` as tfdist-launch's flags, e.g. '--chief --workers 2 --ps 1'."""
     flags = ["--chief"] if layout.chief else []
@@ -114,12 +129,8 @@ def validate_layout(
     """
     for field in ("chief", "workers", "ps", "evaluator"):
         _check_count(field, getattr(layout, field))
-    for field in ("chief", "evaluator"):
-        if getattr(layout, field) > 1:
-            raise LayoutError(
-                f"a job has at most one {field} (TensorFlow knows one); make the others "
-                f"workers. Received: {layout.describe()}"
-            )
+    for task_type in too_many(layout):
+        raise LayoutError(f"{single_task_rule(task_type)} Received: {layout.describe()}")
     if not layout.chief and not layout.workers:
         raise LayoutError(
             "the job has no chief and no worker, so nothing would train: add workers, e.g. "
@@ -181,10 +192,13 @@ def _check_count(field: str, value: Any) -> None:
 
 __all__ = [
     "MULTI_WORKER_STRATEGIES",
+    "SINGLE_TASK_TYPES",
     "TASK_TYPES",
     "Layout",
     "LayoutError",
     "example_layout",
     "launch_flags",
+    "single_task_rule",
+    "too_many",
     "validate_layout",
 ]
