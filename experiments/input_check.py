@@ -5,7 +5,7 @@ are sharded over the input pipelines, and which examples each worker received. E
 prints "INPUT_RESULT {json}" with the example ids its replicas saw, so a test (or a user)
 can check that every example was read exactly once.
 
-  python -m tools.launch --workers 2 -- python -m experiments.input_check --strategy=multi_worker_mirrored
+  tfdist-launch --workers 2 -- python -m experiments.input_check --strategy=multi_worker_mirrored
   python -m experiments.input_check --strategy=mirrored --num_cpu_devices=2 --global_batch_size=32
 """
 

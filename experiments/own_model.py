@@ -2,10 +2,10 @@
 with `tfdist.fit` where Keras 3's `model.fit` fails under MultiWorkerMirroredStrategy.
 
   # two worker processes on this machine (tfdist's launcher sets each one's TF_CONFIG)
-  python -m tools.launch --workers 2 -- python -m experiments.own_model
+  tfdist-launch --workers 2 -- python -m experiments.own_model
   # one process, no distribution; or a parameter-server job (workers and ps serve)
   python -m experiments.own_model
-  python -m tools.launch --chief --workers 2 --ps 1 -- python -m experiments.own_model
+  tfdist-launch --chief --workers 2 --ps 1 -- python -m experiments.own_model
 
 Nothing in it is tfdist's but the strategy, `tfdist.fit` and `tfdist.evaluate`: the model,
 its loss, metrics and callbacks are plain Keras. On 2 workers the chief prints each epoch's

@@ -4,8 +4,8 @@ It proves a strategy works on the hardware present, end to end, in seconds. Run 
 the strategies of one host, or on every task of a cluster through the launcher:
 
   python -m experiments.smoke --strategy=mirrored --num_cpu_devices=2
-  python -m tools.launch --workers 2 -- python -m experiments.smoke --strategy=multi_worker_mirrored
-  python -m tools.launch --chief --workers 2 --ps 1 -- python -m experiments.smoke --strategy=parameter_server
+  tfdist-launch --workers 2 -- python -m experiments.smoke --strategy=multi_worker_mirrored
+  tfdist-launch --chief --workers 2 --ps 1 -- python -m experiments.smoke --strategy=parameter_server
 
 Each training task prints one line "SMOKE_RESULT {json}" with its losses and final weights;
 with the same --seed every synchronous strategy ends with the weights of one_device.

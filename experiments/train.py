@@ -1,14 +1,14 @@
 """Train a Keras model under any tf.distribute strategy: the tfdist training binary.
 
   # the README's main job: 2 worker processes, synchronous, digits TFRecords
-  python -m tools.launch --workers 2 -- python -m experiments.train --strategy=multi_worker_mirrored
+  tfdist-launch --workers 2 -- python -m experiments.train --strategy=multi_worker_mirrored
 
   # one host, 2 logical CPUs; parameter-server training with a chief, 2 workers and a ps
   python -m experiments.train --strategy=mirrored --num_cpu_devices=2
-  python -m tools.launch --chief --workers 2 --ps 1 -- python -m experiments.train --strategy=parameter_server
+  tfdist-launch --chief --workers 2 --ps 1 -- python -m experiments.train --strategy=parameter_server
 
   # with an evaluator task that evaluates each checkpoint beside training (model_dir/eval.jsonl)
-  python -m tools.launch --workers 2 --evaluator -- python -m experiments.train --model_dir=/tmp/run
+  tfdist-launch --workers 2 --evaluator -- python -m experiments.train --model_dir=/tmp/run
 
   # a recipe from experiments/configs/ (flags given on the command line still win)
   python -m experiments.train --config=digits_cnn
@@ -181,7 +181,7 @@ flags.DEFINE_integer(
     "Also checkpoint every N steps (0: at epoch ends only).",
     lower_bound=0,
 )
-# The evaluator task (tools.launch --evaluator).
+# The evaluator task (tfdist-launch --evaluator).
 flags.DEFINE_float(
     "eval_poll_seconds",
     2.0,

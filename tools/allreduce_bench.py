@@ -1,6 +1,6 @@
 """All-reduce benchmark, in the style of nccl-tests.
 
-Mode `process` (the default) starts W local worker processes through tools.launch. Each
+Mode `process` (the default) starts W local worker processes through tfdist-launch. Each
 builds a MultiWorkerMirrored runtime and times, per buffer size, taking turns:
 
   tfdist ring      ProcessRing: tfdist's ring over point-to-point collective transfers
@@ -270,7 +270,7 @@ def main(argv=None) -> int:
             f"--{k}={getattr(args, k)}"
             for k in ("min_bytes", "max_bytes", "iters", "max_pieces", "min_piece_bytes")
         ]
-        command = [sys.executable, "-m", "tools.launch", "--workers", str(args.workers), "--",
+        command = [sys.executable, "-m", "tfdist.launch", "--workers", str(args.workers), "--",
                    sys.executable, "-m", "tools.allreduce_bench", "--worker", *forwarded,
                    *(["--compression"] if args.compression else [])]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True)

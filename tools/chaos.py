@@ -1,6 +1,6 @@
 """Chaos soak: random SIGKILLs and SIGTERMs against real training jobs, and what they cost.
 
-Two jobs run on loopback through tools.launch and the training binary, one after the other:
+Two jobs run on loopback through tfdist-launch and the training binary, one after the other:
 
 - multi_worker_mirrored, 3 workers under --max_restarts: any fault restarts the whole job,
   which resumes from its last checkpoint. At the end its weights must equal those of the same
@@ -136,7 +136,7 @@ class Job:
         self.log_path = root / f"{tag}.log"
         self.steps = epochs * STEPS_PER_EPOCH
         self.argv = [
-            sys.executable, "-m", "tools.launch", *spec.launch, "--timeout", "3000", "--",
+            sys.executable, "-m", "tfdist.launch", *spec.launch, "--timeout", "3000", "--",
             "python", "-m", "experiments.train", *spec.train, *_TRAIN, f"--epochs={epochs}",
             f"--data_dir={data_dir}", f"--model_dir={self.model_dir}",
             f"--save_weights_to={self.weights}",

@@ -3,7 +3,7 @@
 Each strategy runs in its own processes (a strategy's devices and collectives are fixed at
 program start): one_device, mirrored and central_storage over 2 logical CPUs, then
 multi_worker_mirrored with 2 worker processes and parameter_server with a chief, 2 workers
-and a ps, both through tools.launch. Synchronous data parallelism must reproduce
+and a ps, both through tfdist-launch. Synchronous data parallelism must reproduce
 one_device's weights, so the table's last columns are a correctness check, not decoration.
 
   python -m tools.smoke              # all of them, about a minute on 2 cores
@@ -27,7 +27,7 @@ RESULT_MARKER = "SMOKE_RESULT "
 @dataclass(frozen=True)
 class Job:
     strategy: str
-    launch: tuple[str, ...]  # tools.launch flags; empty: one plain process
+    launch: tuple[str, ...]  # tfdist-launch flags; empty: one plain process
     flags: tuple[str, ...] = ()
 
     @property
@@ -60,7 +60,7 @@ def run_job(job: Job, *, steps: int, timeout: float) -> tuple[dict[str, dict], s
     smoke = [sys.executable, "-m", "experiments.smoke", f"--strategy={job.strategy}",
              f"--steps={steps}", *job.flags]  # fmt: skip
     if job.launch:
-        command = [sys.executable, "-m", "tools.launch", *job.launch,
+        command = [sys.executable, "-m", "tfdist.launch", *job.launch,
                    "--timeout", str(int(timeout)), "--", *smoke]  # fmt: skip
     else:
         command = smoke

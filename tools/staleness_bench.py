@@ -1,6 +1,6 @@
 """Benchmark: staleness of parameter-server updates, with and without the staleness-aware rate.
 
-Each run is a real parameter-server job through tools.launch (a chief, --workers workers and
+Each run is a real parameter-server job through tfdist-launch (a chief, --workers workers and
 --ps parameter servers, all on this host) training the digits cnn with the same seed; the
 two variants (the plain learning rate, and the rate divided by max(1, staleness), Zhang et
 al. 2016) take turns, A B A B ..., so the machine's drift hits both alike. For every run
@@ -58,7 +58,7 @@ def run_job(args, *, optimizer: str, aware: bool, data_dir: str, model_dir: str)
         f"--staleness_aware_lr={str(aware).lower()}",
     ]  # fmt: skip
     command = [
-        sys.executable, "-m", "tools.launch", "--chief", f"--workers={args.workers}",
+        sys.executable, "-m", "tfdist.launch", "--chief", f"--workers={args.workers}",
         f"--ps={args.ps}", f"--timeout={args.timeout}", "--", *train,
     ]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}

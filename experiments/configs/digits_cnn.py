@@ -1,6 +1,6 @@
 """The cnn on scikit-learn's digits with Adam: the README's main job.
 
-  python -m tools.launch --workers 2 -- python -m experiments.train --config=digits_cnn \
+  tfdist-launch --workers 2 -- python -m experiments.train --config=digits_cnn \
       --strategy=multi_worker_mirrored --model_dir=runs/digits_cnn
 
 Expect: test accuracy 0.96-0.98 after 10 epochs (220 steps of 64), under 30 s on 2 cores.
