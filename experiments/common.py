@@ -88,7 +88,8 @@ HEARTBEAT_TIMEOUT = flags.DEFINE_float(
 
 
 def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strategy] | None:
-    """Checks the command line, then reads TF_CONFIG once and sets this task up for the flags.
+    """Checks the command line, then reads the cluster once (TF_CONFIG, or a JobSet pod's
+    environment) and sets this task up for the flags.
 
     Returns:
       None when this task was a parameter-server worker or ps and has finished serving;
@@ -97,7 +98,7 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
     if len(argv) > 1:
         raise app.UsageError(f"Unexpected arguments: {' '.join(argv[1:])}")
     setup_logging()
-    cluster = tfdist.parse_tf_config()
+    cluster = tfdist.cluster_from_environment()
     if cluster is not None:
         signals.set_name(cluster.task_name)
     if tfdist.serve_if_needed(cluster):

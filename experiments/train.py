@@ -276,7 +276,7 @@ def main(argv: list[str]) -> None:
     if FLAGS.config and FLAGS.config not in CONFIGS:
         raise app.UsageError(f"Unknown --config={FLAGS.config}. Valid: {', '.join(CONFIGS)}")
     config = train_config()  # validated before anything slow happens
-    cluster = tfdist.parse_tf_config()
+    cluster = tfdist.cluster_from_environment()
     if cluster is not None:
         signals.set_name(cluster.task_name)
     if cluster is not None and cluster.is_evaluator:

@@ -1,31 +1,33 @@
-"""Tests for tools/tfjob.py and tfdist/k8s.py: TFJob manifests, the TF_CONFIG the training-operator
-gives each pod, and the role tfdist then picks in that pod.
+"""Tests for `tfdist-k8s tfjob` (tfdist/k8s/tfjob.py, tfjob_operator.py) and its old name, the
+tools/tfjob.py shim: TFJob manifests, the TF_CONFIG the training-operator gives each pod, and the
+role tfdist then picks in that pod.
 
 Every layout goes the whole way: CLI -> manifest text -> decoded manifest -> each pod's TF_CONFIG
 -> tfdist.parse_tf_config -> the strategy 'auto' resolves to (or serving, for the worker and ps
-servers of parameter-server training). Nothing here starts TensorFlow.
+servers of parameter-server training). Most tests run the old command line (`python -m
+tools.tfjob ... -- TRAIN_FLAGS`), which must keep writing the same manifests. Nothing here starts
+TensorFlow.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+import yaml
 
-from tests.conftest import REPO
 from tfdist.cluster import parse_tf_config
 from tfdist.k8s import (
+    ManifestError,
     Resources,
-    TFJobConfig,
-    TFJobError,
+    TrainingJob,
     operator_tf_config,
     operator_tf_configs,
     tfjob_manifest,
-    to_yaml,
 )
+from tfdist.k8s import cli as k8s_cli
+from tfdist.layout import Layout, LayoutError
 from tfdist.roles import is_server_role
 from tools import tfjob
 
@@ -84,12 +86,9 @@ LAYOUTS = {
 }
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Runs tools.tfjob in-process; returns (exit code, stdout, stderr)."""
-    try:
-        code = tfjob.main(list(args))
-    except SystemExit as exit_:  # argparse: --help, and errors it finds itself
-        code = exit_.code
+def run_cli(capsys, *args: str, main=tfjob.main) -> tuple[int, str, str]:
+    """Runs tools.tfjob (or another `main`) in-process; returns (exit code, stdout, stderr)."""
+    code = main(list(args))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -223,9 +222,14 @@ def test_manifest_structure(capsys):
 
 
 def test_chief_of_synchronous_training_gets_gpus():
-    manifest = tfjob_manifest(
-        TFJobConfig(name="job", image=IMAGE, chief=1, workers=1, resources=Resources(gpus=2))
+    job = TrainingJob(
+        name="job",
+        image=IMAGE,
+        command=("python", "train.py"),
+        layout=Layout(chief=1, workers=1),
+        resources=Resources(gpus=2),
     )
+    manifest = tfjob_manifest(job)
     for spec in manifest["spec"]["tfReplicaSpecs"].values():
         (container,) = spec["template"]["spec"]["containers"]
         assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
@@ -233,7 +237,6 @@ def test_chief_of_synchronous_training_gets_gpus():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_yaml_and_json_output_describe_the_same_manifest(capsys, layout):
-    yaml = pytest.importorskip("yaml")  # PyYAML is no dependency; when present, it judges
     flags, _ = LAYOUTS[layout]
     args = ["--name", "job", "--image", IMAGE, *flags, "--", "--config=digits_cnn", "-x", "on"]
     code, yaml_text, err = run_cli(capsys, *args)
@@ -241,54 +244,33 @@ def test_yaml_and_json_output_describe_the_same_manifest(capsys, layout):
     assert yaml.safe_load(yaml_text) == manifest_from_cli(
         capsys, *flags, "--", "--config=digits_cnn", "-x", "on"
     )
-
-
-def test_yaml_text_is_block_style_and_deterministic():
-    value = {
-        "kind": "TFJob",
-        "items": [{"name": "tensorflow", "command": ["python", "-m"]}, "plain"],
-        "nested": {"empty_list": [], "empty_map": {}, "port": 2222, "flag": True, "none": None},
-    }
-    assert to_yaml(value) == (
-        "kind: TFJob\n"
-        "items:\n"
-        "- name: tensorflow\n"
-        "  command:\n"
-        "  - python\n"
-        '  - "-m"\n'
-        "- plain\n"
-        "nested:\n"
-        "  empty_list: []\n"
-        "  empty_map: {}\n"
-        "  port: 2222\n"
-        "  flag: true\n"
-        "  none: null\n"
-    )
+    assert "&id" not in yaml_text  # a plain tree: no anchors or aliases for kubectl to expand
 
 
 @pytest.mark.parametrize(
-    "text, written",
+    "text",
     [
-        ("tensorflow", "tensorflow"),
-        ("sidecar.istio.io/inject", "sidecar.istio.io/inject"),
-        ("false", '"false"'),  # would read back as a bool
-        ("No", '"No"'),  # YAML 1.1 bool
-        ("null", '"null"'),
-        ("", '""'),
-        ("2222", '"2222"'),  # would read back as an int
-        ("1e3", '"1e3"'),
-        ("2024-01-01", '"2024-01-01"'),  # a date to YAML 1.1
-        ("4Gi", '"4Gi"'),
-        ("example.com/tfdist:1", '"example.com/tfdist:1"'),
-        ("--flag=a b # c", '"--flag=a b # c"'),
-        ('say "hi"\\', '"say \\"hi\\"\\\\"'),
-        ("line\nbreak\ttab", '"line\\nbreak\\ttab"'),
-        ("bell\x07del\x7f", '"bell\\u0007del\\u007f"'),
-        ("café", '"café"'),
+        "false",  # would read back as a bool
+        "No",  # YAML 1.1 bool
+        "null",
+        "",
+        "2222",  # would read back as an int
+        "1e3",
+        "2024-01-01",  # a date to YAML 1.1
+        "--flag=a b # c",
+        'say "hi"\\',
+        "line\nbreak\ttab",
+        "bell\x07del\x7f",
+        "café",
     ],
 )
-def test_yaml_scalars_are_quoted_when_needed(text, written):
-    assert to_yaml({"k": text}) == f"k: {written}\n"
+def test_every_argument_reads_back_as_the_same_string(capsys, text):
+    code, out, err = run_cli(capsys, "--name", "job", "--image", IMAGE, "--", "-x", text)
+    assert code == 0, err
+    (container,) = yaml.safe_load(out)["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"][
+        "containers"
+    ]
+    assert container["command"][-2:] == ["-x", text]
 
 
 def test_json_output_is_valid_json_and_kubectl_shaped(capsys):
@@ -320,12 +302,12 @@ def test_show_tf_config_lists_every_pod(capsys):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--chief", "2"], r"at most one chief .* Received: chief=2$"),
+        (["--chief", "2"], r"at most one chief .* Received: 2 chief, 1 worker$"),
         (["--evaluator", "2"], r"at most one evaluator"),
         (["--workers", "-1"], r"workers must be 0 or more\. Received: workers=-1$"),
         (["--workers", "0"], r"no chief and no worker"),
-        (["--workers", "2", "--ps", "1"], r"needs a chief .* Received: ps=1, chief=0$"),
-        (["--chief", "1", "--workers", "0", "--ps", "1"], r"needs workers .* workers=0$"),
+        (["--workers", "2", "--ps", "1"], r"needs a chief .* Received: 2 workers, 1 ps$"),
+        (["--chief", "1", "--workers", "0", "--ps", "1"], r"needs workers .* 1 chief, 1 ps$"),
         (["--name", "Digits"], r"name must be a DNS-1035 label.* Received: name='Digits'$"),
         (["--name", "1job"], r"DNS-1035"),
         (["--name", "job_1"], r"DNS-1035"),
@@ -340,19 +322,15 @@ def test_show_tf_config_lists_every_pod(capsys):
         (["--workdir", "app"], r"workdir must be an absolute path"),
         (
             ["--workers", "2", "--", "--strategy=parameter_server"],
-            r"calls for 'multi_worker_mirrored'.* use chief=1, workers=2, ps=1 for parameter_server",
+            r"'parameter_server' needs a chief, workers and ps tasks: use e\.g\. "
+            r"`--chief 1 --workers 2 --ps 1`",
         ),
         (
             ["--", "--strategy", "multi_worker_mirrored"],
-            r"needs a multi-worker job, but 1 worker trains in one pod",
+            r"the TFJob operator gives a job of one replica \(1 worker\) none.* `--workers 2`",
         ),
-        (
-            ["--chief", "1", "--ps", "1", "--evaluator", "1", "--", "--strategy=parameter_server"],
-            r"the Evaluator pod .* cannot build 'parameter_server'",
-        ),
-        (["--workers", "2", "--", "--strategy=mirrored"], r"does not fit this job"),
-        (["--", "python", "-m", "experiments.train"], r"so leave it out"),
-        (["--bogus", "1"], r"unrecognised arguments '--bogus 1'"),
+        (["--workers", "2", "--", "--strategy=mirrored"], r"'mirrored' trains within one process"),
+        (["--bogus", "1"], r"unrecognised option\(s\) --bogus: tfdist-k8s tfjob's options"),
         (["--workers", "x"], r"argument --workers: invalid int value: 'x'"),
         (["--format", "toml"], r"argument --format: invalid choice"),
     ],
@@ -360,7 +338,7 @@ def test_show_tf_config_lists_every_pod(capsys):
 def test_usage_errors_are_one_line_and_exit_2(capsys, args, message):
     code, out, err = run_cli(capsys, "--name", "job", "--image", IMAGE, *args)
     assert code == 2 and out == ""
-    assert len(err.splitlines()) == 1 and err.startswith("tfjob: error: ")
+    assert len(err.splitlines()) == 1 and err.startswith("tfdist-k8s: error: ")
     assert re.search(message, err.rstrip("\n")), err
 
 
@@ -376,6 +354,8 @@ def test_strategy_flag_matching_the_layout_is_accepted(capsys):
         (["--chief", "1", "--ps", "1"], "parameter_server"),
         (["--workers", "1"], "one_device"),
         (["--workers", "2", "--evaluator", "1"], "auto"),
+        # The evaluator builds one_device itself, whatever --strategy the others get.
+        (["--chief", "1", "--ps", "1", "--evaluator", "1"], "parameter_server"),
     ]:
         manifest = manifest_from_cli(capsys, *flags, "--", f"--strategy={strategy}")
         command = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
@@ -383,15 +363,30 @@ def test_strategy_flag_matching_the_layout_is_accepted(capsys):
 
 
 def test_library_errors_name_the_field():
-    with pytest.raises(TFJobError, match=r"chief must be a whole number\. Received: chief=True"):
-        TFJobConfig(name="job", image=IMAGE, chief=True)
-    manifest = tfjob_manifest(TFJobConfig(name="job", image=IMAGE, workers=2))
-    with pytest.raises(TFJobError, match=r"no 'ps' replicas; it has Worker"):
+    command = ("python", "train.py")
+    with pytest.raises(LayoutError, match=r"chief must be a whole number\. Received: chief=True"):
+        TrainingJob(name="job", image=IMAGE, command=command, layout=Layout(chief=True))
+    job = TrainingJob(name="job", image=IMAGE, command=command, layout=Layout(workers=2))
+    with pytest.raises(ManifestError, match=r"valid ones are ExitCode.* restart_policy='Always'"):
+        tfjob_manifest(job, restart_policy="Always")
+    manifest = tfjob_manifest(job)
+    with pytest.raises(ManifestError, match=r"no 'ps' replicas; it has Worker"):
         operator_tf_config(manifest, task_type="ps", index=0)
-    with pytest.raises(TFJobError, match=r"index must be from 0 to 1\. Received: index=2"):
+    with pytest.raises(ManifestError, match=r"index must be from 0 to 1\. Received: index=2"):
         operator_tf_config(manifest, task_type="worker", index=2)
-    with pytest.raises(TFJobError, match=r"expected a TFJob manifest .* kind='Pod'"):
+    with pytest.raises(ManifestError, match=r"expected a TFJob manifest .* kind='Pod'"):
         operator_tf_config({"kind": "Pod"}, task_type="worker", index=0)
+
+
+def test_old_flags_only_form_and_a_full_command_write_the_same_manifest(capsys):
+    flags = ["--name", "job", "--image", IMAGE, "--workers", "2"]
+    _, old, _ = run_cli(capsys, *flags, "--", "--config=digits_cnn")
+    train = ["python", "-m", "experiments.train", "--config=digits_cnn"]
+    _, shim_full, _ = run_cli(capsys, *flags, "--", *train)
+    code, new, err = run_cli(capsys, "tfjob", *flags, "--", *train, main=k8s_cli.main)
+    assert code == 0, err
+    assert old == shim_full == new
+    assert yaml.safe_load(new)["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
 
 
 @pytest.mark.parametrize("policy", ["OnFailure", "Never"])
@@ -404,21 +399,7 @@ def test_only_the_exit_code_policy_needs_a_restartable_exit_code(capsys, policy)
 def test_help_explains_roles_and_restart_policy(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0
-    for text in ("--restart_policy", "ExitCode", "parameter_server on the chief", "-- TRAIN_FLAGS"):
+    for text in ("--restart_policy", "ExitCode", "OnFailure", "-- COMMAND"):
         assert text in out
-
-
-def test_module_runs_without_importing_tensorflow():
-    program = (
-        "import sys, runpy; sys.argv = ['tfjob', '--name', 'job', '--image', 'img'];"
-        "code = 0\n"
-        "try: runpy.run_module('tools.tfjob', run_name='__main__')\n"
-        "except SystemExit as e: code = e.code\n"
-        "print(code, 'tensorflow' in sys.modules)"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.splitlines()[-1] == "0 False"
-    assert "kind: TFJob" in result.stdout
+    code, out, _ = run_cli(capsys, "--help", main=k8s_cli.main)
+    assert code == 0 and "parameter_server on the chief" in out

@@ -4,6 +4,7 @@ The public API, listed explicitly:
 
   fit, evaluate, FitError                         train / evaluate any compiled Keras model
   parse_tf_config, ClusterInfo, TFConfigError     the cluster TF_CONFIG describes
+  cluster_from_environment                        ... or the environment (TF_CONFIG, JobSet)
   build_strategy, StrategyOptions, StrategyError  the tf.distribute strategy for it
   configure_cpu_devices                           split the CPU into logical devices
   serve_if_needed                                 run the worker / ps servers of a PS cluster
@@ -22,6 +23,7 @@ _EXPORTS = {
     "ClusterInfo": "tfdist.cluster",
     "TFConfigError": "tfdist.cluster",
     "parse_tf_config": "tfdist.cluster",
+    "cluster_from_environment": "tfdist.cluster",
     "DeviceConfigurationError": "tfdist.devices",
     "configure_cpu_devices": "tfdist.devices",
     "TfdistError": "tfdist.errors",

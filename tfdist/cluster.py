@@ -4,7 +4,9 @@ Every multi-worker launcher (Kubeflow's TFJob, Vertex AI, SageMaker, tfdist's ow
 ``tfdist-launch``) tells each process its place in the job through the TF_CONFIG environment
 variable. TensorFlow reads it lazily and fails late — often with a hang or a deep traceback.
 tfdist reads it once, at start-up, and turns every mistake it can see into one
-``TFConfigError`` that says what was wrong and how to fix it.
+``TFConfigError`` that says what was wrong and how to fix it. Engines that set no TF_CONFIG
+(a JobSet written by ``tfdist-k8s jobset``) describe the job through other variables;
+`cluster_from_environment` reads either, and is what tfdist's entry points call.
 
 Example:
 
@@ -23,10 +25,11 @@ import difflib
 import json
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from tfdist.errors import TfdistError
+from tfdist.k8s.jobset_env import jobset_tf_config
 from tfdist.layout import Layout, single_task_rule, too_many
 
 TF_CONFIG_ENV = "TF_CONFIG"
@@ -53,7 +56,7 @@ class _FromEnv:
 
 
 FROM_ENV: Any = _FromEnv()
-"""Default of every `cluster` argument: parse TF_CONFIG from the environment."""
+"""Default of every `cluster` argument: the environment's (`cluster_from_environment`)."""
 
 
 class TFConfigError(TfdistError, ValueError):
@@ -203,6 +206,51 @@ def parse_tf_config(
         raw = os.environ.get(TF_CONFIG_ENV)
         source = source or f"the {TF_CONFIG_ENV} environment variable"
     return _Parser(source or f"the {TF_CONFIG_ENV} value passed to parse_tf_config()").parse(raw)
+
+
+def cluster_from_environment(environ: MutableMapping[str, str] | None = None) -> ClusterInfo | None:
+    """The cluster this process's environment describes, whichever engine started it.
+
+    Every tfdist entry point that reads "the environment's cluster" comes here
+    (`build_strategy`, `serve_if_needed`, the experiments binaries), so a pod of a JobSet
+    written by ``tfdist-k8s jobset`` trains the same as one that was handed a TF_CONFIG.
+
+    1. TF_CONFIG set (tfdist-launch, Kubeflow's TFJob operator, Vertex AI, Ray Train, ...):
+       `parse_tf_config()` of it.
+    2. Otherwise, the TFDIST_JOBSET_* variables of a JobSet pod (`tfdist.k8s.jobset_env`):
+       the TF_CONFIG they stand for is derived, parsed, and exported as TF_CONFIG into
+       `environ`, so TensorFlow (``TFConfigClusterResolver``), Keras and the user's own
+       code see the same cluster, and a later call reads it back in step 1.
+    3. Otherwise None: the job runs on this host alone.
+
+    Example:
+
+        cluster = tfdist.cluster_from_environment()
+        if cluster is not None:
+            print(cluster.describe())
+
+    Args:
+      environ: the environment to read and, in case 2, to write; os.environ by default.
+
+    Returns:
+      A ClusterInfo, or None when the environment describes no cluster.
+
+    Raises:
+      TFConfigError: TF_CONFIG is malformed or describes an impossible cluster.
+      tfdist.k8s.JobSetEnvError: some TFDIST_JOBSET_* variables are set but not all the
+        derivation needs, or one holds a value no tfdist-k8s manifest gives it.
+    """
+    environ = os.environ if environ is None else environ
+    source = f"the {TF_CONFIG_ENV} environment variable"
+    if (environ.get(TF_CONFIG_ENV) or "").strip():
+        return parse_tf_config(environ[TF_CONFIG_ENV], source=source)
+    derived = jobset_tf_config(environ)
+    if derived is None:
+        return None
+    text = json.dumps(derived)
+    info = parse_tf_config(text, source=f"{source} derived from the JobSet environment")
+    environ[TF_CONFIG_ENV] = text
+    return info
 
 
 class _Parser:

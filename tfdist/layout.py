@@ -157,8 +157,8 @@ def _check_strategy(layout: Layout, strategy: str, spell: Callable[[Layout], str
     calls_for = layout.strategy
     if strategy == calls_for:
         return
-    if strategy == "multi_worker_mirrored" and calls_for is None:
-        return  # one worker can run it: a collective of one
+    if calls_for is None and strategy != "parameter_server":
+        return  # one task trains: any single-host strategy, or a collective of one
     received = f"Received: strategy={strategy!r}, {layout.describe()}"
     if strategy in MULTI_WORKER_STRATEGIES:
         fit = spell(example_layout(strategy))

@@ -19,7 +19,7 @@ import signal
 import threading
 
 from tfdist import signals
-from tfdist.cluster import FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
+from tfdist.cluster import FROM_ENV, PS, WORKER, ClusterInfo, cluster_from_environment
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,8 @@ def serve_if_needed(
     """Runs this task's tf.distribute.Server if its role is to serve, until the job ends.
 
     Args:
-      cluster: the job's cluster; default parsed from TF_CONFIG.
+      cluster: the job's cluster; by default the environment's
+        (`tfdist.cluster.cluster_from_environment`: TF_CONFIG, or a JobSet pod's).
       stop: an event that ends serving when set (for tests and embedding). SIGTERM and
         SIGINT, which launchers and Kubernetes send when the chief is done, also end it
         (in a program that routed its stop signals, by ending the process: exit 143).
@@ -49,7 +50,7 @@ def serve_if_needed(
       task of a cluster without ps). True after a server role stopped serving.
     """
     if cluster is FROM_ENV:
-        cluster = parse_tf_config()
+        cluster = cluster_from_environment()
     if not is_server_role(cluster):
         return False
     import tensorflow as tf  # deferred: program roles need not pay for it here

@@ -33,7 +33,7 @@ import tensorflow as tf
 
 from tfdist import devices as _devices
 from tfdist import signals
-from tfdist.cluster import CHIEF, FROM_ENV, PS, WORKER, ClusterInfo, parse_tf_config
+from tfdist.cluster import CHIEF, FROM_ENV, WORKER, ClusterInfo, cluster_from_environment
 from tfdist.errors import TfdistError
 from tfdist.layout import Layout, LayoutError, launch_flags, validate_layout
 from tfdist.peers import (
@@ -223,7 +223,7 @@ def build_strategy(
     """
     options = _merge_options(options, option_values)
     if cluster is FROM_ENV:
-        cluster = parse_tf_config()
+        cluster = cluster_from_environment()
     requested = ALIASES.get(name, name)
     if requested == "auto":
         requested = resolve_auto(

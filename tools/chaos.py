@@ -61,6 +61,9 @@ class JobSpec:
     name: str
     launch: tuple[str, ...]
     train: tuple[str, ...]
+    # Enough training for every fault to land before it ends: a fault and the recovery from
+    # it take ~20 s; the parameter-server job trains ~2.5x as many steps in that time.
+    epochs_per_fault: int
 
 
 def job_specs(faults: int) -> dict[str, JobSpec]:
@@ -70,6 +73,7 @@ def job_specs(faults: int) -> dict[str, JobSpec]:
             "multi_worker_mirrored",
             ("--workers", "3", "--max_restarts", str(2 * faults + 5)),
             ("--strategy=multi_worker_mirrored",),
+            epochs_per_fault=15,
         ),
         "ps": JobSpec(
             "parameter_server",
@@ -87,6 +91,7 @@ def job_specs(faults: int) -> dict[str, JobSpec]:
                 str(faults + 1),
             ),
             ("--strategy=parameter_server",),
+            epochs_per_fault=40,
         ),  # fmt: skip
     }
 
@@ -290,15 +295,16 @@ def max_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 def soak(tag: str, spec: JobSpec, args, root: Path, rng: random.Random) -> dict:
     """Runs the job under faults (after a reference run for the synchronous one)."""
     data_dir = root / "data"
+    epochs = args.epochs or spec.epochs_per_fault * args.faults
     reference = None
     if tag == "sync":
         print(f"[chaos] {spec.name}: a reference run without faults", flush=True)
-        clean = Job(spec, epochs=args.epochs, root=root, data_dir=data_dir, tag=f"{tag}-reference")
+        clean = Job(spec, epochs=epochs, root=root, data_dir=data_dir, tag=f"{tag}-reference")
         clean.start()
         if clean.wait() != 0:
             raise SystemExit(f"the reference run failed; see {clean.log_path}")
         reference = final_weights(clean.weights, "worker:0")
-    job = Job(spec, epochs=args.epochs, root=root, data_dir=data_dir, tag=tag)
+    job = Job(spec, epochs=epochs, root=root, data_dir=data_dir, tag=tag)
     print(f"[chaos] {spec.name}: {args.faults} faults; log in {job.log_path}", flush=True)
     job.start()
     faults = inject(job, args.faults, rng, args.max_delay)
@@ -343,15 +349,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", choices=["both", "sync", "ps"], default="both")
     parser.add_argument("--epochs", type=int, default=None,
                         help=f"epochs of {STEPS_PER_EPOCH} steps per job; enough for the faults "
-                        "to land before training ends (default: 15 per fault)")  # fmt: skip
+                        "to land before training ends (default: 15 per fault for the synchronous job, 40 for "
+                        "the parameter-server job)")  # fmt: skip
     parser.add_argument("--max_delay", type=float, default=10.0,
                         help="the longest pause in seconds before a fault, counted from the "
                         "launch or the job's recovery from the last fault (default 10)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
     parser.add_argument("--out", default=None, help="where results go (default: a temp dir)")
     args = parser.parse_args(argv)
-    args.epochs = args.epochs or 15 * args.faults
-    if args.faults < 1 or args.epochs < 1 or args.max_delay < 0.5:
+    if args.faults < 1 or (args.epochs is not None and args.epochs < 1) or args.max_delay < 0.5:
         parser.error("--faults and --epochs must be 1 or more, --max_delay 0.5 or more")
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     rng = random.Random(seed)
