@@ -49,7 +49,7 @@ def test_the_wheel_declares_both_commands_and_holds_no_checkout_code(wheel):
         scripts = archive.read(entry_points).decode()
     assert "tfdist-launch = tfdist.launch.cli:main" in scripts
     assert "tfdist-k8s = tfdist.k8s.cli:main" in scripts
-    assert "tfdist/launch/supervisor.py" in names
+    assert "tfdist/launch/supervisor.py" in names and "tfdist/k8s/jobset.py" in names
     assert not [n for n in names if n.startswith(("experiments/", "tools/", "tests/"))]
 
 
@@ -81,3 +81,21 @@ def test_installed_launcher_explains_a_bad_layout_with_its_own_name(fresh_env):
     assert result.returncode == 2
     assert result.stderr.startswith("tfdist-launch: error: parameter-server training needs a chief")
     assert "Traceback" not in result.stderr
+
+
+def test_installed_k8s_command_writes_a_jobset_and_a_tfjob(fresh_env):
+    venv_bin = fresh_env / "venv" / "bin"
+    for engine, kind in (("jobset", "JobSet"), ("tfjob", "TFJob")):
+        result = subprocess.run(
+            [str(venv_bin / "tfdist-k8s"), engine, "--name", "demo", "--image", "example.com/t:1",
+             "--workers", "2", "--", "python", "my_train.py"],
+            cwd=fresh_env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        # Read back by the fresh environment's own PyYAML: the manifest is plain YAML.
+        check = subprocess.run(
+            [str(venv_bin / "python"), "-c",
+             "import sys, yaml; m = yaml.safe_load(sys.stdin); print(m['kind'], m['metadata']['name'])"],
+            input=result.stdout, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert check.stdout.split() == [kind, "demo"], check.stderr

@@ -3,7 +3,7 @@
 Run it in a pod (or any process a launcher started) to see what tfdist will make of its
 environment before a training job waits on a wrong cluster:
 
-  python -m tools.tf_config                       # reads the TF_CONFIG environment variable
+  python -m tools.tf_config                       # reads TF_CONFIG (or a JobSet pod's variables)
   python -m tools.tf_config --tf_config '{"cluster": ..., "task": ...}'
 
 Exit codes: 0 valid (or unset: a single-host job), 2 invalid.
@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tfdist.cluster import TFConfigError, parse_tf_config
+from tfdist.cluster import cluster_from_environment, parse_tf_config
+from tfdist.errors import TfdistError
 from tfdist.roles import is_server_role
 
 EXIT_INVALID = 2
@@ -59,13 +60,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     source = "the --tf_config flag" if args.tf_config is not None else None
     try:
-        info = parse_tf_config(args.tf_config, source=source)
-    except TFConfigError as e:
+        if args.tf_config is not None:
+            info = parse_tf_config(args.tf_config, source=source)
+        else:
+            info = cluster_from_environment()
+            source = info.source if info is not None else None
+    except TfdistError as e:  # TFConfigError, or a JobSet environment that is malformed
         print(f"error: {e}", file=sys.stderr)
         return EXIT_INVALID
-    source = source or "the TF_CONFIG environment variable"
     if info is None:
-        print(f"No cluster in {source}: this is a single-host job.")
+        print("No cluster in the environment (no TF_CONFIG, no JobSet): a single-host job.")
         return 0
     print(f"TF_CONFIG from {source} is valid:")
     print(summary(info))
