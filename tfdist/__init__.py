@@ -11,6 +11,10 @@ The public API, listed explicitly:
   route_stop_signals                              SIGTERM / SIGINT honoured at any moment
   TfdistError                                     base of every error tfdist explains
 
+Subpackages: tfdist.data (TFRecord and TFDS pipelines), tfdist.collective (the ring
+all-reduce), tfdist.launch (the tfdist-launch command), tfdist.k8s (tfdist-k8s: JobSet and
+TFJob manifests), tfdist.ray (Ray Train; the optional extra tfdist[ray]).
+
 Names are imported on first use, so tools that only read TF_CONFIG (the launcher, the
 TF_CONFIG checker) start without paying for a TensorFlow import.
 """

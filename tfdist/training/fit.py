@@ -454,8 +454,9 @@ def _resume_point(model, initial_epoch: int, steps: int | None, callbacks) -> tu
     """(epoch, steps into it) where training starts: after a restored backup if any.
 
     A callback with a `restored_step` attribute (tfdist's own checkpoints) gives the global
-    step it restored. Keras's BackupAndRestore restores the weights and optimizer and the
-    epoch the backup was taken in; the optimizer's iteration count then says how far into
+    step it restored; one with `restored_epoch` (tfdist.ray's) the number of epochs its
+    checkpoint had completed. Keras's BackupAndRestore restores the weights and optimizer and
+    the epoch the backup was taken in; the optimizer's iteration count then says how far into
     that epoch it was.
     """
     restored = model._initial_epoch
@@ -465,6 +466,9 @@ def _resume_point(model, initial_epoch: int, steps: int | None, callbacks) -> tu
         step = getattr(callback, "restored_step", None)
         if step and steps:
             return divmod(int(step), steps)
+        epoch = getattr(callback, "restored_epoch", None)
+        if epoch:
+            return int(epoch), 0
     if restored is None or not fit_callbacks.backups(callbacks):
         return initial_epoch, 0
     epoch = int(restored)
