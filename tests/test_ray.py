@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 
 import numpy as np
@@ -46,10 +47,17 @@ def max_diff(a, b) -> float:
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A local Ray cluster on this machine: 2 CPUs for the 2 training workers, no dashboard."""
+    """A local Ray cluster on this machine: 2 CPUs for the 2 training workers, no dashboard.
+
+    ray.init installs its own SIGTERM and SIGINT handlers in this (the pytest) process and
+    leaves them after shutdown; they are put back, so later tests see the process as it was.
+    """
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT)}
     ray.init("local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
     yield
     ray.shutdown()
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
 
 
 @pytest.fixture(scope="module")
