@@ -17,7 +17,7 @@ and writes both under --out/<time>/ (faults.csv, summary.json, each run's log; a
 directory per run: nothing earlier is overwritten). It exits 0 only if every fault landed
 and both jobs ended with nothing lost.
 
-  python -m tools.chaos --faults 20           # the soak of issue 13: ~30 min on 2 cores
+  python -m tools.chaos --faults 20           # the soak of issue 13: ~20 min on 2 cores
   python -m tools.chaos --faults 3 --jobs sync --seed 7
 
 It is a soak, not a test: its run time depends on the machine, and its faults on --seed.
