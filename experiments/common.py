@@ -79,6 +79,13 @@ MIN_WORKERS = flags.DEFINE_integer(
     "others get 15 s more; workers missing then take no part in the run). Default 1.",
     lower_bound=1,
 )  # fmt: skip
+PS_MIN_SHARD_BYTES = flags.DEFINE_integer(
+    "ps_min_shard_bytes", None,
+    "parameter_server with 2+ ps: split each variable larger than this many bytes across the "
+    "ps tasks (an embedding table bigger than one server, say); 0 keeps every variable "
+    "whole. Default 262144 (256 KiB).",
+    lower_bound=0,
+)  # fmt: skip
 HEARTBEAT_TIMEOUT = flags.DEFINE_float(
     "heartbeat_timeout", None,
     "multi_worker_mirrored: seconds without a heartbeat before a peer is declared dead and "
@@ -115,6 +122,7 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
         "collective_timeout": COLLECTIVE_TIMEOUT.value,
         "heartbeat_timeout": HEARTBEAT_TIMEOUT.value,
         "min_workers": MIN_WORKERS.value,
+        "ps_min_shard_bytes": PS_MIN_SHARD_BYTES.value,
     }
     options = {k: v for k, v in options.items() if v is not None}
     if STARTUP_TIMEOUT.value is not None:

@@ -16,7 +16,14 @@ import tempfile
 
 import tensorflow as tf
 
+from tfdist.errors import TfdistError
+
 log = logging.getLogger(__name__)
+
+
+class CheckpointMismatchError(TfdistError, ValueError):
+    """A checkpoint whose variables do not fit the job that tries to resume from it."""
+
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -67,7 +74,20 @@ class Checkpoints:
                 rejected.append(os.path.basename(path))
                 continue
             # expect_partial: a checkpoint from another tfdist version may hold extra slots.
-            self.checkpoint.restore(path).expect_partial()
+            try:
+                self.checkpoint.restore(path).expect_partial()
+            except ValueError as error:
+                if "incompatible" not in str(error):
+                    raise
+                raise CheckpointMismatchError(
+                    f"The checkpoint {path} does not fit this job: a variable's saved shape "
+                    f"differs ({error}). It was written by another model, or by a "
+                    "parameter-server job with another number of ps tasks whose variables "
+                    "were split across them (their optimizer state is saved per shard and "
+                    "cannot be restored into other shards yet). Resume with the model and "
+                    "--ps it was saved with, or start afresh in a new model_dir. "
+                    f"Received: {path}"
+                ) from None
             if rejected:
                 log.warning(
                     "Resuming from %s, the newest complete checkpoint (skipped %s)",

@@ -34,6 +34,7 @@ from tfdist.data.distribute import first_description, plan_batches
 from tfdist.training import fit_callbacks
 from tfdist.training.fit_data import FitData, FitError, make_fit_data, unpack
 from tfdist.training.fit_runners import CentralStorageRunner, ParameterServerRunner, SyncRunner
+from tfdist.training.sharded import ShardedTraining
 
 log = logging.getLogger(__name__)
 
@@ -445,7 +446,12 @@ def _check_labels(model, data: FitData, what: str) -> None:
 
 def _build(model, strategy, data: FitData) -> None:
     # Keras builds the model, its compiled metrics and losses and the optimizer's slots from
-    # one batch's shapes; under the strategy's scope they become its variables.
+    # one batch's shapes; under the strategy's scope they become its variables. Under
+    # parameter_server a partitioner may split variables across the ps tasks: the optimizer
+    # is then built over their shards (sharded.py).
+    if _is_parameter_server(strategy):
+        ShardedTraining.attach(model, strategy, data.sample_batch)
+        return
     with strategy.scope():
         model._symbolic_build(data_batch=data.sample_batch)
 

@@ -38,6 +38,7 @@ from keras.src.losses.loss import unscale_loss_for_distribution
 from tfdist.strategies import task_name_in_tf_config
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData, FitError, unpack
+from tfdist.training.sharded import ShardedTraining
 from tfdist.training.staleness import (
     STALENESS_STATS,
     StalenessAwareSchedule,
@@ -62,27 +63,6 @@ def _logs_from_state(model: keras.Model, variables, state) -> dict[str, float]:
     """The model's metric results had its metric variables held `state`."""
     with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))):
         return _float_logs(model.get_metrics_result())
-
-
-def _refuse_sharded_variables(model: keras.Model) -> None:
-    """One message, before any step, for variables a partitioner split across ps tasks.
-
-    Keras 3 backs such a variable with a ShardedVariable, which its gradients and optimizers
-    cannot update yet ('ShardedVariable' object has no attribute 'handle', deep in a step).
-    """
-    for variable in model.trainable_variables:
-        shards = getattr(variable.value, "variables", None)
-        if shards is None or hasattr(variable.value, "handle"):
-            continue
-        size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
-        raise FitError(
-            f"Variable {variable.path} ({size:,} bytes) is split into {len(shards)} shards "
-            "across the ps tasks, which Keras 3 cannot train yet. Keep whole variables: "
-            "build the strategy with ps_min_shard_bytes above the largest variable, or 0 "
-            "(tfdist.build_strategy('parameter_server', ps_min_shard_bytes=0)), give your own "
-            "ParameterServerStrategy no variable_partitioner, or run one ps. "
-            f"Received: {len(shards)} shards of {variable.path}"
-        )
 
 
 def _run_until_end(iterator, n, step) -> tf.Tensor:
@@ -317,11 +297,12 @@ class _StatelessMetrics:
         """(gradient, variable) pairs of one step and the metric state it leads to."""
         model = self.model
         x, y, sample_weight = unpack(batch)
-        with tf.GradientTape() as tape:
+        sharded = self.sharded
+        with tf.GradientTape() as tape, self._lookups():
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             # Regularisers read the trainable weights through the scope: map them to
             # themselves, read inside the tape so the penalty's gradient reaches them.
-            mapping = [(v, v.value) for v in model.trainable_weights]
+            mapping = [(v, v.value) for v in self._whole_weights()]
             mapping += list(zip(self.metric_variables, state, strict=True))
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 loss = model._compute_loss(
@@ -332,16 +313,31 @@ class _StatelessMetrics:
                 )
                 model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             scaled = model.optimizer.scale_loss(loss)
-        weights = model.trainable_weights
-        gradients = list(zip(tape.gradient(scaled, weights), weights, strict=True))
+        if sharded is None:
+            weights = model.trainable_weights
+            gradients = list(zip(tape.gradient(scaled, weights), weights, strict=True))
+        else:  # the shards' gradients, for the optimizer built over the shards
+            gradients = sharded.pairs(tape.gradient(scaled, sharded.sources()))
         return gradients, [scope.get_current_value(v) for v in self.metric_variables]
 
     def _stateless_test_step(self, batch, state):
-        mapping = [(v, v.value) for v in self.model.trainable_weights]  # for regularisers
+        mapping = [(v, v.value) for v in self._whole_weights()]  # for regularisers
         mapping += list(zip(self.metric_variables, state, strict=True))
-        with keras.StatelessScope(state_mapping=mapping) as scope:
+        with keras.StatelessScope(state_mapping=mapping) as scope, self._lookups():
             self.model.test_step(batch)
         return [scope.get_current_value(v) for v in self.metric_variables]
+
+    # A model whose variables a partitioner split across ps tasks (sharded.py): its sharded
+    # variables are read through their shards, never mapped (which would read them whole).
+    sharded: ShardedTraining | None = None
+
+    def _whole_weights(self) -> list:
+        if self.sharded is None:
+            return list(self.model.trainable_weights)
+        return self.sharded.whole()
+
+    def _lookups(self):
+        return contextlib.nullcontext() if self.sharded is None else self.sharded.lookups()
 
     def _logs_of(self, state) -> dict[str, float]:
         return _logs_from_state(self.model, self.metric_variables, state)
@@ -421,7 +417,7 @@ class ParameterServerRunner(_StatelessMetrics):
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
-        _refuse_sharded_variables(model)
+        self.sharded = ShardedTraining.of(model)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         self._pending: collections.deque = collections.deque()
         # Results are fetched a few closures behind the newest: the progress stays current

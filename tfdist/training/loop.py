@@ -26,6 +26,7 @@ from tfdist.models import build_model
 from tfdist.peers import explain_peer_error
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training import fit as fit_module
+from tfdist.training import sharded
 from tfdist.training.checkpoints import Checkpoints
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
@@ -141,7 +142,8 @@ class Trainer:
             if config.staleness_aware_lr:  # fit's parameter-server runner scales it per update
                 schedule = StalenessAwareSchedule(schedule)
             self.optimizer = build_optimizer(config, schedule)
-            self.optimizer.build(self.model.trainable_variables)
+            # Over the shards of variables a partitioner split across ps tasks (sharded.py).
+            sharded.build_optimizer(self.model, self.optimizer)
             # The step counter is ours: assigned from the host at every save.
             self.step = tf.Variable(
                 0,

@@ -1,0 +1,234 @@
+"""Keras 3 variables that a partitioner split across ps tasks, trained shard by shard.
+
+With two or more ps tasks and a `variable_partitioner` (tfdist's `ps_min_shard_bytes`, or the
+user's own), TensorFlow creates every large variable as a ShardedVariable: blocks of
+consecutive rows, each block a variable of its own on one ps. Keras 3 wraps it like any
+variable but can neither differentiate nor update through it ("'ShardedVariable' object has
+no attribute 'handle'"). tfdist's parameter-server runner trains such a model this way:
+
+- every shard gets a Keras variable of its own that wraps it (no copy), and the optimizer is
+  built over those: its slot variables are per shard, created beside their shard on its ps,
+  and each update runs there (the strategy colocates it with the shard);
+- the forward pass reads a sharded variable through TensorFlow: an embedding lookup (Keras's
+  `ops.take` along axis 0, which `Embedding` uses) gathers the batch's rows on the ps tasks
+  that hold them, so a worker never fetches a whole table; any other use (a `Dense` kernel)
+  reads the whole variable, its shards concatenated;
+- gradients are taken with respect to the shards (row slices, for a lookup) and applied to
+  them, so the model's own variables stay the ones Keras saves and exports.
+
+    training = ShardedTraining.attach(model, strategy, sample_batch)  # before the first step
+    with training.lookups():
+        ... forward pass and loss under a GradientTape ...
+    grads = tape.gradient(loss, training.sources())
+    model.optimizer.apply_gradients(training.pairs(grads))
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Iterator
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.tensorflow import numpy as keras_tf_numpy
+
+from tfdist.training.fit_data import FitError
+
+log = logging.getLogger(__name__)
+
+_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def shards_of(value) -> list[tf.Variable] | None:
+    """The shards of a ShardedVariable (or of a Keras variable backed by one), else None."""
+    value = getattr(value, "value", value) if isinstance(value, keras.Variable) else value
+    shards = getattr(value, "variables", None)
+    if shards is None or hasattr(value, "handle"):
+        return None
+    return list(shards)
+
+
+class ShardedTraining:
+    """The model's trainable variables, with each sharded one replaced by its shards."""
+
+    def __init__(self, model: keras.Model):
+        self.model = model
+        # id(Keras variable) -> Keras variables wrapping its shards, in row order.
+        self._parts: dict[int, list[keras.Variable]] = {}
+        for variable in model.trainable_variables:
+            shards = shards_of(variable)
+            if shards:
+                _save_whole(variable)
+                self._parts[id(variable)] = [
+                    keras.Variable(shard, trainable=True, name=f"{variable.name}_shard_{i}")
+                    for i, shard in enumerate(shards)
+                ]
+        self._shard_ids = {id(part) for parts in self._parts.values() for part in parts}
+
+    @classmethod
+    def attach(cls, model: keras.Model, strategy, data_batch) -> ShardedTraining | None:
+        """Builds `model` from `data_batch` (as Keras's fit does) and its optimizer with
+        `build_optimizer`. Returns the ShardedTraining, or None when nothing is sharded."""
+        optimizer = model.optimizer
+        with strategy.scope():
+            if optimizer is None or optimizer.built:
+                model._symbolic_build(data_batch=data_batch)
+                return cls.of(model) or _refuse_whole_slots(cls(model))
+            # Keras would build the optimizer over the whole (sharded) variables; build the
+            # model, metrics and losses first, then the optimizer over the shards.
+            optimizer.built = True
+            try:
+                model._symbolic_build(data_batch=data_batch)
+            finally:
+                optimizer.built = False
+            return build_optimizer(model, optimizer)
+
+    @classmethod
+    def of(cls, model: keras.Model) -> ShardedTraining | None:
+        """The ShardedTraining `attach` made for `model`, if any."""
+        return _ATTACHED.get(model)
+
+    @property
+    def sharded(self) -> list[keras.Variable]:
+        """The model's variables that are split into shards."""
+        return [v for v in self.model.trainable_variables if id(v) in self._parts]
+
+    def optimizer_variables(self) -> list[keras.Variable]:
+        """What the optimizer updates: each trainable variable, or its shards."""
+        out = []
+        for variable in self.model.trainable_variables:
+            out.extend(self._parts.get(id(variable), [variable]))
+        return out
+
+    def sources(self) -> list:
+        """What gradients are taken with respect to, in `optimizer_variables` order."""
+        return [v.value if self._is_shard(v) else v for v in self.optimizer_variables()]
+
+    def pairs(self, gradients) -> list[tuple]:
+        """(gradient, variable) pairs for the optimizer, from gradients of `sources()`."""
+        return list(zip(gradients, self.optimizer_variables(), strict=True))
+
+    def whole(self) -> list[keras.Variable]:
+        """The trainable variables that are not sharded (read whole, as Keras does)."""
+        return [v for v in self.model.trainable_variables if id(v) not in self._parts]
+
+    def _is_shard(self, variable) -> bool:
+        return id(variable) in self._shard_ids
+
+    @contextlib.contextmanager
+    def lookups(self) -> Iterator[None]:
+        """While tracing a step: lookups into a sharded table read only the batch's rows."""
+        with sharded_lookups():
+            yield
+
+
+class _SavedWhole:
+    """Saving and loading of a Keras variable backed by a ShardedVariable: as one tensor.
+
+    Keras reads and writes a variable's value whole (`numpy()`, `__array__` for .weights.h5
+    and .keras files, `_serialize_to_tensors` for tf.train.Checkpoint), which its TensorFlow
+    variable delegates to the ShardedVariable, and that has neither an array form nor a
+    checkpoint form Keras can write. Whole tensors also make a checkpoint independent of the
+    number of shards. Mixed into the variable's own class (`_save_whole`).
+    """
+
+    def _whole(self) -> tf.Tensor:
+        return tf.concat([shard.read_value() for shard in self._value.variables], axis=0)
+
+    def numpy(self):
+        return self._whole().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self._whole().numpy(), dtype=dtype)
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self._whole()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.assign(restored_tensors["VARIABLE_VALUE"])  # the ShardedVariable splits it
+        return tf.no_op()
+
+    @property
+    def _shared_name(self):
+        return self.path
+
+
+_SAVED_WHOLE_CLASSES: dict[type, type] = {}
+
+
+def _save_whole(variable: keras.Variable) -> None:
+    base = type(variable)
+    if issubclass(base, _SavedWhole):
+        return
+    if base not in _SAVED_WHOLE_CLASSES:
+        _SAVED_WHOLE_CLASSES[base] = type(f"Sharded{base.__name__}", (_SavedWhole, base), {})
+    variable.__class__ = _SAVED_WHOLE_CLASSES[base]
+
+
+def build_optimizer(model: keras.Model, optimizer) -> ShardedTraining | None:
+    """Builds `optimizer` for the built `model`: over the shards of its sharded variables.
+
+    Call it under the strategy's scope, before the first step. Returns the ShardedTraining
+    the parameter-server runner then trains through (`ShardedTraining.of(model)`), or None
+    when no variable is sharded (the optimizer is then built as Keras builds it).
+    """
+    training = ShardedTraining(model)
+    if not training.sharded:
+        optimizer.build(model.trainable_variables)
+        return None
+    for variable in training.sharded:
+        rows = [int(part.shape[0]) for part in training._parts[id(variable)]]
+        size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+        log.info(
+            "%s (%s bytes) is split across the ps tasks in %d shards of %s rows; it trains "
+            "shard by shard",
+            variable.path, f"{size:,}", len(rows), "/".join(map(str, rows)),
+        )  # fmt: skip
+    optimizer.build(training.optimizer_variables())
+    _ATTACHED[model] = training
+    return training
+
+
+def _refuse_whole_slots(training: ShardedTraining) -> None:
+    # An optimizer built before tfdist saw the model has slots for whole sharded variables.
+    if training.sharded:
+        names = ", ".join(v.path for v in training.sharded)
+        raise FitError(
+            f"The optimizer was built before tfdist.fit, over variables split across the ps "
+            f"tasks ({names}), so its state is not per shard. Let tfdist.fit build it: do not "
+            "call optimizer.build() or train the model before. Received: an optimizer with "
+            f"{len(training.model.optimizer.variables)} variables"
+        )
+
+
+@contextlib.contextmanager
+def sharded_lookups() -> Iterator[None]:
+    """Makes Keras's `ops.take(table, ids, axis=0)` gather from a sharded table's shards.
+
+    `tf.nn.embedding_lookup` over the shards ('div' layout: the first shards take the extra
+    rows, as ShardedVariable lays them out) gathers each id's row on the ps holding it; its
+    gradient is a row slice of that shard. Other calls go to Keras unchanged. Only the
+    tracing of a step is meant to run inside (the graph keeps the lookups).
+    """
+    original = keras_tf_numpy.take
+
+    def take(x, indices, axis=None):
+        shards = shards_of(x) if axis == 0 else None
+        if shards is None:
+            return original(x, indices, axis=axis)
+        indices = tf.convert_to_tensor(indices)
+        rows = sum(int(shard.shape[0]) for shard in shards)
+        indices = tf.where(indices < 0, indices + tf.cast(rows, indices.dtype), indices)
+        return tf.nn.embedding_lookup(shards, indices)
+
+    keras_tf_numpy.take = take
+    try:
+        yield
+    finally:
+        keras_tf_numpy.take = original
+
+
+__all__ = ["ShardedTraining", "build_optimizer", "shards_of", "sharded_lookups"]
