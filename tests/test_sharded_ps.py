@@ -45,7 +45,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("ps", [2, 3])
 def test_sharded_variables_train_to_the_weights_of_whole_ones(reference, tmp_path, ps):
     launch(ps, SHARD_BYTES, tmp_path)
-    for name in ("sgd_momentum", "adam"):
+    for name in ("sgd_momentum", "adam", "rmsprop", "adagrad"):
         written = json.loads((tmp_path / f"{name}.json").read_text())
         table = written["variables"]["model/table/embeddings"]
         kernel = written["variables"]["model/hidden/kernel"]
@@ -58,7 +58,7 @@ def test_sharded_variables_train_to_the_weights_of_whole_ones(reference, tmp_pat
             slots = [
                 d
                 for p, d in written["slots"].items()
-                if p.startswith(f"{name.split('_')[0]}/embeddings_shard_{i}_")
+                if p.startswith(f"{written['optimizer']}/embeddings_shard_{i}_")
             ]
             assert slots and all(d == shard["device"] for d in slots), written["slots"]
         diff = max(

@@ -27,6 +27,8 @@ STEPS, BATCH = 10, 32
 OPTIMIZERS = {
     "sgd_momentum": lambda: keras.optimizers.SGD(0.1, momentum=0.9),
     "adam": lambda: keras.optimizers.Adam(0.01),
+    "rmsprop": lambda: keras.optimizers.RMSprop(0.01),
+    "adagrad": lambda: keras.optimizers.Adagrad(0.1),
 }
 
 
@@ -75,7 +77,11 @@ def main(shard_bytes: int, out: str) -> None:
         layout = {v.path: shards(v) for v in model.trainable_variables}
         slots = {v.path: v.value.device for v in model.optimizer.variables}
         with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump({"variables": layout, "slots": slots, "history": history.history}, f)
+            json.dump(
+                {"variables": layout, "slots": slots, "optimizer": model.optimizer.name,
+                 "history": history.history},
+                f,
+            )  # fmt: skip
 
 
 if __name__ == "__main__":
