@@ -271,6 +271,9 @@ class _StatelessMetrics:
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy
         self.metric_variables = list(model.metrics_variables)
+        # The trainable variables as the step reads and updates them: whole, or for variables
+        # a partitioner split across ps tasks (parameter_server), shard by shard (sharded.py).
+        self.sharded = ShardedTraining.of(model) or ShardedTraining(model)
         for variable in self.metric_variables:
             if getattr(variable, "aggregation", "sum") not in ("sum", None):
                 raise FitError(
@@ -298,11 +301,11 @@ class _StatelessMetrics:
         model = self.model
         x, y, sample_weight = unpack(batch)
         sharded = self.sharded
-        with tf.GradientTape() as tape, self._lookups():
+        with tf.GradientTape() as tape, sharded.lookups():
             y_pred = model(x, training=True) if model._call_has_training_arg else model(x)
             # Regularisers read the trainable weights through the scope: map them to
             # themselves, read inside the tape so the penalty's gradient reaches them.
-            mapping = [(v, v.value) for v in self._whole_weights()]
+            mapping = [(v, v.value) for v in sharded.whole()]
             mapping += list(zip(self.metric_variables, state, strict=True))
             with keras.StatelessScope(state_mapping=mapping) as scope:
                 loss = model._compute_loss(
@@ -313,31 +316,16 @@ class _StatelessMetrics:
                 )
                 model.compute_metrics(x, y, y_pred, sample_weight=sample_weight)
             scaled = model.optimizer.scale_loss(loss)
-        if sharded is None:
-            weights = model.trainable_weights
-            gradients = list(zip(tape.gradient(scaled, weights), weights, strict=True))
-        else:  # the shards' gradients, for the optimizer built over the shards
-            gradients = sharded.pairs(tape.gradient(scaled, sharded.sources()))
+        # With respect to the shards of sharded variables, for the optimizer built over them.
+        gradients = sharded.pairs(tape.gradient(scaled, sharded.sources()))
         return gradients, [scope.get_current_value(v) for v in self.metric_variables]
 
     def _stateless_test_step(self, batch, state):
-        mapping = [(v, v.value) for v in self._whole_weights()]  # for regularisers
+        mapping = [(v, v.value) for v in self.sharded.whole()]  # for regularisers
         mapping += list(zip(self.metric_variables, state, strict=True))
-        with keras.StatelessScope(state_mapping=mapping) as scope, self._lookups():
+        with keras.StatelessScope(state_mapping=mapping) as scope, self.sharded.lookups():
             self.model.test_step(batch)
         return [scope.get_current_value(v) for v in self.metric_variables]
-
-    # A model whose variables a partitioner split across ps tasks (sharded.py): its sharded
-    # variables are read through their shards, never mapped (which would read them whole).
-    sharded: ShardedTraining | None = None
-
-    def _whole_weights(self) -> list:
-        if self.sharded is None:
-            return list(self.model.trainable_weights)
-        return self.sharded.whole()
-
-    def _lookups(self):
-        return contextlib.nullcontext() if self.sharded is None else self.sharded.lookups()
 
     def _logs_of(self, state) -> dict[str, float]:
         return _logs_from_state(self.model, self.metric_variables, state)
@@ -417,7 +405,6 @@ class ParameterServerRunner(_StatelessMetrics):
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
-        self.sharded = ShardedTraining.of(model)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         self._pending: collections.deque = collections.deque()
         # Results are fetched a few closures behind the newest: the progress stays current

@@ -118,11 +118,9 @@ class ShardedTraining:
     def _is_shard(self, variable) -> bool:
         return id(variable) in self._shard_ids
 
-    @contextlib.contextmanager
-    def lookups(self) -> Iterator[None]:
+    def lookups(self):
         """While tracing a step: lookups into a sharded table read only the batch's rows."""
-        with sharded_lookups():
-            yield
+        return sharded_lookups() if self._parts else contextlib.nullcontext()
 
 
 class _SavedWhole:
