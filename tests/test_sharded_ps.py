@@ -2,7 +2,8 @@
 
 One worker keeps the order of the updates fixed, so a model whose embedding table and Dense
 kernel are split over 2 or 3 ps must end with exactly the weights of the same model on one
-ps with whole variables, for each optimizer.
+ps with whole variables, for each optimizer; and a job saved with 2 ps that resumes with 3,
+or with 1 and whole variables, must continue as that reference did.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ pytestmark = pytest.mark.multiprocess
 SHARD_BYTES = 16 * 1024
 
 
-def launch(ps: int, shard_bytes: int, out) -> str:
+def launch(ps: int, shard_bytes: int, out, *resume_from) -> str:
     result = run_module(
         "tools.launch", "--chief", "--workers", "1", "--ps", str(ps), "--timeout", "240", "--",
         sys.executable, "-m", "tests.workers.sharded_worker", str(shard_bytes), str(out),
+        *map(str, resume_from),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert "Traceback" not in result.stdout
@@ -35,6 +37,15 @@ def weights(out, name: str) -> list[np.ndarray]:
     return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
 
 
+def largest_difference(a: list[np.ndarray], b: list[np.ndarray]) -> float:
+    assert [x.shape for x in a] == [y.shape for y in b]
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def history(out, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())["history"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("whole")
@@ -42,9 +53,22 @@ def reference(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def on_two_ps(tmp_path_factory):
+    out = tmp_path_factory.mktemp("two_ps")
+    launch(2, SHARD_BYTES, out)
+    return out
+
+
 @pytest.mark.parametrize("ps", [2, 3])
-def test_sharded_variables_train_to_the_weights_of_whole_ones(reference, tmp_path, ps):
-    launch(ps, SHARD_BYTES, tmp_path)
+def test_sharded_variables_train_to_the_weights_of_whole_ones(
+    reference, on_two_ps, tmp_path_factory, ps
+):
+    if ps == 2:
+        tmp_path = on_two_ps
+    else:
+        tmp_path = tmp_path_factory.mktemp(f"ps{ps}")
+        launch(ps, SHARD_BYTES, tmp_path)
     for name in ("sgd_momentum", "adam", "rmsprop", "adagrad"):
         written = json.loads((tmp_path / f"{name}.json").read_text())
         table = written["variables"]["model/table/embeddings"]
@@ -61,12 +85,23 @@ def test_sharded_variables_train_to_the_weights_of_whole_ones(reference, tmp_pat
                 if p.startswith(f"{written['optimizer']}/embeddings_shard_{i}_")
             ]
             assert slots and all(d == shard["device"] for d in slots), written["slots"]
-        diff = max(
-            float(np.max(np.abs(a - b)))
-            for a, b in zip(weights(tmp_path, name), weights(reference, name), strict=True)
-        )
+        diff = largest_difference(weights(tmp_path, name), weights(reference, name))
         assert diff <= 1e-5, (name, diff)
-        assert (
-            written["history"]["loss"]
-            == json.loads((reference / f"{name}.json").read_text())["history"]["loss"]
-        )
+        assert written["history"]["loss"] == history(reference, name)["loss"]
+
+
+@pytest.mark.parametrize("ps", [1, 3])
+def test_a_job_saved_with_two_ps_resumes_with_another_number(reference, on_two_ps, tmp_path, ps):
+    # Saved after the first epoch with 2 ps; resumed with 3 ps, or 1 ps and whole variables.
+    launch(ps, SHARD_BYTES if ps > 1 else 0, tmp_path, on_two_ps)
+    for name in ("sgd_momentum", "adam"):
+        # The backup (.weights.h5) restored weights and optimizer state: only the second
+        # epoch ran, and it ended where the uninterrupted reference did.
+        assert history(tmp_path, name)["loss"] == history(reference, name)["loss"][1:]
+        diff = largest_difference(weights(tmp_path, name), weights(reference, name))
+        assert diff <= 1e-5, (name, diff)
+        # The tf.train.Checkpoint (the binary's) restored the first epoch's weights and
+        # optimizer state whole, as the reference held them then.
+        restored = weights(tmp_path, f"{name}.restored")
+        assert len(restored) > len(weights(reference, name))  # optimizer state included
+        assert largest_difference(restored, weights(reference, f"{name}.epoch1")) <= 1e-6

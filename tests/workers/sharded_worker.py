@@ -1,17 +1,28 @@
 """A parameter-server job whose large variables a partitioner splits across the ps tasks.
 
-  tfdist-launch --chief --workers 1 --ps 2 -- python -m tests.workers.sharded_worker SHARD_BYTES OUT
+  tfdist-launch --chief --workers 1 --ps 2 -- \
+      python -m tests.workers.sharded_worker SHARD_BYTES OUT [RESUME_FROM]
 
 Every task runs it; the workers and ps serve, the chief builds the strategy with
 `ps_min_shard_bytes=SHARD_BYTES` (0: whole variables), trains one model per optimizer with
-tfdist.fit on fixed data in a fixed order, and writes each model's weights to OUT/<name>.npz
-with the shapes and devices of its variables' shards in OUT/<name>.json.
+tfdist.fit for two epochs on fixed data in a fixed order, and writes each model's weights to
+OUT/<name>.npz with the shapes and devices of its variables' shards in OUT/<name>.json.
+
+After the first epoch it keeps the state that resuming needs: the BackupAndRestore backup
+(OUT/backup-1/<name>), a tf.train.Checkpoint of model and optimizer (OUT/ckpt-1/<name>), and
+the values of both (OUT/<name>.epoch1.npz; the optimizer's as it saves them).
+
+With RESUME_FROM (the OUT of an earlier run, perhaps with another number of ps tasks) the
+chief resumes each model from that run's first-epoch backup and trains the second epoch only;
+then it restores that run's first-epoch checkpoint and writes the values it restored to
+OUT/<name>.restored.npz.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -56,12 +67,37 @@ def data() -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH).repeat()
 
 
+def state(model: keras.Model) -> list[np.ndarray]:
+    """The model's weights, then its optimizer's variables as the optimizer saves them."""
+    saved: dict[str, np.ndarray] = {}
+    model.optimizer.save_own_variables(saved)
+    return [v.numpy() for v in model.trainable_variables] + [
+        saved[k] for k in sorted(saved, key=int)
+    ]
+
+
+class FirstEpoch(keras.callbacks.Callback):
+    """Keeps what a job needs to resume after the first epoch, and what it held then."""
+
+    def __init__(self, out: str, name: str, backup: str):
+        super().__init__()
+        self.out, self.name, self.backup = out, name, backup
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch != 0:
+            return
+        shutil.copytree(self.backup, os.path.join(self.out, "backup-1", self.name))
+        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.model.optimizer)
+        checkpoint.write(os.path.join(self.out, "ckpt-1", self.name, "ckpt"))
+        np.savez(os.path.join(self.out, f"{self.name}.epoch1.npz"), *state(self.model))
+
+
 def shards(variable) -> list[dict]:
     parts = getattr(variable.value, "variables", None) or [variable.value]
     return [{"shape": list(part.shape), "device": part.device} for part in parts]
 
 
-def main(shard_bytes: int, out: str) -> None:
+def main(shard_bytes: int, out: str, resume_from: str | None) -> None:
     cluster = tfdist.cluster_from_environment()
     if tfdist.serve_if_needed(cluster):
         return
@@ -69,11 +105,24 @@ def main(shard_bytes: int, out: str) -> None:
         "parameter_server", cluster=cluster, ps_min_shard_bytes=shard_bytes
     )
     os.makedirs(out, exist_ok=True)
-    for name, optimizer in OPTIMIZERS.items():
+    names = ["sgd_momentum", "adam"] if resume_from else list(OPTIMIZERS)
+    for name in names:
         with strategy.scope():
-            model = build(optimizer())
-        history = tfdist.fit(model, data(), epochs=1, steps_per_epoch=STEPS, verbose=0)
+            model = build(OPTIMIZERS[name]())
+        backup = os.path.join(out, "backup", name)
+        callbacks = [keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False)]
+        if resume_from:
+            shutil.copytree(os.path.join(resume_from, "backup-1", name), backup)
+        else:
+            callbacks.append(FirstEpoch(out, name, backup))
+        history = tfdist.fit(
+            model, data(), epochs=2, steps_per_epoch=STEPS, callbacks=callbacks, verbose=0
+        )
         np.savez(os.path.join(out, f"{name}.npz"), *[v.numpy() for v in model.trainable_variables])
+        if resume_from:
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
+            checkpoint.read(os.path.join(resume_from, "ckpt-1", name, "ckpt")).assert_consumed()
+            np.savez(os.path.join(out, f"{name}.restored.npz"), *state(model))
         layout = {v.path: shards(v) for v in model.trainable_variables}
         slots = {v.path: v.value.device for v in model.optimizer.variables}
         with open(os.path.join(out, f"{name}.json"), "w") as f:
@@ -85,4 +134,4 @@ def main(shard_bytes: int, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2])
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)

@@ -81,11 +81,9 @@ class Checkpoints:
                     raise
                 raise CheckpointMismatchError(
                     f"The checkpoint {path} does not fit this job: a variable's saved shape "
-                    f"differs ({error}). It was written by another model, or by a "
-                    "parameter-server job with another number of ps tasks whose variables "
-                    "were split across them (their optimizer state is saved per shard and "
-                    "cannot be restored into other shards yet). Resume with the model and "
-                    "--ps it was saved with, or start afresh in a new model_dir. "
+                    f"differs ({error}). It was written by another model or optimizer. "
+                    "Resume with the model it was saved with, or start afresh in a new "
+                    "model_dir. "
                     f"Received: {path}"
                 ) from None
             if rejected:

@@ -28,13 +28,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 
 import keras
 import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import numpy as keras_tf_numpy
 
+from tfdist.training.checkpoints import CheckpointMismatchError
 from tfdist.training.fit_data import FitError
 
 log = logging.getLogger(__name__)
@@ -146,7 +147,9 @@ class _SavedWhole:
         return {"VARIABLE_VALUE": self._whole()}
 
     def _restore_from_tensors(self, restored_tensors):
-        self.assign(restored_tensors["VARIABLE_VALUE"])  # the ShardedVariable splits it
+        # Restoring may run in a tf.function, where the tensor read has no static shape.
+        whole = tf.ensure_shape(restored_tensors["VARIABLE_VALUE"], self.shape)
+        self.assign(whole)  # the ShardedVariable splits it
         return tf.no_op()
 
     @property
@@ -185,9 +188,183 @@ def build_optimizer(model: keras.Model, optimizer) -> ShardedTraining | None:
             "shard by shard",
             variable.path, f"{size:,}", len(rows), "/".join(map(str, rows)),
         )  # fmt: skip
-    optimizer.build(training.optimizer_variables())
+    _check_optimizer(optimizer, training)
+    with _slots_recorded(optimizer) as slots:
+        optimizer.build(training.optimizer_variables())
+    _save_state_whole(training, optimizer, slots)
     _ATTACHED[model] = training
     return training
+
+
+# Optimizers whose update of a variable depends on all of it (a norm, a factored second
+# moment, an orthogonalisation), so shard-by-shard updates would differ from whole ones.
+_WHOLE_VARIABLE_OPTIMIZERS = ("Adafactor", "Lamb", "Muon")
+
+
+def _check_optimizer(optimizer, training: ShardedTraining) -> None:
+    """Refuses an optimizer whose updates would change when a variable is split into shards."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
+    kind = type(inner).__name__
+    if kind in _WHOLE_VARIABLE_OPTIMIZERS:
+        why = f"{kind} updates each variable from all of its values"
+        fix = "an optimizer that updates element by element (SGD, Adam, AdamW, RMSprop, Adagrad)"
+    elif getattr(inner, "clipnorm", None):
+        why = f"clipnorm={inner.clipnorm} clips each variable's gradient by its own norm"
+        fix = "global_clipnorm or clipvalue instead of clipnorm"
+    else:
+        return
+    variable = training.sharded[0]
+    rows = [int(part.shape[0]) for part in training._parts[id(variable)]]
+    size = int(np.prod(variable.shape)) * np.dtype(variable.dtype).itemsize
+    shard = size * rows[0] // int(variable.shape[0])
+    raise FitError(
+        f"{variable.path} ({size:,} bytes) is split across the ps tasks in shards of up to "
+        f"{shard:,} bytes, and {why}, so it cannot be trained shard by shard. Use {fix}, or "
+        f"keep the variable whole: a ps_min_shard_bytes (--ps_min_shard_bytes) above {size} "
+        f"or one ps task. Received: optimizer={kind}"
+    )
+
+
+@contextlib.contextmanager
+def _slots_recorded(optimizer) -> Iterator[list[tuple]]:
+    """Records (slot, reference variable, slot name) for each slot the optimizer makes."""
+    made: list[tuple] = []
+    for each in _optimizers(optimizer):
+
+        def add_variable_from_reference(
+            reference_variable, name=None, initializer="zeros", _of=each
+        ):
+            slot = type(_of).add_variable_from_reference(
+                _of, reference_variable, name=name, initializer=initializer
+            )
+            made.append((_of, slot, reference_variable, name))
+            return slot
+
+        object.__setattr__(each, "add_variable_from_reference", add_variable_from_reference)
+    try:
+        yield made
+    finally:
+        for each in _optimizers(optimizer):
+            object.__delattr__(each, "add_variable_from_reference")
+
+
+def _optimizers(optimizer) -> list:
+    """The optimizer, and the one it wraps (a LossScaleOptimizer's) if any."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    return [optimizer] if inner is None else [optimizer, inner]
+
+
+class _WholeSlot(tf.__internal__.tracking.Trackable):
+    """One kind of optimizer slot (a momentum, say) of a sharded variable, as one tensor.
+
+    The optimizer holds one slot per shard; saved whole, its state is the state an optimizer
+    over the whole variable would hold, so a job resumes with any number of ps tasks (one:
+    whole variables) from a checkpoint written with any other.
+    """
+
+    def __init__(self, parts: list[keras.Variable]):
+        self.parts = parts
+
+    def numpy(self) -> np.ndarray:
+        return np.concatenate([np.asarray(part.numpy()) for part in self.parts], axis=0)
+
+    def assign(self, value) -> None:
+        start = 0
+        for part in self.parts:
+            rows = int(part.shape[0])
+            part.assign(value[start : start + rows])
+            start += rows
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": tf.concat([part.value for part in self.parts], axis=0)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        rows = sum(int(part.shape[0]) for part in self.parts)
+        whole = tf.ensure_shape(
+            restored_tensors["VARIABLE_VALUE"], [rows, *self.parts[0].shape[1:]]
+        )
+        self.assign(whole)
+        return tf.no_op()
+
+
+class _Listing(tf.__internal__.tracking.Trackable):
+    """Trackables checkpointed under "0", "1", ... as a list attribute is."""
+
+    def __init__(self, items: list):
+        self.items = items
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        return {str(i): item for i, item in enumerate(self.items)}
+
+
+def _save_state_whole(training: ShardedTraining, optimizer, slots: list[tuple]) -> None:
+    """Makes the optimizer save and load its state as an optimizer over whole variables does.
+
+    Keras saves an optimizer's variables by position: in .weights.h5 and .keras files
+    (`save_own_variables`), and in tf.train.Checkpoint under `_variables/<i>`, with the
+    variables it was built over under `_trainable_variables/<i>`. Per-shard slots change both
+    the count and the shapes, so each sharded variable's slots of one kind are listed as one
+    `_WholeSlot`, where the first of them stood, and the model's own variables as built over.
+    """
+    owner = {
+        id(part): (variable, index)
+        for variable in training.sharded
+        for index, part in enumerate(training._parts[id(variable)])
+    }
+    groups: dict[tuple, list] = {}
+    for maker, slot, reference, name in slots:
+        if id(reference) in owner:
+            variable, index = owner[id(reference)]
+            parts = groups.setdefault((id(maker), id(variable), name), [])
+            parts.append((index, slot))
+    whole = {}
+    folded = set()
+    for parts in groups.values():
+        parts = [slot for _, slot in sorted(parts, key=lambda pair: pair[0])]
+        whole[id(parts[0])] = _WholeSlot(parts)
+        folded.update(id(slot) for slot in parts[1:])
+    per_shard = folded | set(whole) | {id(v) for v in training.optimizer_variables()}
+    for each in _optimizers(optimizer):
+        listed = [whole.get(id(v), v) for v in each.variables if id(v) not in folded]
+        _save_by_position(each, listed, training.model.trainable_variables, per_shard)
+
+
+def _save_by_position(optimizer, listed: list, built_over: list, per_shard: set) -> None:
+    original_children = optimizer._trackable_children
+    variables, trainable = _Listing(listed), _Listing(list(built_over))
+
+    def holds_shards(child) -> bool:
+        # The optimizer's own lists of slots (Adam's `_momentums`, ...) list them per shard.
+        if isinstance(child, Mapping):
+            return any(id(item) in per_shard for item in child.values())
+        if isinstance(child, Sequence):
+            return any(id(item) in per_shard for item in child)
+        return id(child) in per_shard
+
+    def _trackable_children(save_type="checkpoint", **kwargs):
+        children = original_children(save_type, **kwargs)
+        if save_type != "checkpoint":
+            return children
+        children = {name: child for name, child in children.items() if not holds_shards(child)}
+        children["_variables"], children["_trainable_variables"] = variables, trainable
+        return children
+
+    def save_own_variables(store):
+        for i, variable in enumerate(listed):
+            store[str(i)] = np.asarray(variable.numpy())
+
+    def load_own_variables(store):
+        if len(store.keys()) != len(listed):
+            raise CheckpointMismatchError(
+                f"The saved optimizer state does not fit {optimizer.name}: it holds "
+                f"{len(store.keys())} variables where {optimizer.name} has {len(listed)}. It "
+                "was saved by another optimizer or model; start afresh in a new directory."
+            )
+        for i, variable in enumerate(listed):
+            variable.assign(store[str(i)])
+
+    for method in (_trackable_children, save_own_variables, load_own_variables):
+        object.__setattr__(optimizer, method.__name__, method)
 
 
 def _refuse_whole_slots(training: ShardedTraining) -> None:
