@@ -9,6 +9,7 @@ or with 1 and whole variables, must continue as that reference did.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -105,3 +106,31 @@ def test_a_job_saved_with_two_ps_resumes_with_another_number(reference, on_two_p
         restored = weights(tmp_path, f"{name}.restored")
         assert len(restored) > len(weights(reference, name))  # optimizer state included
         assert largest_difference(restored, weights(reference, f"{name}.epoch1")) <= 1e-6
+
+
+def test_the_exported_model_holds_whole_tensors_and_loads_without_tfdist(on_two_ps):
+    # The sharded run's model, saved with model.save, in a process that never imports tfdist.
+    script = (
+        "import sys, keras, numpy as np\n"
+        f"model = keras.saving.load_model({str(on_two_ps / 'sgd_momentum.keras')!r})\n"
+        "assert not any(m.startswith('tfdist') for m in sys.modules)\n"
+        f"np.savez({str(on_two_ps / 'loaded.npz')!r}, *[w.numpy() for w in model.trainable_weights])\n"
+        "print(model.get_layer('table').embeddings.shape)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(1000, 16)" in result.stdout
+    assert largest_difference(weights(on_two_ps, "loaded"), weights(on_two_ps, "sgd_momentum")) == 0
+
+
+def test_an_optimizer_that_needs_whole_variables_is_refused_with_the_fix(on_two_ps):
+    refused = json.loads((on_two_ps / "refused.json").read_text())
+    # keras's Lamb scales each update by the variable's whole norm; clipnorm clips by it.
+    assert refused["lamb"].startswith(
+        "model/table/embeddings (64,000 bytes) is split across the ps tasks in shards of up to "
+        "32,000 bytes, and Lamb updates each variable from all of its values"
+    ), refused
+    assert "--ps_min_shard_bytes) above 64000" in refused["lamb"]
+    assert "Use global_clipnorm or clipvalue instead of clipnorm" in refused["clipnorm"]

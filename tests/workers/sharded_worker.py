@@ -10,7 +10,9 @@ OUT/<name>.npz with the shapes and devices of its variables' shards in OUT/<name
 
 After the first epoch it keeps the state that resuming needs: the BackupAndRestore backup
 (OUT/backup-1/<name>), a tf.train.Checkpoint of model and optimizer (OUT/ckpt-1/<name>), and
-the values of both (OUT/<name>.epoch1.npz; the optimizer's as it saves them).
+the values of both (OUT/<name>.epoch1.npz; the optimizer's as it saves them). The SGD model
+is saved with model.save (OUT/sgd_momentum.keras), and what tfdist.fit says to optimizers
+that need whole variables is kept in OUT/refused.json.
 
 With RESUME_FROM (the OUT of an earlier run, perhaps with another number of ps tasks) the
 chief resumes each model from that run's first-epoch backup and trains the second epoch only;
@@ -119,6 +121,8 @@ def main(shard_bytes: int, out: str, resume_from: str | None) -> None:
             model, data(), epochs=2, steps_per_epoch=STEPS, callbacks=callbacks, verbose=0
         )
         np.savez(os.path.join(out, f"{name}.npz"), *[v.numpy() for v in model.trainable_variables])
+        if name == "sgd_momentum" and not resume_from:
+            model.save(os.path.join(out, f"{name}.keras"))
         if resume_from:
             checkpoint = tf.train.Checkpoint(model=model, optimizer=model.optimizer)
             checkpoint.read(os.path.join(resume_from, "ckpt-1", name, "ckpt")).assert_consumed()
@@ -131,6 +135,25 @@ def main(shard_bytes: int, out: str, resume_from: str | None) -> None:
                  "history": history.history},
                 f,
             )  # fmt: skip
+    if not resume_from:
+        refuse_whole_variable_optimizers(strategy, out)
+
+
+def refuse_whole_variable_optimizers(strategy, out: str) -> None:
+    """Writes what tfdist.fit says to optimizers that need whole variables (OUT/refused.json)."""
+    refused = {}
+    for name, optimizer in [
+        ("lamb", lambda: keras.optimizers.Lamb(0.01)),
+        ("clipnorm", lambda: keras.optimizers.SGD(0.1, clipnorm=1.0)),
+    ]:
+        with strategy.scope():
+            model = build(optimizer())
+        try:
+            tfdist.fit(model, data(), epochs=1, steps_per_epoch=1, verbose=0)
+        except tfdist.FitError as error:
+            refused[name] = str(error)
+    with open(os.path.join(out, "refused.json"), "w") as f:
+        json.dump(refused, f)
 
 
 if __name__ == "__main__":
