@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import inspect
 import itertools
 import logging
 import os
@@ -570,7 +571,66 @@ def _build_parameter_server(cluster: ClusterInfo | None, options: StrategyOption
             training.cluster_resolver(), variable_partitioner=partitioner
         )
     _WORKER_NAMES[strategy] = {f"{WORKER}:{n}": f"{WORKER}:{i}" for n, i in enumerate(present)}
+    _initialize_variables_from_the_chief(strategy)
     return strategy
+
+
+# Rows of an initial value sent to a ps in one message. tools/ps_bench.py, 1M x 64 table:
+# with 256 KiB pieces a ps held its shard plus ~10-25 MB when the variables were made; with
+# 16 MiB pieces, 1.5-2.5x its shard (the buffers of received pieces stay with the process).
+_INIT_PIECE_BYTES = 256 << 10
+
+
+def _initialize_variables_from_the_chief(strategy) -> None:
+    """Creates each variable on its ps as zeros, then sends its initial value in pieces.
+
+    Keras 3 hands TensorFlow an initial value as a callable without a shape. Left alone,
+    ParameterServerStrategy computes the value under the device scope of the variable's ps
+    (a whole variable: ~3x its size there at once) or, for a split variable, computes it
+    whole on the chief and takes each shard's rows on the shard's ps (the whole table then
+    travels to every ps, and each holds it: tools/ps_bench.py measured ~2.7x the table on
+    every ps, however many there were). Here the chief computes the value once (the same
+    values as before, so split and whole variables start alike) and sends each variable or
+    shard its own rows, in pieces of _INIT_PIECE_BYTES.
+    """
+    extended = strategy.extended
+    create = extended._create_variable
+
+    def _create_variable(next_creator, **kwargs):
+        initial = kwargs.get("initial_value")
+        if (
+            not callable(initial)
+            or kwargs.get("per_worker_variable")
+            or "colocate_with" in kwargs
+            or inspect.signature(initial).parameters  # restore-on-create, or shard-aware
+        ):
+            return create(next_creator, **kwargs)
+        value = tf.convert_to_tensor(initial(), dtype=kwargs.get("dtype"))
+        if value.shape.rank == 0:
+            kwargs["initial_value"] = value
+            return create(next_creator, **kwargs)
+
+        def zeros(partition_shape=None, partition_offset=None):
+            return tf.zeros(partition_shape or value.shape, value.dtype)  # made on the ps
+
+        kwargs.update(initial_value=zeros, shape=value.shape, dtype=value.dtype)
+        variable = create(next_creator, **kwargs)
+        parts = getattr(variable, "variables", None) or [variable]
+        row_bytes = max(1, value.shape[1:].num_elements() * value.dtype.size)
+        step = max(1, _INIT_PIECE_BYTES // row_bytes)
+        offset = 0
+        for part in parts:
+            rows = int(part.shape[0])
+            for start in range(0, rows, step):
+                end = min(rows, start + step)
+                rows_here = tf.IndexedSlices(
+                    value[offset + start : offset + end], tf.range(start, end, dtype=tf.int64)
+                )
+                part.scatter_update(rows_here)
+            offset += rows
+        return variable
+
+    extended._create_variable = _create_variable
 
 
 # ParameterServerStrategy -> {TensorFlow's name of a worker: its name in TF_CONFIG}.

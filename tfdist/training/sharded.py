@@ -11,8 +11,9 @@ no attribute 'handle'"). tfdist's parameter-server runner trains such a model th
   and each update runs there (the strategy colocates it with the shard);
 - the forward pass reads a sharded variable through TensorFlow: an embedding lookup (Keras's
   `ops.take` along axis 0, which `Embedding` uses) gathers the batch's rows on the ps tasks
-  that hold them, so a worker never fetches a whole table; any other use (a `Dense` kernel)
-  reads the whole variable, its shards concatenated;
+  that hold them, so a worker never fetches a whole table (a table kept whole on one ps is
+  gathered there too); any other use (a `Dense` kernel) reads the whole variable, its
+  shards concatenated;
 - gradients are taken with respect to the shards (row slices, for a lookup) and applied to
   them, so the model's own variables stay the ones Keras saves and exports.
 
@@ -120,8 +121,8 @@ class ShardedTraining:
         return id(variable) in self._shard_ids
 
     def lookups(self):
-        """While tracing a step: lookups into a sharded table read only the batch's rows."""
-        return sharded_lookups() if self._parts else contextlib.nullcontext()
+        """While tracing a step: lookups into a table on the ps read only the batch's rows."""
+        return sharded_lookups()
 
 
 class _SavedWhole:
@@ -379,20 +380,30 @@ def _refuse_whole_slots(training: ShardedTraining) -> None:
         )
 
 
+def _on_a_ps(x) -> list[tf.Variable] | None:
+    """[the variable] if x is a whole variable held by a ps task, else None."""
+    value = x.value if isinstance(x, keras.Variable) else x
+    if isinstance(value, tf.Variable) and "/job:ps/" in (value.device or ""):
+        return [value]
+    return None
+
+
 @contextlib.contextmanager
 def sharded_lookups() -> Iterator[None]:
-    """Makes Keras's `ops.take(table, ids, axis=0)` gather from a sharded table's shards.
+    """Makes Keras's `ops.take(table, ids, axis=0)` gather on the ps tasks holding the table.
 
     `tf.nn.embedding_lookup` over the shards ('div' layout: the first shards take the extra
     rows, as ShardedVariable lays them out) gathers each id's row on the ps holding it; its
-    gradient is a row slice of that shard. Other calls go to Keras unchanged. Only the
-    tracing of a step is meant to run inside (the graph keeps the lookups).
+    gradient is a row slice of that shard. A whole table on a ps is gathered there too (Keras
+    alone would read all of it into the worker every step). Other calls go to Keras
+    unchanged. Only the tracing of a step is meant to run inside (the graph keeps the
+    lookups).
     """
     original = keras_tf_numpy.take
 
     def take(x, indices, axis=None):
-        shards = shards_of(x) if axis == 0 else None
-        if shards is None:
+        shards = (shards_of(x) or _on_a_ps(x)) if axis == 0 else None
+        if not shards:
             return original(x, indices, axis=axis)
         indices = tf.convert_to_tensor(indices)
         rows = sum(int(shard.shape[0]) for shard in shards)
