@@ -4,7 +4,8 @@
       python -m tests.workers.sharded_worker SHARD_BYTES OUT [RESUME_FROM]
 
 Every task runs it; the workers and ps serve, the chief builds the strategy with
-`ps_min_shard_bytes=SHARD_BYTES` (0: whole variables), trains one model per optimizer with
+`ps_min_shard_bytes=SHARD_BYTES` (0: whole variables; "own:N": the user's own
+ParameterServerStrategy with a MinSizePartitioner of N bytes, not tfdist's builder), trains one model per optimizer with
 tfdist.fit for two epochs on fixed data in a fixed order, and writes each model's weights to
 OUT/<name>.npz with the shapes and devices of its variables' shards in OUT/<name>.json.
 
@@ -99,13 +100,22 @@ def shards(variable) -> list[dict]:
     return [{"shape": list(part.shape), "device": part.device} for part in parts]
 
 
-def main(shard_bytes: int, out: str, resume_from: str | None) -> None:
+def main(shard_bytes: str, out: str, resume_from: str | None) -> None:
     cluster = tfdist.cluster_from_environment()
     if tfdist.serve_if_needed(cluster):
         return
-    strategy = tfdist.build_strategy(
-        "parameter_server", cluster=cluster, ps_min_shard_bytes=shard_bytes
-    )
+    if shard_bytes.startswith("own:"):  # the user's own strategy and partitioner
+        partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+            min_shard_bytes=int(shard_bytes[4:]), max_shards=cluster.num_ps
+        )
+        strategy = tf.distribute.experimental.ParameterServerStrategy(
+            tf.distribute.cluster_resolver.TFConfigClusterResolver(),
+            variable_partitioner=partitioner,
+        )
+    else:
+        strategy = tfdist.build_strategy(
+            "parameter_server", cluster=cluster, ps_min_shard_bytes=int(shard_bytes)
+        )
     os.makedirs(out, exist_ok=True)
     names = ["sgd_momentum", "adam"] if resume_from else list(OPTIMIZERS)
     for name in names:
@@ -157,4 +167,4 @@ def refuse_whole_variable_optimizers(strategy, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
+    main(sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None)
