@@ -329,7 +329,8 @@ def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(
 
     summary = json.loads((model_dir / "summary.json").read_text())
     assert summary["steps"] == 60
-    assert 0 < summary["resumed_from_step"] < 60 and summary["resumed_from_step"] % 4 == 0
+    # A kill after the last checkpoint (the delay is random, the run short) resumes at 60.
+    assert 0 < summary["resumed_from_step"] <= 60 and summary["resumed_from_step"] % 4 == 0
 
     reference = Trainer(
         TrainConfig(data_dir=str(data_dir), **EXACT),
