@@ -16,7 +16,7 @@ import tfdist
 from tfdist import signals
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
-from tfdist.exit_codes import EXIT_PREEMPTED, restartable_exit_code
+from tfdist.exit_codes import EXIT_PREEMPTED, EXIT_USAGE, restartable_exit_code
 from tfdist.strategies import (
     ALL_REDUCE_CHOICES,
     COLLECTIVE_CHOICES,
@@ -131,14 +131,26 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
     return cluster, strategy
 
 
-EXIT_USAGE = 2
-
-
 def setup_logging() -> None:
     """Shows tfdist's INFO lines; TensorFlow (which logs through absl) only from WARNING up."""
     absl_logging.set_verbosity(absl_logging.WARNING)
     logging.getLogger("tfdist").setLevel(logging.INFO)
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
+
+
+def run(main: Callable[[list[str]], None]) -> None:
+    """absl's app.run with tfdist's errors: a flag mistake or a TfdistError is one line,
+    `error: ...`, and exit code 2 (EXIT_USAGE), which the launcher never restarts."""
+    app.run(friendly_errors(main), flags_parser=parse_flags)
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with its errors as one `error:` line and exit code 2."""
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        print(f"error: {e}. Run with --help to see the flags.", file=sys.stderr, flush=True)
+        sys.exit(EXIT_USAGE)
 
 
 def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 
-from absl import app, flags
+from absl import flags
 
 from experiments import common
 from tfdist.data import PipelineOptions, distribute_dataset, prepare_digits, tfrecord_dataset
@@ -55,4 +55,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(common.friendly_errors(main))
+    common.run(main)

@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from sklearn.datasets import load_digits  # noqa: E402
 
 import tfdist  # noqa: E402
@@ -103,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(common.friendly_errors(main))
+    common.run(main)

@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # Ray's workers inherit it
 import keras  # noqa: E402
 import ray  # noqa: E402
 import ray.train  # noqa: E402
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from ray.train.tensorflow import TensorflowTrainer  # noqa: E402
 
 import tfdist.ray  # noqa: E402
@@ -140,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(common.friendly_errors(main))
+    common.run(main)

@@ -22,7 +22,7 @@ if __name__ == "__main__":
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 
 from experiments import common  # noqa: E402
 from tfdist.training import run_smoke_steps  # noqa: E402
@@ -52,4 +52,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(common.friendly_errors(main))
+    common.run(main)

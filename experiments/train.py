@@ -301,11 +301,13 @@ def main(argv: list[str]) -> None:
             cluster.task_name.replace(":", "_") if cluster else "local",
         )
     if cluster is None or cluster.is_chief:
-        accuracy = "n/a" if result.eval_accuracy is None else f"{result.eval_accuracy:.4f}"
+        figure = lambda value, spec: "n/a" if value is None else format(value, spec)  # noqa: E731
         print(
             f"final: {result.strategy}, {result.replicas} replica(s), {result.steps} steps of "
-            f"{result.global_batch_size}: train loss {result.train_loss:.4f}, test accuracy "
-            f"{accuracy}, {result.examples_per_second:.0f} examples/s, {result.wall_seconds:.1f} s",
+            f"{result.global_batch_size}: train loss {figure(result.train_loss, '.4f')}, test "
+            f"accuracy {figure(result.eval_accuracy, '.4f')}, "
+            f"{figure(result.examples_per_second, '.0f')} examples/s, "
+            f"{result.wall_seconds:.1f} s",
             flush=True,
         )
         log.debug("%s", dataclasses.asdict(result))
@@ -313,4 +315,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    app.run(common.friendly_errors(main))
+    common.run(main)

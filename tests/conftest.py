@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -40,6 +41,27 @@ def run_module(
         text=True,
         timeout=timeout,
     )
+
+
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def records_are_strict_json(tmp_path_factory):
+    """After the session: every summary.json and .jsonl file a test wrote is strict JSON."""
+    yield
+    problems = []
+    for path in sorted(tmp_path_factory.getbasetemp().rglob("*")):
+        if path.name != "summary.json" and path.suffix != ".jsonl":
+            continue
+        lines = path.read_text().splitlines() if path.suffix == ".jsonl" else [path.read_text()]
+        for line in lines:
+            try:
+                json.loads(line, parse_constant=_not_json)
+            except ValueError as error:
+                problems.append(f"{path}: {error}")
+    assert not problems, "\n".join(problems[:20])
 
 
 @pytest.fixture

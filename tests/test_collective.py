@@ -222,12 +222,36 @@ def test_ring_matches_tensorflows_all_reduce(workers):
         assert case["diff"] <= TOLERANCE[case["dtype"]] * max(case["scale"], 1.0), case
         assert case["naive_diff"] <= TOLERANCE[case["dtype"]] * max(case["scale"], 1.0), case
     fused = results(result.stdout, "FUSED_RESULT ")
-    assert len(fused) == workers * 3 * 3  # ranks x bucket sizes x compressions
+    assert len(fused) == workers * 2 * 3 * 3  # ranks x eager/traced x buckets x compressions
     for case in fused:
         assert case["same_layout"], case
         for dtype, diff, scale in zip(case["dtypes"], case["diffs"], case["scales"], strict=True):
             wire = case["compression"] if dtype == "float32" and case["compression"] else dtype
             assert diff <= TOLERANCE[wire] * max(scale, 1.0), case
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [2, 3])
+def test_the_binary_trains_with_the_unfused_ring_as_with_the_default(tmp_path_factory, workers):
+    # Fusion off: every gradient has a ring of its own, all in flight at once in the step,
+    # and rings of one shape (the cnn's last convolution and its Dense layer both have 128
+    # biases) must not share instance keys.
+    data_dir = tmp_path_factory.getbasetemp() / "ring_data"
+    weights = {}
+    for name, options in (("default", []), ("ring", ["--all_reduce=ring", "--fusion_mb=0"])):
+        out = tmp_path_factory.mktemp(name)
+        result = run_module(
+            "tools.launch", "--workers", str(workers), "--timeout", "240", "--",
+            sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored",
+            "--model=cnn", "--epochs=1", "--steps_per_epoch=4", "--eval_every=0",
+            "--global_batch_size=60",
+            f"--data_dir={data_dir}", f"--save_weights_to={out}", *options, timeout=300,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-3000:]
+        saved = np.load(out / "worker_0.npz")
+        weights[name] = [saved[k] for k in saved.files]
+    assert "fusion into no buckets" in result.stdout
+    assert max(np.abs(a - b).max() for a, b in zip(*weights.values(), strict=True)) <= 1e-5
 
 
 @pytest.mark.multiprocess

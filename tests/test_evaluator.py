@@ -96,12 +96,13 @@ def test_skips_a_partial_and_a_vanished_checkpoint_and_stops_at_the_final_step(
     assert any(p.name.startswith("events.out.tfevents") for p in (run_dir / "logs/eval").iterdir())
 
     # A restarted evaluator finds step 4 in eval.jsonl and evaluates nothing twice; a line
-    # its predecessor was killed in the middle of is ended, so the next one starts afresh.
+    # its predecessor was killed in the middle of is removed, so the file stays JSON lines.
     with open(run_dir / "eval.jsonl", "a") as f:
         f.write('{"step": 9, "eval_lo')
-    assert evaluate_checkpoints(config, poll_seconds=0.1, timeout_seconds=30) == []
-    with open(run_dir / "eval.jsonl") as f:
-        assert f.read().endswith('}\n{"step": 9, "eval_lo\n')
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        assert evaluate_checkpoints(config, poll_seconds=0.1, timeout_seconds=30) == []
+    assert "Removed 1 line(s) of" in caplog.text and '{"step": 9, "eval_lo' in caplog.text
+    assert read_jsonl(run_dir / "eval.jsonl") == lines
 
 
 def test_evaluates_a_run_on_a_non_local_filesystem(trained, data_dir):

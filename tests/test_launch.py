@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_module
 from tfdist import exit_codes
 from tfdist.cluster import parse_tf_config
 from tools import launch
@@ -607,6 +608,37 @@ def test_a_task_that_always_fails_uses_up_the_restarts_and_sets_the_exit_code(tm
     assert lines[-1] == f"{cause}; no restarts left (--max_restarts 2)"
     assert attempts(tmp_path, "worker-0") == attempts(tmp_path, "worker-1") == 3
     assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_task_that_exits_with_a_usage_error_is_never_restarted(tmp_path):
+    command = task_command(tmp_path, 2, {"worker-1": "exit:2", "*": ["sleep", "exit:0"]})
+
+    result, _ = run_launch(launch_argv("--workers", "2", "--max_restarts", "2", command=command))
+
+    assert result.returncode == exit_codes.EXIT_USAGE, result.stdout + result.stderr
+    cause = "[launch] worker:1 stopped on a usage error (exit code 2: see its error line)"
+    assert launch_lines(result.stdout)[-1] == (
+        f"{cause}; a restart cannot fix the command, so not restarting"
+    )
+    assert attempts(tmp_path, "worker-1") == 1
+
+
+@pytest.mark.multiprocess
+def test_the_binarys_flag_error_ends_a_parameter_server_job_without_restarts():
+    result = run_module(
+        "tools.launch", "--chief", "--workers", "1", "--ps", "1", "--max_restarts", "2",
+        "--", sys.executable, "-m", "experiments.train", "--strategy=parameter_server",
+        "--epochs=0", timeout=120,
+    )  # fmt: skip
+    assert result.returncode == exit_codes.EXIT_USAGE, result.stdout[-3000:]
+    errors = [line for line in result.stdout.splitlines() if "error:" in line]
+    assert errors and all(
+        line.endswith("error: flag --epochs=0: 0 is not a positive integer. Run with --help to "
+                      "see the flags.") for line in errors
+    ), errors  # fmt: skip
+    assert "a restart cannot fix the command, so not restarting" in result.stdout
+    assert "restarting the job" not in result.stdout and "cannot survive" not in result.stdout
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.parametrize(("max_restarts", "exit_code"), [(1, 0), (0, exit_codes.EXIT_PREEMPTED)])

@@ -26,6 +26,11 @@ from tfdist.errors import TfdistError
 # or not; a code below 128 can never be mistaken for a death by signal.
 EXIT_PREEMPTED = 42
 
+# "The command was wrong": a flag error, an invalid or contradictory option, a layout that
+# cannot work. What argparse and POSIX utilities exit with. A restart cannot cure it, so the
+# launcher never restarts a task that exits with it.
+EXIT_USAGE = 2
+
 # Kubeflow's TFJob restartPolicy "ExitCode" recreates a pod that exits 128-255 and fails the
 # whole job on 1-127. A failure a restart cures (a preemption with state saved, a lost peer,
 # an unreachable parameter server) must then exit 128 or more: the environment variable below

@@ -78,7 +78,10 @@ class StrategyOptions:
         in that dtype (half the bytes, sums at that precision).
       collective: multi_worker_mirrored's collective implementation: 'auto', 'ring', 'nccl'.
       collective_timeout: seconds a multi-worker collective may wait for its peers before it
-        fails (TensorFlow waits forever by default).
+        fails (TensorFlow waits forever by default). TensorFlow keeps a watchdog thread per
+        collective op for this long, so a step with many all-reduces (the ring without
+        fusion) adds threads faster than they end: keep it short, or rely on
+        heartbeat_timeout, which detects a dead peer at no such cost.
       startup_timeout: seconds a multi_worker_mirrored task waits for every chief and worker
         task (a parameter_server chief: for every worker and ps) to start before failing with
         an error naming the missing ones; None waits forever (TensorFlow's default).

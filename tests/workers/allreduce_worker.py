@@ -3,7 +3,8 @@ against TensorFlow's all-reduce.
 
 Prints one line "ALLREDUCE_RESULT {json}" per case: the largest difference between the
 results (0 for integers means bit-exact). Then "FUSED_RESULT {json}" lines for a list of
-mixed tensors all-reduced with fusion, with and without compression. With --mismatch, rank 0
+mixed tensors all-reduced with fusion on and off, with and without compression, called
+eagerly and from a tf.function (a training step: there the rings run concurrently). With --mismatch, rank 0
 passes a longer tensor than the others, and the line reports the error each rank got instead.
 """
 
@@ -35,13 +36,13 @@ def max_abs_diff(a, b) -> float:
 
 def main() -> None:
     cluster = tfdist.parse_tf_config()
-    strategy = tfdist.build_strategy(
-        "multi_worker_mirrored", cluster=cluster, collective_timeout=60
-    )
+    # No collective timeouts: TensorFlow keeps a thread asleep for the timeout after every
+    # collective op given one, and these cases run thousands of ops in seconds.
+    strategy = tfdist.build_strategy("multi_worker_mirrored", cluster=cluster)
     rank, ranks = cluster.task_index, cluster.num_workers
     # Tiny pieces, so even these short tensors go through several concurrent rings.
-    ring = ProcessRing(rank=rank, ranks=ranks, timeout_seconds=60, min_piece_bytes=16)
-    naive = GatherBroadcast(rank=rank, ranks=ranks, timeout_seconds=60)
+    ring = ProcessRing(rank=rank, ranks=ranks, min_piece_bytes=16)
+    naive = GatherBroadcast(rank=rank, ranks=ranks)
     if "--mismatch" in sys.argv:
         try:
             ring.all_reduce(tf.ones([12 if rank == 0 else 11]))
@@ -96,7 +97,8 @@ def main() -> None:
 def fused_cases(strategy, ring, rank):
     """A model's worth of mixed tensors through fusion, against one built-in all-reduce each."""
     rng = np.random.default_rng(100 + rank)
-    shapes = [(3, 3, 1, 8), (8,), (), (0,), (17, 5), (5,), (4, 4)]
+    # Shapes that repeat, as a model's do: unfused, their rings run at once in a traced step.
+    shapes = [(3, 3, 1, 8), (8,), (), (0,), (17, 5), (5,), (4, 4), (8,), (17, 5)]
     tensors = [tf.constant(rng.normal(size=s), tf.float32) for s in shapes]
     tensors.insert(2, tf.constant(rng.integers(-50, 50, size=(6,)), tf.int64))
 
@@ -110,18 +112,29 @@ def fused_cases(strategy, ring, rank):
         )
 
     expected = [builtin(t) for t in tensors]
-    for bucket_bytes in (0, 64, 1 << 20):
-        for compression in (None, "float16", "bfloat16"):
-            got = ring.all_reduce_many(tensors, bucket_bytes=bucket_bytes, compression=compression)
-            case = {
-                "rank": rank, "bucket_bytes": bucket_bytes, "compression": compression,
-                "same_layout": [(g.dtype.name, g.shape.as_list()) for g in got]
-                == [(t.dtype.name, t.shape.as_list()) for t in tensors],
-                "diffs": [max_abs_diff(g, e) for g, e in zip(got, expected, strict=True)],
-                "scales": [max_abs_diff(e, tf.zeros_like(e)) for e in expected],
-                "dtypes": [t.dtype.name for t in tensors],
-            }  # fmt: skip
-            print("FUSED_RESULT " + json.dumps(case), flush=True)
+    for traced in (False, True):
+        for bucket_bytes in (0, 64, 1 << 20):
+            for compression in (None, "float16", "bfloat16"):
+
+                def reduce(values, bucket_bytes=bucket_bytes, compression=compression):
+                    return ring.all_reduce_many(
+                        values, bucket_bytes=bucket_bytes, compression=compression
+                    )
+
+                got = (tf.function(reduce) if traced else reduce)(tensors)
+                case = {"rank": rank, "traced": traced, "bucket_bytes": bucket_bytes,
+                        "compression": compression, **compare(got, tensors, expected)}  # fmt: skip
+                print("FUSED_RESULT " + json.dumps(case), flush=True)
+
+
+def compare(got, tensors, expected) -> dict:
+    return {
+        "same_layout": [(g.dtype.name, g.shape.as_list()) for g in got]
+        == [(t.dtype.name, t.shape.as_list()) for t in tensors],
+        "diffs": [max_abs_diff(g, e) for g, e in zip(got, expected, strict=True)],
+        "scales": [max_abs_diff(e, tf.zeros_like(e)) for e in expected],
+        "dtypes": [t.dtype.name for t in tensors],
+    }  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -13,9 +13,11 @@ once, and the next step starts as soon as its chunk has arrived.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import re
+import weakref
 from collections.abc import Sequence
 
 import tensorflow as tf
@@ -52,6 +54,8 @@ class _PointToPointAllReduce:
         self._group_base = group_key_base
         self._programs: dict[tuple, tf.types.experimental.ConcreteFunction] = {}
         self._next_program = itertools.count()
+        # Graph being traced -> how many all-reduces of each signature it already holds.
+        self._uses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def all_reduce(self, tensor: tf.Tensor, reduction: str = "sum") -> tf.Tensor:
         """The element-wise sum (or mean) of `tensor` over every rank, on every rank.
@@ -108,7 +112,15 @@ class _PointToPointAllReduce:
         return [mean_of_sum(t, self.ranks) for t in summed] if reduction == "mean" else summed
 
     def _program(self, length: int, dtype: tf.DType, reduction: str):
-        signature = (length, dtype, reduction)
+        # Calls in one traced graph run concurrently (a step's gradients, fusion off), and two
+        # transfers in flight under the same instance key collide ("BufRendezvous::ProvideBuf
+        # already called"): the n-th call of a signature in a graph gets the n-th program of
+        # that signature, keys of its own. Eager calls run one after another and share one.
+        signature = (length, dtype, reduction, 0)
+        if not tf.executing_eagerly():
+            uses = self._uses.setdefault(tf.compat.v1.get_default_graph(), collections.Counter())
+            signature = (length, dtype, reduction, uses[signature[:3]])
+            uses[signature[:3]] += 1
         if signature not in self._programs:
             # Ranks build programs in the same order, so they agree on each one's keys.
             first_key = next(self._next_program) * _KEYS_PER_PROGRAM + 1

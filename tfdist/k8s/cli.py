@@ -42,6 +42,7 @@ from typing import Any, NoReturn
 import yaml
 
 from tfdist.errors import TfdistError
+from tfdist.exit_codes import EXIT_USAGE
 from tfdist.k8s.job import DEFAULT_PORT, EXAMPLE_COMMAND, Resources, TrainingJob
 from tfdist.k8s.jobset import DEFAULT_MAX_RESTARTS, jobset_manifest, jobset_tf_configs
 from tfdist.k8s.tfjob import DEFAULT_RESTART_POLICY, RESTART_POLICIES, tfjob_manifest
@@ -49,7 +50,6 @@ from tfdist.k8s.tfjob_operator import operator_tf_configs
 from tfdist.layout import Layout
 
 PROG = "tfdist-k8s"
-EXIT_USAGE = 2
 
 _TFJOB_HELP = """\
 Write a Kubeflow TFJob: the training-operator starts one pod per replica and writes each

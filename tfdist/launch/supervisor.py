@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import BinaryIO
 
-from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
+from tfdist.exit_codes import EXIT_PREEMPTED, EXIT_USAGE, RESTART_COUNT_ENV
 from tfdist.launch.plan import (
     Task,
     UsageError,
@@ -23,7 +23,6 @@ from tfdist.launch.plan import (
     tf_config_for,
 )
 
-EXIT_USAGE = 2
 EXIT_TIMEOUT = 124  # what coreutils `timeout` returns, so scripts can tell the two apart
 EXIT_NO_EXEC, EXIT_NOT_FOUND = 126, 127  # the shell's codes for a command it cannot run / find
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -62,6 +61,8 @@ def _failure(returncode: int, *, with_code: bool = False) -> str:
     # `with_code` also names the exit code a shell would report for a death by signal.
     if returncode == EXIT_PREEMPTED:
         return f"was preempted (state saved, exit code {returncode})"
+    if returncode == EXIT_USAGE:
+        return f"stopped on a usage error (exit code {returncode}: see its error line)"
     if returncode < 0 and with_code:
         return f"failed with exit code {_exit_code(returncode)} ({_signal_name(-returncode)})"
     if returncode < 0:
@@ -209,6 +210,9 @@ class Launcher:
         if self._signals:  # it came while the tasks were being stopped
             self._say(f"received {_signal_name(self._signals[0])}; not restarting")
             return code
+        if returncode == EXIT_USAGE:  # the command is wrong: every restart would fail alike
+            self._say(f"{cause}; a restart cannot fix the command, so not restarting")
+            return code
         if self._restarts == self._max_restarts:
             if self._max_restarts:
                 self._say(f"{cause}; no restarts left (--max_restarts {self._max_restarts})")
@@ -286,7 +290,11 @@ class Launcher:
                 if proc.returncode == 0 and task not in self._serving:
                     continue
                 self._readers[task].join(1.0)  # its last lines (a traceback?) come first
-                restart = task in workers and self._worker_failure == "restart"
+                restart = (
+                    task in workers
+                    and self._worker_failure == "restart"
+                    and proc.returncode != EXIT_USAGE
+                )
                 if restart and self._restart_in_place(task, proc.returncode):
                     exited.discard(task)
                     continue

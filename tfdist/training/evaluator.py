@@ -29,6 +29,7 @@ import tensorflow as tf
 
 from tfdist import signals
 from tfdist.errors import TfdistError
+from tfdist.storage import strict_json, write_atomically
 from tfdist.strategies import build_strategy
 from tfdist.training.checkpoints import CHECKPOINT_SUBDIR
 from tfdist.training.config import TrainConfig
@@ -59,7 +60,7 @@ class EvalRecord:
     checkpoint: str
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+        return strict_json(dataclasses.asdict(self), what=EVAL_FILE)
 
 
 def evaluate_checkpoints(
@@ -291,25 +292,30 @@ def _training_finished(model_dir: str, epochs: int) -> bool:
 
 
 def _resume_eval_file(model_dir: str) -> int:
-    """The newest step in model_dir/eval.jsonl (-1 if none); ends a line a crash cut short.
+    """The newest step in model_dir/eval.jsonl (-1 if none); drops a line a crash cut short.
 
-    An evaluator killed while appending leaves a line without its newline; the next record
-    must not be glued to it.
+    An evaluator killed while appending leaves a torn line: it is removed (the file stays
+    JSON, line by line) with a warning, and its step is evaluated again.
     """
     path = os.path.join(model_dir, EVAL_FILE)
     if not tf.io.gfile.exists(path):
         return -1
     with tf.io.gfile.GFile(path) as f:
         text = f.read()
-    if text and not text.endswith("\n"):
-        with tf.io.gfile.GFile(path, "a") as f:
-            f.write("\n")
-    steps = [-1]
+    steps, kept, torn = [-1], [], []
     for line in text.splitlines():
         try:
             steps.append(int(json.loads(line)["step"]))
+            kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):  # the line cut short
-            continue
+            torn.append(line)
+    if torn or (text and not text.endswith("\n")):
+        if torn:
+            log.warning(
+                "Removed %d line(s) of %s that a crash cut short: %s",
+                len(torn), path, "; ".join(line[:60] for line in torn),
+            )  # fmt: skip
+        write_atomically(path, "".join(kept))
     return max(steps)
 
 

@@ -11,7 +11,6 @@ closures, staleness, surviving a dead worker) lives in fit's runners, not here.
 from __future__ import annotations
 
 import logging
-import math
 import sys
 import time
 
@@ -24,6 +23,7 @@ from tfdist.data.distribute import PAD_LABEL, first_description, pad_to_whole_st
 from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
 from tfdist.peers import explain_peer_error
+from tfdist.storage import check_writable_directory
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training import fit as fit_module
 from tfdist.training import sharded
@@ -100,6 +100,8 @@ class Trainer:
         if config.model_dir is not None:
             paths["model_dir"] = config.model_dir
         check_tpu_node_paths(tpu_node_address(strategy), paths)
+        if config.model_dir is not None:
+            check_writable_directory(config.model_dir, name="model_dir")
         # TPUs compile a program per input shape, so evaluation pads its last batches.
         self.static_shapes = strategy_kind(strategy) == "tpu"
         if self.static_shapes and self.is_chief:
@@ -166,8 +168,6 @@ class Trainer:
             is_chief=self.is_chief,
             max_to_keep=config.max_checkpoints,
         )
-        # (steps, start, end) of each epoch's training steps, in perf_counter seconds.
-        self.epoch_timings: list[tuple[int, float, float]] = []
         self.reporter = Reporter(
             is_chief=self.is_chief,
             model_dir=config.model_dir,
@@ -327,10 +327,13 @@ class Trainer:
         step = max(start_step, checkpoints.step)
         if start_step >= self.total_steps:
             log.info("Already trained %d of %d steps; nothing to do", start_step, self.total_steps)
-        history = report.history
+        # The run's record: this session's epochs and those of earlier sessions (a resume,
+        # a re-run), which a session with nothing left to train keeps.
+        record = self.reporter.run_record()
+        history = record.history
         last = history[-1] if history else {}
         eval_metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-        if not history:  # nothing left to train: still report where the run stands
+        if not report.history:  # nothing trained now: evaluate where the run stands
             logs = fit_module.evaluate(
                 self.model, self._validation_fn, verbose=0, return_dict=True,
                 strategy=self.strategy,
@@ -344,14 +347,20 @@ class Trainer:
             steps=step,
             epochs=self.config.epochs,
             resumed_from_step=start_step,
-            train_loss=last.get("train_loss", math.nan),
-            train_accuracy=last.get("train_accuracy", math.nan),
+            train_loss=last.get("train_loss"),
+            train_accuracy=last.get("train_accuracy"),
             eval_loss=eval_metrics.get("eval_loss"),
             eval_accuracy=eval_metrics.get("eval_accuracy"),
-            examples_per_second=self._examples_per_second(),
+            examples_per_second=record.examples_per_second(self.config.global_batch_size),
             wall_seconds=time.perf_counter() - start,
             **self._staleness_summary(step),
-            history=tuple(history),
+            history=history,
+            steps_trained=record.steps_trained,
+            train_seconds=record.train_seconds,
+            resume_points=tuple(record.resume_points),
+            sessions=tuple(
+                {k: v for k, v in s.items() if k != "epoch_timings"} for s in record.sessions
+            ),
         )
         self.reporter.finish(result, self.model)
         return result
@@ -368,19 +377,6 @@ class Trainer:
                 applied - step, applied, step,
             )  # fmt: skip
         return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
-
-    def _examples_per_second(self) -> float:
-        """Training throughput over the epochs' steps, evaluation and checkpoints excluded.
-
-        The first epoch is left out when there are others: its time includes tracing.
-        """
-        epochs = self.epoch_timings[1:] or self.epoch_timings
-        seconds = sum(end - start for _, start, end in epochs)
-        return (
-            sum(n for n, _, _ in epochs) * self.config.global_batch_size / seconds
-            if seconds
-            else math.nan
-        )
 
 
 def _sums(per_example_loss, logits, labels, weights=None):

@@ -11,21 +11,88 @@ import json
 import logging
 import os
 import sys
+import time
 
 import keras
 import tensorflow as tf
 
-from tfdist.storage import write_atomically
+from tfdist.storage import strict_json, write_atomically
 
 log = logging.getLogger(__name__)
 
 LOG_SUBDIR = "logs"
 SUMMARY_FILE = "summary.json"
+# One line per epoch trained, by every session of the run (resumes and re-runs alike): what
+# summary.json's history and totals are made from, kept even when a session is killed.
+HISTORY_FILE = "history.jsonl"
+# Fields of a history.jsonl line that describe its session rather than the epoch.
+_SESSION_FIELDS = ("session", "resumed_from_step", "steps_trained", "train_seconds")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """What every session of a run trained, from model_dir/history.jsonl."""
+
+    # One entry per epoch (the newest session's, where an epoch was trained again after a
+    # resume), in epoch order.
+    history: tuple[dict, ...]
+    # Per session that trained: when it started, the step it resumed from, the epochs it
+    # trained and their steps and seconds.
+    sessions: tuple[dict, ...]
+
+    @property
+    def resume_points(self) -> list[int]:
+        return sorted({s["resumed_from_step"] for s in self.sessions if s["resumed_from_step"]})
+
+    @property
+    def steps_trained(self) -> int:
+        return sum(s["steps_trained"] for s in self.sessions)
+
+    @property
+    def train_seconds(self) -> float:
+        return sum(s["train_seconds"] for s in self.sessions)
+
+    def examples_per_second(self, global_batch_size: int) -> float | None:
+        """Over every session's epochs, each session's first left out where it has others
+        (its time includes tracing)."""
+        steps = seconds = 0.0
+        for session in self.sessions:
+            epochs = session["epoch_timings"]
+            for n, t in epochs[1:] or epochs:
+                steps, seconds = steps + n, seconds + t
+        return steps * global_batch_size / seconds if seconds > 0 else None
+
+
+def read_run_record(lines: list[dict]) -> RunRecord:
+    """The run's history and sessions from history.jsonl's lines (oldest first)."""
+    by_epoch: dict[int, dict] = {}
+    sessions: dict[str, dict] = {}
+    for line in lines:
+        epoch = {k: v for k, v in line.items() if k not in _SESSION_FIELDS}
+        by_epoch[line["epoch"]] = epoch
+        session = sessions.setdefault(
+            line["session"],
+            {"started": line["session"], "resumed_from_step": line["resumed_from_step"],
+             "epochs": [], "steps_trained": 0, "train_seconds": 0.0, "epoch_timings": []},
+        )  # fmt: skip
+        session["epochs"].append(line["epoch"])
+        session["steps_trained"] += line["steps_trained"]
+        session["train_seconds"] += line["train_seconds"]
+        session["epoch_timings"].append((line["steps_trained"], line["train_seconds"]))
+    return RunRecord(
+        history=tuple(by_epoch[e] for e in sorted(by_epoch)), sessions=tuple(sessions.values())
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
-    """The outcome of a training run, as the chief writes it to summary.json."""
+    """The outcome of a training run, as the chief writes it to summary.json.
+
+    A run is every session that trained in one model_dir: the first, and each resume or
+    re-run. The history and the totals cover them all (a re-run with nothing left to train
+    keeps what was recorded); the configuration, resumed_from_step and wall_seconds are this
+    session's. Metrics that are not finite are null.
+    """
 
     strategy: str
     replicas: int
@@ -34,11 +101,11 @@ class TrainResult:
     steps: int
     epochs: int
     resumed_from_step: int
-    train_loss: float
-    train_accuracy: float
+    train_loss: float | None
+    train_accuracy: float | None
     eval_loss: float | None
     eval_accuracy: float | None
-    examples_per_second: float
+    examples_per_second: float | None
     wall_seconds: float
     # Parameter-server training only (None for synchronous strategies, whose updates are
     # never stale): staleness over this run's updates, and the updates that reached the
@@ -47,13 +114,18 @@ class TrainResult:
     staleness_mean: float | None = None
     staleness_max: int | None = None
     applied_updates: int | None = None
-    # One dict per epoch this run trained (a resumed run: the epochs since it resumed): the
-    # epoch's metrics as logged (train_loss, train_accuracy, eval_* when evaluated, ...)
-    # with its "epoch" number (from 1) and the "step" it ended on; e.g. a learning curve.
+    # One dict per epoch of the run, across resumes: the epoch's metrics as logged
+    # (train_loss, train_accuracy, eval_* when evaluated, ...) with its "epoch" number (from
+    # 1) and the "step" it ended on; e.g. a learning curve.
     history: tuple[dict[str, float], ...] = ()
+    # Totals over every session of the run, and the steps sessions resumed from.
+    steps_trained: int = 0
+    train_seconds: float = 0.0
+    resume_points: tuple[int, ...] = ()
+    sessions: tuple[dict, ...] = ()
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2)
+        return strict_json(dataclasses.asdict(self), what=SUMMARY_FILE, indent=2)
 
 
 class Reporter:
@@ -66,6 +138,9 @@ class Reporter:
         self.epochs = epochs
         self._bar = None
         self._writer = None
+        self.session = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self.resumed_from_step = 0
+        self._lines: list[dict] = []  # this session's history.jsonl lines (every task)
         if self.model_dir:
             self._writer = tf.summary.create_file_writer(os.path.join(self.model_dir, LOG_SUBDIR))
 
@@ -81,9 +156,22 @@ class Reporter:
         if self._bar is not None:
             self._bar.update(done_in_epoch, values=[("loss", loss), ("accuracy", accuracy)])
 
-    def end_epoch(self, epoch: int, step: int, metrics: dict[str, float]) -> None:
+    def end_epoch(
+        self, epoch: int, step: int, metrics: dict[str, float], *, steps: int, seconds: float
+    ) -> None:
+        """Logs an epoch and records it in history.jsonl (`steps` trained in `seconds`)."""
+        line = {"epoch": epoch + 1, "step": step, **metrics, "session": self.session,
+                "resumed_from_step": self.resumed_from_step, "steps_trained": steps,
+                "train_seconds": seconds}  # fmt: skip
+        self._lines.append(line)
         if not self.active:
             return
+        if self.model_dir:
+            path = os.path.join(self.model_dir, HISTORY_FILE)
+            earlier = _read_text(path)
+            if earlier and not earlier.endswith("\n"):
+                earlier += "\n"
+            write_atomically(path, earlier + strict_json(line, what=HISTORY_FILE) + "\n")
         self._bar = None
         parts = [f"epoch {epoch + 1}/{self.epochs}", f"step {step}"]
         parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
@@ -94,6 +182,25 @@ class Reporter:
                     tf.summary.scalar(name, value)
             self._writer.flush()
 
+    def run_record(self) -> RunRecord:
+        """Every session's epochs: model_dir/history.jsonl on the chief, else this session's."""
+        if not self.model_dir:
+            return read_run_record(self._lines)
+        path = os.path.join(self.model_dir, HISTORY_FILE)
+        lines = []
+        for number, text in enumerate(_read_text(path).splitlines(), 1):
+            try:
+                line = json.loads(text)
+            except ValueError:
+                line = None
+            if not isinstance(line, dict) or not {"epoch", *_SESSION_FIELDS} <= line.keys():
+                log.warning(
+                    "%s line %d is not an epoch's record; left out: %.80s", path, number, text
+                )
+                continue
+            lines.append(line)
+        return read_run_record(lines)
+
     def finish(self, result: TrainResult, model: keras.Model) -> None:
         """Writes summary.json and exports the model (chief with a model_dir only)."""
         if not self.model_dir:
@@ -103,3 +210,10 @@ class Reporter:
         tf.io.gfile.makedirs(export_dir)
         model.save(os.path.join(export_dir, "model.keras"))
         log.info("Wrote %s and exported the model to %s", SUMMARY_FILE, export_dir)
+
+
+def _read_text(path: str) -> str:
+    if not tf.io.gfile.exists(path):
+        return ""
+    with tf.io.gfile.GFile(path) as f:
+        return f.read()

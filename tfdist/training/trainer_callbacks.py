@@ -54,6 +54,7 @@ class CheckpointsAndPreemption(keras.callbacks.Callback):
     def on_train_begin(self, logs=None):
         self.trainer.checkpoints.restore_latest()
         self.restored_step = self.step = int(self.trainer.step.numpy())
+        self.trainer.reporter.resumed_from_step = self.restored_step
         if self.restored_step and self.trainer.checkpoints.directory:
             self._saved_step = self.restored_step
 
@@ -124,7 +125,6 @@ class Report(keras.callbacks.Callback):
         trainer = self.trainer
         end = self._end or time.perf_counter()
         steps = 0 if self._first_batch is None else self._last_batch + 1 - self._first_batch
-        trainer.epoch_timings.append((steps, self._start, end))
         logs = dict(logs or {})
         metrics = {
             "train_loss": logs.pop("loss", None),
@@ -143,7 +143,7 @@ class Report(keras.callbacks.Callback):
         if eval_logs:
             metrics.update(self.eval_metrics({k[len("val_") :]: v for k, v in eval_logs.items()}))
         step = (epoch + 1) * trainer.steps_per_epoch
-        trainer.reporter.end_epoch(epoch, step, metrics)
+        trainer.reporter.end_epoch(epoch, step, metrics, steps=steps, seconds=end - self._start)
         self.history.append({"epoch": epoch + 1, "step": step, **metrics})
 
     def eval_metrics(self, logs: dict[str, float]) -> dict[str, float]:
