@@ -342,3 +342,45 @@ def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(
         weights = [saved[f"arr_{j}"] for j in range(len(saved.files))]
         for got, want in zip(weights, reference.model.get_weights(), strict=True):
             assert float(np.max(np.abs(got - want))) <= 1e-5
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "strategy, task", [("multi_worker_mirrored", "worker"), ("parameter_server", "ps")]
+)
+def test_a_port_another_process_holds_is_named_in_one_line(tmp_path, strategy, task):
+    # Another process (this test) listens on every address of the TF_CONFIG: the peers look
+    # up, and the task's own server cannot start.
+    holders = []
+    for _ in range(3):
+        holder = socket.socket()
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        holders.append(holder)
+    ports = [h.getsockname()[1] for h in holders]
+    cluster = (
+        {"worker": [f"127.0.0.1:{ports[0]}", f"127.0.0.1:{ports[1]}"]}
+        if task == "worker"
+        else {"chief": [f"127.0.0.1:{ports[2]}"], "worker": [f"127.0.0.1:{ports[1]}"],
+              "ps": [f"127.0.0.1:{ports[0]}"]}
+    )  # fmt: skip
+    tf_config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "experiments.train", f"--strategy={strategy}",
+             "--epochs=1", "--steps_per_epoch=1", f"--data_dir={tmp_path}"],
+            cwd=REPO, env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"},
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        for holder in holders:
+            holder.close()
+    assert result.returncode == 1, result.stderr[-2000:]  # a restart on a free port cures it
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: {task}:0 cannot start its server on 127.0.0.1:{ports[0]}: port {ports[0]} is "
+        "taken by another process. Stop that process, or give the task a free port in TF_CONFIG "
+        "(tfdist-launch picks free ports, and moves a task whose port was taken when it "
+        "restarts the job)."
+    ], result.stderr[-2000:]

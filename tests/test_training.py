@@ -6,7 +6,9 @@ processes through tools.launch and the training binary.
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import os
 import re
 import signal
@@ -22,6 +24,7 @@ import tfdist
 from tests.conftest import REPO, run_module
 from tfdist.exit_codes import EXIT_PREEMPTED
 from tfdist.training import ConfigError, TrainConfig, Trainer
+from tfdist.training.checkpoints import CheckpointMismatchError
 from tfdist.training.optim import WarmupSchedule
 from tfdist.training.preemption import Preempted
 
@@ -273,6 +276,13 @@ def error_lines(stderr):
             "error: The global batch size 33 does not split evenly over the 2 replicas",
         ),
         (["--strategy=tpu"], {}, "error: No TPU found"),
+        (["--model_dir=/dev/null"], {}, "error: model_dir /dev/null is a file, not a directory."),
+        (
+            ["--model_dir=s3://bucket/run"],
+            {},
+            "error: model_dir s3://bucket/run cannot be written (UnimplementedError: File "
+            "system scheme 's3' not implemented",
+        ),
         (
             ["--strategy=parameter_server"],
             {},
@@ -369,6 +379,48 @@ def test_a_rerun_keeps_the_record_and_a_resume_extends_it(data_dir, tmp_path):
     assert third["resume_points"] == [6] and third["steps_trained"] == 12
     assert [s["resumed_from_step"] for s in third["sessions"]] == [0, 6]
     assert third["train_loss"] == third["history"][-1]["train_loss"]
+
+
+def test_a_resume_with_other_settings_is_refused_or_explained(data_dir, tmp_path, caplog):
+    strategy = tfdist.build_strategy("one_device", cluster=None)
+    config = dict(EXACT, model="mlp", steps_per_epoch=2, model_dir=str(tmp_path))
+    Trainer(TrainConfig(data_dir=data_dir, **config), strategy=strategy).fit()
+    for change, message in [
+        ({"optimizer": "adam"}, "saved with optimizer='sgd'; this job has optimizer='adam'."),
+        (
+            {"global_batch_size": 16},
+            "saved with global_batch_size=32; this job has global_batch_size=16. Its step 2 "
+            "counts batches of 32 examples; with 16 it would stand for another data position",
+        ),
+        ({"model": "cnn"}, "saved with model='mlp'; this job has model='cnn'."),
+    ]:
+        with pytest.raises(CheckpointMismatchError, match=re.escape(message)):
+            Trainer(TrainConfig(data_dir=data_dir, **{**config, **change}), strategy=strategy)
+    # Other epochs: the step keeps its meaning, and the run goes on from it with a warning.
+    longer = Trainer(
+        TrainConfig(data_dir=data_dir, **{**config, "steps_per_epoch": 3, "epochs": 2}),
+        strategy=strategy,
+    )
+    assert "under steps_per_epoch=3: epochs now end every 3 steps" in caplog.text
+    assert longer.fit().resumed_from_step == 2
+    # A checkpoint without run.json (another tool's) that does not fit: one error, naming
+    # the variable, and none of TensorFlow's lines about what it did not restore.
+    os.remove(tmp_path / "run.json")
+    tensorflow_lines = []
+    handler = logging.Handler()
+    handler.emit = lambda record: tensorflow_lines.append(record.getMessage())
+    logging.getLogger("tensorflow").addHandler(handler)
+    try:
+        other = Trainer(
+            TrainConfig(data_dir=data_dir, **{**config, "model": "cnn"}), strategy=strategy
+        )
+        with pytest.raises(CheckpointMismatchError, match=r"restore variable with shape .* conv2d"):
+            other.fit()
+        del other
+        gc.collect()  # TensorFlow reports unrestored values when the restore's state goes
+    finally:
+        logging.getLogger("tensorflow").removeHandler(handler)
+    assert not [line for line in tensorflow_lines if "restored" in line], tensorflow_lines
 
 
 def test_json_files_hold_no_nan(tmp_path, caplog):

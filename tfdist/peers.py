@@ -62,6 +62,24 @@ class PeerError(TfdistError, RuntimeError):
     restartable = True
 
 
+class PortTakenError(PeerError):
+    """This task's own address is held by another process, so its server cannot start."""
+
+
+def explain_server_error(error: Exception, cluster: ClusterInfo) -> PortTakenError | None:
+    """A PortTakenError naming task, address and port if `error` is TensorFlow failing to
+    start this task's gRPC server ("Could not start gRPC server"); else None."""
+    if "Could not start gRPC server" not in str(error) or not cluster.address:
+        return None
+    port = cluster.address.rsplit(":", 1)[1]
+    return PortTakenError(
+        f"{cluster.task_name} cannot start its server on {cluster.address}: port {port} is "
+        "taken by another process. Stop that process, or give the task a free port in "
+        "TF_CONFIG (tfdist-launch picks free ports, and moves a task whose port was taken "
+        "when it restarts the job)."
+    )
+
+
 def coordination_leader(cluster: ClusterInfo) -> tuple[str, int]:
     """The task that hosts TensorFlow's coordination service: the chief, else worker 0."""
     return (CHIEF, 0) if cluster.has_chief else (WORKER, 0)

@@ -20,6 +20,7 @@ import threading
 
 from tfdist import signals
 from tfdist.cluster import FROM_ENV, PS, WORKER, ClusterInfo, cluster_from_environment
+from tfdist.peers import explain_server_error
 
 log = logging.getLogger(__name__)
 
@@ -58,14 +59,20 @@ def serve_if_needed(
     config = tf.compat.v1.ConfigProto(
         inter_op_parallelism_threads=max(_MIN_INTER_OP_THREADS, os.cpu_count() or 1)
     )
-    server = tf.distribute.Server(
-        tf.train.ClusterSpec(cluster.training_cluster()),
-        job_name=cluster.task_type,
-        task_index=cluster.task_index,
-        protocol=cluster.rpc_layer,
-        config=config,
-        start=True,
-    )
+    try:
+        server = tf.distribute.Server(
+            tf.train.ClusterSpec(cluster.training_cluster()),
+            job_name=cluster.task_type,
+            task_index=cluster.task_index,
+            protocol=cluster.rpc_layer,
+            config=config,
+            start=True,
+        )
+    except tf.errors.OpError as e:
+        explained = explain_server_error(e, cluster)
+        if explained is None:
+            raise
+        raise explained from None
     log.info("Serving as %s until the job ends (%s)", cluster.describe(), server.target)
     stop = stop or threading.Event()
     # server.join() blocks inside C++ where Python signal handlers never run; waiting on an

@@ -41,6 +41,7 @@ from tfdist.peers import (
     DEFAULT_STARTUP_TIMEOUT,
     configure_coordination,
     explain_peer_error,
+    explain_server_error,
     wait_for_peers,
     wait_for_servers,
 )
@@ -487,7 +488,7 @@ def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyO
                 cluster_resolver=cluster.cluster_resolver(), communication_options=communication
             )
     except tf.errors.OpError as e:
-        explained = explain_peer_error(
+        explained = explain_server_error(e, cluster) or explain_peer_error(
             e, cluster, starting=True, startup_timeout=options.startup_timeout
         )
         if explained is None:
@@ -569,10 +570,16 @@ def _build_parameter_server(cluster: ClusterInfo | None, options: StrategyOption
         partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
             min_shard_bytes=options.ps_min_shard_bytes, max_shards=cluster.num_ps
         )
-    with signals.doing("connecting to the workers and ps (parameter-server start-up)"):
-        strategy = tf.distribute.experimental.ParameterServerStrategy(
-            training.cluster_resolver(), variable_partitioner=partitioner
-        )
+    try:
+        with signals.doing("connecting to the workers and ps (parameter-server start-up)"):
+            strategy = tf.distribute.experimental.ParameterServerStrategy(
+                training.cluster_resolver(), variable_partitioner=partitioner
+            )
+    except tf.errors.OpError as e:
+        explained = explain_server_error(e, cluster)
+        if explained is None:
+            raise
+        raise explained from None
     _WORKER_NAMES[strategy] = {f"{WORKER}:{n}": f"{WORKER}:{i}" for n, i in enumerate(present)}
     _initialize_variables_from_the_chief(strategy)
     return strategy

@@ -8,6 +8,7 @@ so two processes never write the same files.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
@@ -17,6 +18,7 @@ import tempfile
 import tensorflow as tf
 
 from tfdist.errors import TfdistError
+from tfdist.storage import strict_json, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +28,63 @@ class CheckpointMismatchError(TfdistError, ValueError):
 
 
 CHECKPOINT_SUBDIR = "checkpoints"
+# The settings a run's checkpoints were written under, beside them: a resume compares.
+SETTINGS_FILE = "run.json"
+# Settings a resume must keep: with another model, dataset or optimizer the checkpoint does
+# not fit; with another global batch its step counts batches of another size (another data
+# position and schedule). The others may change, with a warning.
+_MUST_MATCH = ("model", "dataset", "optimizer", "global_batch_size")
+
+
+def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> None:
+    """Compares this job's settings with those the run in `model_dir` was saved with.
+
+    Raises CheckpointMismatchError where resuming would be wrong (another model, dataset,
+    optimizer or global batch); warns where the saved step means something new (another
+    number of workers or replicas, or of steps per epoch). With `write` (the chief), records
+    `settings` in model_dir/run.json for the next resume.
+    """
+    path = os.path.join(model_dir, SETTINGS_FILE)
+    has_checkpoint = tf.train.latest_checkpoint(os.path.join(model_dir, CHECKPOINT_SUBDIR))
+    saved = None
+    if has_checkpoint and tf.io.gfile.exists(path):
+        try:
+            with tf.io.gfile.GFile(path) as f:
+                saved = json.load(f)
+        except ValueError:
+            log.warning("%s is not JSON; resuming without comparing settings", path)
+    if isinstance(saved, dict):
+        changed = {
+            k: (saved[k], settings[k]) for k in settings if k in saved and saved[k] != settings[k]
+        }
+        refused = [k for k in _MUST_MATCH if k in changed]
+        if refused:
+            what = ", ".join(f"{k}={changed[k][0]!r}" for k in refused)
+            now = ", ".join(f"{k}={changed[k][1]!r}" for k in refused)
+            step = has_checkpoint.rsplit("-", 1)[-1]
+            why = (
+                f" Its step {step} counts batches of {changed['global_batch_size'][0]} examples; "
+                f"with {changed['global_batch_size'][1]} it would stand for another data "
+                "position and learning-rate schedule."
+                if "global_batch_size" in changed else ""
+            )  # fmt: skip
+            raise CheckpointMismatchError(
+                f"{model_dir} holds a run saved with {what}; this job has {now}.{why} Resume "
+                f"with the settings it was saved with, or start afresh in a new model_dir."
+            )
+        for key, (before, after) in changed.items():
+            meaning = (
+                f"epochs now end every {after} steps, so the saved step falls in another epoch"
+                if key == "steps_per_epoch"
+                else "each step still trains the same number of examples, but they are now "
+                "split over another number of replicas, so the order of the examples from "
+                "here on differs from an uninterrupted run's"
+            )
+            log.warning(
+                "Resuming a run saved with %s=%s under %s=%s: %s", key, before, key, after, meaning
+            )
+    if write:
+        write_atomically(path, strict_json(settings, what=SETTINGS_FILE, indent=2))
 
 
 class Checkpoints:
@@ -74,18 +133,21 @@ class Checkpoints:
                 rejected.append(os.path.basename(path))
                 continue
             # expect_partial: a checkpoint from another tfdist version may hold extra slots.
+            mismatch = None
             try:
                 self.checkpoint.restore(path).expect_partial()
             except ValueError as error:
                 if "incompatible" not in str(error):
                     raise
+                mismatch = str(error)
+            if mismatch is not None:
+                _quiet_unrestored_values()
                 raise CheckpointMismatchError(
                     f"The checkpoint {path} does not fit this job: a variable's saved shape "
-                    f"differs ({error}). It was written by another model or optimizer. "
+                    f"differs ({mismatch}). It was written by another model or optimizer. "
                     "Resume with the model it was saved with, or start afresh in a new "
-                    "model_dir. "
-                    f"Received: {path}"
-                ) from None
+                    "model_dir."
+                )
             if rejected:
                 log.warning(
                     "Resuming from %s, the newest complete checkpoint (skipped %s)",
@@ -146,3 +208,22 @@ def verify_checkpoint(prefix: str) -> str | None:
         message = getattr(e, "message", str(e)).strip().splitlines()[0]
         return f"{type(e).__name__}: {message[:200]}"
     return None
+
+
+class _UnrestoredValues(logging.Filter):
+    """Drops TensorFlow's lines about the values a failed restore left unrestored (logged when
+    its leftovers are deleted, often at exit): the mismatch error already said what failed."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (
+            "being deleted with unrestored values" in message
+            or "could not be found in the restored object" in message
+        )
+
+
+_UNRESTORED_VALUES = _UnrestoredValues()
+
+
+def _quiet_unrestored_values() -> None:
+    logging.getLogger("tensorflow").addFilter(_UNRESTORED_VALUES)  # once: filters are a set

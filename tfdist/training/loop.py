@@ -27,7 +27,7 @@ from tfdist.storage import check_writable_directory
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training import fit as fit_module
 from tfdist.training import sharded
-from tfdist.training.checkpoints import Checkpoints
+from tfdist.training.checkpoints import Checkpoints, check_resume_settings
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
 from tfdist.training.preemption import PreemptionWatcher
@@ -117,6 +117,15 @@ class Trainer:
             1, train_examples // config.global_batch_size
         )
         self.total_steps = config.epochs * self.steps_per_epoch
+        if config.model_dir is not None:
+            settings = {
+                "model": config.model, "dataset": config.dataset,
+                "optimizer": config.optimizer, "global_batch_size": config.global_batch_size,
+                "steps_per_epoch": self.steps_per_epoch,
+                "workers": cluster.num_workers if cluster is not None else 1,
+                "replicas": strategy.num_replicas_in_sync,
+            }  # fmt: skip
+            check_resume_settings(config.model_dir, settings, write=self.is_chief)
         first_description(strategy, self.plan)  # said here, with the rest of the run's shape
         if self.is_chief:
             log.info(
