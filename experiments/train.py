@@ -74,6 +74,12 @@ flags.DEFINE_string(
     None,
     "Where datasets live (digits TFRecords are written there on first use; TFDS data must be prepared there). Default: $TFDIST_DATA_DIR or ~/.cache/tfdist.",
 )
+flags.DEFINE_bool(
+    "skip_corrupt",
+    False,
+    "Train on the readable records of a damaged TFRecord file (the unreadable ones are "
+    "counted in a warning) instead of stopping with an error.",
+)
 flags.DEFINE_list(
     "synthetic_shape",
     ["32", "32", "3"],
@@ -211,7 +217,7 @@ _CONFIG_FLAGS = [
     "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
     "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
     "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
-    "checkpoint_every", "staleness_aware_lr",
+    "checkpoint_every", "staleness_aware_lr", "skip_corrupt",
 ]  # fmt: skip
 
 

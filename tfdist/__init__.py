@@ -44,10 +44,15 @@ _EXPORTS = {
     "strategy_names": "tfdist.strategies",
 }
 
+# Subpackages, imported on first use too: `import tfdist` then `tfdist.data.tfrecord_dataset`.
+_SUBPACKAGES = ("collective", "data", "k8s", "launch", "ray", "training")
+
 __all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"tfdist.{name}")  # sets the attribute as it imports
     if name not in _EXPORTS:
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)
@@ -56,4 +61,4 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *_EXPORTS, *_SUBPACKAGES])

@@ -11,6 +11,13 @@ Sources:
   npz:PATH    a numpy .npz file: each array is a feature, its first axis indexes examples;
               loaded without pickle, so object arrays are refused
   tfds:NAME   a TFDS split already prepared in --data_dir; nothing is downloaded
+  images:DIR  a folder with one sub-folder of images (PNG, JPEG, BMP, GIF) per class, as
+              keras.utils.image_dataset_from_directory reads it; labels number the class
+              folders in sorted order; train/test split as for digits
+
+Each sidecar keeps the classes (names, or the count of integer labels) and the scale of the
+pixels, so `python -m experiments.train --dataset=tfrecord:OUT_DIR` trains on the train and
+test splits written there.
 
 Exit codes: 0 written, 2 a mistake in the flags or the data (one "error: ..." line on stderr).
 """
@@ -23,7 +30,7 @@ import re
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tfdist.errors import TfdistError  # cheap: tfdist imports TensorFlow only on demand
@@ -55,6 +62,8 @@ class Source:
     examples: Mapping[str, Any] | Iterable[Mapping[str, Any]]
     total: int | None
     description: str
+    # Kept in the sidecar for readers: "classes" (names or a count), "image_scale".
+    attributes: Mapping[str, Any] = field(default_factory=dict)
 
 
 def digits_source(argument: str, *, split: str, data_dir: str | None) -> Source:
@@ -80,7 +89,95 @@ def digits_source(argument: str, *, split: str, data_dir: str | None) -> Source:
         n_test = int(round(len(labels) * DIGITS_TEST_FRACTION))
         index = np.sort(order[:n_test] if split == "test" else order[n_test:])
     examples = {"image": images[index], "label": labels[index], "id": index.astype(np.int64)}
-    return Source(examples, len(index), f"scikit-learn digits ({split})")
+    return Source(
+        examples,
+        len(index),
+        f"scikit-learn digits ({split})",
+        {"classes": [str(c) for c in range(10)], "image_scale": 1 / 16},
+    )
+
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
+
+
+def images_source(directory: str, *, split: str, data_dir: str | None) -> Source:
+    """A folder with one sub-folder of images per class, as Keras's
+    image_dataset_from_directory reads it: labels number the class folders in sorted order.
+    Split into train and test (20%) by the same seeded permutation as the digits."""
+    del data_dir
+    import numpy as np
+
+    from tfdist.data.datasets import DIGITS_SPLIT_SEED, DIGITS_TEST_FRACTION
+
+    if not directory:
+        raise UsageError("--source images: needs a folder, e.g. --source images:/data/pets")
+    if not os.path.isdir(directory):
+        raise UsageError(f"No such folder: {directory}. Received: --source images:{directory}")
+    if split not in DIGITS_SPLITS:
+        raise UsageError(
+            f"--split must be one of {', '.join(DIGITS_SPLITS)} for --source images (test is "
+            f"a fixed 20%, train the rest). Received: --split={split}"
+        )
+    classes = sorted(
+        entry.name for entry in os.scandir(directory)
+        if entry.is_dir() and not entry.name.startswith(".")
+    )  # fmt: skip
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        found = sorted(
+            entry.path for entry in os.scandir(os.path.join(directory, name))
+            if entry.is_file() and entry.name.lower().endswith(IMAGE_SUFFIXES)
+        )  # fmt: skip
+        files += found
+        labels += [label] * len(found)
+    if not files:
+        raise UsageError(
+            f"{directory} holds no images in class sub-folders ({', '.join(IMAGE_SUFFIXES)}). "
+            "Put each class's images in a folder of its own: DIR/cat/1.png, DIR/dog/2.png, ..."
+        )
+    index = np.arange(len(files))
+    if split != "all":
+        order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(files))
+        n_test = int(round(len(files) * DIGITS_TEST_FRACTION))
+        index = np.sort(order[:n_test] if split == "test" else order[n_test:])
+    examples = _decoded_images([files[i] for i in index], [labels[i] for i in index])
+    return Source(
+        examples,
+        len(index),
+        f"{len(classes)} classes of images in {directory} ({split})",
+        {"classes": classes, "image_scale": 1 / 255},
+    )
+
+
+def _decoded_images(files: list[str], labels: list[int]) -> Iterator[dict[str, Any]]:
+    """Each file decoded to uint8 [H, W, C], with its label; all must share one shape."""
+    import numpy as np
+    import tensorflow as tf
+
+    first = None
+    for path, label in zip(files, labels, strict=True):
+        try:
+            with open(path, "rb") as f:
+                image = tf.io.decode_image(
+                    f.read(), channels=first[2] if first else 0, expand_animations=False
+                ).numpy()
+        except tf.errors.OpError as e:
+            raise UsageError(
+                f"Cannot decode {path} as an image ({e.message.strip().splitlines()[0]}). "
+                "Remove it or replace it with a PNG, JPEG, BMP or GIF file."
+            ) from None
+        if image.dtype != np.uint8:  # 16-bit PNGs
+            image = (image.astype(np.float64) / np.iinfo(image.dtype).max * 255).round()
+            image = image.astype(np.uint8)
+        if first is None:
+            first = image.shape
+        elif image.shape != first:
+            raise UsageError(
+                f"{path} is {image.shape[0]}x{image.shape[1]}, but the first image was "
+                f"{first[0]}x{first[1]}: every image of a dataset needs one size. Resize them "
+                "(e.g. with Pillow or ImageMagick) before converting."
+            )
+        yield {"image": image, "label": np.int64(label)}
 
 
 def npz_source(path: str, *, split: str, data_dir: str | None) -> Source:
@@ -183,8 +280,9 @@ SOURCES: dict[str, Callable[..., Source]] = {
     "digits": digits_source,
     "npz": npz_source,
     "tfds": tfds_source,
+    "images": images_source,
 }
-SOURCE_FORMS = ("digits", "npz:PATH", "tfds:NAME")
+SOURCE_FORMS = ("digits", "npz:PATH", "tfds:NAME", "images:DIR")
 
 
 def load_source(source: str, *, split: str, data_dir: str | None) -> Source:
@@ -287,7 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
         "  python -m tools.make_tfrecords --source npz:train.npz --out_dir /tmp/mine "
         "--compression gzip\n"
         "  python -m tools.make_tfrecords --source tfds:mnist --data_dir ~/tensorflow_datasets "
-        "--out_dir /tmp/mnist\n\n"
+        "--out_dir /tmp/mnist\n"
+        "  python -m tools.make_tfrecords --source images:photos --split test --out_dir /tmp/pets"
+        "\n\n"
         "exit codes: 0 written; 2 a mistake in the flags or the data (one 'error:' line).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -296,7 +396,8 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="SOURCE",
         help="digits (scikit-learn's 8x8 digits), npz:PATH (a numpy .npz file, one feature "
-        "per array, first axis = examples) or tfds:NAME (a TFDS dataset prepared in --data_dir)",
+        "per array, first axis = examples), tfds:NAME (a TFDS dataset prepared in --data_dir) "
+        "or images:DIR (a folder with one sub-folder of images per class)",
     )
     parser.add_argument(
         "--out_dir", required=True, help="directory to write to (created if missing)"
@@ -309,8 +410,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--split",
         default="train",
-        help="digits: train, test or all; tfds: any TFDS split, e.g. test or 'train[:10%%]'; "
-        "npz: only names the output (default: %(default)s)",
+        help="digits and images: train, test (a fixed 20%%) or all; tfds: any TFDS split, "
+        "e.g. test or 'train[:10%%]'; npz: only names the output (default: %(default)s)",
     )
     parser.add_argument(
         "--num_shards",
@@ -336,6 +437,32 @@ def build_parser() -> argparse.ArgumentParser:
         "$TFDS_DATA_DIR or ~/tensorflow_datasets)",
     )
     return parser
+
+
+def _counting_labels(examples) -> tuple[Any, Callable[[], int | None]]:
+    """The examples, and a function giving the largest integer "label" among them once they
+    are written (None: no integer labels)."""
+    import numpy as np
+
+    if isinstance(examples, Mapping):
+        labels = np.asarray(examples.get("label", []))
+        highest = (
+            int(labels.max())
+            if labels.ndim == 1 and labels.size and np.issubdtype(labels.dtype, np.integer)
+            else None
+        )
+        return examples, lambda: highest
+
+    seen: list[int | None] = [None]
+
+    def counted():
+        for example in examples:
+            label = np.asarray(example.get("label", 0.5))
+            if label.ndim == 0 and np.issubdtype(label.dtype, np.integer):
+                seen[0] = max(int(label), -1 if seen[0] is None else seen[0])
+            yield example
+
+    return counted(), lambda: seen[0]
 
 
 def default_name(split: str) -> str:
@@ -369,6 +496,11 @@ def summary(
         f"Read it with tfdist.data.tfrecord_dataset({os.path.join(out_dir, meta.name)!r}, "
         "batch_size=...)",
     ]
+    if "image" in meta.features and "label" in meta.features and "classes" in meta.attributes:
+        lines.append(
+            f"With a train and a test split there, train on it: python -m experiments.train "
+            f"--dataset=tfrecord:{out_dir}"
+        )
     return "\n".join(lines)
 
 
@@ -416,17 +548,25 @@ def convert(args: argparse.Namespace) -> int:
             f"replace it, or choose another --name. Received: --name={name}"
         )
     source = load_source(args.source, split=args.split, data_dir=args.data_dir)
+    examples, highest_label = _counting_labels(source.examples)
+
+    def attributes() -> dict[str, Any]:
+        # A label feature of integers numbers the classes: tfdist's binary reads the count.
+        counted = {} if highest_label() is None else {"classes": highest_label() + 1}
+        return {**counted, **source.attributes}
+
     start = time.perf_counter()
     bar = ProgressBar(source.total)
     try:
         meta = write_tfrecords(
-            source.examples,
+            examples,
             args.out_dir,
             name=name,
             num_shards=args.num_shards,
             compression=COMPRESSIONS[args.compression],
             overwrite=args.overwrite,
             progress=bar,
+            attributes=attributes,
         )
     except tf.errors.OpError as e:  # an unwritable out_dir, a corrupt TFDS file, ...
         raise UsageError(

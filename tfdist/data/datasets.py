@@ -7,6 +7,7 @@ Every dataset yields batches of ``(image, label)``: ``image`` float32 [batch, H,
               inside the scikit-learn wheel; converted to TFRecords on first use
   synthetic   random images and labels of any shape and count, for benchmarks
   tfds:NAME   a TensorFlow Datasets dataset already prepared in a data_dir (never downloads)
+  tfrecord:DIR  the train and test splits tools.make_tfrecords wrote to DIR (your own data)
 
     >>> data = prepare_dataset("digits", data_dir="/tmp/tfdist-data")   # writes TFRecords once
     >>> data.info.num_examples
@@ -25,7 +26,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
-from tfdist.data.records import DataError, find_records, write_tfrecords
+from tfdist.data.records import META_SUFFIX, DataError, find_records, write_tfrecords
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +84,11 @@ class TFRecordImages:
         _check_split(split)
         scale, image_key, label_key = self.image_scale, self.image_key, self.label_key
 
+        shape = self.info.image_shape
+
         def to_contract(batch):
-            return tf.cast(batch[image_key], tf.float32) * scale, tf.cast(
-                batch[label_key], tf.int32
-            )
+            images = tf.reshape(batch[image_key], [-1, *shape])  # [B, H, W] gains its channel
+            return tf.cast(images, tf.float32) * scale, tf.cast(batch[label_key], tf.int32)
 
         return tfrecord_dataset(
             self.sources[split],
@@ -134,6 +136,54 @@ def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
     return TFRecordImages(
         DatasetInfo("digits", (8, 8, 1), 10, counts), prefixes, image_scale=1.0 / 16.0
     )
+
+
+TFRECORD_PREFIX = "tfrecord:"
+
+
+def prepare_tfrecord_dir(directory: str) -> TFRecordImages:
+    """The train and test splits `tools.make_tfrecords` wrote to `directory`.
+
+    Each split is the dataset named after it (train.meta.json, test.meta.json) with an
+    "image" feature ([H, W, C] or [H, W]) and an integer "label"; the classes and the scale
+    of the pixels come from the sidecar (uint8 pixels without a scale are taken as 0..255).
+    """
+    prefixes = {split: os.path.join(directory, split) for split in SPLITS}
+    missing = [s for s, p in prefixes.items() if not tf.io.gfile.exists(p + META_SUFFIX)]
+    if missing:
+        raise DataError(
+            f"{directory} has no {' and no '.join(missing)} split ({missing[0]}{META_SUFFIX}). "
+            "Write each with python -m tools.make_tfrecords --source ... --split "
+            f"{missing[0]} --out_dir {directory}. Received: --dataset={TFRECORD_PREFIX}{directory}"
+        )
+    metas = {split: find_records(prefix).metadata for split, prefix in prefixes.items()}
+    train = metas["train"]
+    image, label = train.features.get("image"), train.features.get("label")
+    if image is None or label is None or len(image.shape) not in (2, 3):
+        raise DataError(
+            f"{prefixes['train']} needs an 'image' feature of shape [H, W, C] or [H, W] and a "
+            f"'label'; it has {', '.join(f'{k} {list(v.shape)}' for k, v in train.features.items())}. "
+            "Name the arrays image and label when writing it."
+        )
+    classes = train.attributes.get("classes")
+    count = len(classes) if isinstance(classes, list) else classes
+    if not isinstance(count, int) or count < 1:
+        raise DataError(
+            f"{prefixes['train']}{META_SUFFIX} does not say how many classes there are (its "
+            "labels are not integers, or it was written before tfdist recorded them). "
+            "Write it again with python -m tools.make_tfrecords."
+        )
+    for split, meta in metas.items():
+        if meta.features.get("image") != image:
+            raise DataError(
+                f"The {split} split's images in {directory} are {meta.features.get('image')}, the "
+                f"train split's {image}: write both from the same source."
+            )
+    scale = train.attributes.get("image_scale", 1 / 255 if image.dtype == "uint8" else 1.0)
+    shape = tuple(image.shape) if len(image.shape) == 3 else (*image.shape, 1)
+    counts = {split: meta.num_examples for split, meta in metas.items()}
+    name = TFRECORD_PREFIX + directory
+    return TFRecordImages(DatasetInfo(name, shape, count, counts), prefixes, image_scale=scale)
 
 
 # --- synthetic --------------------------------------------------------------------------------
@@ -194,14 +244,15 @@ TFDS_PREFIX = "tfds:"
 
 
 def dataset_names() -> list[str]:
-    return [*_PREPARERS, TFDS_PREFIX + "NAME"]
+    return [*_PREPARERS, TFDS_PREFIX + "NAME", TFRECORD_PREFIX + "DIR"]
 
 
 def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> ImageDataset:
     """The dataset called `name`, prepared for reading (digits writes its TFRecords once).
 
     Args:
-      name: 'digits', 'synthetic' or 'tfds:NAME'.
+      name: 'digits', 'synthetic', 'tfds:NAME' or 'tfrecord:DIR' (what tools.make_tfrecords
+        wrote to DIR: its train and test splits).
       data_dir: where datasets live; default $TFDIST_DATA_DIR or ~/.cache/tfdist (for TFDS,
         TFDS's own default).
       **kwargs: options of the dataset (synthetic: image_shape, num_classes, num_examples,
@@ -210,6 +261,8 @@ def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> Imag
     Raises:
       DataError: unknown name, or a TFDS dataset that is not prepared in data_dir.
     """
+    if name.startswith(TFRECORD_PREFIX) and name[len(TFRECORD_PREFIX) :]:
+        return prepare_tfrecord_dir(name[len(TFRECORD_PREFIX) :], **kwargs)
     if name.startswith(TFDS_PREFIX):
         from tfdist.data.tfds import prepare_tfds  # deferred: importing TFDS takes seconds
 

@@ -233,7 +233,7 @@ def _checked_records(path, expected, compression: str, *, skip: bool) -> tf.data
             message = tf.strings.format(
                 "tfdist: {} holds {} readable record(s) but its metadata says {}: the file is "
                 "truncated or corrupt, or the sidecar belongs to other data. Re-create the "
-                "dataset, or pass skip_corrupt=True to train on the readable records.",
+                "dataset, or pass skip_corrupt=True (the binary's --skip_corrupt) to train on the readable records.",
                 (path, count, expected),
             )
             done = tf.debugging.Assert(ok, [message])

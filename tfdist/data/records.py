@@ -71,6 +71,9 @@ class Metadata:
     features: Mapping[str, FeatureSpec]
     shards: tuple[ShardInfo, ...]
     compression: str | None = None
+    # What a reader needs beyond the features, e.g. "classes" (their names, or a count) and
+    # "image_scale" (what maps the stored pixels into [0, 1]); see tools/make_tfrecords.py.
+    attributes: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
     @property
     def num_examples(self) -> int:
@@ -85,8 +88,10 @@ class Metadata:
                 "num_examples": self.num_examples,
                 "features": {k: dataclasses.asdict(v) for k, v in self.features.items()},
                 "shards": [dataclasses.asdict(s) for s in self.shards],
+                **({"attributes": dict(self.attributes)} if self.attributes else {}),
             },
             indent=2,
+            allow_nan=False,
         )
 
     @classmethod
@@ -100,7 +105,10 @@ class Metadata:
                 for k, v in raw["features"].items()
             }
             shards = tuple(ShardInfo(s["file"], int(s["num_examples"])) for s in raw["shards"])
-            meta = cls(raw["name"], features, shards, raw.get("compression"))
+            attributes = raw.get("attributes", {})
+            if not isinstance(attributes, dict):
+                raise ValueError(f"attributes is {type(attributes).__name__}, expected an object")
+            meta = cls(raw["name"], features, shards, raw.get("compression"), attributes)
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise DataError(
                 f"The TFRecord metadata file {path} is not valid ({e}). Re-create the dataset "
@@ -126,6 +134,7 @@ def write_tfrecords(
     compression: str | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    attributes: Mapping[str, Any] | Callable[[], Mapping[str, Any]] | None = None,
 ) -> Metadata:
     """Writes examples to `num_shards` TFRecord files and a metadata sidecar, atomically.
 
@@ -141,6 +150,8 @@ def write_tfrecords(
       overwrite: replace an existing dataset of the same name instead of failing.
       progress: called with the number of examples written so far, every 256 examples and
         at the end.
+      attributes: kept in the sidecar for readers (Metadata.attributes), or a function
+        called once every example is written that returns them (e.g. classes seen).
 
     Returns:
       The Metadata written to the sidecar.
@@ -191,6 +202,7 @@ def write_tfrecords(
             features,
             tuple(ShardInfo(f, c) for f, c in zip(files, counts, strict=True)),
             compression,
+            dict((attributes() if callable(attributes) else attributes) or {}),
         )
         for tmp, final in zip(temporary, files, strict=True):
             tf.io.gfile.rename(tmp, os.path.join(out_dir, final), overwrite=True)

@@ -24,8 +24,10 @@ class TrainConfig:
 
     Args:
       model: 'mlp', 'cnn' or 'resnet'; `model_options` go to its builder (e.g. depth).
-      dataset: 'digits', 'synthetic' or 'tfds:NAME'; `data_dir` is where it lives and
+      dataset: 'digits', 'synthetic', 'tfds:NAME' or 'tfrecord:DIR' (the train and test
+        splits tools.make_tfrecords wrote to DIR); `data_dir` is where the named ones live and
         `dataset_options` go to its preparer (synthetic: image_shape, num_examples, ...).
+      skip_corrupt: drop unreadable TFRecords (counted in a warning) instead of stopping.
       global_batch_size: examples per step across all replicas (the per-replica batch is
         derived from it).
       epochs: how many epochs to train.
@@ -57,6 +59,7 @@ class TrainConfig:
     dataset: str = "digits"
     dataset_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     data_dir: str | None = None
+    skip_corrupt: bool = False
     global_batch_size: int = 64
     epochs: int = 10
     steps_per_epoch: int | None = None

@@ -192,6 +192,7 @@ class Trainer:
             seed=self.config.seed,
             shuffle_buffer=self.config.shuffle_buffer,
             deterministic=True,  # with the seed, the data order is a function of the step
+            skip_corrupt=self.config.skip_corrupt,
         )
         return self.data.dataset(
             "train",
@@ -203,8 +204,9 @@ class Trainer:
     def eval_dataset_fn(self, context, batch_size):
         """One pipeline's (image, label) test batches (the evaluator task's input too)."""
         options = PipelineOptions(
-            repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
-        )
+            repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True,
+            skip_corrupt=self.config.skip_corrupt,
+        )  # fmt: skip
         dataset = self.data.dataset(
             "test", batch_size=batch_size, input_context=context, options=options
         )
