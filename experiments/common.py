@@ -111,6 +111,7 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
     if tfdist.serve_if_needed(cluster):
         return None
     if NUM_CPU_DEVICES.value > 1:
+        _check_cpu_devices_apply(cluster)
         tfdist.configure_cpu_devices(NUM_CPU_DEVICES.value)
     # Only the options the user set, so build_strategy can flag those that don't apply.
     options = {
@@ -129,6 +130,29 @@ def start_task(argv: list[str]) -> tuple[ClusterInfo | None, tf.distribute.Strat
         options["startup_timeout"] = STARTUP_TIMEOUT.value or None  # 0: wait forever
     strategy = tfdist.build_strategy(STRATEGY.value, cluster=cluster, **options)
     return cluster, strategy
+
+
+def _check_cpu_devices_apply(cluster: ClusterInfo | None) -> None:
+    """--num_cpu_devices makes replicas of one process: only mirrored and central_storage
+    have them, so anywhere else the flag would be ignored, which is refused."""
+    name = STRATEGY.value
+    if name == "auto":
+        # With a cluster, 'auto' is its strategy; alone on a host without GPUs, one_device.
+        name = (cluster.cluster_strategy if cluster else None) or "one_device"
+    if name in ("mirrored", "central_storage"):
+        return
+    how = (
+        "it runs one replica per worker process: start more workers for more replicas "
+        "(tfdist-launch --workers N)"
+        if name in ("multi_worker_mirrored", "parameter_server")
+        else "name --strategy=mirrored (or central_storage) to train on the CPU devices"
+    )
+    raise tfdist.StrategyError(
+        f"--num_cpu_devices={NUM_CPU_DEVICES.value} splits this host's CPU into replicas for "
+        f"mirrored and central_storage, but this job runs {name} ({STRATEGY.value!r} asked), "
+        f"which would ignore it: {how}. Received: --strategy={STRATEGY.value}, "
+        f"--num_cpu_devices={NUM_CPU_DEVICES.value}"
+    )
 
 
 def setup_logging() -> None:

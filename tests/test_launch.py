@@ -6,6 +6,7 @@ The tasks are tiny Python programs (no TensorFlow), so each starts in well under
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -816,3 +817,43 @@ def test_the_preempted_code_is_what_tensorflows_preemption_handler_exits_with():
         failure_handling.BorgTerminationConfig().exit_fn()
 
     assert exit_info.value.code == exit_codes.EXIT_PREEMPTED
+
+
+def test_the_launcher_and_tfjob_accept_the_same_layouts():
+    from tfdist.k8s.job import ManifestError, TrainingJob
+    from tfdist.k8s.tfjob import tfjob_manifest
+    from tfdist.launch.plan import UsageError, plan_cluster
+    from tfdist.layout import Layout, LayoutError
+
+    def launches(layout, strategy):
+        try:
+            plan_cluster(workers=layout.workers, chief=bool(layout.chief), ps=layout.ps,
+                         evaluator=bool(layout.evaluator), strategy=strategy)  # fmt: skip
+        except UsageError:
+            return False
+        return True
+
+    def writes_tfjob(layout, strategy):
+        command = ("python", "-m", "experiments.train", f"--strategy={strategy}")
+        try:
+            tfjob_manifest(TrainingJob(name="j", image="i", command=command, layout=layout))
+        except (ManifestError, LayoutError):
+            return False
+        return True
+
+    strategies = ["auto", "one_device", "mirrored", "central_storage",
+                  "multi_worker_mirrored", "parameter_server"]  # fmt: skip
+    differ = []
+    for chief, workers, ps, evaluator in itertools.product((0, 1), (0, 1, 2, 3), (0, 2), (0, 1)):
+        layout = Layout(chief=chief, workers=workers, ps=ps, evaluator=evaluator)
+        for strategy in strategies:
+            one_replica = sum(layout.counts().values()) == 1
+            if one_replica and strategy in ("multi_worker_mirrored", "parameter_server"):
+                continue  # the TFJob operator gives one replica no TF_CONFIG: it must refuse
+            if launches(layout, strategy) != writes_tfjob(layout, strategy):
+                differ.append((layout.describe(), strategy))
+    assert not differ, differ
+    # The layouts the issue tried: an evaluator beside multi_worker_mirrored, and a
+    # single-host strategy started as two workers (refused by both).
+    assert launches(Layout(workers=2, evaluator=1), "multi_worker_mirrored")
+    assert not launches(Layout(workers=2), "mirrored")

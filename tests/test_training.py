@@ -258,6 +258,16 @@ def test_a_stopped_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path, 
     assert max_diff([a[k] for k in a.files], [b[k] for k in b.files]) <= TOLERANCE
 
 
+# Clusters whose other tasks never start: each mistake below is caught before they matter.
+TWO_WORKERS = json.dumps(
+    {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 0}}
+)
+PS_CHIEF = json.dumps(
+    {"cluster": {"chief": ["127.0.0.1:3"], "worker": ["127.0.0.1:1"], "ps": ["127.0.0.1:2"]},
+     "task": {"type": "chief", "index": 0}}
+)  # fmt: skip
+
+
 def error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith(("error:", "FATAL"))]
 
@@ -277,6 +287,34 @@ def error_lines(stderr):
         ),
         (["--strategy=tpu"], {}, "error: No TPU found"),
         (["--model_dir=/dev/null"], {}, "error: model_dir /dev/null is a file, not a directory."),
+        (
+            ["--all_reduce=ring", "--compression=bfloat16"],
+            {},
+            "error: Option all_reduce does not apply to 'one_device', the strategy 'auto' chose",
+        ),
+        (
+            ["--strategy=mirrored"],
+            {"TF_CONFIG": TWO_WORKERS},
+            "error: 'mirrored' trains within one process, but TF_CONFIG describes 2 training tasks",
+        ),
+        (
+            ["--num_cpu_devices=2"],
+            {"TF_CONFIG": TWO_WORKERS},
+            "error: --num_cpu_devices=2 splits this host's CPU into replicas for mirrored and "
+            "central_storage, but this job runs multi_worker_mirrored ('auto' asked)",
+        ),
+        (
+            ["--strategy=parameter_server", "--num_cpu_devices=2"],
+            {"TF_CONFIG": PS_CHIEF},
+            "error: --num_cpu_devices=2 splits this host's CPU into replicas for mirrored and "
+            "central_storage, but this job runs parameter_server",
+        ),
+        (
+            ["--strategy=multi_worker_mirrored", "--collective=nccl"],
+            {"TF_CONFIG": TWO_WORKERS},
+            "error: collective='nccl' runs the all-reduce on GPUs with NCCL, and this host has "
+            "none.",
+        ),
         (
             ["--model_dir=s3://bucket/run"],
             {},

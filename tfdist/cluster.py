@@ -244,6 +244,10 @@ def cluster_from_environment(environ: MutableMapping[str, str] | None = None) ->
     source = f"the {TF_CONFIG_ENV} environment variable"
     if (environ.get(TF_CONFIG_ENV) or "").strip():
         return parse_tf_config(environ[TF_CONFIG_ENV], source=source)
+    if TF_CONFIG_ENV in environ:
+        # Set but blank means no cluster, to tfdist; TensorFlow's own resolvers would fail to
+        # parse it (a JSONDecodeError from inside MirroredStrategy), so it goes.
+        del environ[TF_CONFIG_ENV]
     derived = jobset_tf_config(environ)
     if derived is None:
         return None

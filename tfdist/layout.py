@@ -12,7 +12,7 @@ in a fix the reader can paste.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sized
+from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
 from tfdist.errors import TfdistError
@@ -179,6 +179,20 @@ def _check_strategy(layout: Layout, strategy: str, spell: Callable[[Layout], str
     )
 
 
+def flag_value(args: Sequence[str], flag: str) -> str | None:
+    """The last value given to an absl/argparse flag in `args` (--flag=v, --flag v, -flag=v)."""
+    value = None
+    for i, arg in enumerate(args):
+        if arg == "--":
+            break  # the program stops reading flags here
+        for prefix in (f"--{flag}", f"-{flag}"):
+            if arg.startswith(prefix + "="):
+                value = arg[len(prefix) + 1 :]
+            elif arg == prefix and i + 1 < len(args):
+                value = args[i + 1]
+    return value
+
+
 def _calls_for(strategy: str | None) -> str:
     return f"{strategy!r} (or 'auto')" if strategy else "'auto' or a single-host strategy"
 
@@ -192,6 +206,7 @@ def _check_count(field: str, value: Any) -> None:
 
 __all__ = [
     "MULTI_WORKER_STRATEGIES",
+    "flag_value",
     "SINGLE_TASK_TYPES",
     "TASK_TYPES",
     "Layout",

@@ -182,6 +182,9 @@ def _check_choice(name: str, value: Any, choices: Sequence[str], *, optional: bo
     )
 
 
+# Strategies that train in one process on this host's devices.
+SINGLE_HOST_STRATEGIES = ("one_device", "mirrored", "central_storage")
+
 # Which options mean something to which strategy: an option given to a strategy that would
 # ignore it is a contradiction worth an error, not a silent no-op.
 _OPTION_USERS = {
@@ -235,12 +238,25 @@ def build_strategy(
             cluster, tpu_address=detect_tpu(options.tpu), num_gpus=_devices.num_physical_gpus()
         )
         log.info("Strategy 'auto' resolved to %r", requested)
+        _check_options_apply(requested, options, chosen_by_auto=True)
     elif requested in _BUILDERS:
         _check_options_apply(requested, options)
     else:
         raise StrategyError(
             f"Unknown strategy {name!r}. Valid names: {', '.join(strategy_names())}. "
             f"Received: name={name!r}"
+        )
+    if (
+        requested in SINGLE_HOST_STRATEGIES
+        and cluster is not None
+        and not cluster.is_evaluator
+        and cluster.num_workers > 1
+    ):
+        raise StrategyError(
+            f"{requested!r} trains within one process, but TF_CONFIG describes "
+            f"{cluster.num_workers} training tasks ({cluster.describe()}): each would train "
+            "on its own, into the same model_dir. Use multi_worker_mirrored (or 'auto') for "
+            f"several workers, or start one process. Received: strategy={name!r}"
         )
     strategy = _BUILDERS[requested](cluster, options)
     log.info("%s", describe_strategy(strategy, cluster))
@@ -342,14 +358,17 @@ def _merge_options(options: StrategyOptions | None, values: dict[str, Any]) -> S
     return StrategyOptions(**values)
 
 
-def _check_options_apply(name: str, options: StrategyOptions) -> None:
+def _check_options_apply(name: str, options: StrategyOptions, *, chosen_by_auto=False) -> None:
     defaults = StrategyOptions()
+    chosen = (
+        f"{name!r}, the strategy 'auto' chose here" if chosen_by_auto else f"the {name!r} strategy"
+    )
     for field, users in _OPTION_USERS.items():
         value = getattr(options, field)
         if value != getattr(defaults, field) and name not in users:
             raise StrategyError(
-                f"Option {field} does not apply to the {name!r} strategy (only to "
-                f"{' and '.join(users)}); remove it or pick one of those strategies. "
+                f"Option {field} does not apply to {chosen} (only to {' and '.join(users)}); "
+                "remove it or name one of those strategies. "
                 f"Received: {field}={value!r}"
             )
 
@@ -453,6 +472,12 @@ def _build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyO
         "multi_worker_mirrored", cluster, need="2+ workers", launch_flags="--workers 2"
     )
     _check_layout(cluster, "multi_worker_mirrored")
+    if options.collective == "nccl" and _devices.num_physical_gpus() == 0:
+        raise StrategyError(
+            "collective='nccl' runs the all-reduce on GPUs with NCCL, and this host has none. "
+            "Use collective='ring' (or 'auto', which picks what the host has), or run on GPU "
+            "hosts. Received: collective='nccl'"
+        )
     implementation = {
         "auto": tf.distribute.experimental.CommunicationImplementation.AUTO,
         "ring": tf.distribute.experimental.CommunicationImplementation.RING,

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tfdist.errors import TfdistError
-from tfdist.layout import Layout, validate_layout
+from tfdist.layout import Layout, flag_value, validate_layout
 
 # The container every pod runs; the TFJob operator finds the training container by this name.
 CONTAINER_NAME = "tensorflow"
@@ -228,17 +228,3 @@ class TrainingJob:
                 f"the command starts with the flag {command[0]!r} instead of a program: put the "
                 f"program first, e.g. {example}. Received: command={shlex.join(command)!r}"
             )
-
-
-def flag_value(args: Sequence[str], flag: str) -> str | None:
-    """The last value given to an absl/argparse flag in `args` (--flag=v, --flag v, -flag=v)."""
-    value = None
-    for i, arg in enumerate(args):
-        if arg == "--":
-            break  # the program stops reading flags here
-        for prefix in (f"--{flag}", f"-{flag}"):
-            if arg.startswith(prefix + "="):
-                value = arg[len(prefix) + 1 :]
-            elif arg == prefix and i + 1 < len(args):
-                value = args[i + 1]
-    return value

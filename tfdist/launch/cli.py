@@ -76,6 +76,7 @@ from tfdist.launch.supervisor import (
     WORKER_RESTARTS,
     Launcher,
 )
+from tfdist.layout import flag_value
 
 
 def _dry_run_lines(command: Sequence[str], tasks: Sequence[Task]) -> Iterator[str]:
@@ -186,6 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps=args.ps,
             evaluator=args.evaluator,
             host=args.host,
+            strategy=flag_value(command, "strategy"),
         )
         launcher = Launcher(
             command,

@@ -44,6 +44,7 @@ def plan_cluster(
     evaluator: bool = False,
     host: str = "127.0.0.1",
     ports: Sequence[int] | None = None,
+    strategy: str | None = None,
 ) -> tuple[dict[str, list[str]], list[Task]]:
     """Lays out a cluster on one host and gives every task its own port.
 
@@ -54,6 +55,8 @@ def plan_cluster(
       evaluator: whether to add an evaluator (listed in the cluster, as Kubeflow does).
       host: address every task listens on; "::1" and "[::1]" both mean IPv6 loopback.
       ports: one port per task in task order; by default the OS picks free ones.
+      strategy: the strategy the command asks for (its --strategy flag), if any: a layout
+        it cannot run is refused, as tfdist-k8s refuses it.
 
     Returns:
       `(cluster, tasks)`: the TF_CONFIG "cluster" dict holding only the task types present,
@@ -65,7 +68,7 @@ def plan_cluster(
     """
     layout = Layout(chief=int(chief), workers=workers, ps=ps, evaluator=int(evaluator))
     try:
-        validate_layout(layout, spell=launch_flags)
+        validate_layout(layout, strategy=strategy, spell=launch_flags)
     except LayoutError as error:
         raise UsageError(str(error)) from None
     counts = layout.counts()
