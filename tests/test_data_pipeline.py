@@ -56,10 +56,22 @@ def test_every_example_is_read_exactly_once_per_epoch(records, pipelines, shard_
         )
     assert sorted(seen) == list(range(101))
     if pipelines > 1:
-        expected = (
-            "sharded by file" if shard_by == "auto" and pipelines <= 4 else "sharded by example"
-        )
+        # 4 files of 26/25/25/25 examples: even over 2 pipelines (51/50), uneven over 3
+        # (26/50/25: one pipeline would hold twice another), too few for 5.
+        by_file = shard_by == "auto" and pipelines == 2
+        expected = "sharded by file" if by_file else "sharded by example"
         assert sum(expected in r.message for r in caplog.records) == pipelines
+        if shard_by == "auto" and pipelines == 3:
+            assert "by file the shares would be 26/50/25 examples" in caplog.text
+
+
+def test_uneven_file_shards_asked_for_are_read_with_a_warning(records, caplog):
+    options = PipelineOptions(repeat=False, shuffle_buffer=0, drop_remainder=False, shard_by="file")
+    seen = [ids_of(tfrecord_dataset(records, batch_size=8, input_context=context(3, i),
+                                    options=options)) for i in range(3)]  # fmt: skip
+    assert sorted(sum(seen, [])) == list(range(101))
+    assert sorted(len(ids) for ids in seen) == [25, 26, 50]
+    assert "Sharding by file as asked gives uneven shares (26/50/25 examples)" in caplog.text
 
 
 def test_no_shuffle_and_deterministic_gives_a_fixed_order(records):

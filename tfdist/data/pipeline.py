@@ -21,7 +21,7 @@ import dataclasses
 import logging
 import re
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
@@ -182,20 +182,57 @@ def _shard(
         )
     if pipelines == 1:
         return files.paths, files.counts, 1
-    if shard_by == "example" or n < pipelines:
+    shares = _balanced_file_shares(files.counts, pipelines) if n >= pipelines else None
+    sizes = [sum(files.counts[i] for i in share) for share in shares] if shares else []
+    # By file when the shares are even: within one file's worth of examples, and within
+    # _MAX_FILE_IMBALANCE of each other (4 files over 3 workers would give one twice the
+    # others, whose examples a repeating pipeline would then show twice as often).
+    even = bool(sizes) and (
+        max(sizes) - min(sizes) <= max(files.counts)
+        and max(sizes) <= min(sizes) * (1 + _MAX_FILE_IMBALANCE)
+    )
+    if shard_by == "example" or (shard_by == "auto" and not even):
+        if shard_by == "example":
+            why = "as asked"
+        elif n < pipelines:
+            why = "fewer files than pipelines"
+        else:
+            why = f"by file the shares would be {'/'.join(map(str, sizes))} examples"
         log.info(
             "Input pipeline %d of %d reads every %d%s example of %d file(s) (sharded by "
             "example: %s)",
-            pipeline, pipelines, pipelines, _ordinal_suffix(pipelines), n,
-            "fewer files than pipelines" if n < pipelines else "as asked",
+            pipeline, pipelines, pipelines, _ordinal_suffix(pipelines), n, why,
         )  # fmt: skip
         return files.paths, files.counts, pipelines
-    mine = list(range(pipeline, n, pipelines))
+    mine = shares[pipeline]
     log.info(
-        "Input pipeline %d of %d reads %d of %d files, %d examples (sharded by file)",
-        pipeline, pipelines, len(mine), n, sum(files.counts[i] for i in mine),
+        "Input pipeline %d of %d reads %d of %d files, %d examples (sharded by file; the "
+        "pipelines' shares: %s examples)",
+        pipeline, pipelines, len(mine), n, sizes[pipeline], "/".join(map(str, sizes)),
     )  # fmt: skip
+    if not even:
+        log.warning(
+            "Sharding by file as asked gives uneven shares (%s examples): the pipelines with "
+            "less data repeat theirs more often. shard_by='auto' shards by example instead.",
+            "/".join(map(str, sizes)),
+        )
     return tuple(files.paths[i] for i in mine), tuple(files.counts[i] for i in mine), 1
+
+
+# How far apart (relative to the smallest) file shares may be before 'auto' shards by example.
+_MAX_FILE_IMBALANCE = 0.1
+
+
+def _balanced_file_shares(counts: Sequence[int], pipelines: int) -> list[list[int]]:
+    """Files (indices) per pipeline: the largest file first to the least loaded pipeline, so
+    shares differ by at most one file's worth. The same on every pipeline (deterministic)."""
+    shares: list[list[int]] = [[] for _ in range(pipelines)]
+    loads = [0] * pipelines
+    for i in sorted(range(len(counts)), key=lambda i: (-counts[i], i)):
+        least = min(range(pipelines), key=lambda p: (loads[p], len(shares[p]), p))
+        shares[least].append(i)
+        loads[least] += counts[i]
+    return [sorted(share) for share in shares]
 
 
 def _ordinal_suffix(n: int) -> str:

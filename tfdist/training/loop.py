@@ -117,6 +117,12 @@ class Trainer:
             1, train_examples // config.global_batch_size
         )
         self.total_steps = config.epochs * self.steps_per_epoch
+        if config.global_batch_size > train_examples and self.is_chief:
+            log.warning(
+                "The global batch of %d is larger than the %d training examples: every step "
+                "repeats examples (some twice in one batch). Use a global batch of at most %d.",
+                config.global_batch_size, train_examples, train_examples,
+            )  # fmt: skip
         if config.model_dir is not None:
             settings = {
                 "model": config.model, "dataset": config.dataset,
