@@ -288,6 +288,17 @@ def error_lines(stderr):
         (["--strategy=tpu"], {}, "error: No TPU found"),
         (["--model_dir=/dev/null"], {}, "error: model_dir /dev/null is a file, not a directory."),
         (
+            ["--data_dir=/dev/null/data"],
+            {},
+            "error: data_dir /dev/null/data/digits cannot be written (FailedPreconditionError: "
+            "/dev/null is not a directory)",
+        ),
+        (
+            ["--data_dir=s3://bucket/data"],
+            {},
+            "error: The dataset 'digits' cannot be read from s3://bucket/data (UnimplementedError",
+        ),
+        (
             ["--all_reduce=ring", "--compression=bfloat16"],
             {},
             "error: Option all_reduce does not apply to 'one_device', the strategy 'auto' chose",
@@ -459,6 +470,31 @@ def test_a_resume_with_other_settings_is_refused_or_explained(data_dir, tmp_path
     finally:
         logging.getLogger("tensorflow").removeHandler(handler)
     assert not [line for line in tensorflow_lines if "restored" in line], tensorflow_lines
+
+
+def test_the_binary_refuses_a_model_dir_of_another_model_in_one_line(data_dir, tmp_path):
+    strategy = tfdist.build_strategy("one_device", cluster=None)
+    config = dict(EXACT, model="mlp", steps_per_epoch=2, model_dir=str(tmp_path))
+    Trainer(TrainConfig(data_dir=data_dir, **config), strategy=strategy).fit()
+    result = run_module(
+        "experiments.train", "--model=cnn", "--optimizer=sgd", "--global_batch_size=32",
+        f"--data_dir={data_dir}", f"--model_dir={tmp_path}", "--epochs=2", timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert error_lines(result.stderr) == [
+        f"error: {tmp_path} holds a run saved with model='mlp'; this job has model='cnn'. "
+        "Resume with the settings it was saved with, or start afresh in a new model_dir."
+    ]
+    assert "restored" not in result.stderr  # none of TensorFlow's checkpoint warnings
+
+
+def test_a_global_batch_larger_than_the_data_is_a_warning(caplog):
+    strategy = tfdist.build_strategy("one_device", cluster=None)
+    config = TrainConfig(dataset="synthetic", dataset_options={"image_shape": (4, 4, 1),
+                         "num_examples": 40}, model="mlp", global_batch_size=64, epochs=1)  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="tfdist"):
+        Trainer(config, strategy=strategy)
+    assert "The global batch of 64 is larger than the 40 training examples" in caplog.text
 
 
 def test_json_files_hold_no_nan(tmp_path, caplog):

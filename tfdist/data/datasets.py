@@ -27,6 +27,7 @@ import tensorflow as tf
 
 from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
 from tfdist.data.records import META_SUFFIX, DataError, find_records, write_tfrecords
+from tfdist.storage import check_writable_directory
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +116,7 @@ def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
     directory = os.path.join(data_dir or default_data_dir(), "digits")
     prefixes = {split: os.path.join(directory, split) for split in SPLITS}
     if not all(tf.io.gfile.exists(p + ".meta.json") for p in prefixes.values()):
+        check_writable_directory(directory, name="data_dir")
         from sklearn.datasets import load_digits  # deferred: only the first use needs it
 
         digits = load_digits()
@@ -261,6 +263,19 @@ def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> Imag
     Raises:
       DataError: unknown name, or a TFDS dataset that is not prepared in data_dir.
     """
+    try:
+        return _prepare(name, data_dir=data_dir, **kwargs)
+    except tf.errors.OpError as e:  # a path on a filesystem TensorFlow cannot open, ...
+        reason = e.message.strip().splitlines()[0] if e.message.strip() else type(e).__name__
+        where = name[len(TFRECORD_PREFIX) :] if name.startswith(TFRECORD_PREFIX) else data_dir
+        raise DataError(
+            f"The dataset {name!r} cannot be read from {where or default_data_dir()} "
+            f"({type(e).__name__}: {reason}). Give a directory this process can read and "
+            "write: a local path, or a gs:// path with credentials."
+        ) from None
+
+
+def _prepare(name: str, *, data_dir: str | None, **kwargs) -> ImageDataset:
     if name.startswith(TFRECORD_PREFIX) and name[len(TFRECORD_PREFIX) :]:
         return prepare_tfrecord_dir(name[len(TFRECORD_PREFIX) :], **kwargs)
     if name.startswith(TFDS_PREFIX):
