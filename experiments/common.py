@@ -175,6 +175,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     except flags.Error as e:
         print(f"error: {e}. Run with --help to see the flags.", file=sys.stderr, flush=True)
         sys.exit(EXIT_USAGE)
+    except SystemExit as e:  # absl's --help, --helpshort, --helpfull: asked for, not failed
+        asked = any(a.split("=")[0] in ("--help", "--helpshort", "--helpfull", "-h", "-?")
+                    for a in argv[1:])  # fmt: skip
+        sys.exit(0 if asked and e.code == 1 else e.code)
 
 
 def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], None]:
@@ -197,6 +201,9 @@ def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], 
                 sys.exit(128 + signal.SIGINT)
             print(f"preempted: {e}", file=sys.stderr, flush=True)
             sys.exit(restartable_exit_code(EXIT_PREEMPTED))
+        except app.UsageError as e:  # e.g. arguments that are not flags
+            print(f"error: {e}. Run with --help to see the flags.", file=sys.stderr, flush=True)
+            sys.exit(EXIT_USAGE)
         except TfdistError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             # A failure of the cluster rather than of the command line says so in its code,

@@ -287,6 +287,7 @@ def error_lines(stderr):
         ),
         (["--strategy=tpu"], {}, "error: No TPU found"),
         (["--model_dir=/dev/null"], {}, "error: model_dir /dev/null is a file, not a directory."),
+        (["extra_arg"], {}, "error: Unexpected arguments: extra_arg."),
         (
             ["--data_dir=/dev/null/data"],
             {},
@@ -470,6 +471,11 @@ def test_a_resume_with_other_settings_is_refused_or_explained(data_dir, tmp_path
     finally:
         logging.getLogger("tensorflow").removeHandler(handler)
     assert not [line for line in tensorflow_lines if "restored" in line], tensorflow_lines
+
+
+def test_help_is_printed_and_exits_0():
+    result = run_module("experiments.train", "--help", timeout=120)
+    assert result.returncode == 0 and "the tfdist training binary" in result.stdout
 
 
 def test_the_binary_refuses_a_model_dir_of_another_model_in_one_line(data_dir, tmp_path):

@@ -641,8 +641,8 @@ def _initialize_variables_from_the_chief(strategy) -> None:
         ):
             return create(next_creator, **kwargs)
         value = tf.convert_to_tensor(initial(), dtype=kwargs.get("dtype"))
-        if value.shape.rank == 0:
-            kwargs["initial_value"] = value
+        if value.shape.rank == 0 or not (value.dtype.is_floating or value.dtype.is_integer):
+            kwargs["initial_value"] = value  # a scalar, or a dtype scatter_update lacks
             return create(next_creator, **kwargs)
 
         def zeros(partition_shape=None, partition_offset=None):
