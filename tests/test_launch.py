@@ -517,6 +517,10 @@ def test_a_command_that_does_not_exist_exits_127(tmp_path):
         (["--workers", "0", "--", "python"], r"nothing would train"),
         (["--timeout", "0", "--", "python"], r"--timeout must be more than 0.*--timeout=0"),
         (["--max_restarts", "-1", "--", "python"], r"must be 0 or more.*--max_restarts=-1"),
+        (
+            ["--workers", "2", "--", "python", "-m", "experiments.train", "--strategy=mirrored"],
+            r"'mirrored' trains within one process, but this layout starts several",
+        ),
     ],
 )
 def test_bad_usage_exits_2_with_a_one_line_message(flags, message):
