@@ -110,7 +110,14 @@ def test_image_folder_mistakes_end_with_one_error_line(tmp_path):
     (tmp_path / "broken" / "a").mkdir(parents=True)
     (tmp_path / "broken" / "a" / "x.png").write_bytes(b"not a png")
     (tmp_path / "empty").mkdir()
+    write_png_folder(tmp_path / "colours", {"a": [(8, 8)]})
+    import tensorflow as tf
+
+    (tmp_path / "colours" / "b").mkdir()
+    rgb = tf.io.encode_png(np.zeros((8, 8, 3), np.uint8)).numpy()
+    (tmp_path / "colours" / "b" / "0.png").write_bytes(rgb)
     for folder, message in [
+        ("colours", "b/0.png has 3 colour channel(s), but the first image had 1"),
         ("mixed", "b/0.png is 9x8, but the first image was 8x8: every image of a dataset"),
         ("broken", "Cannot decode"),
         ("empty", "holds no images in class sub-folders"),

@@ -52,7 +52,12 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str):
     if name in _SUBPACKAGES:
-        return importlib.import_module(f"tfdist.{name}")  # sets the attribute as it imports
+        try:
+            return importlib.import_module(f"tfdist.{name}")  # sets the attribute as it imports
+        except ModuleNotFoundError as e:  # an optional extra (ray, PyYAML) not installed
+            raise AttributeError(
+                f"tfdist.{name} needs {e.name}, which is not installed: pip install 'tfdist[{name}]'"
+            ) from e
     if name not in _EXPORTS:
         raise AttributeError(f"module 'tfdist' has no attribute {name!r}")
     value = getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -193,6 +193,22 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
     return value
 
 
+# tfdist's strategy names (tfdist.strategies builds them; listed here without TensorFlow),
+# and its alias: a --strategy flag with another value belongs to some other program.
+STRATEGY_NAMES = (
+    "auto", "one_device", "mirrored", "central_storage", "multi_worker_mirrored",
+    "parameter_server", "tpu",
+)  # fmt: skip
+STRATEGY_ALIASES = {"default": "one_device"}
+
+
+def command_strategy(command: Sequence[str]) -> str | None:
+    """The tfdist strategy a command's --strategy flag names, if it names one."""
+    value = flag_value(command, "strategy")
+    value = STRATEGY_ALIASES.get(value, value)
+    return value if value in STRATEGY_NAMES else None
+
+
 def _calls_for(strategy: str | None) -> str:
     return f"{strategy!r} (or 'auto')" if strategy else "'auto' or a single-host strategy"
 

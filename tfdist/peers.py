@@ -74,7 +74,8 @@ def explain_server_error(error: Exception, cluster: ClusterInfo) -> PortTakenErr
     port = cluster.address.rsplit(":", 1)[1]
     return PortTakenError(
         f"{cluster.task_name} cannot start its server on {cluster.address}: port {port} is "
-        "taken by another process. Stop that process, or give the task a free port in "
+        "taken by another process (or cannot be bound here). Stop that process, or give the "
+        "task a free port in "
         "TF_CONFIG (tfdist-launch picks free ports, and moves a task whose port was taken "
         "when it restarts the job)."
     )

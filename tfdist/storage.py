@@ -72,6 +72,18 @@ def strict_json(value, *, what: str, indent: int | None = None) -> str:
     return text
 
 
+# What TensorFlow raises for a path that is wrong, rather than for a storage service that
+# failed for the moment (Unavailable, DeadlineExceeded, ...): a restart cannot cure these.
+PATH_ERRORS = (
+    tf.errors.PermissionDeniedError,
+    tf.errors.NotFoundError,
+    tf.errors.FailedPreconditionError,
+    tf.errors.UnimplementedError,
+    tf.errors.AlreadyExistsError,
+    tf.errors.InvalidArgumentError,
+)
+
+
 def check_writable_directory(path: str, *, name: str) -> None:
     """Creates `path` if needed and checks that this process can write files in it.
 
@@ -92,7 +104,7 @@ def check_writable_directory(path: str, *, name: str) -> None:
         with tf.io.gfile.GFile(probe, "w") as f:
             f.write("")
         tf.io.gfile.remove(probe)
-    except tf.errors.OpError as e:
+    except PATH_ERRORS as e:  # not a passing failure (Unavailable, ...): those propagate
         reason = e.message.strip().splitlines()[0] if e.message.strip() else type(e).__name__
         raise StorageError(
             f"{name} {path} cannot be written ({type(e).__name__}: {reason}). {fix}"

@@ -238,7 +238,8 @@ def build_strategy(
             cluster, tpu_address=detect_tpu(options.tpu), num_gpus=_devices.num_physical_gpus()
         )
         log.info("Strategy 'auto' resolved to %r", requested)
-        _check_options_apply(requested, options, chosen_by_auto=True)
+        if not (cluster is not None and cluster.is_evaluator):  # its one_device is fixed
+            _check_options_apply(requested, options, chosen_by_auto=True)
     elif requested in _BUILDERS:
         _check_options_apply(requested, options)
     else:
@@ -635,6 +636,8 @@ def _initialize_variables_from_the_chief(strategy) -> None:
         initial = kwargs.get("initial_value")
         if (
             not callable(initial)
+            or tf.inside_function()  # made while tracing: the graph keeps TensorFlow's way
+            or kwargs.get("shape") is not None  # the caller's shape (perhaps partly unknown)
             or kwargs.get("per_worker_variable")
             or "colocate_with" in kwargs
             or inspect.signature(initial).parameters  # restore-on-create, or shard-aware

@@ -158,9 +158,7 @@ def _decoded_images(files: list[str], labels: list[int]) -> Iterator[dict[str, A
     for path, label in zip(files, labels, strict=True):
         try:
             with open(path, "rb") as f:
-                image = tf.io.decode_image(
-                    f.read(), channels=first[2] if first else 0, expand_animations=False
-                ).numpy()
+                image = tf.io.decode_image(f.read(), expand_animations=False).numpy()
         except tf.errors.OpError as e:
             raise UsageError(
                 f"Cannot decode {path} as an image ({e.message.strip().splitlines()[0]}). "
@@ -171,11 +169,17 @@ def _decoded_images(files: list[str], labels: list[int]) -> Iterator[dict[str, A
             image = image.astype(np.uint8)
         if first is None:
             first = image.shape
-        elif image.shape != first:
+        elif image.shape[:2] != first[:2]:
             raise UsageError(
                 f"{path} is {image.shape[0]}x{image.shape[1]}, but the first image was "
                 f"{first[0]}x{first[1]}: every image of a dataset needs one size. Resize them "
                 "(e.g. with Pillow or ImageMagick) before converting."
+            )
+        elif image.shape[2] != first[2]:
+            raise UsageError(
+                f"{path} has {image.shape[2]} colour channel(s), but the first image had "
+                f"{first[2]}: every image of a dataset needs the same ones (1 grey, 3 RGB, "
+                "4 RGBA). Convert them to one mode before converting."
             )
         yield {"image": image, "label": np.int64(label)}
 

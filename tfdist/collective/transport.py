@@ -118,7 +118,12 @@ class _PointToPointAllReduce:
         # that signature, keys of its own. Eager calls run one after another and share one.
         signature = (length, dtype, reduction, 0)
         if not tf.executing_eagerly():
-            uses = self._uses.setdefault(tf.compat.v1.get_default_graph(), collections.Counter())
+            # Counted over the outermost graph: a tf.cond branch or a nested tf.function is a
+            # graph of its own whose all-reduces run beside the enclosing graph's.
+            graph = tf.compat.v1.get_default_graph()
+            while getattr(graph, "outer_graph", None) is not None:
+                graph = graph.outer_graph
+            uses = self._uses.setdefault(graph, collections.Counter())
             signature = (length, dtype, reduction, uses[signature[:3]])
             uses[signature[:3]] += 1
         if signature not in self._programs:

@@ -27,7 +27,7 @@ import tensorflow as tf
 
 from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
 from tfdist.data.records import META_SUFFIX, DataError, find_records, write_tfrecords
-from tfdist.storage import check_writable_directory
+from tfdist.storage import PATH_ERRORS, check_writable_directory
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,11 @@ def prepare_tfrecord_dir(directory: str) -> TFRecordImages:
             f"'label'; it has {', '.join(f'{k} {list(v.shape)}' for k, v in train.features.items())}. "
             "Name the arrays image and label when writing it."
         )
-    classes = train.attributes.get("classes")
-    count = len(classes) if isinstance(classes, list) else classes
+    counts_seen = []
+    for meta in metas.values():  # labels counted per split: the test split may hold more
+        classes = meta.attributes.get("classes")
+        counts_seen.append(len(classes) if isinstance(classes, list) else classes)
+    count = max(counts_seen) if all(isinstance(c, int) for c in counts_seen) else None
     if not isinstance(count, int) or count < 1:
         raise DataError(
             f"{prefixes['train']}{META_SUFFIX} does not say how many classes there are (its "
@@ -265,7 +268,7 @@ def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> Imag
     """
     try:
         return _prepare(name, data_dir=data_dir, **kwargs)
-    except tf.errors.OpError as e:  # a path on a filesystem TensorFlow cannot open, ...
+    except PATH_ERRORS as e:  # a path on a filesystem TensorFlow cannot open, ...
         reason = e.message.strip().splitlines()[0] if e.message.strip() else type(e).__name__
         where = name[len(TFRECORD_PREFIX) :] if name.startswith(TFRECORD_PREFIX) else data_dir
         raise DataError(

@@ -76,7 +76,7 @@ from tfdist.launch.supervisor import (
     WORKER_RESTARTS,
     Launcher,
 )
-from tfdist.layout import flag_value
+from tfdist.layout import command_strategy
 
 
 def _dry_run_lines(command: Sequence[str], tasks: Sequence[Task]) -> Iterator[str]:
@@ -187,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             ps=args.ps,
             evaluator=args.evaluator,
             host=args.host,
-            strategy=flag_value(command, "strategy"),
+            strategy=command_strategy(command),
         )
         launcher = Launcher(
             command,

@@ -30,10 +30,10 @@ class CheckpointMismatchError(TfdistError, ValueError):
 CHECKPOINT_SUBDIR = "checkpoints"
 # The settings a run's checkpoints were written under, beside them: a resume compares.
 SETTINGS_FILE = "run.json"
-# Settings a resume must keep: with another model, dataset or optimizer the checkpoint does
-# not fit; with another global batch its step counts batches of another size (another data
+# Settings a resume must keep: with another model, dataset or optimizer (mixed precision
+# wraps it in a LossScaleOptimizer) the checkpoint does not fit; with another global batch its step counts batches of another size (another data
 # position and schedule). The others may change, with a warning.
-_MUST_MATCH = ("model", "dataset", "optimizer", "global_batch_size")
+_MUST_MATCH = ("model", "dataset", "optimizer", "mixed_precision", "global_batch_size")
 
 
 def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> None:
@@ -45,7 +45,9 @@ def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> Non
     `settings` in model_dir/run.json for the next resume.
     """
     path = os.path.join(model_dir, SETTINGS_FILE)
-    has_checkpoint = tf.train.latest_checkpoint(os.path.join(model_dir, CHECKPOINT_SUBDIR))
+    # The files themselves, as restore_latest reads them (the state file can lag behind).
+    candidates = checkpoint_candidates(os.path.join(model_dir, CHECKPOINT_SUBDIR))
+    has_checkpoint = candidates[0] if candidates else None
     saved = None
     if has_checkpoint and tf.io.gfile.exists(path):
         try:
@@ -136,10 +138,13 @@ class Checkpoints:
             mismatch = None
             try:
                 self.checkpoint.restore(path).expect_partial()
-            except ValueError as error:
-                if "incompatible" not in str(error):
+            except (ValueError, tf.errors.InvalidArgumentError) as error:
+                # A ValueError when shapes are known; in a multi-task job TensorFlow restores
+                # in a tf.function, where a shape check fails as it runs.
+                text = getattr(error, "message", None) or str(error)
+                if "incompatible" not in text and "not compatible with" not in text:
                     raise
-                mismatch = str(error)
+                mismatch = text.strip().splitlines()[0]
             if mismatch is not None:
                 _quiet_unrestored_values()
                 raise CheckpointMismatchError(

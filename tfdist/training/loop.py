@@ -11,6 +11,7 @@ closures, staleness, surviving a dead worker) lives in fit's runners, not here.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -97,10 +98,12 @@ class Trainer:
         # Before anything is read or written, as a TPU Node's host sees only Cloud Storage.
         # Synthetic data is made in memory; without a model_dir nothing is written.
         paths = {} if config.dataset == "synthetic" else {"data_dir": config.data_dir}
+        if config.dataset.startswith("tfrecord:"):
+            paths = {"dataset": config.dataset[len("tfrecord:") :]}
         if config.model_dir is not None:
             paths["model_dir"] = config.model_dir
         check_tpu_node_paths(tpu_node_address(strategy), paths)
-        if config.model_dir is not None:
+        if config.model_dir is not None and self.is_chief:  # the others write elsewhere
             check_writable_directory(config.model_dir, name="model_dir")
         # TPUs compile a program per input shape, so evaluation pads its last batches.
         self.static_shapes = strategy_kind(strategy) == "tpu"
@@ -125,8 +128,9 @@ class Trainer:
             )  # fmt: skip
         if config.model_dir is not None:
             settings = {
-                "model": config.model, "dataset": config.dataset,
-                "optimizer": config.optimizer, "global_batch_size": config.global_batch_size,
+                "model": config.model, "dataset": _comparable(config.dataset),
+                "optimizer": config.optimizer, "mixed_precision": config.mixed_precision,
+                "global_batch_size": config.global_batch_size,
                 "steps_per_epoch": self.steps_per_epoch,
                 "workers": cluster.num_workers if cluster is not None else 1,
                 "replicas": strategy.num_replicas_in_sync,
@@ -412,3 +416,12 @@ def _sums(per_example_loss, logits, labels, weights=None):
 
 
 __all__ = ["TrainResult", "Trainer", "train"]
+
+
+def _comparable(dataset: str) -> str:
+    """The dataset's name, with a local tfrecord:DIR made absolute (a resume from another
+    working directory, or with a trailing slash, names the same data)."""
+    prefix = "tfrecord:"
+    if dataset.startswith(prefix) and "://" not in dataset:
+        return prefix + os.path.abspath(dataset[len(prefix) :])
+    return dataset

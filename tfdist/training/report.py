@@ -64,10 +64,22 @@ class RunRecord:
 
 
 def read_run_record(lines: list[dict]) -> RunRecord:
-    """The run's history and sessions from history.jsonl's lines (oldest first)."""
+    """The run's history and sessions from history.jsonl's lines (oldest first).
+
+    A session that started from step 0 begins a new run (a model_dir reused after its
+    checkpoints were removed): what came before is not this run's. A session that resumed
+    at step S replaces the epochs earlier sessions recorded after S.
+    """
     by_epoch: dict[int, dict] = {}
     sessions: dict[str, dict] = {}
     for line in lines:
+        if line["session"] not in sessions:  # a session's first epoch: where it started
+            start = line["resumed_from_step"]
+            if start == 0:  # trained from scratch: a new run in this model_dir
+                by_epoch.clear()
+                sessions.clear()
+            # Epochs an earlier session ended after this one's start were trained again.
+            by_epoch = {e: h for e, h in by_epoch.items() if h["step"] <= start}
         epoch = {k: v for k, v in line.items() if k not in _SESSION_FIELDS}
         by_epoch[line["epoch"]] = epoch
         session = sessions.setdefault(

@@ -148,8 +148,7 @@ class _SavedWhole:
         return {"VARIABLE_VALUE": self._whole()}
 
     def _restore_from_tensors(self, restored_tensors):
-        # Restoring may run in a tf.function, where the tensor read has no static shape.
-        whole = tf.ensure_shape(restored_tensors["VARIABLE_VALUE"], self.shape)
+        whole = _checked_shape(restored_tensors["VARIABLE_VALUE"], self.shape, self.path)
         self.assign(whole)  # the ShardedVariable splits it
         return tf.no_op()
 
@@ -159,6 +158,19 @@ class _SavedWhole:
 
 
 _SAVED_WHOLE_CLASSES: dict[type, type] = {}
+
+
+def _checked_shape(tensor: tf.Tensor, shape, name: str) -> tf.Tensor:
+    """`tensor`, which must have `shape`: a ValueError in TensorFlow's words when it is known
+    not to (CheckpointMismatchError names it); else checked when it runs (in a tf.function,
+    where the tensor read has no static shape)."""
+    shape = tf.TensorShape(shape)
+    if not tensor.shape.is_compatible_with(shape):
+        raise ValueError(
+            f"Received incompatible tensor with shape {tensor.shape} when attempting to "
+            f"restore variable with shape {shape} and name {name}."
+        )
+    return tf.ensure_shape(tensor, shape)
 
 
 def _save_whole(variable: keras.Variable) -> None:
@@ -281,9 +293,8 @@ class _WholeSlot(tf.__internal__.tracking.Trackable):
 
     def _restore_from_tensors(self, restored_tensors):
         rows = sum(int(part.shape[0]) for part in self.parts)
-        whole = tf.ensure_shape(
-            restored_tensors["VARIABLE_VALUE"], [rows, *self.parts[0].shape[1:]]
-        )
+        shape = [rows, *self.parts[0].shape[1:]]
+        whole = _checked_shape(restored_tensors["VARIABLE_VALUE"], shape, self.parts[0].path)
         self.assign(whole)
         return tf.no_op()
 
@@ -403,12 +414,18 @@ def sharded_lookups() -> Iterator[None]:
 
     def take(x, indices, axis=None):
         shards = (shards_of(x) or _on_a_ps(x)) if axis == 0 else None
-        if not shards:
-            return original(x, indices, axis=axis)
-        indices = tf.convert_to_tensor(indices)
+        if not shards or isinstance(indices, tf.SparseTensor):
+            return original(x, indices, axis=axis)  # Keras's own sparse lookup
         rows = sum(int(shard.shape[0]) for shard in shards)
-        indices = tf.where(indices < 0, indices + tf.cast(rows, indices.dtype), indices)
-        return tf.nn.embedding_lookup(shards, indices)
+
+        def wrapped(ids):  # negative ids count from the end, as in Keras's take
+            return tf.where(ids < 0, ids + tf.cast(rows, ids.dtype), ids)
+
+        if isinstance(indices, tf.RaggedTensor):
+            return tf.nn.embedding_lookup(
+                shards, indices.with_flat_values(wrapped(indices.flat_values))
+            )
+        return tf.nn.embedding_lookup(shards, wrapped(tf.convert_to_tensor(indices)))
 
     keras_tf_numpy.take = take
     try:
