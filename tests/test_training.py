@@ -287,6 +287,12 @@ def error_lines(stderr):
         ),
         (["--strategy=tpu"], {}, "error: No TPU found"),
         (["--model_dir=/dev/null"], {}, "error: model_dir /dev/null is a file, not a directory."),
+        # /sys is not writable, even by root: PermissionDenied or a read-only filesystem.
+        (
+            ["--model_dir=/sys/tfdist-run"],
+            {},
+            "error: model_dir /sys/tfdist-run cannot be written (",
+        ),
         (["extra_arg"], {}, "error: Unexpected arguments: extra_arg."),
         (
             ["--data_dir=/dev/null/data"],
