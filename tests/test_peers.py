@@ -380,7 +380,7 @@ def test_a_port_another_process_holds_is_named_in_one_line(tmp_path, strategy, t
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert errors == [
         f"error: {task}:0 cannot start its server on 127.0.0.1:{ports[0]}: port {ports[0]} is "
-        "taken by another process. Stop that process, or give the task a free port in TF_CONFIG "
-        "(tfdist-launch picks free ports, and moves a task whose port was taken when it "
-        "restarts the job)."
+        "taken by another process (or cannot be bound here). Stop that process, or give the "
+        "task a free port in TF_CONFIG (tfdist-launch picks free ports, and moves a task whose "
+        "port was taken when it restarts the job)."
     ], result.stderr[-2000:]
