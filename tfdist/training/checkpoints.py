@@ -31,8 +31,9 @@ CHECKPOINT_SUBDIR = "checkpoints"
 # The settings a run's checkpoints were written under, beside them: a resume compares.
 SETTINGS_FILE = "run.json"
 # Settings a resume must keep: with another model, dataset or optimizer (mixed precision
-# wraps it in a LossScaleOptimizer) the checkpoint does not fit; with another global batch its step counts batches of another size (another data
-# position and schedule). The others may change, with a warning.
+# wraps it in a LossScaleOptimizer) the checkpoint does not fit; with another global batch
+# its step counts batches of another size (another data position and schedule). The others
+# may change, with a warning.
 _MUST_MATCH = ("model", "dataset", "optimizer", "mixed_precision", "global_batch_size")
 
 
@@ -40,7 +41,7 @@ def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> Non
     """Compares this job's settings with those the run in `model_dir` was saved with.
 
     Raises CheckpointMismatchError where resuming would be wrong (another model, dataset,
-    optimizer or global batch); warns where the saved step means something new (another
+    optimizer, mixed precision or global batch); warns where the saved step means something new (another
     number of workers or replicas, or of steps per epoch). With `write` (the chief), records
     `settings` in model_dir/run.json for the next resume.
     """

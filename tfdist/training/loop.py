@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, plan_batches, prepare_dataset
+from tfdist.data.datasets import TFRECORD_PREFIX
 from tfdist.data.distribute import PAD_LABEL, first_description, pad_to_whole_steps
 from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
@@ -98,8 +99,8 @@ class Trainer:
         # Before anything is read or written, as a TPU Node's host sees only Cloud Storage.
         # Synthetic data is made in memory; without a model_dir nothing is written.
         paths = {} if config.dataset == "synthetic" else {"data_dir": config.data_dir}
-        if config.dataset.startswith("tfrecord:"):
-            paths = {"dataset": config.dataset[len("tfrecord:") :]}
+        if config.dataset.startswith(TFRECORD_PREFIX):
+            paths = {"dataset": config.dataset[len(TFRECORD_PREFIX) :]}
         if config.model_dir is not None:
             paths["model_dir"] = config.model_dir
         check_tpu_node_paths(tpu_node_address(strategy), paths)
@@ -354,7 +355,7 @@ class Trainer:
         history = record.history
         last = history[-1] if history else {}
         eval_metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-        if not report.history:  # nothing trained now: evaluate where the run stands
+        if not self.reporter.trained:  # nothing trained now: evaluate where the run stands
             logs = fit_module.evaluate(
                 self.model, self._validation_fn, verbose=0, return_dict=True,
                 strategy=self.strategy,
@@ -379,9 +380,7 @@ class Trainer:
             steps_trained=record.steps_trained,
             train_seconds=record.train_seconds,
             resume_points=tuple(record.resume_points),
-            sessions=tuple(
-                {k: v for k, v in s.items() if k != "epoch_timings"} for s in record.sessions
-            ),
+            sessions=record.sessions,
         )
         self.reporter.finish(result, self.model)
         return result
@@ -415,13 +414,12 @@ def _sums(per_example_loss, logits, labels, weights=None):
     return tf.stack([tf.reduce_sum(per_example_loss), tf.reduce_sum(correct), count])
 
 
-__all__ = ["TrainResult", "Trainer", "train"]
-
-
 def _comparable(dataset: str) -> str:
     """The dataset's name, with a local tfrecord:DIR made absolute (a resume from another
     working directory, or with a trailing slash, names the same data)."""
-    prefix = "tfrecord:"
-    if dataset.startswith(prefix) and "://" not in dataset:
-        return prefix + os.path.abspath(dataset[len(prefix) :])
+    if dataset.startswith(TFRECORD_PREFIX) and "://" not in dataset:
+        return TFRECORD_PREFIX + os.path.abspath(dataset[len(TFRECORD_PREFIX) :])
     return dataset
+
+
+__all__ = ["TrainResult", "Trainer", "train"]

@@ -39,6 +39,8 @@ class RunRecord:
     # Per session that trained: when it started, the step it resumed from, the epochs it
     # trained and their steps and seconds.
     sessions: tuple[dict, ...]
+    # Per session, (steps, seconds) of each epoch it trained.
+    epoch_timings: tuple[tuple[tuple[int, float], ...], ...]
 
     @property
     def resume_points(self) -> list[int]:
@@ -56,8 +58,7 @@ class RunRecord:
         """Over every session's epochs, each session's first left out where it has others
         (its time includes tracing)."""
         steps = seconds = 0.0
-        for session in self.sessions:
-            epochs = session["epoch_timings"]
+        for epochs in self.epoch_timings:
             for n, t in epochs[1:] or epochs:
                 steps, seconds = steps + n, seconds + t
         return steps * global_batch_size / seconds if seconds > 0 else None
@@ -72,12 +73,14 @@ def read_run_record(lines: list[dict]) -> RunRecord:
     """
     by_epoch: dict[int, dict] = {}
     sessions: dict[str, dict] = {}
+    timings: dict[str, list[tuple[int, float]]] = {}
     for line in lines:
         if line["session"] not in sessions:  # a session's first epoch: where it started
             start = line["resumed_from_step"]
             if start == 0:  # trained from scratch: a new run in this model_dir
                 by_epoch.clear()
                 sessions.clear()
+                timings.clear()
             # Epochs an earlier session ended after this one's start were trained again.
             by_epoch = {e: h for e, h in by_epoch.items() if h["step"] <= start}
         epoch = {k: v for k, v in line.items() if k not in _SESSION_FIELDS}
@@ -85,14 +88,18 @@ def read_run_record(lines: list[dict]) -> RunRecord:
         session = sessions.setdefault(
             line["session"],
             {"started": line["session"], "resumed_from_step": line["resumed_from_step"],
-             "epochs": [], "steps_trained": 0, "train_seconds": 0.0, "epoch_timings": []},
+             "epochs": [], "steps_trained": 0, "train_seconds": 0.0},
         )  # fmt: skip
         session["epochs"].append(line["epoch"])
         session["steps_trained"] += line["steps_trained"]
         session["train_seconds"] += line["train_seconds"]
-        session["epoch_timings"].append((line["steps_trained"], line["train_seconds"]))
+        timings.setdefault(line["session"], []).append(
+            (line["steps_trained"], line["train_seconds"])
+        )
     return RunRecord(
-        history=tuple(by_epoch[e] for e in sorted(by_epoch)), sessions=tuple(sessions.values())
+        history=tuple(by_epoch[e] for e in sorted(by_epoch)),
+        sessions=tuple(sessions.values()),
+        epoch_timings=tuple(tuple(t) for t in timings.values()),
     )
 
 
@@ -193,6 +200,11 @@ class Reporter:
                 for name, value in metrics.items():
                     tf.summary.scalar(name, value)
             self._writer.flush()
+
+    @property
+    def trained(self) -> bool:
+        """Whether this session trained an epoch."""
+        return bool(self._lines)
 
     def run_record(self) -> RunRecord:
         """Every session's epochs: model_dir/history.jsonl on the chief, else this session's."""

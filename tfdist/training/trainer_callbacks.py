@@ -3,7 +3,8 @@
 - CheckpointsAndPreemption: restores the newest checkpoint before the first step (telling
   fit the step to resume from, so it skips the data already trained), saves at epoch ends
   and every `checkpoint_every` steps, and turns SIGTERM into a checkpoint and `Preempted`.
-- Report: the chief's epoch log lines and TensorBoard scalars, and the run's history.
+- Report: the chief's epoch log lines and TensorBoard scalars, and the run's history
+  (recorded by the Reporter).
 - Progress: the chief's progress bar, where a terminal shows one.
 
 Every worker calls them at the same steps, which is what makes their collective parts (a
@@ -101,7 +102,6 @@ class Report(keras.callbacks.Callback):
     def __init__(self, trainer: Trainer):
         super().__init__()
         self.trainer = trainer
-        self.history: list[dict[str, float]] = []
         self._epoch = 0
         self._start = self._end = 0.0
         self._first_batch: int | None = None
@@ -144,7 +144,6 @@ class Report(keras.callbacks.Callback):
             metrics.update(self.eval_metrics({k[len("val_") :]: v for k, v in eval_logs.items()}))
         step = (epoch + 1) * trainer.steps_per_epoch
         trainer.reporter.end_epoch(epoch, step, metrics, steps=steps, seconds=end - self._start)
-        self.history.append({"epoch": epoch + 1, "step": step, **metrics})
 
     def eval_metrics(self, logs: dict[str, float]) -> dict[str, float]:
         """eval_loss and eval_accuracy from evaluation logs (padding-exact under static shapes)."""
