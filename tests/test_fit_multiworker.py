@@ -12,8 +12,9 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
-from tests import fit_models
+from tests import custom_step_models, fit_models
 from tests.conftest import run_module
 
 pytestmark = pytest.mark.multiprocess
@@ -115,3 +116,44 @@ def test_variables_split_across_ps_tasks_train_and_back_up(tmp_path):
     accuracy = float(re.search(r"\[chief:0\] test loss \S+, test accuracy (\S+)", result.stdout)[1])
     assert accuracy > 0.6  # ten classes: chance is 0.1
     assert "Traceback" not in result.stdout
+
+
+def test_custom_steps_on_two_workers_match_keras_under_mirrored(tmp_path):
+    """The keras.io custom-step model and a step with its own keys, on 2 worker processes,
+    against Keras's own fit under mirrored over 2 replicas (the same batches)."""
+    launch("custom", tmp_path, "--workers", "2")
+    for name in custom_step_models.CASES:
+        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        with strategy.scope():
+            model, data = custom_step_models.CASES[name]()
+        batches = custom_step_models.BatchLogs()
+        history = model.fit(data, epochs=custom_step_models.EPOCHS, verbose=0, callbacks=[batches])
+        evaluation = model.evaluate(data, verbose=0, return_dict=True)
+        for task in ("worker_0", "worker_1"):
+            got, logs = written(tmp_path, task, name)
+            assert max_diff(got, model.get_weights()) <= WEIGHTS_TOLERANCE, (name, task)
+            for key, values in history.history.items():
+                np.testing.assert_allclose(logs["history"][key], values, atol=WEIGHTS_TOLERANCE)
+            assert len(logs["batches"]) == len(batches.batches)
+            for got_batch, want in zip(logs["batches"], batches.batches, strict=True):
+                assert set(got_batch) == set(want)
+                for key, value in want.items():
+                    assert got_batch[key] == pytest.approx(value, abs=WEIGHTS_TOLERANCE)
+            for key, value in evaluation.items():
+                assert logs["evaluate"][key] == pytest.approx(value, abs=WEIGHTS_TOLERANCE)
+
+
+def test_custom_steps_run_under_parameter_server(tmp_path):
+    """2 workers and 2 ps: the model's own train_step runs on the workers (its tracker and
+    its step counter move), its own keys reach the history and the batch logs."""
+    launch("custom_ps", tmp_path, "--chief", "--workers", "2", "--ps", "2")
+    _, keras_io = written(tmp_path, "chief_0", "keras_io")
+    assert set(keras_io["history"]) >= {"loss", "mae"}
+    assert keras_io["history"]["loss"][-1] < keras_io["history"]["loss"][0]
+    assert set(keras_io["evaluate"]) == {"loss", "mae"}
+    _, own = written(tmp_path, "chief_0", "own_keys")
+    assert set(own["history"]) >= {"mae_loss", "custom_step"}
+    assert own["history"]["mae_loss"][0] > 0  # the step's own tracker was updated
+    assert own["history"]["custom_step"][-1] > own["history"]["custom_step"][0] > 0
+    assert len(own["batches"]) == 16
+    assert all(batch["mae_loss"] > 0 for batch in own["batches"])  # never the zeros of no step

@@ -4,6 +4,8 @@
   python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker callbacks OUT
   python -m tools.launch --workers 2 --max_restarts 1 -- python -m tests.workers.fit_worker backup OUT
   python -m tools.launch --chief --workers 2 --ps 1 -- python -m tests.workers.fit_worker ps OUT
+  python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker custom OUT
+  python -m tools.launch --chief --workers 2 --ps 2 -- python -m tests.workers.fit_worker custom_ps OUT
 
 Each task writes what it trained to OUT/<task>/ for tests/test_fit_multiworker.py to check.
 """
@@ -23,7 +25,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import fit_models  # noqa: E402
+from tests import custom_step_models, fit_models  # noqa: E402
 
 
 def task_name() -> str:
@@ -46,6 +48,29 @@ def equivalence(out: str) -> None:
         history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
         evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
         save(out, name, model, {"history": history.history, "evaluate": evaluation})
+
+
+def custom_steps(out: str, strategy_name: str) -> None:
+    """The models with their own train_step / test_step (tests/custom_step_models.py)."""
+    if tfdist.serve_if_needed():
+        return  # a parameter-server cluster's worker or ps
+    strategy = tfdist.build_strategy(strategy_name)
+    for name, case in custom_step_models.CASES.items():
+        with strategy.scope():
+            model, data = case()
+        batches = custom_step_models.BatchLogs()
+        steps = custom_step_models.EXAMPLES // custom_step_models.GLOBAL_BATCH
+        history = tfdist.fit(
+            model, data, epochs=custom_step_models.EPOCHS, verbose=0, callbacks=[batches],
+            steps_per_epoch=steps if strategy_name == "parameter_server" else None,
+        )  # fmt: skip
+        evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
+        save(
+            out,
+            name,
+            model,
+            {"history": history.history, "batches": batches.batches, "evaluate": evaluation},
+        )
 
 
 def callbacks(out: str, shared: str) -> None:
@@ -145,5 +170,9 @@ if __name__ == "__main__":
         backup(here, os.path.join(out, "shared"))
     elif mode == "ps":
         parameter_server(here)
+    elif mode == "custom":
+        custom_steps(here, "multi_worker_mirrored")
+    elif mode == "custom_ps":
+        custom_steps(here, "parameter_server")
     else:
-        sys.exit(f"unknown mode {mode!r}: equivalence, callbacks, backup or ps")
+        sys.exit(f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom or custom_ps")

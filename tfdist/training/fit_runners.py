@@ -32,7 +32,6 @@ import logging
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 from tfdist.strategies import task_name_in_tf_config
@@ -44,25 +43,29 @@ from tfdist.training.staleness import (
     StalenessAwareSchedule,
     attach_update_counter,
 )
+from tfdist.training.steps import (
+    MetricState,
+    custom_test_step,
+    custom_train_step,
+    python_logs,
+    step_logs,
+)
 
 log = logging.getLogger(__name__)
 
-_KERAS_TRAIN_STEP = TensorFlowTrainer.train_step  # Keras's own step on TensorFlow
-
-
-def _float_logs(logs) -> dict[str, float]:
-    """Keras logs as plain floats (what callbacks and History keep)."""
-    out = {}
-    for name, value in logs.items():
-        value = np.asarray(value)
-        out[name] = float(value) if value.size == 1 else value.tolist()
-    return out
+_NO_LIMIT = 2**62  # steps: until the data ends
 
 
 def _logs_from_state(model: keras.Model, variables, state) -> dict[str, float]:
     """The model's metric results had its metric variables held `state`."""
     with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))):
-        return _float_logs(model.get_metrics_result())
+        return python_logs(model.get_metrics_result())
+
+
+def metric_names(model: keras.Model) -> list[str]:
+    """The keys of the model's metric results (read from zeros: no collective)."""
+    variables = list(model.metrics_variables)
+    return list(_logs_from_state(model, variables, [np.zeros(v.shape, v.dtype) for v in variables]))
 
 
 def _run_until_end(iterator, n, step) -> tf.Tensor:
@@ -78,6 +81,22 @@ def _run_until_end(iterator, n, step) -> tf.Tensor:
         step(batch.get_value())
         done += 1
     return done
+
+
+def _each_batch(iterator, n: int, call):
+    """Calls `call(batch)` on up to `n` batches, a call each, asking for every batch first.
+
+    For the user's own steps on data of unknown length, whose last return value gives the
+    logs. Returns (batches taken, what the last call returned).
+    """
+    done, result = 0, None
+    while done < n:
+        batch = iterator.get_next_as_optional()  # every worker agrees on the end
+        if not batch.has_value():
+            break
+        result = call(batch.get_value())
+        done += 1
+    return done, result
 
 
 def _call_until_end(call, model: keras.Model, steps: int | None) -> None:
@@ -104,12 +123,17 @@ class SyncRunner:
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy
-        self._train_fns: dict[tuple[str, bool], tf.types.experimental.PolymorphicFunction] = {}
+        self.custom = custom_train_step(model)
+        self._train_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self._counts: dict[int, tf.Tensor] = {}
-        self._stream_fns: dict[bool, tf.types.experimental.PolymorphicFunction] = {}
+        self._stream_fn = None
+        self._one_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self.metric_variables = list(model.metrics_variables)
         self._read_state = tf.function(self._summed_state)
         self._test_fn = None
+        self._metric_names: list[str] | None = None
+        # What the epoch's last step returned (a custom train_step's own logs).
+        self._last_outputs = None
 
     # --- training -----------------------------------------------------------------------------
 
@@ -119,15 +143,12 @@ class SyncRunner:
         Logs are read by a call of their own: an all-reduce of metric state in the same graph
         as the gradients' would share the ring all-reduce's transfer keys.
         """
-        model = self.model
         # A custom train_step's own logs are those of the call's last step, run after the
         # loop and returned; Keras's step logs its metrics, read apart. A single step needs
         # no loop (nor a count), which spares a small model's step on a CPU the overhead.
-        custom = type(model).train_step is not _KERAS_TRAIN_STEP
-        kind = ("single" if n == 1 else "loop", custom)
+        kind = "single" if n == 1 else "loop"
         if kind not in self._train_fns:
-            strategy = self.strategy
-            step = model.train_step
+            strategy, step, custom = self.strategy, self.model.train_step, self.custom
 
             if n == 1:
 
@@ -147,9 +168,9 @@ class SyncRunner:
             self._train_fns[kind] = train
         return self._train_fns[kind]
 
-    def _stream_fn(self, with_logs: bool):
+    def _stream(self, iterator, n):
         # For data of unknown length: each step first asks whether there is a batch.
-        if with_logs not in self._stream_fns:
+        if self._stream_fn is None:
             model, strategy = self.model, self.strategy
 
             @tf.function
@@ -158,21 +179,27 @@ class SyncRunner:
                     iterator, n, lambda batch: strategy.run(model.train_step, args=(batch,))
                 )
 
-            self._stream_fns[with_logs] = train
-        return self._stream_fns[with_logs]
+            self._stream_fn = train
+        return int(self._stream_fn(iterator, n))
+
+    def _one(self, kind: str, batch):
+        """One step of `kind` ('train' or 'test') on a batch; returns what the step returned."""
+        if kind not in self._one_fns:
+            step = self.model.train_step if kind == "train" else self.model.test_step
+            strategy = self.strategy
+            self._one_fns[kind] = tf.function(lambda batch: strategy.run(step, args=(batch,)))
+        return self._one_fns[kind](batch)
+
+    def _mean(self, value):
+        if isinstance(value, (tf.Tensor, tf.distribute.DistributedValues)):
+            return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+        return value
 
     def _logs_of(self, outputs) -> dict[str, float]:
-        # Keras's rule (Trainer._get_metrics_result_or_logs): the metrics, read over every
-        # replica, when the step returns them; a custom train_step's own logs otherwise, each
-        # averaged over the replicas.
-        metrics = self.logs()
-        if not isinstance(outputs, dict) or set(outputs) == set(metrics):
-            return metrics
-        return _float_logs(
-            {
-                name: self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
-                for name, value in outputs.items()
-            }
+        if self._metric_names is None:
+            self._metric_names = metric_names(self.model)
+        return step_logs(
+            outputs, metric_names=self._metric_names, metrics=self._metrics_only, mean=self._mean
         )
 
     def _count(self, n: int) -> tf.Tensor:
@@ -181,12 +208,23 @@ class SyncRunner:
         return self._counts[n]
 
     def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
+        if not self.custom:
+            if bounded:
+                train = self._train_fn(n)
+                train(iterator) if n == 1 else train(iterator, self._count(n))
+                done = n
+            else:
+                done = self._stream(iterator, self._count(n))
+            return done, (self.logs() if with_logs else None)
         if bounded:
             train = self._train_fn(n)
             outputs = train(iterator) if n == 1 else train(iterator, self._count(n))
-            return n, (self._logs_of(outputs) if with_logs else None)
-        done = self._stream_fn(with_logs)(iterator, self._count(n))
-        return int(done), (self.logs() if with_logs else None)
+            done = n
+        else:
+            done, outputs = _each_batch(iterator, n, lambda batch: self._one("train", batch))
+        if done:
+            self._last_outputs = outputs
+        return done, (self._logs_of(outputs) if with_logs and done else None)
 
     def _summed_state(self) -> list[tf.Tensor]:
         # Every metric variable summed over the replicas in one all-reduce per dtype, rather
@@ -216,11 +254,14 @@ class SyncRunner:
         return state
 
     def logs(self) -> dict[str, float]:
-        if not self.metric_variables:
-            return _float_logs(self.model.get_metrics_result())
-        return _logs_from_state(self.model, self.metric_variables, self._read_state())
+        """The epoch's logs: the metrics over every replica, or, for a custom train_step
+        whose logs are its own (Keras's rule), what its last step returned."""
+        if self._last_outputs is not None:
+            return self._logs_of(self._last_outputs)
+        return self._metrics_only()
 
     def reset(self) -> None:
+        self._last_outputs = None
         self.model.reset_metrics()
 
     def begin(self, global_step: int, **unused) -> None:
@@ -232,6 +273,15 @@ class SyncRunner:
     # --- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        self.model.reset_metrics()
+        iterator = iter(data.distribute(self.strategy))
+        if custom_test_step(self.model):
+            # The user's test_step runs as Keras's evaluate runs it, a step a call, and its
+            # last return value gives the logs (Keras's rule).
+            done, outputs = _each_batch(
+                iterator, steps or _NO_LIMIT, lambda batch: self._one("test", batch)
+            )
+            return self._logs_of(outputs) if done else self._metrics_only()
         if self._test_fn is None:
             model, strategy = self.model, self.strategy
 
@@ -252,10 +302,13 @@ class SyncRunner:
                 )
 
             self._test_fn = test
-        self.reset()
-        iterator = iter(data.distribute(self.strategy))
         _call_until_end(lambda n: int(self._test_fn(iterator, n)), self.model, steps)
-        return self.logs()
+        return self._metrics_only()
+
+    def _metrics_only(self) -> dict[str, float]:
+        if not self.metric_variables:
+            return python_logs(self.model.get_metrics_result())
+        return _logs_from_state(self.model, self.metric_variables, self._read_state())
 
 
 class _StatelessMetrics:
@@ -274,6 +327,18 @@ class _StatelessMetrics:
         # The trainable variables as the step reads and updates them: whole, or for variables
         # a partitioner split across ps tasks (parameter_server), shard by shard (sharded.py).
         self.sharded = ShardedTraining.of(model) or ShardedTraining(model)
+        self.custom_train = custom_train_step(model)
+        self.custom_test = custom_test_step(model)
+        if self.custom_train and self.sharded.sharded:
+            variable = self.sharded.sharded[0]
+            raise FitError(
+                f"Model {model.name!r} has its own train_step, which takes gradients of the "
+                f"whole variables, but {variable.path} is split across the ps tasks (Keras 3 "
+                "cannot differentiate a ShardedVariable). Keep the variables whole (no "
+                "variable_partitioner; tfdist: ps_min_shard_bytes=None), or move the step's "
+                "logic into the loss and metrics given to compile(). "
+                f"Received: {len(self.sharded.sharded)} split variable(s)"
+            )
         for variable in self.metric_variables:
             if getattr(variable, "aggregation", "sum") not in ("sum", None):
                 raise FitError(
@@ -284,6 +349,9 @@ class _StatelessMetrics:
                     f"Received: aggregation={variable.aggregation!r}"
                 )
         self._state = self._zeros()
+        # The last step's own logs, when the model's train_step returns its own (steps.py).
+        self._last_outputs = None
+        self._names: list[str] | None = None
 
     def _zeros(self) -> list[np.ndarray]:
         return [np.zeros(v.shape, v.dtype) for v in self.metric_variables]
@@ -327,24 +395,54 @@ class _StatelessMetrics:
             self.model.test_step(batch)
         return [scope.get_current_value(v) for v in self.metric_variables]
 
+    def _user_step(self, step, batch, state):
+        """Runs the model's own `step` on `batch`, its metric variables held in `state`.
+
+        Returns (what the step returned, the metric state it leads to).
+        """
+        with MetricState(self.metric_variables, state) as scope:
+            outputs = step(batch)
+        return outputs, [scope.value(v) for v in self.metric_variables]
+
     def _logs_of(self, state) -> dict[str, float]:
         return _logs_from_state(self.model, self.metric_variables, state)
+
+    def _step_logs(self, outputs, state) -> dict[str, float]:
+        """Keras's rule for a step that returned `outputs` (already one value per name)."""
+        if self._names is None:
+            self._names = metric_names(self.model)
+        return step_logs(
+            outputs,
+            metric_names=self._names,
+            metrics=lambda: self._logs_of(state),
+            mean=lambda value: value,
+        )
 
     def _add_state(self, values) -> None:
         self._state = [a + np.asarray(b) for a, b in zip(self._state, values, strict=True)]
 
     def logs(self) -> dict[str, float]:
+        if self._last_outputs is not None:
+            return self._step_logs(self._last_outputs, self._state)
         return self._logs_of(self._state)
 
     def reset(self) -> None:
         self._state = self._zeros()
+        self._last_outputs = None
 
 
 class CentralStorageRunner(_StatelessMetrics):
-    """central_storage: synchronous replicas, variables on one device, metrics in tensors."""
+    """central_storage: synchronous replicas, variables on one device, metrics in tensors.
+
+    A model's own train_step / test_step runs on every replica with that replica's running
+    metric state (carried between steps in a tensor stacked over the replicas), so what it
+    returns is what it would return under mirrored, where each replica keeps its own.
+    """
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
+        self._custom_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
+        self._stacked = self._replica_zeros()
 
         def replica_train(batch):
             return self._stateless_train_step(batch, self._zero_tensors())
@@ -375,10 +473,58 @@ class CentralStorageRunner(_StatelessMetrics):
             done += 1
         return done, state
 
+    def _replica_zeros(self) -> list[tf.Tensor]:
+        replicas = self.strategy.num_replicas_in_sync
+        return [tf.zeros([replicas, *v.shape], v.dtype) for v in self.metric_variables]
+
+    def _custom_fn(self, kind: str):
+        """One step of the model's own train_step or test_step on every replica: (the step's
+        return value averaged over the replicas, the replicas' metric states stacked)."""
+        if kind not in self._custom_fns:
+            model, strategy = self.model, self.strategy
+            step = model.train_step if kind == "train" else model.test_step
+
+            def replica(batch, stacked):
+                replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
+                return self._user_step(step, batch, [s[replica_id] for s in stacked])
+
+            @tf.function
+            def one(batch, stacked):
+                outputs, state = strategy.run(replica, args=(batch, stacked))
+                mean = tf.nest.map_structure(
+                    lambda v: strategy.reduce(tf.distribute.ReduceOp.MEAN, v, axis=None), outputs
+                )
+                return mean, [tf.stack(strategy.experimental_local_results(s)) for s in state]
+
+            self._custom_fns[kind] = one
+        return self._custom_fns[kind]
+
+    def _custom_steps(self, kind: str, iterator, n: int, stacked):
+        """(steps run, the last step's return value, the stacked metric states after them)."""
+        one = self._custom_fn(kind)
+
+        def call(batch):
+            nonlocal stacked
+            outputs, stacked = one(batch, stacked)
+            return outputs
+
+        done, outputs = _each_batch(iterator, n, call)
+        return done, outputs, stacked
+
     def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
+        if self.custom_train:
+            done, outputs, self._stacked = self._custom_steps("train", iterator, n, self._stacked)
+            self._state = [np.asarray(s).sum(axis=0) for s in self._stacked]
+            if done:
+                self._last_outputs = tf.nest.map_structure(np.asarray, outputs)
+            return done, (self.logs() if with_logs and done else None)
         done, state = self._train_fn(iterator, tf.constant(n))
         self._add_state(state)
         return int(done), (self.logs() if with_logs else None)
+
+    def reset(self) -> None:
+        super().reset()
+        self._stacked = self._replica_zeros()
 
     def begin(self, global_step: int, **unused) -> None:
         pass
@@ -388,6 +534,14 @@ class CentralStorageRunner(_StatelessMetrics):
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
         iterator = iter(data.distribute(self.strategy))
+        if self.custom_test:
+            done, outputs, stacked = self._custom_steps(
+                "test", iterator, steps or _NO_LIMIT, self._replica_zeros()
+            )
+            state = [np.asarray(s).sum(axis=0) for s in stacked]
+            if not done:
+                return self._logs_of(state)
+            return self._step_logs(tf.nest.map_structure(np.asarray, outputs), state)
         total = self._zeros()
 
         def call(n):
@@ -411,11 +565,16 @@ class ParameterServerRunner(_StatelessMetrics):
         # without waiting on every step.
         self._lag = 2 * max(1, len(self._cluster().get("worker", [])))
         self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
-        self._eval_step = tf.function(self._stateless_test_step)
+        self._eval_step = tf.function(
+            (lambda batch, state: self._user_step(model.test_step, batch, state))
+            if self.custom_test
+            else (lambda batch, state: (None, self._stateless_test_step(batch, state)))
+        )
         self._per_worker_iterators: dict[int, object] = {}
         self.counter = attach_update_counter(model, strategy)
         self.staleness = self.counter.stats
         self.scheduled_steps = 0
+        self._landed = 0
         self.total_steps: int | None = None
         self.checkpoint_status = None
 
@@ -436,23 +595,51 @@ class ParameterServerRunner(_StatelessMetrics):
             self.model.optimizer.apply_gradients(gradients)
         return state, staleness
 
+    def _user_step_with_staleness(self, batch, state):
+        # The model's own train_step applies its gradients itself: its update is claimed
+        # once the step has run, which counts the updates that landed while it ran.
+        read = self.counter.read()
+        with tf.control_dependencies([read]):
+            outputs, state = self._user_step(self.model.train_step, batch, state)
+        staleness = self.counter.claim(read, after=[*state, *tf.nest.flatten(outputs)])
+        return outputs, state, staleness
+
     def _closure(self, n: int):
         if n not in self._closures:
             strategy = self.strategy
 
+            def count(stats, tau):  # [sum, max, count] of the closure's staleness
+                return tf.stack([stats[0] + tau, tf.maximum(stats[1], tau), stats[2] + 1.0])
+
             @tf.function
             def steps(iterator):
                 state = self._zero_tensors()
-                # [sum, max, count] of the closure's staleness
                 stats = tf.zeros([STALENESS_STATS])
                 for _ in tf.range(n):
                     state, tau = strategy.run(
                         self._step_with_staleness, args=(next(iterator), state)
                     )
-                    stats = tf.stack([stats[0] + tau, tf.maximum(stats[1], tau), stats[2] + 1.0])
-                return state, stats
+                    stats = count(stats, tau)
+                return None, state, stats
 
-            self._closures[n] = steps
+            @tf.function
+            def user_steps(iterator, start):
+                # The model's own step starts from the epoch's metric state as the
+                # coordinator knew it, so what it returns covers the epoch so far; the
+                # closure hands back only what its own steps added.
+                state, stats = start, tf.zeros([STALENESS_STATS])
+                for _ in tf.range(n - 1):
+                    _, state, tau = strategy.run(
+                        self._user_step_with_staleness, args=(next(iterator), state)
+                    )
+                    stats = count(stats, tau)
+                outputs, state, tau = strategy.run(
+                    self._user_step_with_staleness, args=(next(iterator), state)
+                )
+                added = [end - begin for end, begin in zip(state, start, strict=True)]
+                return outputs, added, count(stats, tau)
+
+            self._closures[n] = user_steps if self.custom_train else steps
         return self._closures[n]
 
     # --- the runner interface -------------------------------------------------------------------
@@ -466,9 +653,11 @@ class ParameterServerRunner(_StatelessMetrics):
     def train(self, iterator, n: int, *, bounded: bool, with_logs: bool):
         del bounded  # per-worker data repeats without end
         with self._explained():
-            self._pending.append(self.coordinator.schedule(self._closure(n), args=(iterator,)))
+            args = (iterator, self._state) if self.custom_train else (iterator,)
+            self._pending.append(self.coordinator.schedule(self._closure(n), args=args))
             self.scheduled_steps += n
-            while len(self._pending) > self._lag:
+            while len(self._pending) > self._lag or (with_logs and not self._landed):
+                # Batch logs wait for the epoch's first closure: before it they would be zeros.
                 self._add(self._pending.popleft())
         return n, (self.logs() if with_logs else None)
 
@@ -483,8 +672,11 @@ class ParameterServerRunner(_StatelessMetrics):
             # The steps ran and their updates reached the ps; their metrics died with it.
             log.warning("The metrics of steps that ran on %s were lost with it", worker)
             return
-        state, stats = values
+        outputs, state, stats = values
+        self._landed += 1
         self._add_state(state)
+        if outputs is not None:
+            self._last_outputs = tf.nest.map_structure(np.asarray, outputs)
         self.staleness.add(*np.asarray(stats).tolist())
 
     def begin(
@@ -508,6 +700,7 @@ class ParameterServerRunner(_StatelessMetrics):
 
     def reset(self) -> None:
         self._pending.clear()
+        self._landed = 0  # closures of this epoch whose results arrived
         self.staleness.reset_epoch()
         super().reset()
 
@@ -522,14 +715,16 @@ class ParameterServerRunner(_StatelessMetrics):
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
         # On the coordinator, reading the variables from the ps tasks: every example once.
-        state = self._zeros()
+        state, outputs = self._zeros(), None
         dataset = data.local()
         if steps is not None:
             dataset = dataset.take(steps)
         with self._explained():
             for batch in dataset:
-                state = self._eval_step(batch, state)
-        return self._logs_of(state)
+                outputs, state = self._eval_step(batch, state)
+        if outputs is None:
+            return self._logs_of(state)
+        return self._step_logs(tf.nest.map_structure(np.asarray, outputs), state)
 
     # --- failures -------------------------------------------------------------------------------
 

@@ -1,0 +1,125 @@
+"""A model's own train_step / test_step under tfdist.fit: what Keras's fit does with it.
+
+Each case of tests/custom_step_models.py is trained by Keras's own `model.fit` and by
+`tfdist.fit` under the same strategy (one device, mirrored over 2 logical CPUs), with the
+same batches in the same order: the weights, the epoch logs, every batch's logs and the
+evaluation must agree. A custom step means what its author wrote: a loss it does not scale
+by the replicas adds the replicas' gradients, under Keras and tfdist alike.
+
+Under central_storage Keras's own fit applies the same updates (the weights are compared
+with it), but its metric variables live once on the CPU and every replica updates them, so
+its logs are off (0.411 for a mean absolute error of 0.397 in one run); tfdist keeps each
+replica's metric state apart, and its logs are compared with mirrored's over as many
+replicas. Multi-worker and parameter-server runs are in tests/test_fit_multiworker.py.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests import custom_step_models as models
+
+TOLERANCE = 1e-5
+TWO_CPUS = ["/cpu:0", "/cpu:1"]
+
+
+def one_device():
+    return tf.distribute.get_strategy()
+
+
+def mirrored():
+    return tf.distribute.MirroredStrategy(TWO_CPUS)
+
+
+def central_storage():
+    return tf.distribute.experimental.CentralStorageStrategy(TWO_CPUS)
+
+
+def train(case: str, strategy, *, with_keras: bool):
+    """(weights, epoch logs, batch logs, evaluation) of one run."""
+    with strategy.scope():
+        model, data = models.CASES[case]()
+    batches = models.BatchLogs()
+    if with_keras:
+        history = model.fit(data, epochs=models.EPOCHS, verbose=0, callbacks=[batches])
+        evaluation = model.evaluate(data, verbose=0, return_dict=True)
+    else:
+        history = tfdist.fit(model, data, epochs=models.EPOCHS, verbose=0, callbacks=[batches])
+        evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
+    return model.get_weights(), history.history, batches.batches, evaluation
+
+
+@pytest.fixture(scope="module")
+def keras_runs():
+    """Keras's own fit per (case, strategy), computed once."""
+    cache = {}
+
+    def get(case: str, strategy_name: str):
+        if (case, strategy_name) not in cache:
+            strategy = STRATEGIES[strategy_name]()
+            cache[case, strategy_name] = train(case, strategy, with_keras=True)
+        return cache[case, strategy_name]
+
+    return get
+
+
+STRATEGIES = {
+    "one_device": one_device,
+    "mirrored": mirrored,
+    "central_storage": central_storage,
+}
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.max(np.abs(x - y))) for x, y in zip(a, b, strict=True))
+
+
+def assert_same_logs(got: dict, want: dict, what: str) -> None:
+    assert set(got) == set(want), (what, got, want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], atol=TOLERANCE, err_msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))
+@pytest.mark.parametrize("case", sorted(models.CASES))
+def test_custom_steps_train_as_under_keras(keras_runs, case, strategy_name):
+    weights, history, batches, evaluation = train(
+        case, STRATEGIES[strategy_name](), with_keras=False
+    )
+    keras_weights = keras_runs(case, strategy_name)[0]
+    assert max_diff(weights, keras_weights) <= TOLERANCE
+    # Keras's central_storage logs are off (see the module docstring): mirrored's instead.
+    logs_from = "mirrored" if strategy_name == "central_storage" else strategy_name
+    _, keras_history, keras_batches, keras_evaluation = keras_runs(case, logs_from)
+    assert_same_logs(history, keras_history, "history")
+    assert len(batches) == len(keras_batches)
+    for i, (got, want) in enumerate(zip(batches, keras_batches, strict=True)):
+        assert_same_logs(got, want, f"batch {i}")
+    assert_same_logs(evaluation, keras_evaluation, "evaluate")
+
+
+def test_the_step_s_own_keys_reach_history():
+    """What the issue saw: history {'loss': [0.0, 0.0]} instead of the step's own logs."""
+    _, history, _, _ = train("own_keys", mirrored(), with_keras=False)
+    assert set(history) == {"mae_loss", "custom_step"}
+    assert history["custom_step"] == [8.0, 16.0]  # 8 batches an epoch
+    assert history["mae_loss"][1] < history["mae_loss"][0]
+
+
+def test_a_step_that_returns_no_dict_is_one_clear_error():
+    class ReturnsLoss(models.OwnKeysModel):
+        def train_step(self, data):
+            super().train_step(data)
+            return self.mae_tracker.result()
+
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((16,))
+    model = ReturnsLoss(inputs, keras.layers.Dense(1)(inputs))
+    model.compile(optimizer="sgd")
+    _, data = models.own_keys()
+    with pytest.raises(TypeError, match="returns a dict of logs .* Received: a .*Tensor"):
+        tfdist.fit(model, data, epochs=1, verbose=0)

@@ -1,0 +1,117 @@
+"""The model's own steps, as Keras's fit runs them, and the logs they return.
+
+A model may override `train_step` / `test_step` (keras.io's "Customizing what happens in
+fit()"). tfdist runs the override under every strategy, and reports what Keras's fit would:
+
+- Keras's rule (`Trainer._get_metrics_result_or_logs`): when the step returns a dict whose
+  keys are those of the model's metric results, the logs are the metrics, read over every
+  replica; otherwise they are the step's own return value of the last step, each leaf
+  averaged over the replicas (Keras's `reduce_per_replica(..., "mean")`). Nested dicts are
+  flattened as Keras flattens them (`{"compile_metrics": {"mae": x}}` -> `{"mae": x}`).
+- Strategies whose metric variables cannot take concurrent updates (parameter_server,
+  central_storage) run the step inside `MetricState`: the model's metric variables read and
+  write tensors the runner carries, every other variable (weights, optimizer slots, seeds,
+  BatchNorm statistics) is read and updated in place as the step asks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+# Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.
+_KERAS_TRAIN_STEP = TensorFlowTrainer.train_step
+_KERAS_TEST_STEP = TensorFlowTrainer.test_step
+
+
+def custom_train_step(model: keras.Model) -> bool:
+    """Whether `model`'s class overrides Keras's `train_step`."""
+    return type(model).train_step is not _KERAS_TRAIN_STEP
+
+
+def custom_test_step(model: keras.Model) -> bool:
+    """Whether `model`'s class overrides Keras's `test_step`."""
+    return type(model).test_step is not _KERAS_TEST_STEP
+
+
+def python_logs(logs: Any) -> dict[str, Any]:
+    """Logs as callbacks and History keep them: flat, sorted, scalars as floats.
+
+    Nested dicts are flattened into their keys, as Keras's `pythonify_logs` does; a value
+    that is not a number (a string, say) is kept as it is; an array of several numbers
+    becomes a list.
+    """
+    out: dict[str, Any] = {}
+    for name, value in sorted((logs or {}).items()):
+        if isinstance(value, dict):
+            out.update(python_logs(value))
+            continue
+        try:
+            array = np.asarray(value)
+            out[name] = float(array) if array.size == 1 else array.tolist()
+        except (TypeError, ValueError):
+            out[name] = value
+    return out
+
+
+def step_logs(
+    outputs: Any,
+    *,
+    metric_names: Sequence[str],
+    metrics: Callable[[], dict[str, Any]],
+    mean: Callable[[Any], Any],
+) -> dict[str, Any]:
+    """The logs Keras's fit reports for a step that returned `outputs`.
+
+    Args:
+      outputs: what the (last) step returned, per replica as the strategy gave it.
+      metric_names: the keys of the model's metric results (flattened).
+      metrics: reads the model's metric results over every replica.
+      mean: averages one per-replica value over the replicas (and workers).
+    """
+    if isinstance(outputs, dict) and set(outputs) == set(metric_names):
+        return metrics()
+    if outputs is None:
+        return {}
+    if not isinstance(outputs, dict):
+        raise TypeError(
+            "A train_step or test_step returns a dict of logs (name -> value), as "
+            f"keras.Model.fit expects. Received: a {type(outputs).__name__}"
+        )
+    return python_logs(tf.nest.map_structure(mean, outputs))
+
+
+class MetricState(keras.StatelessScope):
+    """A scope in which the model's metric variables live in tensors, and nothing else does.
+
+    Keras's StatelessScope holds every variable's updates; this one holds only those of
+    `variables` (read from and written to `state`) and lets every other assignment through,
+    so a user's `train_step` applies its gradients as it would outside the scope while its
+    metric updates stay local to this step (`value(variable)` after the step).
+
+    Example:
+
+        with MetricState(model.metrics_variables, zeros) as scope:
+            outputs = model.train_step(batch)
+        state = [scope.value(v) for v in model.metrics_variables]
+    """
+
+    def __init__(self, variables: Sequence[keras.Variable], state: Sequence[Any]):
+        super().__init__(state_mapping=list(zip(variables, state, strict=True)))
+        self._held = {id(v) for v in variables}
+
+    def add_update(self, update) -> None:
+        variable, value = update
+        if id(variable) in self._held:
+            super().add_update(update)
+        else:  # a weight, slot or statistic: updated in place, as outside the scope
+            variable._direct_assign(value)
+
+    def value(self, variable: keras.Variable) -> tf.Tensor:
+        """The value `variable` (one of the held ones) has now in this scope."""
+        return self.get_current_value(variable)
