@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import signal
 import sys
 from collections.abc import Callable
 
@@ -16,14 +15,13 @@ import tfdist
 from tfdist import signals
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
-from tfdist.exit_codes import EXIT_PREEMPTED, EXIT_USAGE, restartable_exit_code
+from tfdist.exit_codes import EXIT_USAGE, end_process
 from tfdist.strategies import (
     ALL_REDUCE_CHOICES,
     COLLECTIVE_CHOICES,
     COMPRESSION_CHOICES,
     strategy_names,
 )
-from tfdist.training.preemption import Preempted
 
 # Where the job runs: the same flags in every binary.
 STRATEGY = flags.DEFINE_enum(
@@ -195,20 +193,10 @@ def friendly_errors(main: Callable[[list[str]], None]) -> Callable[[list[str]], 
     def wrapper(argv: list[str]) -> None:
         try:
             main(argv)
-        except Preempted as e:  # not a mistake: state is saved, a restart resumes
-            if e.signum == signal.SIGINT:  # a person's Ctrl-C: stopped, not to be restarted
-                print(f"interrupted: {e}", file=sys.stderr, flush=True)
-                sys.exit(128 + signal.SIGINT)
-            print(f"preempted: {e}", file=sys.stderr, flush=True)
-            sys.exit(restartable_exit_code(EXIT_PREEMPTED))
         except app.UsageError as e:  # e.g. arguments that are not flags
             print(f"error: {e}. Run with --help to see the flags.", file=sys.stderr, flush=True)
             sys.exit(EXIT_USAGE)
-        except TfdistError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-            # A failure of the cluster rather than of the command line says so in its code,
-            # and one that a restart cures uses the code the launcher restarts.
-            code = getattr(e, "exit_code", EXIT_USAGE)
-            sys.exit(restartable_exit_code(code) if getattr(e, "restartable", False) else code)
+        except TfdistError as e:  # Preempted included: its class names its label and code
+            end_process(e)
 
     return wrapper

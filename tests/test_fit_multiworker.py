@@ -157,3 +157,25 @@ def test_custom_steps_run_under_parameter_server(tmp_path):
     assert own["history"]["custom_step"][-1] > own["history"]["custom_step"][0] > 0
     assert len(own["batches"]) == 16
     assert all(batch["mae_loss"] > 0 for batch in own["batches"])  # never the zeros of no step
+
+
+def test_a_model_made_outside_the_scope_is_one_line_and_not_restarted(tmp_path):
+    """Each worker would train a model of its own: refused before any step, exit 2, one
+    line per worker, no traceback, and the launcher does not restart a usage error."""
+    result = run_module(
+        "tools.launch", "--workers", "2", "--max_restarts", "2", "--timeout", "200", "--",
+        sys.executable, "-m", "tests.workers.fit_worker", "outside_scope", str(tmp_path),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    errors = [line for line in output.splitlines() if "error: Model " in line]
+    assert len(errors) == 2, output[-3000:]
+    for index in range(2):
+        assert re.search(
+            rf"\[worker:{index}\] error: Model 'sequential\S*' was created outside any "
+            rf"strategy's scope, but this process is worker:{index} of a multi_worker_mirrored "
+            r"job \(2 workers, from the TF_CONFIG environment variable\)",
+            output,
+        ), output[-3000:]
+    assert "Traceback" not in output
+    assert "restarting" not in output.lower().replace("not restarting", "")

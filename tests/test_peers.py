@@ -384,3 +384,34 @@ def test_a_port_another_process_holds_is_named_in_one_line(tmp_path, strategy, t
         "task a free port in TF_CONFIG (tfdist-launch picks free ports, and moves a task whose "
         "port was taken when it restarts the job)."
     ], result.stderr[-2000:]
+
+
+@pytest.mark.multiprocess
+def test_a_task_whose_own_port_is_taken_says_so_before_waiting_for_a_missing_peer(tmp_path):
+    """worker:1 never starts and worker:0's port is held: worker:0 blames its own port at
+    once (not worker:1 after the 600 s start-up timeout)."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    taken, missing = holder.getsockname()[1], free_ports(1)[0]
+    tf_config = json.dumps(
+        {
+            "cluster": {"worker": [f"127.0.0.1:{taken}", f"127.0.0.1:{missing}"]},
+            "task": {"type": "worker", "index": 0},
+        }
+    )
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored",
+             "--epochs=1", "--steps_per_epoch=1", f"--data_dir={tmp_path}"],
+            cwd=REPO, env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"},
+            capture_output=True, text=True, timeout=90,
+        )  # fmt: skip
+    finally:
+        holder.close()
+    assert result.returncode == 1, result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: worker:0 cannot start its server on 127.0.0.1:{taken}: port {taken} is taken"
+    ), result.stderr[-2000:]
+    assert "worker:1" not in result.stderr

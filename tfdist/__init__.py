@@ -17,9 +17,18 @@ TFJob manifests), tfdist.ray (Ray Train; the optional extra tfdist[ray]).
 
 Names are imported on first use, so tools that only read TF_CONFIG (the launcher, the
 TF_CONFIG checker) start without paying for a TensorFlow import.
+
+Importing tfdist makes an uncaught TfdistError end a script as it ends the binaries: its
+one-line message, no traceback, and exit code 2 for a mistake (which launchers do not
+restart) or the restartable code for a lost peer (tfdist.exit_codes.install_error_hook;
+TFDIST_TRACEBACK=1 shows the traceback).
 """
 
 import importlib
+
+from tfdist.exit_codes import install_error_hook
+
+install_error_hook()
 
 __version__ = "0.1.0"
 

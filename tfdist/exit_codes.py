@@ -11,7 +11,9 @@ This module imports nothing heavy: the launcher reads it without importing Tenso
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 from tfdist.errors import TfdistError
 
@@ -41,6 +43,9 @@ KUBERNETES_RESTARTABLE_EXIT = 143
 # How many times the launcher has restarted the job: "0" on the first attempt, as
 # torchrun's TORCHELASTIC_RESTART_COUNT.
 RESTART_COUNT_ENV = "TFDIST_RESTART_COUNT"
+
+# Set (to anything) to see the traceback of a TfdistError that ends a script.
+TRACEBACK_ENV = "TFDIST_TRACEBACK"
 
 
 class RestartCountError(TfdistError, ValueError):
@@ -94,3 +99,46 @@ def restartable_exit_code(code: int, environ: Mapping[str, str] | None = None) -
             "the environment"
         )
     return int(value)
+
+
+def exit_code_for(error: BaseException) -> int:
+    """The exit code a process that ends on `error` (a TfdistError) reports.
+
+    A mistake in the command or the script (the default) is EXIT_USAGE, which launchers never
+    restart; an error class may say otherwise with an `exit_code` attribute, and a failure a
+    restart cures (`restartable = True`: a lost peer, a preemption with its state saved) uses
+    the code the launcher asked for through TFDIST_RESTARTABLE_EXIT_CODE.
+    """
+    code = getattr(error, "exit_code", EXIT_USAGE)
+    return restartable_exit_code(code) if getattr(error, "restartable", False) else code
+
+
+def end_process(error: BaseException) -> NoReturn:
+    """Prints `error`'s one line (`error: ...`, or the label its class gives) and exits with
+    `exit_code_for(error)`: what the binaries do, and what a script's uncaught TfdistError
+    gets through `install_error_hook`."""
+    label = getattr(error, "label", "error")
+    print(f"{label}: {error}", file=sys.stderr, flush=True)
+    sys.exit(exit_code_for(error))
+
+
+def install_error_hook() -> None:
+    """Makes an uncaught TfdistError end the process with one line and its exit code.
+
+    Done once when tfdist is imported, so that a user's own script gets what the binaries
+    do: a mistake tfdist explains (an uncompiled model, a bad TF_CONFIG) prints its message
+    without a traceback on every worker and exits 2, which launchers do not restart; a lost
+    peer exits with the restartable code. Any other exception goes to the hook that was
+    there before. Set TFDIST_TRACEBACK=1 to see tracebacks anyway.
+    """
+    previous = sys.excepthook
+    if getattr(previous, "_tfdist", False):
+        return
+
+    def hook(kind, error, traceback):
+        if isinstance(error, TfdistError) and not os.environ.get(TRACEBACK_ENV):
+            end_process(error)
+        previous(kind, error, traceback)
+
+    hook._tfdist = True
+    sys.excepthook = hook

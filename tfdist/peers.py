@@ -19,6 +19,7 @@ its address.
 
 from __future__ import annotations
 
+import errno
 import logging
 import re
 import socket
@@ -71,6 +72,11 @@ def explain_server_error(error: Exception, cluster: ClusterInfo) -> PortTakenErr
     start this task's gRPC server ("Could not start gRPC server"); else None."""
     if "Could not start gRPC server" not in str(error) or not cluster.address:
         return None
+    return port_taken(cluster)
+
+
+def port_taken(cluster: ClusterInfo) -> PortTakenError:
+    """The error for this task's own port being held by another process."""
     port = cluster.address.rsplit(":", 1)[1]
     return PortTakenError(
         f"{cluster.task_name} cannot start its server on {cluster.address}: port {port} is "
@@ -167,6 +173,8 @@ def wait_for_servers(
     need = len(workers) if min_workers is None else min(min_workers, len(workers))
     deadline = None if timeout is None else time.monotonic() + timeout
     reported, enough_since = None, None
+    with _Placeholder(cluster):
+        pass  # this task's own port first: taken, it is the fault, not the peers it waits for
     while True:
         missing = {name: address for name, address in servers.items() if not _accepts(address)}
         up = [i for i in workers if f"{WORKER}:{i}" not in missing]
@@ -244,7 +252,7 @@ def wait_for_peers(
     }
     deadline = None if timeout is None else time.monotonic() + timeout
     reported = None
-    with _Placeholder(cluster.address):
+    with _Placeholder(cluster):
         while True:
             missing = {name: address for name, address in peers.items() if not _accepts(address)}
             if not missing:
@@ -269,12 +277,15 @@ class _Placeholder:
 
     The kernel completes a connection to a listening socket by itself, which is all a peer's
     probe needs. The socket binds where TensorFlow's server will (every interface), or only
-    loopback for a loopback address. A port that cannot be bound (already taken) is left
-    alone: TensorFlow reports it when it binds.
+    loopback for a loopback address. A port another process holds is this task's own
+    problem, reported at once (PortTakenError) rather than after waiting for peers that
+    may be missing too; a port that cannot be bound for another reason is left to
+    TensorFlow, which reports it when it binds.
     """
 
-    def __init__(self, address: str | None):
+    def __init__(self, cluster: ClusterInfo):
         self._socket = None
+        address = cluster.address
         if address is None:
             return
         host, _, port = address.rpartition(":")
@@ -283,10 +294,16 @@ class _Placeholder:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            return
+        try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host if loopback else "", int(port)))
             sock.listen(64)
-        except (OSError, ValueError):
+        except (OSError, ValueError) as e:
+            sock.close()
+            if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+                raise port_taken(cluster) from None
             return
         self._socket = sock
 

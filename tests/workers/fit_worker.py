@@ -73,6 +73,13 @@ def custom_steps(out: str, strategy_name: str) -> None:
         )
 
 
+def outside_scope() -> None:
+    """A common mistake: the strategy is built, but the model is made outside its scope."""
+    tfdist.build_strategy("multi_worker_mirrored")
+    model, data = fit_models.cnn()
+    tfdist.fit(model, data, epochs=1, verbose=0)
+
+
 def callbacks(out: str, shared: str) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     with strategy.scope():
@@ -170,9 +177,13 @@ if __name__ == "__main__":
         backup(here, os.path.join(out, "shared"))
     elif mode == "ps":
         parameter_server(here)
+    elif mode == "outside_scope":
+        outside_scope()
     elif mode == "custom":
         custom_steps(here, "multi_worker_mirrored")
     elif mode == "custom_ps":
         custom_steps(here, "parameter_server")
     else:
-        sys.exit(f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom or custom_ps")
+        sys.exit(
+            f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom, custom_ps or outside_scope"
+        )

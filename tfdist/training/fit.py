@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import first_description, plan_batches
 from tfdist.training import fit_callbacks
 from tfdist.training.fit_data import FitData, FitError, make_fit_data, unpack
@@ -350,6 +351,8 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
         )
     created_under = model._distribute_strategy  # what Keras recorded when the model was made
     if strategy is None:
+        if created_under is None and function == "fit":
+            _refuse_a_model_of_its_own(model)
         strategy = created_under or tf.distribute.get_strategy()
     elif created_under is not strategy and not (
         created_under is None and not tf.distribute.has_strategy() and _is_default(strategy)
@@ -377,6 +380,24 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
             "`with strategy.scope():` too."
         )
     return strategy
+
+
+def _refuse_a_model_of_its_own(model) -> None:
+    """A model made outside any strategy in a multi-worker job would train on its own."""
+    if tf.distribute.has_strategy():
+        return  # fit called inside a scope: that strategy is the model's
+    cluster = cluster_from_environment()
+    if cluster is None or cluster.cluster_strategy is None or cluster.is_evaluator:
+        return
+    raise FitError(
+        f"Model {model.name!r} was created outside any strategy's scope, but this process "
+        f"is {cluster.task_name} of a {cluster.cluster_strategy} job ({cluster.task_counts()}, "
+        f"from {cluster.source}): it would train a model of its own, apart from the other "
+        "tasks', and each would write the same files. Build the strategy first and create "
+        'and compile the model inside its scope: `strategy = tfdist.build_strategy("auto")`, '
+        "then `with strategy.scope(): model = ...; model.compile(...)`. "
+        "Received: a model created under no strategy"
+    )
 
 
 def _runner_for(model, strategy):

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfdist import signals
 from tfdist.errors import TfdistError
+from tfdist.exit_codes import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +39,12 @@ class Preempted(TfdistError):
 
     def __init__(self, step: int, checkpoint: str | None, signum: int = signal.SIGTERM):
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
+        # A preemption's state is saved: restart me (tfdist.exit_codes). A person's Ctrl-C
+        # stops the job: 130, as a shell reports it, and no restart.
+        interrupted = signum == signal.SIGINT
+        self.label = "interrupted" if interrupted else "preempted"
+        self.exit_code = 128 + signal.SIGINT if interrupted else EXIT_PREEMPTED
+        self.restartable = not interrupted
         where = f"checkpoint saved in {checkpoint}" if checkpoint else "no model_dir, nothing saved"
         super().__init__(
             f"{signal.Signals(signum).name} at step {step}; {where}. Run the same command "
