@@ -116,6 +116,27 @@ def text():
     return model, tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
+def batch_norm():
+    """A Dense + BatchNormalization model (synchronized=False, Keras's default): each replica
+    keeps its own moving statistics. Not in CASES: one device has one copy, so Keras's fit on
+    one device is no reference for them."""
+    keras.utils.set_random_seed(5)
+    model = keras.Sequential(
+        [
+            keras.Input((10,)),
+            keras.layers.Dense(16),
+            keras.layers.BatchNormalization(momentum=0.8),
+            keras.layers.ReLU(),
+            keras.layers.Dense(1),
+        ]
+    )
+    model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    rng = _rng()
+    x = rng.normal(size=(EXAMPLES, 10)).astype("float32") * np.linspace(0.5, 3, 10)
+    y = x[:, :3].sum(axis=1, keepdims=True).astype("float32")
+    return model, tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+
+
 CASES = {"cnn": cnn, "two_heads": two_heads, "regularised": regularised, "text": text}
 
 

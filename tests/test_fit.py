@@ -138,13 +138,13 @@ def test_backup_and_restore_resumes_mid_epoch_exactly(references, tmp_path):
     [
         (lambda m, d: tfdist.fit(keras.Sequential([keras.layers.Dense(1)]), d), r"is not compiled: call model\.compile"),
         (lambda m, d: tfdist.fit(m, d, epoch=3), r"unknown keyword `epoch` \(did you mean `epochs`\?\)"),
-        (lambda m, d: tfdist.fit(m, d, class_weight={0: 1.0}), r"does not take `class_weight` yet"),
+        (lambda m, d: tfdist.fit(m, d, class_weght={0: 1.0}), r"unknown keyword `class_weght` \(did you mean `class_weight`\?\)"),
         (lambda m, d: tfdist.fit(m, d.unbatch().batch(33)), r"holds 33 examples, which does not split evenly over the 2 replicas"),
         (lambda m, d: tfdist.fit(m, d.map(lambda x, y: x)), r"yields inputs without labels, but the model was compiled with a loss"),
         (lambda m, d: tfdist.fit(m, d, y=np.zeros(3)), r"y apply to arrays only"),
         (lambda m, d: tfdist.fit(m, np.zeros((10, 5)), np.zeros(10), batch_size=3), r"batch_size=3 \(the global batch\) does not split evenly over the 2"),
     ],
-    ids=["uncompiled", "unknown-keyword", "class-weight", "uneven-batch", "no-labels", "y-with-dataset", "odd-batch-size"],
+    ids=["uncompiled", "unknown-keyword", "class-weight-typo", "uneven-batch", "no-labels", "y-with-dataset", "odd-batch-size"],
 )  # fmt: skip
 def test_mistakes_get_one_clear_message(call, message):
     strategy = STRATEGIES["mirrored_x2"]()
@@ -241,3 +241,62 @@ def test_arrays_shuffle_alike_on_every_worker_and_anew_each_epoch():
     assert worker_0 == worker_1
     assert worker_0[0] != worker_0[1]  # a new order each epoch
     assert sorted(v for batch in worker_0[1] for v in batch) == x.tolist()  # each example once
+
+
+def test_batch_norm_copies_agree_after_fit_under_mirrored():
+    """Keras's own fit leaves each replica its own moving statistics; tfdist.fit averages
+    them at each epoch end, so the one model saved is the one every replica holds."""
+
+    def copies_spread(model, strategy) -> float:
+        layer = next(x for x in model.layers if isinstance(x, keras.layers.BatchNormalization))
+        copies = [
+            np.asarray(c) for c in strategy.experimental_local_results(layer.moving_mean.value)
+        ]
+        return float(np.max(np.abs(copies[0] - copies[1])))
+
+    spreads = {}
+    for name in ("keras", "tfdist"):
+        strategy = STRATEGIES["mirrored_x2"]()
+        with strategy.scope():
+            model, data = fit_models.batch_norm()
+        if name == "keras":
+            model.fit(data, epochs=fit_models.EPOCHS, verbose=0)
+        else:
+            tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
+        spreads[name] = copies_spread(model, strategy)
+    assert spreads["keras"] > 1e-4  # the drift this averaging removes
+    assert spreads["tfdist"] == 0.0
+
+
+@pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))
+def test_class_weight_and_validation_split_as_keras_defines_them(strategy_name):
+    """Keras's rules: the last 25% of the arrays (before shuffling) validate, and each
+    example weighs its class's weight (classes not listed weigh 1)."""
+
+    def run(strategy, fit):
+        with strategy.scope():
+            model, data = fit_models.cnn()
+        x = np.concatenate([b[0].numpy() for b in data])
+        y = np.concatenate([b[1].numpy() for b in data])
+        history = fit(
+            model, x, y, batch_size=32, epochs=2, verbose=0, shuffle=False,
+            validation_split=0.25, class_weight={0: 0.5, 2: 3.0},
+        )  # fmt: skip
+        return model.get_weights(), history.history
+
+    keras_weights, keras_history = run(tf.distribute.get_strategy(), keras.Model.fit)
+    weights, history = run(STRATEGIES[strategy_name](), tfdist.fit)
+    assert max_diff(weights, keras_weights) <= WEIGHTS_TOLERANCE
+    assert "val_loss" in history
+    assert_logs_close(history, keras_history)
+
+
+def test_class_weight_mistakes_are_one_line():
+    model, data = fit_models.two_heads()
+    with pytest.raises(FitError, match="class_weight weighs examples by their label, so it needs"):
+        tfdist.fit(model, data, class_weight={0: 2.0}, verbose=0)
+    model, data = fit_models.cnn()
+    with pytest.raises(FitError, match="class_weight's keys are class ids"):
+        tfdist.fit(model, data, class_weight={"cat": 2.0}, verbose=0)
+    with pytest.raises(FitError, match="a dataset or dataset function cannot be split"):
+        tfdist.fit(model, data, validation_split=0.2, verbose=0)

@@ -179,3 +179,27 @@ def test_a_model_made_outside_the_scope_is_one_line_and_not_restarted(tmp_path):
         ), output[-3000:]
     assert "Traceback" not in output
     assert "restarting" not in output.lower().replace("not restarting", "")
+
+
+def test_batch_norm_moving_statistics_are_one_model_on_every_worker(tmp_path):
+    """Unsynchronised BatchNormalization keeps a copy per replica; tfdist warns once and
+    averages them at every epoch end, so both workers save and evaluate the same model."""
+    output = launch("batch_norm", tmp_path, "--workers", "2")
+    (chief, chief_logs), (other, other_logs) = (
+        written(tmp_path, task, "batch_norm") for task in ("worker_0", "worker_1")
+    )
+    assert max_diff(chief, other) == 0.0  # moving statistics included
+    assert chief_logs == other_logs
+    for task in ("worker:0", "worker:1"):
+        warnings = re.findall(
+            rf"\[{task}\] .*BatchNormalization layer\(s\) with synchronized=False", output
+        )
+        assert len(warnings) == 1, output[-3000:]
+    spreads = [
+        float(s)
+        for s in re.findall(
+            r"\[worker:0\] .*averaged over 2 replicas \(largest spread between them: (\S+)\)",
+            output,
+        )
+    ]
+    assert len(spreads) >= 2 and max(spreads) > 0  # the copies had drifted apart

@@ -182,20 +182,21 @@ def test_synchronous_tasks_waiting_for_each_other_all_start():
     # (their gRPC servers start only after the wait); a third one's absence is named.
     ports = free_ports(3)
     spec = {"cluster": {"worker": [f"localhost:{port}" for port in ports[:2]]}}
-    servers = []
+    servers = {}
 
     def start(index):  # the wait, then the task's own server on its port, as TensorFlow's
         wait_for_peers(cluster(spec, "worker", index), timeout=20, poll_seconds=0.05)
-        server = socket.create_server(("localhost", ports[index]), reuse_port=True)
-        servers.append(server)
+        servers[index] = socket.create_server(("localhost", ports[index]), reuse_port=True)
 
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         waits = [pool.submit(start, i) for i in range(2)]
         assert [w.result(timeout=30) for w in waits] == [None, None]
+    # worker:0 starts again (its server is gone, worker:1's still up) in a job of three.
+    servers.pop(0).close()
     spec["cluster"]["worker"].append(f"localhost:{ports[2]}")
     with pytest.raises(PeerError, match=rf"^worker:2 \(localhost:{ports[2]}\) did not join"):
         wait_for_peers(cluster(spec, "worker", 0), timeout=0.3, poll_seconds=0.05)
-    for server in servers:
+    for server in servers.values():
         server.close()
 
 

@@ -73,6 +73,15 @@ def custom_steps(out: str, strategy_name: str) -> None:
         )
 
 
+def batch_norm(out: str) -> None:
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    with strategy.scope():
+        model, data = fit_models.batch_norm()
+    history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
+    evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
+    save(out, "batch_norm", model, {"history": history.history, "evaluate": evaluation})
+
+
 def outside_scope() -> None:
     """A common mistake: the strategy is built, but the model is made outside its scope."""
     tfdist.build_strategy("multi_worker_mirrored")
@@ -177,6 +186,8 @@ if __name__ == "__main__":
         backup(here, os.path.join(out, "shared"))
     elif mode == "ps":
         parameter_server(here)
+    elif mode == "batch_norm":
+        batch_norm(here)
     elif mode == "outside_scope":
         outside_scope()
     elif mode == "custom":
@@ -185,5 +196,5 @@ if __name__ == "__main__":
         custom_steps(here, "parameter_server")
     else:
         sys.exit(
-            f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom, custom_ps or outside_scope"
+            f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom, custom_ps, batch_norm or outside_scope"
         )

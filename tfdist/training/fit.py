@@ -33,7 +33,7 @@ import tensorflow as tf
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import first_description, plan_batches
 from tfdist.training import fit_callbacks
-from tfdist.training.fit_data import FitData, FitError, make_fit_data, unpack
+from tfdist.training.fit_data import FitData, FitError, make_fit_data, split_arrays, unpack
 from tfdist.training.fit_runners import CentralStorageRunner, ParameterServerRunner, SyncRunner
 from tfdist.training.sharded import ShardedTraining
 
@@ -41,18 +41,15 @@ log = logging.getLogger(__name__)
 
 _FIT_KEYWORDS = (
     "x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
-    "sample_weight", "initial_epoch", "steps_per_epoch", "validation_steps",
-    "validation_batch_size", "validation_freq", "strategy",
+    "validation_split", "class_weight", "sample_weight", "initial_epoch", "steps_per_epoch",
+    "validation_steps", "validation_batch_size", "validation_freq", "strategy",
 )  # fmt: skip
 _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
     "strategy",
 )  # fmt: skip
-# Keras keywords tfdist does not take yet, with what to do instead.
-_NOT_SUPPORTED = {
-    "validation_split": "split the arrays yourself and pass validation_data=(x_val, y_val)",
-    "class_weight": "pass per-example weights: (x, y, sample_weight) or sample_weight=",
-}
+# Keras keywords tfdist does not take, with what to do instead.
+_NOT_SUPPORTED: dict[str, str] = {}
 
 
 def fit(
@@ -64,8 +61,10 @@ def fit(
     epochs: int = 1,
     verbose: int | str = "auto",
     callbacks: list[keras.callbacks.Callback] | None = None,
+    validation_split: float = 0.0,
     validation_data: Any = None,
     shuffle: bool = True,
+    class_weight: dict[int, float] | None = None,
     sample_weight: Any = None,
     initial_epoch: int = 0,
     steps_per_epoch: int | None = None,
@@ -116,10 +115,15 @@ def fit(
         if value is not None:
             _check_count(name, value, minimum=1)
     is_ps = _is_parameter_server(strategy)
+    if validation_split and validation_data is None:
+        # Keras's rule: the last examples, before shuffling; validation_data overrides it.
+        (x, y, sample_weight), validation_data = split_arrays(x, y, sample_weight, validation_split)
     data = make_fit_data(
         x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
-        strategy=strategy,
+        strategy=strategy, for_training=True,
     )  # fmt: skip
+    if class_weight is not None:
+        data = data.class_weighted(class_weight)
     val = None
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)

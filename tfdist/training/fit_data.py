@@ -97,11 +97,113 @@ class FitData:
             )
         )
 
+    def class_weighted(self, class_weight: dict[int, float]) -> FitData:
+        """This data with each example weighted by its class, as Keras's `class_weight`.
+
+        The label of a batch is its class id (rounded), or for one-hot labels the argmax;
+        classes missing from `class_weight` weigh 1. The weights become the batches'
+        sample weights, so they reach the loss and `weighted_metrics`.
+        """
+        table = _class_weight_table(class_weight)
+        x, y, sample_weight = unpack(self.sample_batch)
+        if y is None or isinstance(y, (dict, list, tuple)):
+            raise FitError(
+                "class_weight weighs examples by their label, so it needs data of (x, y) with "
+                "one label tensor (a model with a single output). For several outputs, pass "
+                "per-example weights as the batches' third element. Received: labels of "
+                f"{'none' if y is None else type(y).__name__}"
+            )
+        if sample_weight is not None:
+            raise FitError(
+                "class_weight and sample_weight both weigh examples; pass one of them (for "
+                "both, multiply the class weight into the sample weights yourself). "
+                "Received: data with sample weights and class_weight"
+            )
+
+        def weighted(*batch):
+            x, y, _ = unpack(batch)
+            if y.shape.rank is not None and y.shape.rank >= 2 and y.shape[-1] != 1:
+                classes = tf.argmax(y, axis=-1, output_type=tf.int32)
+            else:
+                classes = tf.cast(tf.round(tf.reshape(y, tf.shape(y)[:1])), tf.int32)
+            # A class beyond the table (none weighed) weighs 1, as a missing key does.
+            padded = tf.concat([table, [1.0]], 0)
+            index = tf.where((classes >= 0) & (classes < len(table)), classes, len(table))
+            return x, y, tf.gather(padded, index)
+
+        if self.dataset is not None:
+            return dataclasses.replace(
+                self,
+                dataset=self.dataset.map(weighted, num_parallel_calls=tf.data.AUTOTUNE),
+                sample_batch=weighted(*self.sample_batch),
+            )
+        user_fn = self.dataset_fn
+        return dataclasses.replace(
+            self,
+            dataset_fn=lambda context: user_fn(context).map(
+                weighted, num_parallel_calls=tf.data.AUTOTUNE
+            ),
+            sample_batch=weighted(*self.sample_batch),
+        )
+
     def local(self) -> tf.data.Dataset:
         """The data as one process reads it whole (parameter_server's evaluation)."""
         if self.dataset is not None:
             return self.dataset
         return self.dataset_fn(tf.distribute.InputContext())
+
+
+def _class_weight_table(class_weight) -> tf.Tensor:
+    if not isinstance(class_weight, dict) or not class_weight:
+        raise FitError(
+            "class_weight maps class ids to weights, e.g. {0: 1.0, 1: 5.0}. "
+            f"Received: class_weight={class_weight!r}"
+        )
+    bad = [k for k in class_weight if not isinstance(k, (int, np.integer)) or k < 0]
+    if bad:
+        raise FitError(
+            f"class_weight's keys are class ids, whole numbers 0 or more. Received: key {bad[0]!r}"
+        )
+    try:
+        weights = [float(class_weight.get(c, 1.0)) for c in range(int(max(class_weight)) + 1)]
+    except (TypeError, ValueError):
+        raise FitError(
+            f"class_weight's values are numbers. Received: class_weight={class_weight!r}"
+        ) from None
+    return tf.constant(weights, tf.float32)
+
+
+def split_arrays(x, y, sample_weight, validation_split: float):
+    """(train, validation): each a tuple (x, y, sample_weight), the validation part the last
+    `validation_split` of the examples, taken before any shuffling (Keras's rule)."""
+    if not isinstance(validation_split, (int, float)) or not 0 <= validation_split < 1:
+        raise FitError(
+            "validation_split is the fraction of the examples held out for validation, a "
+            f"number from 0 to 1 (excluded). Received: validation_split={validation_split!r}"
+        )
+    if isinstance(x, tf.data.Dataset) or (callable(x) and not hasattr(x, "shape")):
+        raise FitError(
+            "validation_split holds out the last examples of arrays; a dataset or dataset "
+            "function cannot be split that way. Pass validation_data= (a dataset of its own), "
+            f"or the data as arrays. Received: x of type {type(x).__name__}"
+        )
+    parts = (x, y, sample_weight)
+    leaves = [leaf for leaf in tf.nest.flatten(parts) if leaf is not None]
+    examples = int(np.shape(leaves[0])[0])
+    split_at = int(np.floor(examples * (1.0 - validation_split)))
+    if split_at in (0, examples):
+        raise FitError(
+            f"validation_split={validation_split} of {examples} examples leaves "
+            f"{'no training' if split_at == 0 else 'no validation'} example. Use a fraction "
+            f"that holds out between 1 and {examples - 1} examples."
+        )
+
+    def part(start, stop):
+        return tuple(
+            None if p is None else tf.nest.map_structure(lambda a: a[start:stop], p) for p in parts
+        )
+
+    return part(0, split_at), part(split_at, None)
 
 
 def _positioned(dataset: tf.data.Dataset, *, skip: int, repeat: bool) -> tf.data.Dataset:
@@ -119,8 +221,14 @@ def make_fit_data(
     shuffle: bool = False,
     strategy: tf.distribute.Strategy,
     what: str = "x",
+    for_training: bool = False,
 ) -> FitData:
     """Recognises the form of `x` (and `y`, `sample_weight`) and checks it once.
+
+    Args:
+      for_training: the data trains (a last batch that splits unevenly over the replicas
+        then weighs its examples a little differently from one device; in evaluation every
+        example counts once whatever the split).
 
     Raises:
       FitError: the data is of no form fit knows, arguments contradict the form, or a batch
@@ -177,11 +285,13 @@ def make_fit_data(
         )
     return _from_arrays(
         x, y, sample_weight=sample_weight, batch_size=batch_size, shuffle=shuffle,
-        replicas=replicas, what=what,
+        replicas=replicas, what=what, for_training=for_training,
     )  # fmt: skip
 
 
-def _from_arrays(x, y, *, sample_weight, batch_size, shuffle, replicas, what) -> FitData:
+def _from_arrays(
+    x, y, *, sample_weight, batch_size, shuffle, replicas, what, for_training
+) -> FitData:
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise FitError(f"batch_size must be a positive whole number. Received: {batch_size!r}")
@@ -214,7 +324,7 @@ def _from_arrays(x, y, *, sample_weight, batch_size, shuffle, replicas, what) ->
         dataset = dataset.shuffle(examples, seed=ARRAY_SHUFFLE_SEED, reshuffle_each_iteration=True)
     dataset = dataset.batch(batch_size)
     last = examples % batch_size
-    if last % replicas:
+    if last % replicas and for_training:
         log.warning(
             "The last batch of %s holds %d of %d examples, which does not split evenly over "
             "the %d replicas: its replicas weigh their examples a little differently from one "

@@ -35,6 +35,7 @@ import tensorflow as tf
 from keras.src.losses.loss import unscale_loss_for_distribution
 
 from tfdist.strategies import task_name_in_tf_config
+from tfdist.training.batch_norm import MovingStatistics
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData, FitError, unpack
 from tfdist.training.sharded import ShardedTraining
@@ -131,6 +132,7 @@ class SyncRunner:
         self.metric_variables = list(model.metrics_variables)
         self._read_state = tf.function(self._summed_state)
         self._test_fn = None
+        self.moving_statistics = MovingStatistics(model, strategy)
         self._metric_names: list[str] | None = None
         # What the epoch's last step returned (a custom train_step's own logs).
         self._last_outputs = None
@@ -268,11 +270,13 @@ class SyncRunner:
         pass  # synchronous updates count themselves
 
     def finish_epoch(self) -> None:
-        pass
+        # Before validation and the callbacks that save: one model, not one per replica.
+        self.moving_statistics.average()
 
     # --- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        self.moving_statistics.average()
         self.model.reset_metrics()
         iterator = iter(data.distribute(self.strategy))
         if custom_test_step(self.model):
