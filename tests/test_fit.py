@@ -300,3 +300,49 @@ def test_class_weight_mistakes_are_one_line():
         tfdist.fit(model, data, class_weight={"cat": 2.0}, verbose=0)
     with pytest.raises(FitError, match="a dataset or dataset function cannot be split"):
         tfdist.fit(model, data, validation_split=0.2, verbose=0)
+
+
+@pytest.mark.parametrize("strategy_name", sorted(STRATEGIES))
+def test_predict_gives_keras_s_predictions_in_order(strategy_name):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model, data = fit_models.two_heads()
+    tfdist.fit(model, data, epochs=1, verbose=0)
+    plain, _ = fit_models.two_heads()
+    plain.set_weights(model.get_weights())
+    want = plain.predict(data, verbose=0)
+    got = tfdist.predict(model, data, verbose=0)
+    assert set(got) == {"kind", "size"}
+    for name in want:
+        assert got[name].shape == want[name].shape
+        np.testing.assert_allclose(got[name], want[name], atol=1e-6)
+    x = np.concatenate([b[0]["image"].numpy() for b in data])
+    with pytest.raises(FitError, match="batch_size must be a positive whole number"):
+        tfdist.predict(model, {"image": x, "meta": x[:, :3]}, batch_size=0)
+
+
+def test_learning_rate_warmup_ramps_as_under_keras():
+    """The callback runs alike under Keras's fit on one device and tfdist.fit under mirrored:
+    the rate rises to 0.01 * 64 / 32 over 1.5 epochs (12 steps), then stays."""
+
+    def run(strategy, fit):
+        with strategy.scope():
+            model, data = fit_models.cnn()
+            model.compile(optimizer=keras.optimizers.SGD(0.01), loss=model.loss)
+        rates = []
+        record = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda b, logs: rates.append(
+                float(model.optimizer.learning_rate.numpy())
+            )
+        )
+        warmup = tfdist.LearningRateWarmup(
+            warmup_epochs=1.5, global_batch_size=64, base_batch_size=32
+        )
+        fit(model, data, epochs=2, verbose=0, callbacks=[warmup, record])
+        return model.get_weights(), rates
+
+    keras_weights, keras_rates = run(tf.distribute.get_strategy(), keras.Model.fit)
+    weights, rates = run(STRATEGIES["mirrored_x2"](), tfdist.fit)
+    assert rates == pytest.approx([0.02 * (s + 1) / 12 for s in range(12)] + [0.02] * 4)
+    assert rates == pytest.approx(keras_rates)
+    assert max_diff(weights, keras_weights) <= WEIGHTS_TOLERANCE

@@ -95,6 +95,10 @@ def test_parameter_server_trains_a_user_model(tmp_path):
     output = launch("ps", tmp_path, "--chief", "--workers", "3", "--ps", "2")
     _, logs = written(tmp_path, "chief_0", "mlp")
     assert logs["evaluate"]["accuracy"] > 0.6  # ten classes: chance is 0.1
+    # tfdist.predict reads the weights from the ps: its argmax gives evaluate's accuracy.
+    assert logs["evaluate"]["predicted_accuracy"] == pytest.approx(
+        logs["evaluate"]["accuracy"], abs=1e-6
+    )
     assert logs["history"]["loss"][-1] < logs["history"]["loss"][0]
     assert "val_accuracy" in logs["history"]
     assert "parameter_server test accuracy" in output
@@ -190,6 +194,12 @@ def test_batch_norm_moving_statistics_are_one_model_on_every_worker(tmp_path):
     )
     assert max_diff(chief, other) == 0.0  # moving statistics included
     assert chief_logs == other_logs
+    # tfdist.predict on each worker: every prediction, in order, from the one model.
+    plain, data = fit_models.batch_norm()
+    plain.set_weights(chief)
+    want = plain.predict(data, verbose=0)
+    for task in ("worker_0", "worker_1"):
+        np.testing.assert_allclose(np.load(tmp_path / task / "predictions.npy"), want, atol=1e-6)
     for task in ("worker:0", "worker:1"):
         warnings = re.findall(
             rf"\[{task}\] .*BatchNormalization layer\(s\) with synchronized=False", output

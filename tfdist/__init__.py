@@ -2,7 +2,10 @@
 
 The public API, listed explicitly:
 
-  fit, evaluate, FitError                         train / evaluate any compiled Keras model
+  fit, evaluate, predict, FitError                train / evaluate / predict any Keras model
+  LearningRateWarmup, WarmupSchedule              the linear scaling rule with warmup
+  this_task, TaskInfo, is_chief, num_workers,     this process's place in the job
+  num_replicas, setup_logging                     ... and a one-call log set-up
   parse_tf_config, ClusterInfo, TFConfigError     the cluster TF_CONFIG describes
   cluster_from_environment                        ... or the environment (TF_CONFIG, JobSet)
   build_strategy, StrategyOptions, StrategyError  the tf.distribute strategy for it
@@ -43,6 +46,15 @@ _EXPORTS = {
     "FitError": "tfdist.training.fit_data",
     "evaluate": "tfdist.training.fit",
     "fit": "tfdist.training.fit",
+    "predict": "tfdist.training.predict",
+    "LearningRateWarmup": "tfdist.training.callbacks",
+    "WarmupSchedule": "tfdist.training.optim",
+    "TaskInfo": "tfdist.task",
+    "this_task": "tfdist.task",
+    "is_chief": "tfdist.task",
+    "num_workers": "tfdist.task",
+    "num_replicas": "tfdist.task",
+    "setup_logging": "tfdist.task",
     "serve_if_needed": "tfdist.roles",
     "route_stop_signals": "tfdist.signals",
     "StrategyError": "tfdist.strategies",

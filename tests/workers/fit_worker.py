@@ -80,6 +80,7 @@ def batch_norm(out: str) -> None:
     history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
     evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
     save(out, "batch_norm", model, {"history": history.history, "evaluate": evaluation})
+    np.save(os.path.join(out, "predictions.npy"), tfdist.predict(model, data, verbose=0))
 
 
 def outside_scope() -> None:
@@ -170,6 +171,8 @@ def parameter_server(out: str) -> None:
     )
     evaluation = tfdist.evaluate(model, test, return_dict=True, verbose=0)
     print(f"parameter_server test accuracy {evaluation['accuracy']:.3f}", flush=True)
+    logits = tfdist.predict(model, x[1400:], batch_size=64, verbose=0)
+    evaluation["predicted_accuracy"] = float(np.mean(np.argmax(logits, axis=1) == y[1400:]))
     save(out, "mlp", model, {"history": history.history, "evaluate": evaluation})
 
 

@@ -624,7 +624,7 @@ class ParameterServerRunner(_StatelessMetrics):
                         self._step_with_staleness, args=(next(iterator), state)
                     )
                     stats = count(stats, tau)
-                return None, state, stats
+                return state, stats  # (a None among the outputs would fail the fetch)
 
             @tf.function
             def user_steps(iterator, start):
@@ -641,7 +641,7 @@ class ParameterServerRunner(_StatelessMetrics):
                     self._user_step_with_staleness, args=(next(iterator), state)
                 )
                 added = [end - begin for end, begin in zip(state, start, strict=True)]
-                return outputs, added, count(stats, tau)
+                return added, count(stats, tau), outputs
 
             self._closures[n] = user_steps if self.custom_train else steps
         return self._closures[n]
@@ -676,11 +676,11 @@ class ParameterServerRunner(_StatelessMetrics):
             # The steps ran and their updates reached the ps; their metrics died with it.
             log.warning("The metrics of steps that ran on %s were lost with it", worker)
             return
-        outputs, state, stats = values
+        state, stats, *outputs = values  # the model's own step's outputs come third
         self._landed += 1
         self._add_state(state)
-        if outputs is not None:
-            self._last_outputs = tf.nest.map_structure(np.asarray, outputs)
+        if outputs:
+            self._last_outputs = tf.nest.map_structure(np.asarray, outputs[0])
         self.staleness.add(*np.asarray(stats).tolist())
 
     def begin(
