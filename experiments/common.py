@@ -160,14 +160,45 @@ def setup_logging() -> None:
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
 
 
-def run(main: Callable[[list[str]], None]) -> None:
+def run(main: Callable[[list[str]], None], *, strategy_flags: bool = True) -> None:
     """absl's app.run with tfdist's errors: a flag mistake or a TfdistError is one line,
-    `error: ...`, and exit code 2 (EXIT_USAGE), which the launcher never restarts."""
-    app.run(friendly_errors(main), flags_parser=parse_flags)
+    `error: ...`, and exit code 2 (EXIT_USAGE), which the launcher never restarts.
+
+    Args:
+      main: the binary's main(argv).
+      strategy_flags: the binary takes this module's strategy and cluster flags (through
+        start_task); its --help lists them in a group of their own.
+    """
+    app.run(
+        friendly_errors(main),
+        flags_parser=functools.partial(parse_flags, strategy_flags=strategy_flags),
+    )
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-    """absl's flag parsing, with its errors as one `error:` line and exit code 2."""
+_HELP = ("--help", "--helpshort", "-h", "-?")
+
+
+def print_help() -> None:
+    """The binary's docstring, its own flags, then the strategy and cluster flags it shares
+    with the other binaries (defined here), each group under a heading of its own."""
+    main = sys.modules["__main__"]
+    print((main.__doc__ or "").strip(), end="\n\n")
+    print("Flags of this binary:\n" + flags.FLAGS.main_module_help(), end="\n\n")
+    print("Strategy and cluster flags (experiments/common.py):")
+    print(flags.FLAGS.module_help(sys.modules[__name__]))
+    print("\n--helpfull lists every flag, TensorFlow's and absl's included.")
+
+
+def parse_flags(argv: list[str], *, strategy_flags: bool = True) -> list[str]:
+    """absl's flag parsing, with its errors as one `error:` line and exit code 2.
+
+    Args:
+      strategy_flags: the binary takes the strategy and cluster flags defined here, which
+        its --help then lists in a group of their own.
+    """
+    if strategy_flags and any(arg in _HELP for arg in argv[1:]):
+        print_help()
+        sys.exit(0)
     try:
         return flags.FLAGS(argv)
     except flags.Error as e:

@@ -140,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    common.run(main)
+    common.run(main, strategy_flags=False)

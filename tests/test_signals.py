@@ -71,7 +71,8 @@ def test_a_stop_signal_before_training_ends_each_role_at_once(tmp_path):
         ),
         "ps serving": (
             tf_config(ps_job, "ps", 0), ps_flags, {}, "Serving as", signal.SIGTERM, 143,
-            "ps:0: received SIGTERM while serving as ps:0 until the job ends; exit 143",
+            "ps:0: received SIGTERM while serving as ps:0 (a parameter-server job's workers "
+            "and ps are stopped this way when the chief is done); exit 143",
         ),
         "evaluator watching for checkpoints": (
             tf_config(ps_job, "evaluator", 0), [f"--model_dir={tmp_path / 'run'}"], {},
@@ -148,3 +149,26 @@ def test_the_router_hands_signals_to_a_handler_or_waits_for_a_write(mode):
     else:
         assert (proc.returncode, out) == (143, "record written\n")
         assert err == "demo: received SIGTERM while writing a record; exit 143\n"
+
+
+USER_SCRIPT = """
+import os, signal
+import keras, numpy as np, tfdist
+tfdist.route_stop_signals()
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+model.compile("sgd", "mse")
+stop = keras.callbacks.LambdaCallback(
+    on_train_batch_end=lambda batch, logs: batch == 3 and os.kill(os.getpid(), signal.SIGTERM))
+tfdist.fit(model, np.zeros((256, 4)), np.zeros((256, 1)), epochs=2, verbose=0, callbacks=[stop])
+"""
+
+
+def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
+    """A user's own script that routed its stop signals: SIGTERM mid-epoch says what the
+    task was doing (not 'starting') and exits 143."""
+    result = subprocess.run(
+        [sys.executable, "-c", USER_SCRIPT], cwd=REPO, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )  # fmt: skip
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert "received SIGTERM while training in tfdist.fit (epochs 1-2); exit 143" in result.stderr

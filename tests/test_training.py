@@ -480,8 +480,14 @@ def test_a_resume_with_other_settings_is_refused_or_explained(data_dir, tmp_path
 
 
 def test_help_is_printed_and_exits_0():
+    """--help lists the binary's own flags, then the strategy and cluster flags in a group of
+    their own (absl alone showed only the first group)."""
     result = run_module("experiments.train", "--help", timeout=120)
     assert result.returncode == 0 and "the tfdist training binary" in result.stdout
+    own, _, shared = result.stdout.partition("Strategy and cluster flags")
+    assert "--epochs:" in own and "--strategy:" not in own
+    for flag in ("--strategy:", "--num_cpu_devices:", "--all_reduce:", "--startup_timeout:"):
+        assert flag in shared, flag
 
 
 def test_the_binary_refuses_a_model_dir_of_another_model_in_one_line(data_dir, tmp_path):

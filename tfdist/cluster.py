@@ -31,6 +31,7 @@ from typing import Any
 from tfdist.errors import TfdistError
 from tfdist.k8s.jobset_env import jobset_tf_config
 from tfdist.layout import Layout, single_task_rule, too_many
+from tfdist.slurm import slurm_tf_config
 
 TF_CONFIG_ENV = "TF_CONFIG"
 
@@ -221,7 +222,9 @@ def cluster_from_environment(environ: MutableMapping[str, str] | None = None) ->
        the TF_CONFIG they stand for is derived, parsed, and exported as TF_CONFIG into
        `environ`, so TensorFlow (``TFConfigClusterResolver``), Keras and the user's own
        code see the same cluster, and a later call reads it back in step 1.
-    3. Otherwise None: the job runs on this host alone.
+    3. Otherwise, the SLURM_* variables of a task `srun` started in a step of several tasks
+       (`tfdist.slurm`): derived and exported the same way.
+    4. Otherwise None: the job runs on this host alone.
 
     Example:
 
@@ -239,6 +242,7 @@ def cluster_from_environment(environ: MutableMapping[str, str] | None = None) ->
       TFConfigError: TF_CONFIG is malformed or describes an impossible cluster.
       tfdist.k8s.JobSetEnvError: some TFDIST_JOBSET_* variables are set but not all the
         derivation needs, or one holds a value no tfdist-k8s manifest gives it.
+      tfdist.slurm.SlurmEnvError: srun's variables are inconsistent.
     """
     environ = os.environ if environ is None else environ
     source = f"the {TF_CONFIG_ENV} environment variable"
@@ -248,11 +252,13 @@ def cluster_from_environment(environ: MutableMapping[str, str] | None = None) ->
         # Set but blank means no cluster, to tfdist; TensorFlow's own resolvers would fail to
         # parse it (a JSONDecodeError from inside MirroredStrategy), so it goes.
         del environ[TF_CONFIG_ENV]
-    derived = jobset_tf_config(environ)
+    derived, engine = jobset_tf_config(environ), "JobSet"
+    if derived is None:
+        derived, engine = slurm_tf_config(environ), "Slurm (srun)"
     if derived is None:
         return None
     text = json.dumps(derived)
-    info = parse_tf_config(text, source=f"{source} derived from the JobSet environment")
+    info = parse_tf_config(text, source=f"{source} derived from the {engine} environment")
     environ[TF_CONFIG_ENV] = text
     return info
 

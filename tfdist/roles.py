@@ -84,7 +84,11 @@ def serve_if_needed(
         for signum in (signal.SIGTERM, signal.SIGINT):
             previous[signum] = signal.signal(signum, lambda *_: stop.set())
     try:
-        with signals.doing(f"serving as {cluster.task_name} until the job ends"):
+        # The chief's launcher ends a finished job this way too: the line says it is usual.
+        with signals.doing(
+            f"serving as {cluster.task_name} (a parameter-server job's workers and ps are "
+            "stopped this way when the chief is done)"
+        ):
             while not stop.wait(timeout=1.0):
                 pass
     finally:

@@ -30,6 +30,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist import signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import first_description, plan_batches
 from tfdist.training import fit_callbacks
@@ -154,7 +155,10 @@ def fit(
         strategy, workers, fit_callbacks.needs_batch_logs(callbacks, progress_bar=verbose != 0)
     )
 
-    with fit_callbacks.writes_redirected(callbacks, is_chief=is_chief) as redirect:
+    with (
+        signals.doing(f"training in tfdist.fit (epochs {initial_epoch + 1}-{epochs})"),
+        fit_callbacks.writes_redirected(callbacks, is_chief=is_chief) as redirect,
+    ):
         callback_list = keras.callbacks.CallbackList(
             callbacks, add_history=True, add_progbar=progress_bar, verbose=verbose,
             epochs=epochs, steps=steps, model=model,
@@ -227,7 +231,8 @@ def evaluate(
         steps=steps or data.num_batches, model=model,
     )  # fmt: skip
     callback_list.on_test_begin()
-    logs = runner.evaluate(data, steps)
+    with signals.doing("evaluating in tfdist.evaluate"):
+        logs = runner.evaluate(data, steps)
     callback_list.on_test_end(logs)
     if return_dict:
         return logs
