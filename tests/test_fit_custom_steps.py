@@ -31,12 +31,14 @@ def one_device():
     return tf.distribute.get_strategy()
 
 
+# Built by tfdist: each strategy then takes collective keys of its own, where several
+# plain MirroredStrategy objects in one process would share (and mismatch) them.
 def mirrored():
-    return tf.distribute.MirroredStrategy(TWO_CPUS)
+    return tfdist.build_strategy("mirrored", cluster=None, devices=TWO_CPUS)
 
 
 def central_storage():
-    return tf.distribute.experimental.CentralStorageStrategy(TWO_CPUS)
+    return tfdist.build_strategy("central_storage", cluster=None, devices=TWO_CPUS)
 
 
 def train(case: str, strategy, *, with_keras: bool):

@@ -12,8 +12,8 @@ import sys
 
 import numpy as np
 import pytest
-import tensorflow as tf
 
+import tfdist
 from tests import custom_step_models, fit_models
 from tests.conftest import run_module
 
@@ -127,7 +127,7 @@ def test_custom_steps_on_two_workers_match_keras_under_mirrored(tmp_path):
     against Keras's own fit under mirrored over 2 replicas (the same batches)."""
     launch("custom", tmp_path, "--workers", "2")
     for name in custom_step_models.CASES:
-        strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+        strategy = tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"])
         with strategy.scope():
             model, data = custom_step_models.CASES[name]()
         batches = custom_step_models.BatchLogs()

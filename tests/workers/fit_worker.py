@@ -73,6 +73,15 @@ def custom_steps(out: str, strategy_name: str) -> None:
         )
 
 
+def cnn(out: str) -> None:
+    """The cnn case alone, under multi_worker_mirrored (for layouts of several hosts)."""
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    with strategy.scope():
+        model, data = fit_models.cnn()
+    history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
+    save(out, "cnn", model, {"history": history.history})
+
+
 def batch_norm(out: str) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     with strategy.scope():
@@ -189,6 +198,8 @@ if __name__ == "__main__":
         backup(here, os.path.join(out, "shared"))
     elif mode == "ps":
         parameter_server(here)
+    elif mode == "cnn":
+        cnn(here)
     elif mode == "batch_norm":
         batch_norm(here)
     elif mode == "outside_scope":
@@ -199,5 +210,5 @@ if __name__ == "__main__":
         custom_steps(here, "parameter_server")
     else:
         sys.exit(
-            f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom, custom_ps, batch_norm or outside_scope"
+            f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom, custom_ps, cnn, batch_norm or outside_scope"
         )

@@ -17,6 +17,18 @@ examples:
   tfdist-launch --workers 2 --max_restarts 3 -- python train.py
   # print each task's TF_CONFIG and command line instead of starting anything
   tfdist-launch --chief --workers 2 --ps 1 --dry_run -- python train.py
+  # two hosts, 4 workers each: the same command on both, each with its own --node_rank
+  tfdist-launch --nnodes 2 --node_rank 0 --master_addr host0:29500 --workers 4 -- python train.py
+  tfdist-launch --nnodes 2 --node_rank 1 --master_addr host0:29500 --workers 4 -- python train.py
+
+several hosts (--nnodes N --node_rank R --master_addr HOST[:PORT]):
+  Run tfdist-launch once on every host, as torchrun. --workers counts the workers of each
+  host; --chief and --evaluator run on node 0. Node 0 listens on --master_addr (port 29500
+  by default) until every node has offered its tasks' addresses, then all start together
+  with one TF_CONFIG cluster, node 0's tasks first. Each host's tasks listen on --host,
+  by default the address this host reaches the master from. Parameter-server layouts
+  (--ps) and --max_restarts are for one host for now: across hosts, let the scheduler
+  restart the launchers.
 
 roles:
   Without --ps every task runs COMMAND to completion. With --ps only the chief (and the
@@ -69,6 +81,15 @@ from collections.abc import Iterator, Sequence
 
 from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
 from tfdist.launch.plan import Task, UsageError, cluster_of, plan_cluster, tf_config_for
+from tfdist.launch.rendezvous import (
+    DEFAULT_PORT,
+    Master,
+    Offer,
+    join,
+    local_address_towards,
+    my_tasks,
+    parse_master,
+)
 from tfdist.launch.supervisor import (
     EXAMPLE,
     EXIT_USAGE,
@@ -76,12 +97,14 @@ from tfdist.launch.supervisor import (
     WORKER_RESTARTS,
     Launcher,
 )
-from tfdist.layout import command_strategy
+from tfdist.layout import Layout, LayoutError, command_strategy, launch_flags, validate_layout
 
 
-def _dry_run_lines(command: Sequence[str], tasks: Sequence[Task]) -> Iterator[str]:
+def _dry_run_lines(
+    command: Sequence[str], tasks: Sequence[Task], cluster: dict[str, list[str]] | None = None
+) -> Iterator[str]:
     yield f"# {len(tasks)} task{'s' if len(tasks) != 1 else ''}; run each line in a shell of its own"
-    cluster = cluster_of(tasks)
+    cluster = cluster or cluster_of(tasks)
     for task in tasks:
         yield f"# {task.name} ({task.address})"
         yield f"TF_CONFIG={shlex.quote(tf_config_for(cluster, task))} {shlex.join(command)}"
@@ -108,8 +131,24 @@ def _build_parser() -> argparse.ArgumentParser:
     add("--evaluator", action="store_true", help="add an evaluator task (side-car evaluation)")
     add(
         "--host",
-        default="127.0.0.1",
-        help="address the tasks listen on, e.g. ::1 (default: 127.0.0.1)",
+        default=None,
+        help="address the tasks listen on, e.g. ::1 (default: 127.0.0.1; with --nnodes, the "
+        "address this host reaches --master_addr from)",
+    )
+    add("--nnodes", type=int, default=1, metavar="N", help="hosts in the job (default: 1)")
+    add("--node_rank", type=int, default=0, metavar="R", help="this host's rank, 0 to N-1")
+    add(
+        "--master_addr",
+        default=None,
+        metavar="HOST[:PORT]",
+        help=f"with --nnodes: where node 0 gathers the nodes (port {DEFAULT_PORT} by default)",
+    )
+    add(
+        "--rdzv_timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="with --nnodes: how long a node waits for the others to join (default: 600)",
     )
     add(
         "--timeout",
@@ -181,14 +220,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"unrecognised arguments {shlex.join(unknown)!r}: the launcher's flags are listed "
                 f"by --help, and the command goes after `--`, e.g. `{EXAMPLE}`"
             )
-        _, tasks = plan_cluster(
-            workers=args.workers,
-            chief=args.chief,
-            ps=args.ps,
-            evaluator=args.evaluator,
-            host=args.host,
-            strategy=command_strategy(command),
-        )
+        if args.nnodes != 1 or args.master_addr is not None:
+            cluster, tasks = _join_nodes(args, command)
+        else:
+            cluster, (_, tasks) = (
+                None,
+                plan_cluster(
+                    workers=args.workers,
+                    chief=args.chief,
+                    ps=args.ps,
+                    evaluator=args.evaluator,
+                    host=args.host or "127.0.0.1",
+                    strategy=command_strategy(command),
+                ),
+            )
         launcher = Launcher(
             command,
             tasks=tasks,
@@ -197,11 +242,69 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_restarts=args.max_restarts,
             on_worker_failure=args.on_worker_failure,
             worker_restarts=args.worker_restarts,
+            cluster=cluster,
         )
     except UsageError as error:
         print(f"tfdist-launch: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.dry_run:
-        print("\n".join(_dry_run_lines(command, tasks)), flush=True)
+        print("\n".join(_dry_run_lines(command, tasks, cluster)), flush=True)
         return 0
     return launcher.run()
+
+
+def _join_nodes(args, command: Sequence[str]) -> tuple[dict[str, list[str]], list[Task]]:
+    """This host's tasks in a job of --nnodes hosts, and the whole job's cluster."""
+    if args.nnodes < 2 or args.master_addr is None:
+        raise UsageError(
+            "a job on several hosts needs --nnodes N (2 or more) and --master_addr HOST[:PORT] "
+            "on every host, with its own --node_rank. Received: "
+            f"--nnodes={args.nnodes}, --master_addr={args.master_addr}"
+        )
+    if not 0 <= args.node_rank < args.nnodes:
+        raise UsageError(
+            f"--node_rank is this host's rank, 0 to {args.nnodes - 1}. Received: "
+            f"--node_rank={args.node_rank}"
+        )
+    if args.ps or args.max_restarts:
+        raise UsageError(
+            "--ps and --max_restarts run on one host for now; across hosts, start the "
+            "parameter-server tasks with their TF_CONFIG (--dry_run prints them) and let the "
+            f"scheduler restart the launchers. Received: --ps={args.ps}, "
+            f"--max_restarts={args.max_restarts}"
+        )
+    master = parse_master(args.master_addr)
+    first = args.node_rank == 0
+    try:  # the whole job's layout, checked as one host's would be
+        validate_layout(
+            Layout(chief=int(args.chief), workers=args.workers * args.nnodes,
+                   evaluator=int(args.evaluator)),
+            strategy=command_strategy(command), spell=launch_flags,
+        )  # fmt: skip
+    except LayoutError as error:
+        raise UsageError(str(error)) from None
+    _, mine = plan_cluster(
+        workers=args.workers,
+        chief=args.chief and first,
+        evaluator=args.evaluator and first,
+        host=args.host or local_address_towards(master),
+    )
+    flags = {"workers": args.workers, "chief": args.chief, "evaluator": args.evaluator}
+    offer = Offer(args.node_rank, args.nnodes, flags, cluster_of(mine))
+    gatherer = Master(master, args.nnodes) if first else None
+    if gatherer is not None:
+        gatherer.start()
+    try:
+        cluster = join(master, offer, timeout=args.rdzv_timeout)
+    finally:
+        if gatherer is not None:
+            gatherer.close()
+    tasks = my_tasks(cluster, offer)
+    print(
+        f"[launch] node {args.node_rank} of {args.nnodes} joined the job: "
+        + ", ".join(
+            f"{len(a)} {t}{'s' if len(a) > 1 and t != 'ps' else ''}" for t, a in cluster.items()
+        ),  # fmt: skip
+        flush=True,
+    )
+    return cluster, tasks

@@ -115,6 +115,8 @@ class Launcher:
         tasks only "stop" (the default) is possible.
       worker_restarts: with on_worker_failure="restart", how many times one worker is
         restarted in place before its death is left as it is.
+      cluster: the whole job's cluster, when `tasks` are only this host's share of it
+        (tfdist-launch --nnodes); by default the cluster of `tasks`.
 
     Raises:
       UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0,
@@ -132,6 +134,7 @@ class Launcher:
         max_restarts: int = 0,
         on_worker_failure: str | None = None,
         worker_restarts: int = WORKER_RESTARTS,
+        cluster: dict[str, list[str]] | None = None,
     ) -> None:
         if not command:
             raise UsageError(f"no command to run: put it after `--`, e.g. `{EXAMPLE}`")
@@ -152,6 +155,8 @@ class Launcher:
             )
         self._worker_restarts_allowed = worker_restarts
         self._command, self._tasks = list(command), list(tasks)
+        # The whole job's cluster when this host runs only some of its tasks (--nnodes).
+        self._cluster = cluster
         self._serving = serving_tasks(self._tasks)
         self._worker_failure = _worker_failure_mode(on_worker_failure, bool(self._serving))
         self._timeout, self._grace = timeout, grace
@@ -263,7 +268,7 @@ class Launcher:
         env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines should arrive as they are printed
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # N copies of TF's C++ INFO logs bury the rest
         env[RESTART_COUNT_ENV] = str(self._restarts)  # so the program can say it is resuming
-        env["TF_CONFIG"] = tf_config_for(cluster_of(self._tasks), task)
+        env["TF_CONFIG"] = tf_config_for(self._cluster or cluster_of(self._tasks), task)
         proc = subprocess.Popen(
             _with_own_python(self._command),
             env=env,

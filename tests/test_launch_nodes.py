@@ -1,0 +1,98 @@
+"""tfdist-launch across hosts: --nnodes / --node_rank / --master_addr, tried on loopback.
+
+Two launchers stand for two hosts: each starts its own tasks, node 0 gathers both nodes'
+addresses, and every task gets one TF_CONFIG naming the whole job.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, free_ports
+
+TIMEOUT = 300
+
+
+def start_node(rank: int, port: int, *flags: str, command: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tfdist.launch", "--nnodes", "2", "--node_rank", str(rank),
+         "--master_addr", f"127.0.0.1:{port}", *flags, "--", *command],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+
+
+def finish(*nodes: subprocess.Popen) -> list[tuple[int, str]]:
+    results = []
+    for node in nodes:
+        output, _ = node.communicate(timeout=TIMEOUT)
+        results.append((node.returncode, output))
+    return results
+
+
+def test_two_nodes_agree_on_one_cluster():
+    """--dry_run on both nodes: the same cluster, node 0's workers first, global indices."""
+    (port,) = free_ports(1)
+    command = ["python", "train.py"]
+    # The same flags on every node: --chief puts the chief on node 0.
+    flags = ("--workers", "2", "--chief", "--dry_run", "--rdzv_timeout", "60")
+    node1 = start_node(1, port, *flags, command=command)
+    node0 = start_node(0, port, *flags, command=command)
+    (code0, out0), (code1, out1) = finish(node0, node1)
+    assert code0 == code1 == 0, out0 + out1
+    configs = {}
+    for output in (out0, out1):
+        for line in output.splitlines():
+            if line.startswith("TF_CONFIG="):
+                config = json.loads(line.split("'")[1])
+                configs[f"{config['task']['type']}:{config['task']['index']}"] = config
+    assert sorted(configs) == ["chief:0", "worker:0", "worker:1", "worker:2", "worker:3"]
+    clusters = {json.dumps(c["cluster"], sort_keys=True) for c in configs.values()}
+    assert len(clusters) == 1  # every task sees the same cluster
+    assert "node 0 of 2 joined the job: 1 chief, 4 workers" in out0
+    assert "# worker:2" in out1 and "# worker:3" in out1 and "# chief:0" in out0
+
+
+def test_nodes_started_differently_are_refused_in_one_line():
+    (port,) = free_ports(1)
+    command = ["python", "train.py"]
+    node1 = start_node(1, port, "--workers", "3", "--dry_run", command=command)
+    node0 = start_node(
+        0, port, "--workers", "2", "--dry_run", "--rdzv_timeout", "5", command=command
+    )
+    (code0, out0), (code1, out1) = finish(node0, node1)
+    assert code1 == 2, out1
+    assert out1.strip() == (
+        "tfdist-launch: error: node 1 was started with --workers 3 --chief False --evaluator "
+        "False, node 0 with --workers 2 --chief False --evaluator False: start every node "
+        "with the same layout flags"
+    )
+    assert code0 == 2 and "node 0 found no complete job at --master_addr" in out0
+
+
+@pytest.mark.multiprocess
+def test_two_launchers_train_the_weights_of_one_launcher_with_four_workers(tmp_path):
+    """2 hosts x 2 workers (two launchers on loopback) against --workers 4 on one."""
+    command = ["python", "-m", "tests.workers.fit_worker", "cnn"]
+    one = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "4", "--",
+         *command, str(tmp_path / "one")],
+        cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert one.returncode == 0, one.stdout[-3000:]
+    (port,) = free_ports(1)
+    nodes = [
+        start_node(rank, port, "--workers", "2", command=[*command, str(tmp_path / "nodes")])
+        for rank in (1, 0)
+    ]
+    for code, output in finish(*nodes):
+        assert code == 0, output[-3000:]
+    for index in range(4):
+        got = np.load(tmp_path / "nodes" / f"worker_{index}" / "cnn.npz")
+        want = np.load(tmp_path / "one" / f"worker_{index}" / "cnn.npz")
+        for name in want.files:
+            np.testing.assert_allclose(got[name], want[name], atol=1e-6)
