@@ -22,6 +22,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import custom_step_models as models
+from tfdist.training.fit_data import FitError
 
 TOLERANCE = 1e-5
 TWO_CPUS = ["/cpu:0", "/cpu:1"]
@@ -123,5 +124,5 @@ def test_a_step_that_returns_no_dict_is_one_clear_error():
     model = ReturnsLoss(inputs, keras.layers.Dense(1)(inputs))
     model.compile(optimizer="sgd")
     _, data = models.own_keys()
-    with pytest.raises(TypeError, match="returns a dict of logs .* Received: a .*Tensor"):
+    with pytest.raises(FitError, match="returns a dict of logs .* Received: a .*Tensor"):
         tfdist.fit(model, data, epochs=1, verbose=0)

@@ -27,10 +27,17 @@ def start_node(rank: int, port: int, *flags: str, command: list[str]) -> subproc
 
 
 def finish(*nodes: subprocess.Popen) -> list[tuple[int, str]]:
+    """(exit code, output) of each node; none is left running, whatever happens."""
     results = []
-    for node in nodes:
-        output, _ = node.communicate(timeout=TIMEOUT)
-        results.append((node.returncode, output))
+    try:
+        for node in nodes:
+            output, _ = node.communicate(timeout=TIMEOUT)
+            results.append((node.returncode, output))
+    finally:
+        for node in nodes:
+            if node.poll() is None:
+                node.kill()
+                node.wait()
     return results
 
 

@@ -24,6 +24,8 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+from tfdist.training.fit_data import FitError
+
 # Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.
 _KERAS_TRAIN_STEP = TensorFlowTrainer.train_step
 _KERAS_TEST_STEP = TensorFlowTrainer.test_step
@@ -79,7 +81,7 @@ def step_logs(
     if outputs is None:
         return {}
     if not isinstance(outputs, dict):
-        raise TypeError(
+        raise FitError(
             "A train_step or test_step returns a dict of logs (name -> value), as "
             f"keras.Model.fit expects. Received: a {type(outputs).__name__}"
         )
@@ -110,7 +112,7 @@ class MetricState(keras.StatelessScope):
         if id(variable) in self._held:
             super().add_update(update)
         else:  # a weight, slot or statistic: updated in place, as outside the scope
-            variable._direct_assign(value)
+            variable._direct_assign(value)  # Keras's own write, below its stateless check
 
     def value(self, variable: keras.Variable) -> tf.Tensor:
         """The value `variable` (one of the held ones) has now in this scope."""
