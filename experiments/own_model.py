@@ -80,7 +80,7 @@ def build_and_compile_cnn_model() -> keras.Model:
 
 def main(argv):
     del argv
-    common.setup_logging()  # tfdist's INFO lines; TensorFlow's from WARNING up
+    tfdist.setup_logging()  # tfdist's INFO lines; TensorFlow's from WARNING up
     if tfdist.serve_if_needed():
         return  # a parameter-server worker or ps: it served until the chief finished
     strategy = tfdist.build_strategy("auto")  # from TF_CONFIG: multi_worker_mirrored here
@@ -98,7 +98,7 @@ def main(argv):
         callbacks=[keras.callbacks.BackupAndRestore(backup_dir)],
     )
     results = tfdist.evaluate(model, test, return_dict=True, verbose=0)
-    if strategy.extended.should_checkpoint:  # the chief reports
+    if tfdist.is_chief():  # the chief reports
         print(f"test loss {results['loss']:.4f}, test accuracy {results['accuracy']:.4f}")
 
 
