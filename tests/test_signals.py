@@ -153,8 +153,9 @@ def test_the_router_hands_signals_to_a_handler_or_waits_for_a_write(mode):
 
 USER_SCRIPT = """
 import os, signal
-import keras, numpy as np, tfdist
-tfdist.route_stop_signals()
+import tfdist
+tfdist.route_stop_signals()  # first, before TensorFlow starts a thread
+import keras, numpy as np
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 model.compile("sgd", "mse")
 stop = keras.callbacks.LambdaCallback(

@@ -291,7 +291,7 @@ def _join_nodes(args, command: Sequence[str]) -> tuple[dict[str, list[str]], lis
     )
     flags = {"workers": args.workers, "chief": args.chief, "evaluator": args.evaluator}
     offer = Offer(args.node_rank, args.nnodes, flags, cluster_of(mine))
-    gatherer = Master(master, args.nnodes) if first else None
+    gatherer = Master(master, args.nnodes, flags) if first else None
     if gatherer is not None:
         gatherer.start()
     try:

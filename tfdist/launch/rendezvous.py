@@ -112,10 +112,12 @@ class Master:
     Args:
       bind: (host, port) to listen on: the --master_addr the user named.
       nnodes: how many nodes to wait for.
+      flags: node 0's layout flags, which every node must share: a node started otherwise
+        is refused at once, whichever node offers first.
     """
 
-    def __init__(self, bind: tuple[str, int], nnodes: int):
-        self.nnodes = nnodes
+    def __init__(self, bind: tuple[str, int], nnodes: int, flags: Mapping[str, object]):
+        self.nnodes, self.flags = nnodes, dict(flags)
         family = socket.AF_INET6 if ":" in bind[0] else socket.AF_INET
         self._socket = socket.socket(family, socket.SOCK_STREAM)
         self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -173,13 +175,11 @@ class Master:
                 f"node {offer.node_rank} joined twice: give every host its own --node_rank, "
                 f"0 to {self.nnodes - 1}"
             )
-        for _, other in joined.values():
-            if dict(other.flags) != dict(offer.flags):
-                return (
-                    f"node {offer.node_rank} was started with {_flags(offer.flags)}, node "
-                    f"{other.node_rank} with {_flags(other.flags)}: start every node with "
-                    "the same layout flags"
-                )
+        if dict(offer.flags) != self.flags:
+            return (
+                f"node {offer.node_rank} was started with {_flags(offer.flags)}, node 0 with "
+                f"{_flags(self.flags)}: start every node with the same layout flags"
+            )
         return ""
 
 
