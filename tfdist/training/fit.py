@@ -49,8 +49,6 @@ _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
     "strategy",
 )  # fmt: skip
-# Keras keywords tfdist does not take, with what to do instead.
-_NOT_SUPPORTED: dict[str, str] = {}
 
 
 def fit(
@@ -335,11 +333,6 @@ def _reject_unknown(function: str, unknown: dict, known: tuple[str, ...]) -> Non
     if not unknown:
         return
     name = sorted(unknown)[0]
-    if name in _NOT_SUPPORTED:
-        raise FitError(
-            f"tfdist.{function} does not take `{name}` yet: {_NOT_SUPPORTED[name]}. "
-            f"Received: {name}={unknown[name]!r}"
-        )
     close = difflib.get_close_matches(name, known, n=1)
     hint = f" (did you mean `{close[0]}`?)" if close else ""
     raise FitError(
