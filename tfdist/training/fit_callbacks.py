@@ -122,6 +122,13 @@ class _Redirect:
             for attribute in _BACKUP_PATHS:
                 self._move(callback, attribute)
 
+    def original(self, callback, attribute: str):
+        """What `callback.attribute` was before it was redirected (the user's path)."""
+        for moved, name, value in self._saved:
+            if moved is callback and name == attribute:
+                return value
+        return getattr(callback, attribute, None)
+
     def undo(self) -> None:
         for callback, attribute, value in reversed(self._saved):
             setattr(callback, attribute, value)

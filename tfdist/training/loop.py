@@ -32,10 +32,9 @@ from tfdist.training import sharded
 from tfdist.training.checkpoints import Checkpoints, check_resume_settings
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
-from tfdist.training.preemption import PreemptionWatcher
 from tfdist.training.report import Reporter, TrainResult
 from tfdist.training.staleness import StalenessAwareSchedule, attach_update_counter
-from tfdist.training.trainer_callbacks import CheckpointsAndPreemption, Progress, Report
+from tfdist.training.trainer_callbacks import CheckpointsAndPreemption, Report
 
 log = logging.getLogger(__name__)
 
@@ -287,12 +286,8 @@ class Trainer:
 
     def fit(self) -> TrainResult:
         """Trains to `config.epochs`, resuming from the newest checkpoint; see `train()`."""
-        # Synchronous workers each run the loop and must agree on a preemption; in
-        # parameter-server training only the chief does.
-        workers = 1 if self.is_ps or self.cluster is None else self.cluster.num_workers
         try:
-            with PreemptionWatcher(self.strategy, workers=workers) as watcher:
-                return self._fit(watcher, workers)
+            return self._fit()
         except tf.errors.InvalidArgumentError as e:
             explained = explain_data_error(e)  # a truncated TFRecord, named
             if explained is None:
@@ -320,15 +315,12 @@ class Trainer:
             return f"No checkpoint was saved yet in {self.checkpoints.directory}. "
         return f"A restart resumes from {latest}, the newest checkpoint. "
 
-    def _fit(self, watcher: PreemptionWatcher, workers: int) -> TrainResult:
+    def _fit(self) -> TrainResult:
         start = time.perf_counter()
         self._compile()
-        checkpoints = CheckpointsAndPreemption(self, watcher, workers=workers)
+        checkpoints = CheckpointsAndPreemption(self)
         report = Report(self)
         callbacks = [checkpoints, report]
-        # A bar only where it can redraw in place; in a log file the epoch line says it all.
-        if self.is_chief and sys.stdout.isatty():
-            callbacks.append(Progress(self.reporter))
         eval_every = self.config.eval_every
         validation_freq = sorted(
             {*(range(eval_every, self.config.epochs + 1, eval_every) if eval_every else ()),
@@ -342,7 +334,9 @@ class Trainer:
             validation_data=self._validation_fn,
             validation_freq=validation_freq,
             callbacks=callbacks,
-            verbose=0,
+            # Keras's bar on the chief, where it can redraw in place (it reads the chief's own
+            # replicas' logs: no collective); in a log file the epoch line says it all.
+            verbose=1 if self.is_chief and sys.stdout.isatty() else 0,
             strategy=self.strategy,
         )
         start_step = checkpoints.restored_step or 0

@@ -20,8 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-
-import tensorflow as tf
+from collections.abc import Callable
 
 from tfdist import signals
 from tfdist.errors import TfdistError
@@ -37,7 +36,14 @@ class Preempted(TfdistError):
       signum: the signal that asked for the stop (SIGTERM unless a routed SIGINT).
     """
 
-    def __init__(self, step: int, checkpoint: str | None, signum: int = signal.SIGTERM):
+    def __init__(
+        self,
+        step: int,
+        checkpoint: str | None,
+        signum: int = signal.SIGTERM,
+        *,
+        saved_as: str = "checkpoint",
+    ):
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
         # A preemption's state is saved: restart me (tfdist.exit_codes). A person's Ctrl-C
         # stops the job: 130, as a shell reports it, and no restart.
@@ -45,24 +51,30 @@ class Preempted(TfdistError):
         self.label = "interrupted" if interrupted else "preempted"
         self.exit_code = 128 + signal.SIGINT if interrupted else EXIT_PREEMPTED
         self.restartable = not interrupted
-        where = f"checkpoint saved in {checkpoint}" if checkpoint else "no model_dir, nothing saved"
-        super().__init__(
-            f"{signal.Signals(signum).name} at step {step}; {where}. Run the same command "
-            "again to resume from it."
-        )
+        if checkpoint:
+            where = (
+                f"{saved_as} saved in {checkpoint}. Run the same command again to resume from it."
+            )
+        else:
+            where = (
+                "nothing saved (no model_dir, no BackupAndRestore callback), so a re-run "
+                "starts over."
+            )
+        super().__init__(f"{signal.Signals(signum).name} at step {step}; {where}")
 
 
 class PreemptionWatcher:
     """Records SIGTERM while training runs; `agreed()` says whether any worker received it.
 
     A second signal ends the process at once, for a process that cannot reach a step
-    boundary. In a program that routed its stop signals (tfdist.signals) the watcher takes
+    boundary. `agree(flag)` tells whether any lockstep worker's flag is true (a runner's
+    `agree`). In a program that routed its stop signals (tfdist.signals) the watcher takes
     SIGTERM and SIGINT from the router; otherwise it sets a SIGTERM handler, which only works
     in the main thread (elsewhere the watcher stays inert).
     """
 
-    def __init__(self, strategy: tf.distribute.Strategy, *, workers: int):
-        self.strategy, self.workers = strategy, workers
+    def __init__(self, agree: Callable[[bool], bool]):
+        self._agree = agree
         self.signum: int | None = None
         # Until a step has run there is nothing to save: a signal then ends the process.
         self.stepped = False
@@ -108,9 +120,4 @@ class PreemptionWatcher:
 
     def agreed(self) -> bool:
         """Whether any worker was signalled; every worker must call this at the same step."""
-        if self.workers <= 1:
-            return self.signalled
-        flags = self.strategy.experimental_distribute_values_from_function(
-            lambda _: tf.constant(int(self.signalled), tf.int32)
-        )
-        return int(self.strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)) > 0
+        return self._agree(self.signalled)

@@ -10,7 +10,6 @@ import dataclasses
 import json
 import logging
 import os
-import sys
 import time
 
 import keras
@@ -155,25 +154,12 @@ class Reporter:
         self.model_dir = model_dir if is_chief else None
         self.steps_per_epoch = steps_per_epoch
         self.epochs = epochs
-        self._bar = None
         self._writer = None
         self.session = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
         self.resumed_from_step = 0
         self._lines: list[dict] = []  # this session's history.jsonl lines (every task)
         if self.model_dir:
             self._writer = tf.summary.create_file_writer(os.path.join(self.model_dir, LOG_SUBDIR))
-
-    def start_epoch(self, epoch: int, done_in_epoch: int) -> None:
-        # A bar only where it can redraw in place; in a log file the epoch line says it all.
-        if self.active and sys.stdout.isatty():
-            self._bar = keras.utils.Progbar(
-                self.steps_per_epoch, stateful_metrics=["loss", "accuracy"]
-            )
-            self._bar.update(done_in_epoch)
-
-    def progress(self, done_in_epoch: int, *, loss: float, accuracy: float) -> None:
-        if self._bar is not None:
-            self._bar.update(done_in_epoch, values=[("loss", loss), ("accuracy", accuracy)])
 
     def end_epoch(
         self, epoch: int, step: int, metrics: dict[str, float], *, steps: int, seconds: float
@@ -191,7 +177,6 @@ class Reporter:
             if earlier and not earlier.endswith("\n"):
                 earlier += "\n"
             write_atomically(path, earlier + strict_json(line, what=HISTORY_FILE) + "\n")
-        self._bar = None
         parts = [f"epoch {epoch + 1}/{self.epochs}", f"step {step}"]
         parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
         log.info("%s", "  ".join(parts))

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections.abc import Iterator, Mapping, Sequence
 
 import keras
@@ -36,12 +35,11 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import numpy as keras_tf_numpy
 
+from tfdist import compat_engine as compat
 from tfdist.training.checkpoints import CheckpointMismatchError
 from tfdist.training.fit_data import FitError
 
 log = logging.getLogger(__name__)
-
-_ATTACHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def shards_of(value) -> list[tf.Variable] | None:
@@ -56,11 +54,11 @@ def shards_of(value) -> list[tf.Variable] | None:
 class ShardedTraining:
     """The model's trainable variables, with each sharded one replaced by its shards."""
 
-    def __init__(self, model: keras.Model):
+    def __init__(self, model: keras.Model, parts: Mapping[int, list] | None = None):
         self.model = model
         # id(Keras variable) -> Keras variables wrapping its shards, in row order.
-        self._parts: dict[int, list[keras.Variable]] = {}
-        for variable in model.trainable_variables:
+        self._parts: dict[int, list[keras.Variable]] = dict(parts or {})
+        for variable in model.trainable_variables if parts is None else ():
             shards = shards_of(variable)
             if shards:
                 _save_whole(variable)
@@ -90,8 +88,22 @@ class ShardedTraining:
 
     @classmethod
     def of(cls, model: keras.Model) -> ShardedTraining | None:
-        """The ShardedTraining `attach` made for `model`, if any."""
-        return _ATTACHED.get(model)
+        """The ShardedTraining `build_optimizer` made for `model`, if any.
+
+        Found from the optimizer: it was built over Keras variables that wrap the shards.
+        """
+        optimizer = model.optimizer
+        if optimizer is None or not optimizer.built:
+            return None
+        wrappers = {}
+        for wrapper in compat.optimizer_variables_list(optimizer):
+            wrappers.setdefault(id(getattr(wrapper, "value", None)), wrapper)
+        parts = {}
+        for variable in model.trainable_variables:
+            shards = shards_of(variable)
+            if shards and all(id(shard) in wrappers for shard in shards):
+                parts[id(variable)] = [wrappers[id(shard)] for shard in shards]
+        return cls(model, parts) if parts else None
 
     @property
     def sharded(self) -> list[keras.Variable]:
@@ -205,7 +217,6 @@ def build_optimizer(model: keras.Model, optimizer) -> ShardedTraining | None:
     with _slots_recorded(optimizer) as slots:
         optimizer.build(training.optimizer_variables())
     _save_state_whole(training, optimizer, slots)
-    _ATTACHED[model] = training
     return training
 
 

@@ -16,7 +16,8 @@ fit()"). tfdist runs the override under every strategy, and reports what Keras's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import keras
@@ -24,7 +25,9 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
+from tfdist import compat_engine as compat
 from tfdist.training.fit_data import FitError
+from tfdist.training.runner import StepHook
 
 # Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.
 _KERAS_TRAIN_STEP = TensorFlowTrainer.train_step
@@ -117,3 +120,74 @@ class MetricState(keras.StatelessScope):
     def value(self, variable: keras.Variable) -> tf.Tensor:
         """The value `variable` (one of the held ones) has now in this scope."""
         return self.get_current_value(variable)
+
+
+# --- the update chain: where StepHooks sit in a step --------------------------------------------
+
+
+@contextlib.contextmanager
+def updates_through(optimizer, hooks: Sequence[StepHook]) -> Iterator[None]:
+    """While a step is traced, routes the optimizer's updates through `hooks`, in order.
+
+    Keras's `train_step`, a model's own, and tfdist's parameter-server step all update the
+    weights through `optimizer.apply` (`apply_gradients` calls it); during the trace, that
+    call runs the chain instead, which ends with the optimizer's own `apply`. Outside the
+    `with` the optimizer is as it was.
+    """
+    if not hooks:
+        yield
+        return
+    own = vars(optimizer).get("apply")  # normally absent: the class's method is used
+    original = optimizer.apply
+
+    def chained(grads, trainable_variables=None):
+        variables = (
+            trainable_variables
+            if trainable_variables is not None
+            else compat.optimizer_variables_list(optimizer)
+        )
+        pairs = list(zip(grads, variables, strict=True))
+
+        def link(i: int, pairs_now):
+            if i == len(hooks):
+                grads_now = [g for g, _ in pairs_now]
+                return original(grads_now, [v for _, v in pairs_now])
+            return hooks[i].apply(list(pairs_now), lambda p: link(i + 1, p))
+
+        return link(0, pairs)
+
+    optimizer.apply = chained
+    try:
+        yield
+    finally:
+        if own is None:
+            del optimizer.apply
+        else:
+            optimizer.apply = own
+
+
+class StepClock(StepHook):
+    """Marks, inside a traced step, when its gradients are ready and when they are applied.
+
+    The first link of every synchronous step's chain. `tf.timestamp()` ops taken with
+    control dependencies on the gradients and on the updated weights measure the step's
+    phases as they ran (not estimated): compute (forward and backward) ends when the last
+    gradient exists; the exchange (the all-reduce, then the optimizer's update) ends when
+    every weight has its new value.
+    """
+
+    def __init__(self):
+        self.marks: tuple[tf.Tensor, tf.Tensor] | None = None
+
+    def apply(self, grads_and_vars, apply_next):
+        grads = [g for g, _ in grads_and_vars if g is not None]
+        with tf.control_dependencies(grads):
+            ready = tf.timestamp()
+        with tf.control_dependencies([ready]):
+            result = apply_next(grads_and_vars)
+        # Reading a variable is ordered after its update (same resource): the new values.
+        reads = [tf.identity(v.value) for g, v in grads_and_vars if g is not None]
+        with tf.control_dependencies([*reads, *([result] if tf.is_tensor(result) else [])]):
+            applied = tf.timestamp()
+        self.marks = (ready, applied)
+        return result

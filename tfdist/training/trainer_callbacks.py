@@ -2,10 +2,10 @@
 
 - CheckpointsAndPreemption: restores the newest checkpoint before the first step (telling
   fit the step to resume from, so it skips the data already trained), saves at epoch ends
-  and every `checkpoint_every` steps, and turns SIGTERM into a checkpoint and `Preempted`.
+  and every `checkpoint_every` steps, and at the step where fit stops for a SIGTERM
+  (`backup_now`).
 - Report: the chief's epoch log lines and TensorBoard scalars, and the run's history
   (recorded by the Reporter).
-- Progress: the chief's progress bar, where a terminal shows one.
 
 Every worker calls them at the same steps, which is what makes their collective parts (a
 save under multi_worker_mirrored, the preemption vote) safe.
@@ -13,14 +13,11 @@ save under multi_worker_mirrored, the preemption vote) safe.
 
 from __future__ import annotations
 
-import signal
 import time
 from typing import TYPE_CHECKING
 
 import keras
 import tensorflow as tf
-
-from tfdist.training.preemption import Preempted, PreemptionWatcher
 
 if TYPE_CHECKING:
     from tfdist.training.loop import Trainer
@@ -37,16 +34,13 @@ class CheckpointsAndPreemption(keras.callbacks.Callback):
 
     reads_batch_logs = False  # it counts steps; fit need not read the metrics for it
 
-    def __init__(self, trainer: Trainer, watcher: PreemptionWatcher, *, workers: int):
+    def __init__(self, trainer: Trainer):
         super().__init__()
-        self.trainer, self.watcher, self.workers = trainer, watcher, workers
+        self.trainer = trainer
         self.restored_step = 0
         self.step = 0
         self._saved_step: int | None = None
         self._epoch = 0
-        # The preemption vote is a collective across workers: taken about ten times an epoch
-        # at the same steps everywhere (and at every call with one worker), not every step.
-        self._vote_every = max(1, trainer.steps_per_epoch // 10)
 
     def checkpoint_status(self) -> tuple[int | None, str | None]:
         """(step, directory) of the newest checkpoint this run saved or restored."""
@@ -63,25 +57,20 @@ class CheckpointsAndPreemption(keras.callbacks.Callback):
         self._epoch = epoch
 
     def on_train_batch_end(self, batch, logs=None):
-        self.watcher.stepped = True
-        previous, self.step = self.step, self._epoch * self.trainer.steps_per_epoch + batch + 1
+        self.step = self._epoch * self.trainer.steps_per_epoch + batch + 1
         epoch_end = batch + 1 == self.trainer.steps_per_epoch
-        voting = (
-            self.workers == 1
-            or epoch_end
-            or self.step // self._vote_every != previous // self._vote_every
-        )
-        if voting and self.watcher.agreed():
-            self.save()
-            # A worker that was not signalled itself stops for its peer's SIGTERM.
-            signum = self.watcher.signum or signal.SIGTERM
-            raise Preempted(self.step, self.trainer.checkpoints.directory, signum)
         every = self.trainer.config.checkpoint_every
         if every and self.step % every == 0 and not epoch_end:
             self.save()
 
     def on_epoch_end(self, epoch, logs=None):
         self.save()
+
+    def backup_now(self, *, epoch: int, step: int) -> str | None:
+        """Saves at `step` (fit stops there for a SIGTERM); returns the directory."""
+        self.step = step
+        self.save()
+        return self.trainer.checkpoints.directory
 
     def save(self) -> None:
         trainer = self.trainer
@@ -149,28 +138,3 @@ class Report(keras.callbacks.Callback):
         """eval_loss and eval_accuracy from evaluation logs (padding-exact under static shapes)."""
         loss = logs["xent"] if "xent" in logs else logs["loss"]
         return {"eval_loss": loss, "eval_accuracy": logs["accuracy"]}
-
-
-class Progress(keras.callbacks.Callback):
-    """The chief's progress bar (the Reporter draws it only on a terminal)."""
-
-    def __init__(self, reporter):
-        super().__init__()
-        self.reporter = reporter
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._started = False
-        self._epoch = epoch
-
-    def on_train_batch_begin(self, batch, logs=None):
-        if not self._started:
-            self.reporter.start_epoch(self._epoch, batch)
-            self._started = True
-
-    def on_train_batch_end(self, batch, logs=None):
-        if logs:
-            self.reporter.progress(
-                batch + 1,
-                loss=logs.get("loss", float("nan")),
-                accuracy=logs.get("accuracy", float("nan")),
-            )

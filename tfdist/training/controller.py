@@ -1,0 +1,300 @@
+"""The loop of `tfdist.fit`: epochs, callbacks, resuming, preemption and agreement.
+
+It is Keras's fit loop (TensorFlowTrainer.fit) written against a Runner (runner.py): it
+never asks which strategy it runs under. What differs between strategies (iterators, the
+chief, lockstep workers, votes, failures) is the runner's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat_engine as compat
+from tfdist import signals
+from tfdist.training import fit_callbacks
+from tfdist.training.fit_data import FitData
+from tfdist.training.preemption import Preempted, PreemptionWatcher
+from tfdist.training.runner import Runner
+from tfdist.training.step_times import PHASES, describe
+
+log = logging.getLogger(__name__)
+
+# Lockstep workers vote on a preemption about this many times an epoch (a vote is a
+# collective), and at every epoch end.
+_VOTES_PER_EPOCH = 10
+
+
+class Controller:
+    """One `tfdist.fit` call's loop over epochs; see the module docstring.
+
+    Args:
+      model: the compiled, built model.
+      runner: its runner (built).
+      data: the training data.
+      validation: the validation data, or None.
+      steps: steps per epoch (None: one pass over the data, its length found by the first).
+      user_steps: the steps_per_epoch the user gave (None: an epoch is a pass).
+      callbacks: the user's callbacks.
+      options: fit's other arguments (epochs, initial_epoch, verbose, validation_steps,
+        validation_freq).
+    """
+
+    def __init__(
+        self,
+        *,
+        model: keras.Model,
+        runner: Runner,
+        data: FitData,
+        validation: FitData | None,
+        steps: int | None,
+        user_steps: int | None,
+        callbacks: list[keras.callbacks.Callback],
+        options: dict,
+    ):
+        self.model, self.runner, self.data, self.validation = model, runner, data, validation
+        self.steps, self.user_steps = steps, user_steps
+        self.callbacks = callbacks
+        self.epochs = options["epochs"]
+        self.initial_epoch = options["initial_epoch"]
+        self.verbose = options["verbose"]
+        self.validation_steps = options["validation_steps"]
+        self.validation_freq = options["validation_freq"]
+        self.per_call = max(1, int(model.steps_per_execution))
+        self.iterator = None
+        self.pass_position = 0
+        # Steps run without asking for the end of the data when its length is known:
+        # streaming data never ends, and a known number of batches per epoch bounds each pass
+        # (asking costs a collective per step across workers).
+        self.bounded = (
+            runner.iterator_is_shared
+            or data.infinite
+            or (
+                user_steps is None
+                and data.num_batches is not None
+                and (data.form == "dataset" or runner.lockstep_workers == 1)
+            )
+        )
+        self._summary_writers: dict[str, tf.summary.SummaryWriter] = {}
+
+    # --- the whole call ---------------------------------------------------------------------------
+
+    def fit(self) -> keras.callbacks.History:
+        runner, model = self.runner, self.model
+        runner.check_callbacks(self.callbacks)
+        is_chief = runner.is_chief
+        progress_bar = self.verbose != 0 and is_chief
+        # Reading logs over every worker is a collective, so the workers do it all or none:
+        # a callback only some workers were given counts for all. A progress bar alone reads
+        # its own process's replicas, which costs no collective.
+        wanted = any(fit_callbacks.reads_batch_logs(c) for c in self.callbacks)
+        self.global_logs = runner.agree(wanted)
+        self.batch_logs = "global" if self.global_logs else ("local" if progress_bar else None)
+        with (
+            signals.doing(
+                f"training in tfdist.fit (epochs {self.initial_epoch + 1}-{self.epochs})"
+            ),
+            fit_callbacks.writes_redirected(self.callbacks, is_chief=is_chief) as redirect,
+            PreemptionWatcher(runner.agree) as self.watcher,
+        ):
+            self.redirect = redirect
+            callback_list = keras.callbacks.CallbackList(
+                self.callbacks, add_history=True, add_progbar=progress_bar, verbose=self.verbose,
+                epochs=self.epochs, steps=self.steps, model=model,
+            )  # fmt: skip
+            self.callback_list = callback_list
+            model.stop_training = False
+            callback_list.on_train_begin()
+            redirect.after_restore()
+            start_epoch, start_step = self._resume_point()
+            steps = self.steps
+            runner.begin(
+                start_epoch * steps + start_step
+                if steps
+                else int(model.optimizer.iterations.numpy()),
+                total_steps=self.epochs * steps if steps else None,
+                checkpoint_status=self._checkpoint_status(),
+            )
+            training_logs = None
+            try:
+                for epoch in range(start_epoch, self.epochs):
+                    epoch_logs = self._epoch(epoch, start_step if epoch == start_epoch else 0)
+                    if self.validation is not None and compat.should_evaluate(
+                        model, epoch, self.validation_freq
+                    ):
+                        callback_list.on_test_begin()
+                        val_logs = runner.evaluate(self.validation, self.validation_steps)
+                        callback_list.on_test_end(val_logs)
+                        epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
+                    callback_list.on_epoch_end(epoch, epoch_logs)
+                    training_logs = epoch_logs
+                    if self._agreed_stop():
+                        break
+            finally:
+                self._close_writers()
+            if isinstance(model.optimizer, keras.optimizers.Optimizer) and self.epochs > 0:
+                model.optimizer.finalize_variable_values(model.trainable_weights)
+            callback_list.on_train_end(logs=training_logs)
+        return model.history
+
+    # --- one epoch --------------------------------------------------------------------------------
+
+    def _iterator_for(self, epoch: int, skip: int):
+        if self.runner.iterator_is_shared:
+            return self.runner.iterator(self.data)
+        if self.user_steps is None:  # each epoch is one pass over the data (Keras's rule)
+            return self.runner.iterator(self.data, skip=skip)
+        # With steps_per_epoch the data is one stream across epochs, as in Keras: a pass
+        # that runs out ends its epoch early, and the next epoch starts a new pass.
+        if self.iterator is None:
+            position = (epoch - self.initial_epoch) * self.user_steps + skip
+            if self.data.num_batches:
+                position %= self.data.num_batches
+            self.pass_position = position
+            self.iterator = self.runner.iterator(self.data, skip=position)
+        return self.iterator
+
+    def _epoch(self, epoch: int, start_step: int) -> dict[str, float]:
+        runner, callbacks = self.runner, self.callback_list
+        runner.reset()
+        callbacks.on_epoch_begin(epoch)
+        iterator = self._iterator_for(epoch, start_step)
+        step = start_step
+        vote_every = max(1, (self.steps or 10 * _VOTES_PER_EPOCH) // _VOTES_PER_EPOCH)
+        while self.steps is None or step < self.steps:
+            n = self.per_call if self.steps is None else min(self.per_call, self.steps - step)
+            callbacks.on_train_batch_begin(step)
+            done, logs = runner.train(iterator, n, bounded=self.bounded, logs=self.batch_logs)
+            if done:
+                previous, step = step, step + done
+                self.watcher.stepped = True
+                callbacks.on_train_batch_end(step - 1, logs)
+                last = self.steps is not None and step >= self.steps
+                if (
+                    runner.lockstep_workers == 1
+                    or last
+                    or step // vote_every != previous // vote_every
+                ) and self.watcher.agreed():
+                    self._preempted(epoch, step)
+            if done < n:  # the data ran out
+                if self.user_steps is not None:
+                    self.iterator = None
+                    log.warning(
+                        "The training data ran out in epoch %d after %d of %d steps: the "
+                        "epoch ends there and the next one starts a new pass (as in Keras). "
+                        "Give the data steps_per_epoch x epochs batches, e.g. with .repeat().",
+                        epoch + 1, step, self.steps,
+                    )  # fmt: skip
+                break
+            if self.global_logs and self._agreed_stop():
+                break
+        if self.steps is None:
+            self.steps = step  # a first whole pass tells the length of an epoch
+        if self.iterator is not None:
+            self.pass_position += step - start_step
+            if self.data.num_batches and self.pass_position >= self.data.num_batches:
+                self.iterator = None
+        runner.finish_epoch()
+        self._report_step_times(epoch)
+        return runner.logs()
+
+    def _agreed_stop(self) -> bool:
+        # Callbacks decide on the same reduced logs everywhere; the agreement also covers a
+        # decision only one worker took, which would otherwise leave the others waiting.
+        stop = self.runner.agree(bool(self.model.stop_training))
+        self.model.stop_training = stop
+        return stop
+
+    # --- preemption -------------------------------------------------------------------------------
+
+    def _preempted(self, epoch: int, step: int) -> None:
+        """A stop signal reached a worker: every worker saves at this step, then stops."""
+        self.runner.finish_epoch()  # every scheduled step landed; the replicas one model
+        global_step = epoch * (self.steps or step) + step
+        saved, saved_as = None, "checkpoint"
+        with signals.deferred():  # a second signal must not leave half a backup behind
+            for callback in self.callbacks:
+                if callable(getattr(callback, "backup_now", None)):
+                    saved = callback.backup_now(epoch=epoch, step=global_step) or saved
+                elif isinstance(callback, keras.callbacks.BackupAndRestore):
+                    compat.backup_now(callback, epoch=epoch)
+                    saved = self.redirect.original(callback, "backup_dir")
+                    saved_as = "backup"
+        signum = self.watcher.signum or signal.SIGTERM  # a peer's signal stops us too
+        raise Preempted(global_step, saved, signum, saved_as=saved_as)
+
+    # --- resuming ---------------------------------------------------------------------------------
+
+    def _resume_point(self) -> tuple[int, int]:
+        """(epoch, steps into it) where training starts: after a restored backup if any.
+
+        A callback with a `restored_step` attribute (tfdist's own checkpoints) gives the global
+        step it restored; one with `restored_epoch` (tfdist.ray's) the number of epochs its
+        checkpoint had completed. Keras's BackupAndRestore restores the weights and optimizer
+        and the epoch the backup was taken in; the optimizer's iteration count then says how
+        far into that epoch it was.
+        """
+        model, steps = self.model, self.steps
+        restored = compat.take_restored_epoch(model)
+        for callback in self.callbacks:
+            step = getattr(callback, "restored_step", None)
+            if step and steps:
+                return divmod(int(step), steps)
+            epoch = getattr(callback, "restored_epoch", None)
+            if epoch:
+                return int(epoch), 0
+        if restored is None or not fit_callbacks.backups(self.callbacks):
+            return self.initial_epoch, 0
+        epoch = int(restored)
+        if steps is None:
+            return epoch, 0
+        into = int(model.optimizer.iterations.numpy()) - epoch * steps
+        if 0 < into < steps:
+            log.info("Resuming from the backup at epoch %d, step %d of %d", epoch + 1, into, steps)
+            return epoch, into
+        if into == steps:  # the backup was taken after the epoch's last step, before its end
+            return epoch + 1, 0
+        return epoch, 0
+
+    def _checkpoint_status(self):
+        """A function giving (step, directory) of the newest checkpoint or backup, if any.
+
+        A callback that saves checkpoints of its own may offer `checkpoint_status()`; the
+        message when a peer or a parameter server dies then says where a restart resumes.
+        """
+        for callback in self.callbacks:
+            if callable(getattr(callback, "checkpoint_status", None)):
+                return callback.checkpoint_status
+        for callback in fit_callbacks.backups(self.callbacks):
+            directory = self.redirect.original(callback, "backup_dir")
+            return lambda directory=directory: (None, directory)
+        return None
+
+    # --- the step-time breakdown ------------------------------------------------------------------
+
+    def _report_step_times(self, epoch: int) -> None:
+        times = self.runner.step_times()
+        if times is None or not self.runner.is_chief:
+            return
+        log.info("Epoch %d: %s", epoch + 1, describe(times))
+        for callback in self.callbacks:
+            if isinstance(callback, keras.callbacks.TensorBoard):
+                writer = self._writer(os.path.join(os.fspath(callback.log_dir), "train"))
+                with writer.as_default():
+                    for phase in PHASES:
+                        tf.summary.scalar(f"step_time/{phase}_ms", times[phase], step=epoch)
+                writer.flush()
+
+    def _writer(self, directory: str) -> tf.summary.SummaryWriter:
+        if directory not in self._summary_writers:
+            self._summary_writers[directory] = tf.summary.create_file_writer(directory)
+        return self._summary_writers[directory]
+
+    def _close_writers(self) -> None:
+        for writer in self._summary_writers.values():
+            writer.close()
+        self._summary_writers.clear()

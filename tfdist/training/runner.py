@@ -1,0 +1,182 @@
+"""The engine's seam: what a runner offers the loop, and where a step can be changed.
+
+Interfaces only (in the spirit of Orbit's runner.py); the implementations live in
+tfdist/training/runners/, one file per strategy kind, and the loop that drives them in
+controller.py. See tfdist/training/__init__.py for how a new parallel mode plugs in.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, ClassVar
+
+import keras
+import tensorflow as tf
+
+# (gradient, variable) pairs, as the optimizer's `apply_gradients` takes them.
+GradsAndVars = list[tuple[Any, Any]]
+
+
+class StepHook:
+    """A link in the chain between a replica's gradients and the optimizer's update.
+
+    Each training step computes its gradients, then calls the first hook's `apply` with
+    them and a function `apply_next` that runs the rest of the chain; the chain ends with
+    the optimizer's own `apply_gradients` (which, under a synchronous strategy, all-reduces
+    the gradients). A hook may change the gradients and pass them on (clipping, a delay
+    correction), hold them and pass them on later (accumulation), or apply them its own way
+    and not call `apply_next` at all (sharded optimizer state, local SGD).
+
+    `apply` runs in the replica context of a traced step (inside `strategy.run`), once per
+    step, whether the step is Keras's own `train_step` or the model's override: the chain is
+    where the model's optimizer applies gradients.
+
+    Example (a chain of one hook that clips by the global norm before the update):
+
+        class ClipGlobalNorm(tfdist.StepHook):
+            def __init__(self, norm):
+                self.norm = norm
+
+            def apply(self, grads_and_vars, apply_next):
+                grads, variables = zip(*grads_and_vars)
+                grads, _ = tf.clip_by_global_norm(grads, self.norm)
+                apply_next(list(zip(grads, variables)))
+
+        tfdist.fit(model, data, step_hooks=[ClipGlobalNorm(1.0)])
+    """
+
+    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+        """Creates the hook's state (under the strategy's scope), once, before training.
+
+        Args:
+          model: the compiled, built model.
+          strategy: the strategy it trains under.
+        """
+
+    def apply(self, grads_and_vars: GradsAndVars, apply_next: Callable[[GradsAndVars], Any]):
+        """Applies one step's gradients; call `apply_next(pairs)` to hand them on."""
+        return apply_next(grads_and_vars)
+
+
+class Runner(abc.ABC):
+    """Runs a compiled model's steps under one kind of strategy.
+
+    A runner owns every fact that depends on the strategy: how the data is iterated, which
+    process is the chief, how many processes run the loop in lockstep, how they agree on a
+    decision, how the model is built, how evaluation runs, and what its failures mean.
+    The loop (controller.py) talks to a runner only through this interface.
+
+    Attributes:
+      kinds: the strategy kinds (tfdist.strategy_kind) this runner serves.
+    """
+
+    kinds: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        self.model, self.strategy = model, strategy
+
+    # --- facts about the job ----------------------------------------------------------------
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process writes files and reports (one process in a job)."""
+        return bool(self.strategy.extended.should_checkpoint)
+
+    @property
+    def lockstep_workers(self) -> int:
+        """How many processes run this loop step for step (1: only this one)."""
+        return 1
+
+    def agree(self, flag: bool) -> bool:
+        """Whether `flag` is true on any lockstep worker.
+
+        Every lockstep worker must call this at the same point of the loop (it is a
+        collective when there are several).
+        """
+        return flag
+
+    @property
+    def needs_epoch_length(self) -> bool:
+        """Whether an epoch must be given a length (the data streams without end)."""
+        return False
+
+    def check_callbacks(self, callbacks: Sequence[keras.callbacks.Callback]) -> None:  # noqa: B027
+        """Warns about, or refuses, callbacks that cannot work as asked under this runner."""
+
+    # --- building and data --------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def build(self, sample_batch: Any, step_hooks: Sequence[StepHook] = ()) -> None:
+        """Builds the model, its metrics and its optimizer from one batch's shapes."""
+
+    @abc.abstractmethod
+    def iterator(self, data, *, skip: int = 0) -> Iterator:
+        """An iterator over `data` (a FitData) for training, `skip` batches in."""
+
+    @property
+    def iterator_is_shared(self) -> bool:
+        """Whether one iterator serves every epoch (it repeats: parameter-server data)."""
+        return False
+
+    # --- training ------------------------------------------------------------------------------
+
+    def begin(  # noqa: B027
+        self,
+        global_step: int,
+        *,
+        total_steps: int | None = None,
+        checkpoint_status: Callable[[], tuple[int | None, str | None]] | None = None,
+    ) -> None:
+        """Starts counting at `global_step` (a resumed run counts on from its checkpoint).
+
+        Args:
+          global_step: the step training starts from.
+          total_steps: the steps the run is to reach (for failure messages).
+          checkpoint_status: gives (step, directory) of the newest checkpoint, where a
+            restart would resume; None if nothing saves checkpoints.
+        """
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Starts a new epoch's metrics."""
+
+    @abc.abstractmethod
+    def train(
+        self, iterator: Iterator, n: int, *, bounded: bool, logs: str | None
+    ) -> tuple[int, dict[str, float] | None]:
+        """Runs up to `n` training steps from `iterator`.
+
+        Args:
+          iterator: from `iterator()`.
+          n: the steps to run in one call.
+          bounded: the data has at least `n` more batches (no need to ask for its end).
+          logs: None (no logs: nothing is read), "global" (the metrics over every replica
+            and worker: collective) or "local" (this process's replicas only: no collective).
+
+        Returns:
+          (steps run, fewer than `n` only where the data ended; the logs, or None).
+        """
+
+    @abc.abstractmethod
+    def logs(self) -> dict[str, float]:
+        """The epoch's logs so far, over every replica and worker."""
+
+    def finish_epoch(self) -> None:  # noqa: B027
+        """Waits for every step scheduled in the epoch, and makes the replicas one model."""
+
+    @abc.abstractmethod
+    def evaluate(self, data, steps: int | None) -> dict[str, float]:
+        """Evaluates on `data` (a FitData): every example once, over every replica."""
+
+    def step_times(self) -> dict[str, float] | None:
+        """The epoch's measured seconds per step: input, compute, exchange (None: unmeasured)."""
+        return None
+
+    # --- failures ------------------------------------------------------------------------------
+
+    def explained(self) -> contextlib.AbstractContextManager:
+        """A context in which a failure of the job (a lost peer, a dead parameter server)
+        becomes tfdist's one-line error naming the task and saying how to resume."""
+        return contextlib.nullcontext()

@@ -1,0 +1,73 @@
+"""Pieces every runner uses: running steps until the data ends, and reading metric state."""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.training.steps import python_logs
+
+NO_LIMIT = 2**62  # steps: until the data ends
+
+
+def logs_from_state(model: keras.Model, variables, state) -> dict[str, float]:
+    """The model's metric results had its metric variables held `state`."""
+    with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))):
+        return python_logs(model.get_metrics_result())
+
+
+def metric_names(model: keras.Model) -> list[str]:
+    """The keys of the model's metric results (read from zeros: no collective)."""
+    variables = list(model.metrics_variables)
+    return list(logs_from_state(model, variables, [np.zeros(v.shape, v.dtype) for v in variables]))
+
+
+def run_until_end(iterator, n, step) -> tf.Tensor:
+    """Runs `step(batch)` on up to `n` batches, stopping where the data ends (in a tf.function).
+
+    Returns how many ran. Every worker's distributed iterator agrees on the end.
+    """
+    done = tf.constant(0)
+    for _ in tf.range(n):
+        batch = iterator.get_next_as_optional()
+        if not batch.has_value():
+            break
+        step(batch.get_value())
+        done += 1
+    return done
+
+
+def each_batch(iterator, n: int, call):
+    """Calls `call(batch)` on up to `n` batches, a call each, asking for every batch first.
+
+    For the user's own steps on data of unknown length, whose last return value gives the
+    logs. Returns (batches taken, what the last call returned).
+    """
+    done, result = 0, None
+    while done < n:
+        batch = iterator.get_next_as_optional()  # every worker agrees on the end
+        if not batch.has_value():
+            break
+        result = call(batch.get_value())
+        done += 1
+    return done, result
+
+
+def call_until_end(call, model: keras.Model, steps: int | None) -> None:
+    """Calls `call(n)` (which runs up to n steps and returns how many ran) for `steps` steps,
+    steps_per_execution at a time, or until the data ends."""
+    per_call = max(1, model.steps_per_execution)
+    remaining = steps
+    while remaining is None or remaining > 0:
+        n = per_call if remaining is None else min(per_call, remaining)
+        done = call(tf.constant(n))
+        if remaining is not None:
+            remaining -= done
+        if done < n:
+            break
+
+
+def batch_size(x) -> tf.Tensor:
+    leaf = next(leaf for leaf in tf.nest.flatten(x) if leaf is not None)
+    return tf.shape(leaf)[0]

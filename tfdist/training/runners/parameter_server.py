@@ -1,0 +1,266 @@
+"""parameter_server: closures of steps scheduled on any free worker by a ClusterCoordinator.
+
+Metric variables live on the ps tasks there and several workers would update them at once
+(racing), so each closure accumulates its metric state in local tensors (Keras's stateless
+metric API) and returns it; the coordinator adds the states up, the same sum a replica read
+does. Each step's staleness (the updates that landed between its read of the weights and its
+own update) is counted on a ps and logged beside the metrics.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat_engine as compat
+from tfdist.strategies import task_name_in_tf_config
+from tfdist.training import fit_callbacks
+from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
+from tfdist.training.fit_data import FitData
+from tfdist.training.runner import StepHook
+from tfdist.training.runners.stateless import StatelessMetricsRunner
+from tfdist.training.sharded import ShardedTraining
+from tfdist.training.staleness import (
+    STALENESS_STATS,
+    StalenessAwareSchedule,
+    attach_update_counter,
+)
+from tfdist.training.steps import updates_through
+
+log = logging.getLogger(__name__)
+
+
+class ParameterServerRunner(StatelessMetricsRunner):
+    """parameter_server: closures of `n` steps scheduled on any free worker; see the module."""
+
+    kinds = ("parameter_server",)
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        super().__init__(model, strategy)
+        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        self._pending: collections.deque = collections.deque()
+        # Results are fetched a few closures behind the newest: the progress stays current
+        # without waiting on every step.
+        self._lag = 2 * max(1, len(self._cluster().get("worker", [])))
+        self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
+        self._eval_step = tf.function(
+            lambda batch, state: (
+                self._user_step(model.test_step, batch, state)
+                if self.custom_test
+                else (None, self._stateless_test_step(batch, state))
+            )
+        )
+        self._per_worker_iterators: dict[int, object] = {}
+        self.counter = attach_update_counter(model, strategy)
+        self.staleness = self.counter.stats
+        self.scheduled_steps = 0
+        self._landed = 0
+        self.total_steps: int | None = None
+        self.checkpoint_status = None
+
+    def _step_with_staleness(self, batch, state):
+        # The counter is read before the step reads the weights, and claimed once its
+        # gradients exist: the updates that landed in between are its staleness.
+        read = self.counter.read()
+        with tf.control_dependencies([read]):
+            gradients, state = self._stateless_gradients(batch, state)
+        staleness = self.counter.claim(read, after=[g for g, _ in gradients])
+        schedule = compat.learning_rate_schedule(self.model.optimizer)
+        scaled = (
+            schedule.scaled(staleness)
+            if isinstance(schedule, StalenessAwareSchedule)
+            else contextlib.nullcontext()
+        )
+        with scaled, updates_through(self.model.optimizer, self.hooks):
+            self.model.optimizer.apply_gradients(gradients)
+        return state, staleness
+
+    def _user_step_with_staleness(self, batch, state):
+        # The model's own train_step applies its gradients itself: its update is claimed
+        # once the step has run, which counts the updates that landed while it ran.
+        read = self.counter.read()
+        with tf.control_dependencies([read]):
+            outputs, state = self._user_step(self.model.train_step, batch, state)
+        staleness = self.counter.claim(read, after=[*state, *tf.nest.flatten(outputs)])
+        return outputs, state, staleness
+
+    def _closure(self, n: int):
+        if n not in self._closures:
+            strategy = self.strategy
+
+            def count(stats, tau):  # [sum, max, count] of the closure's staleness
+                return tf.stack([stats[0] + tau, tf.maximum(stats[1], tau), stats[2] + 1.0])
+
+            @tf.function
+            def steps(iterator):
+                state = self._zero_tensors()
+                stats = tf.zeros([STALENESS_STATS])
+                for _ in tf.range(n):
+                    state, tau = strategy.run(
+                        self._step_with_staleness, args=(next(iterator), state)
+                    )
+                    stats = count(stats, tau)
+                return state, stats  # (a None among the outputs would fail the fetch)
+
+            @tf.function
+            def user_steps(iterator, start):
+                # The model's own step starts from the epoch's metric state as the
+                # coordinator knew it, so what it returns covers the epoch so far; the
+                # closure hands back only what its own steps added.
+                state, stats = start, tf.zeros([STALENESS_STATS])
+                for _ in tf.range(n - 1):
+                    _, state, tau = strategy.run(
+                        self._user_step_with_staleness, args=(next(iterator), state)
+                    )
+                    stats = count(stats, tau)
+                outputs, state, tau = strategy.run(
+                    self._user_step_with_staleness, args=(next(iterator), state)
+                )
+                added = [end - begin for end, begin in zip(state, start, strict=True)]
+                return added, count(stats, tau), outputs
+
+            self._closures[n] = user_steps if self.custom_train else steps
+        return self._closures[n]
+
+    # --- the runner interface -------------------------------------------------------------------
+
+    @property
+    def needs_epoch_length(self) -> bool:
+        return True  # each worker streams its own copy of the data, without end
+
+    def check_callbacks(self, callbacks) -> None:
+        hooked = [type(c).__name__ for c in callbacks if fit_callbacks.reads_batch_logs(c)]
+        if hooked:
+            log.warning(
+                "Under parameter_server, batch-level callbacks (%s) run on the coordinator as "
+                "steps are scheduled, not as workers finish them; the logs they get are the "
+                "metrics of the steps finished so far. Epoch-level hooks see every step.",
+                ", ".join(hooked),
+            )
+
+    def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        # A partitioner may have split variables across the ps tasks: the optimizer is then
+        # built over their shards (sharded.py).
+        self._prepare(ShardedTraining.attach(self.model, self.strategy, sample_batch), step_hooks)
+
+    @property
+    def iterator_is_shared(self) -> bool:
+        return True
+
+    def iterator(self, data: FitData, *, skip: int = 0):
+        del skip  # each worker's copy of the data streams on; nothing to skip
+        key = id(data)
+        if key not in self._per_worker_iterators:
+            self._per_worker_iterators[key] = iter(data.per_worker(self.coordinator))
+        return self._per_worker_iterators[key]
+
+    def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
+        del bounded  # per-worker data repeats without end
+        with_logs = logs is not None
+        with self.explained():
+            args = (iterator, self._state) if self.custom_train else (iterator,)
+            self._pending.append(self.coordinator.schedule(self._closure(n), args=args))
+            self.scheduled_steps += n
+            while len(self._pending) > self._lag or (with_logs and not self._landed):
+                # Batch logs wait for the epoch's first closure: before it they would be zeros.
+                self._add(self._pending.popleft())
+        return n, (self.logs() if with_logs else None)
+
+    def _add(self, remote) -> None:
+        try:
+            values = remote.fetch()
+        except CLUSTER_ERRORS as e:
+            worker = lost_worker(e, cluster=self._cluster())
+            if worker is None:
+                raise
+            worker = task_name_in_tf_config(self.strategy, worker)
+            # The steps ran and their updates reached the ps; their metrics died with it.
+            log.warning("The metrics of steps that ran on %s were lost with it", worker)
+            return
+        state, stats, *outputs = values  # the model's own step's outputs come third
+        self._landed += 1
+        self._add_state(state)
+        if outputs:
+            self._last_outputs = tf.nest.map_structure(np.asarray, outputs[0])
+        self.staleness.add(*np.asarray(stats).tolist())
+
+    def begin(
+        self, global_step: int, *, total_steps: int | None = None, checkpoint_status=None
+    ) -> None:
+        """Starts counting at `global_step` (a resumed run counts on from its checkpoint).
+
+        Args:
+          global_step: the step training starts from.
+          total_steps: the steps the run is to reach (for the message if a ps dies).
+          checkpoint_status: returns (step, directory) of the newest checkpoint, where a
+            restart would resume; None if nothing saves checkpoints.
+        """
+        self.scheduled_steps = global_step
+        self.total_steps = total_steps
+        self.checkpoint_status = checkpoint_status
+
+    def logs(self) -> dict[str, float]:
+        # Staleness is part of what asynchronous training did: logged beside the metrics.
+        return {**super().logs(), **self.staleness.epoch_metrics()}
+
+    def reset(self) -> None:
+        self._pending.clear()
+        self._landed = 0  # closures of this epoch whose results arrived
+        self.staleness.reset_epoch()
+        super().reset()
+
+    def finish_epoch(self) -> None:
+        with self.explained():
+            self.coordinator.join()  # the epoch ends when every scheduled step has run
+            while self._pending:
+                self._add(self._pending.popleft())
+            # Keras's iteration counter loses increments under asynchronous updates; the
+            # coordinator's count is exact, and drives the learning-rate schedule.
+            self.model.optimizer.iterations.assign(self.scheduled_steps)
+
+    def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        # On the coordinator, reading the variables from the ps tasks: every example once.
+        state, outputs = self._zeros(), None
+        dataset = data.local()
+        if steps is not None:
+            dataset = dataset.take(steps)
+        with self.explained():
+            for batch in dataset:
+                outputs, state = self._eval_step(batch, state)
+        if outputs is None:
+            return self._logs_of(state)
+        return self._step_logs(tf.nest.map_structure(np.asarray, outputs), state)
+
+    # --- failures -------------------------------------------------------------------------------
+
+    def _cluster(self) -> dict[str, list[str]]:
+        resolver = compat.cluster_resolver(self.strategy)
+        return resolver.cluster_spec().as_dict() if resolver is not None else {}
+
+    @contextlib.contextmanager
+    def explained(self):
+        # Every call that waits on the ps tasks goes through here: a dead ps ends training
+        # with one ClusterTaskFailed message instead of TensorFlow's traceback.
+        try:
+            yield
+        except CLUSTER_ERRORS as e:
+            saved_step, directory = (
+                self.checkpoint_status() if self.checkpoint_status else (None, None)
+            )
+            explained = explain_cluster_error(
+                e,
+                cluster=self._cluster(),
+                step=self.scheduled_steps,
+                total_steps=self.total_steps or self.scheduled_steps,
+                checkpoint_step=saved_step,
+                checkpoint_dir=directory,
+            )
+            if explained is None:
+                raise
+            raise explained from None

@@ -1,0 +1,399 @@
+"""Synchronous strategies: every replica runs every step (one_device, mirrored, tpu,
+multi_worker_mirrored, and the default strategy).
+
+The model's own `train_step` / `test_step` runs inside `strategy.run`, as Keras's fit runs
+it on one host, so a user's overridden step runs unchanged. Keras scales each replica's loss
+by 1/replicas, so with equal per-replica batches the all-reduced gradient is that of the
+global batch; metric variables are summed over the replicas (one all-reduce per dtype), so
+the logs are those of every replica and worker.
+
+The optimizer's update runs through the step's chain of StepHooks (steps.updates_through),
+whose first link, a StepClock, times the step's phases in the graph.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat_engine as compat
+from tfdist.cluster import cluster_from_environment
+from tfdist.peers import explain_peer_error
+from tfdist.training.batch_norm import MovingStatistics
+from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.runner import Runner, StepHook
+from tfdist.training.runners.common import (
+    NO_LIMIT,
+    batch_size,
+    call_until_end,
+    each_batch,
+    logs_from_state,
+    metric_names,
+    run_until_end,
+)
+from tfdist.training.step_times import PHASES, StepTimes
+from tfdist.training.steps import (
+    StepClock,
+    custom_test_step,
+    custom_train_step,
+    python_logs,
+    step_logs,
+    updates_through,
+)
+
+# What a lost peer raises in a synchronous step, depending on where it was waited for.
+_PEER_ERRORS = (
+    tf.errors.UnavailableError,
+    tf.errors.DeadlineExceededError,
+    tf.errors.AbortedError,
+    tf.errors.CancelledError,
+    tf.errors.InternalError,
+)
+
+
+class SyncRunner(Runner):
+    """Synchronous strategies; see the module docstring."""
+
+    kinds = ("default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        super().__init__(model, strategy)
+        self.custom = custom_train_step(model)
+        self.hooks: list[StepHook] = []
+        self._train_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
+        self._counts: dict[int, tf.Tensor] = {}
+        self._stream_fn = None
+        self._one_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
+        self.metric_variables: list[keras.Variable] = []
+        self._read_state = tf.function(lambda: self._metric_state(reduce=True))
+        self._read_local_state = tf.function(lambda: self._metric_state(reduce=False))
+        self._test_fn = None
+        self.moving_statistics: MovingStatistics | None = None
+        self._metric_names: list[str] | None = None
+        # What the epoch's last step returned (a custom train_step's own logs).
+        self._last_outputs = None
+        self.times = StepTimes()
+        self._checkpoint_status = None
+
+    # --- facts about the job ----------------------------------------------------------------
+
+    @property
+    def lockstep_workers(self) -> int:
+        return compat.sync_worker_count(self.strategy)
+
+    def agree(self, flag: bool) -> bool:
+        if self.lockstep_workers <= 1:
+            return flag
+        strategy = self.strategy
+        with self.explained():
+            flags = strategy.experimental_distribute_values_from_function(
+                lambda _: tf.constant(int(flag), tf.int32)
+            )
+            return int(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)) > 0
+
+    # --- building and data --------------------------------------------------------------------
+
+    def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        with self.strategy.scope():
+            compat.symbolic_build(self.model, sample_batch)
+            for hook in step_hooks:
+                hook.build(self.model, self.strategy)
+        self.hooks = list(step_hooks)
+        self.metric_variables = list(self.model.metrics_variables)
+        self.moving_statistics = MovingStatistics(self.model, self.strategy)
+
+    def iterator(self, data: FitData, *, skip: int = 0):
+        return iter(data.distribute(self.strategy, skip=skip))
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def _replica_step(self, batch, asked):
+        """The model's train_step on one replica's batch, timed: (outputs, [3] seconds).
+
+        `asked` is when the batch was asked for; the batch's arrival, the gradients and the
+        updated weights are marked in the graph as they happen.
+        """
+        with tf.control_dependencies(_tensors(batch)):
+            arrived = tf.timestamp()
+        clock = StepClock()
+        with updates_through(self.model.optimizer, [clock, *self.hooks]):
+            outputs = self.model.train_step(batch)
+        with tf.control_dependencies(_tensors(outputs)):
+            end = tf.timestamp()
+        ready, applied = clock.marks or (end, end)  # no update: all of it was compute
+        # Input, compute (forward, backward, and the metrics after the update), exchange.
+        times = tf.stack([arrived - asked, (ready - arrived) + (end - applied), applied - ready])
+        return outputs, times
+
+    def _step(self, batch, asked):
+        """One step on every replica: (what the step returned, the local replicas' mean times)."""
+        strategy = self.strategy
+        outputs, times = strategy.run(self._replica_step, args=(batch, asked))
+        local = strategy.experimental_local_results(times)
+        return outputs, tf.add_n(list(local)) / len(local)
+
+    def _next(self, iterator):
+        asked = tf.timestamp()
+        with tf.control_dependencies([asked]):
+            return next(iterator), asked
+
+    def _train_fn(self, n: int):
+        """The traced call that runs `n` steps (its count is an argument: one graph for all).
+
+        Returns (what the last step returned, for a custom step; the summed step times).
+        Logs are read by a call of their own: an all-reduce of metric state in the same graph
+        as the gradients' would share the ring all-reduce's transfer keys.
+        """
+        # A single step needs no loop (nor a count), which spares a small model's step on a
+        # CPU the overhead.
+        kind = "single" if n == 1 else "loop"
+        if kind not in self._train_fns:
+            custom = self.custom
+
+            if n == 1:
+
+                @tf.function
+                def train(iterator):
+                    outputs, times = self._step(*self._next(iterator))
+                    return (outputs if custom else None), times
+
+            else:
+
+                @tf.function
+                def train(iterator, n):
+                    total = tf.zeros([len(PHASES)], tf.float64)
+                    for _ in tf.range(n - 1):
+                        _, times = self._step(*self._next(iterator))
+                        total += times
+                    outputs, times = self._step(*self._next(iterator))
+                    return (outputs if custom else None), total + times
+
+            self._train_fns[kind] = train
+        return self._train_fns[kind]
+
+    def _stream(self, iterator, n):
+        """For data of unknown length: each step first asks whether there is a batch."""
+        if self._stream_fn is None:
+
+            @tf.function
+            def train(iterator, n):
+                done, total = tf.constant(0), tf.zeros([len(PHASES)], tf.float64)
+                for _ in tf.range(n):
+                    asked = tf.timestamp()
+                    with tf.control_dependencies([asked]):
+                        batch = iterator.get_next_as_optional()  # every worker agrees on the end
+                    if not batch.has_value():
+                        break
+                    _, times = self._step(batch.get_value(), asked)
+                    total += times
+                    done += 1
+                return done, total
+
+            self._stream_fn = train
+        done, times = self._stream_fn(iterator, n)
+        return int(done), times
+
+    def _one(self, kind: str, batch):
+        """One step of `kind` ('train' or 'test') on a batch; returns what the step returned."""
+        if kind not in self._one_fns:
+            model, strategy, hooks = self.model, self.strategy, self.hooks
+
+            def replica(batch):
+                if kind == "test":
+                    return model.test_step(batch)
+                with updates_through(model.optimizer, hooks):
+                    return model.train_step(batch)
+
+            self._one_fns[kind] = tf.function(lambda batch: strategy.run(replica, args=(batch,)))
+        return self._one_fns[kind](batch)
+
+    def _count(self, n: int) -> tf.Tensor:
+        if n not in self._counts:  # made once: a constant per call costs a small step time
+            self._counts[n] = tf.constant(n)
+        return self._counts[n]
+
+    # --- training -----------------------------------------------------------------------------
+
+    def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
+        with self.explained():
+            if self.custom and not bounded:
+                # The user's step on data of unknown length: a step a call (untimed), its
+                # last return value giving the logs.
+                done, outputs = each_batch(iterator, n, lambda batch: self._one("train", batch))
+            elif bounded:
+                train = self._train_fn(n)
+                outputs, times = train(iterator) if n == 1 else train(iterator, self._count(n))
+                done = n
+                self.times.add(n, np.asarray(times))
+            else:
+                done, times = self._stream(iterator, self._count(n))
+                outputs = None
+                self.times.add(done, np.asarray(times))
+            if self.custom and done:
+                self._last_outputs = outputs
+            return done, (self._read_logs(logs) if logs and done else None)
+
+    def _read_logs(self, scope: str) -> dict[str, float]:
+        if scope == "local":  # this process's replicas: no collective, for a progress bar
+            if self._last_outputs is not None:
+                return self._logs_of(self._last_outputs, local=True)
+            return self._metrics(local=True)
+        return self.logs()
+
+    def _mean(self, value, *, local: bool = False):
+        if not isinstance(value, (tf.Tensor, tf.distribute.DistributedValues)):
+            return value
+        if local:
+            parts = [np.asarray(v) for v in self.strategy.experimental_local_results(value)]
+            return np.mean(parts, axis=0)
+        return self.strategy.reduce(tf.distribute.ReduceOp.MEAN, value, axis=None)
+
+    def _logs_of(self, outputs, *, local: bool = False) -> dict[str, float]:
+        if self._metric_names is None:
+            self._metric_names = metric_names(self.model)
+        return step_logs(
+            outputs,
+            metric_names=self._metric_names,
+            metrics=lambda: self._metrics(local=local),
+            mean=lambda value: self._mean(value, local=local),
+        )
+
+    def _metric_state(self, *, reduce: bool) -> list[tf.Tensor]:
+        # Every metric variable summed over the replicas in one all-reduce per dtype, rather
+        # than a reduce per variable: cheaper across workers, and tfdist's ring cannot take
+        # several unfused all-reduces in one graph. Without `reduce`: this process's
+        # replicas only, added here, with no collective.
+        variables = self.metric_variables
+        groups: dict[str, list[int]] = {}
+        for i, v in enumerate(variables):
+            groups.setdefault(str(v.dtype), []).append(i)
+
+        def local():
+            return {
+                dtype: tf.concat([tf.reshape(variables[i].value, [-1]) for i in members], 0)
+                for dtype, members in groups.items()
+            }
+
+        per_replica = self.strategy.run(local)
+        if reduce:
+            flats = {
+                dtype: self.strategy.reduce(tf.distribute.ReduceOp.SUM, flat, axis=None)
+                for dtype, flat in per_replica.items()
+            }
+        else:
+            flats = {
+                dtype: tf.add_n(list(self.strategy.experimental_local_results(flat)))
+                for dtype, flat in per_replica.items()
+            }
+        state = [None] * len(variables)
+        for dtype, members in groups.items():
+            sizes = [int(np.prod(variables[i].shape)) for i in members]
+            for i, part in zip(members, tf.split(flats[dtype], sizes), strict=True):
+                state[i] = tf.reshape(part, variables[i].shape)
+        return state
+
+    def logs(self) -> dict[str, float]:
+        """The epoch's logs: the metrics over every replica, or, for a custom train_step
+        whose logs are its own (Keras's rule), what its last step returned."""
+        with self.explained():
+            if self._last_outputs is not None:
+                return self._logs_of(self._last_outputs)
+            return self._metrics()
+
+    def reset(self) -> None:
+        self._last_outputs = None
+        self.times = StepTimes()
+        self.model.reset_metrics()
+
+    def begin(self, global_step: int, *, total_steps=None, checkpoint_status=None) -> None:
+        del global_step, total_steps  # synchronous updates count themselves
+        self._checkpoint_status = checkpoint_status
+
+    def finish_epoch(self) -> None:
+        # Before validation and the callbacks that save: one model, not one per replica.
+        with self.explained():
+            self.moving_statistics.average()
+
+    def step_times(self) -> dict[str, float] | None:
+        return self.times.per_step()
+
+    # --- evaluation ---------------------------------------------------------------------------
+
+    def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        with self.explained():
+            return self._evaluate(data, steps)
+
+    def _evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        self.moving_statistics.average()
+        self.model.reset_metrics()
+        iterator = iter(data.distribute(self.strategy))
+        if custom_test_step(self.model):
+            # The user's test_step runs as Keras's evaluate runs it, a step a call, and its
+            # last return value gives the logs (Keras's rule).
+            done, outputs = each_batch(
+                iterator, steps or NO_LIMIT, lambda batch: self._one("test", batch)
+            )
+            return self._logs_of(outputs) if done else self._metrics()
+        if self._test_fn is None:
+            model, strategy = self.model, self.strategy
+
+            def replica_test(batch):
+                def run():
+                    model.test_step(batch)
+                    return tf.constant(0)
+
+                # The last batch can leave a replica without examples, and some kernels
+                # (oneDNN's convolution) reject an empty batch: such a replica adds nothing.
+                x, _, _ = unpack(batch)
+                tf.cond(batch_size(x) > 0, run, lambda: tf.constant(0))
+
+            @tf.function
+            def test(iterator, n):
+                return run_until_end(
+                    iterator, n, lambda batch: strategy.run(replica_test, args=(batch,))
+                )
+
+            self._test_fn = test
+        call_until_end(lambda n: int(self._test_fn(iterator, n)), self.model, steps)
+        return self._metrics()
+
+    def _metrics(self, *, local: bool = False) -> dict[str, float]:
+        if not self.metric_variables:
+            return python_logs(self.model.get_metrics_result())
+        state = self._read_local_state() if local else self._read_state()
+        return logs_from_state(self.model, self.metric_variables, state)
+
+    # --- failures -------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def explained(self):
+        # A peer that died mid-step surfaces here as whatever the collective it was waited
+        # for raised; the job's cluster names the task.
+        try:
+            yield
+        except _PEER_ERRORS as e:
+            cluster = cluster_from_environment() if self.lockstep_workers > 1 else None
+            lost = None
+            if cluster is not None:
+                lost = explain_peer_error(
+                    e, cluster, starting=False, resume_hint=self._resume_hint()
+                )
+            if lost is None:
+                raise
+            raise lost from None
+
+    def _resume_hint(self) -> str:
+        step, directory = self._checkpoint_status() if self._checkpoint_status else (None, None)
+        if directory is None:
+            return "Nothing was saved, so a restart starts over. "
+        if step is None:
+            return f"A restart resumes from the newest backup in {directory}. "
+        return f"A restart resumes from step {step}, saved in {directory}. "
+
+
+def _tensors(structure) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor)]
