@@ -7,15 +7,19 @@ then checks what every task wrote against Keras's own model.fit on one device.
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
 
 import tfdist
 from tests import custom_step_models, fit_models
-from tests.conftest import run_module
+from tests.conftest import REPO, run_module
+from tfdist.exit_codes import EXIT_PREEMPTED
 
 pytestmark = pytest.mark.multiprocess
 
@@ -213,3 +217,59 @@ def test_batch_norm_moving_statistics_are_one_model_on_every_worker(tmp_path):
         )
     ]
     assert len(spreads) >= 2 and max(spreads) > 0  # the copies had drifted apart
+
+
+def test_sigterm_in_a_users_script_backs_up_at_that_step_and_the_rerun_resumes_there(
+    references, tmp_path
+):
+    """A user's fit script with BackupAndRestore (save_freq="epoch"): SIGTERM to worker:1 in
+    epoch 2 makes both workers back up at the same step and exit 42; the launcher's restart
+    resumes at that step and ends on the weights of Keras's uninterrupted fit."""
+    result = run_module(
+        "tools.launch", "--workers", "2", "--max_restarts", "1", "--timeout", "280", "--",
+        sys.executable, "-m", "tests.workers.stop_worker", "sigterm", str(tmp_path),
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-4000:]
+    stopped = re.search(r"\[worker:1\] preempted: SIGTERM at step (\d+); backup saved in", output)
+    assert stopped, output[-4000:]
+    step = int(stopped.group(1))
+    assert 8 + 3 <= step < 16  # in epoch 2, at or after the signal's batch
+    assert f"[worker:0] preempted: SIGTERM at step {step}" in output  # the same step
+    assert re.search(
+        rf"worker:\d was preempted \(state saved, exit code {EXIT_PREEMPTED}\)", output
+    )
+    assert f"Resuming from the backup at epoch 2, step {step - 8} of 8" in output
+    assert "Traceback" not in output
+    for task in ("worker_0", "worker_1"):
+        arrays = np.load(tmp_path / task / "cnn.npz")
+        got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+        assert max_diff(got, references["cnn"][0]) <= WEIGHTS_TOLERANCE
+
+
+def test_a_killed_worker_in_a_users_script_is_one_line_naming_it_on_the_survivor(tmp_path):
+    """worker:1 is SIGKILLed mid-epoch; worker:0, blocked in the step's all-reduce, stops
+    within a minute with one line naming worker:1 and the restartable code, no traceback."""
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [
+            sys.executable, "-m", "tools.launch", "--workers", "2", "--grace", "120",
+            "--timeout", "280", "--",
+            sys.executable, "-m", "tests.workers.stop_worker", "sigkill", str(tmp_path),
+        ],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+    )  # fmt: skip
+    marker = tmp_path / "shared" / "signalled"
+    while not marker.exists() and proc.poll() is None and time.monotonic() - started < 240:
+        time.sleep(0.05)
+    killed_at = time.monotonic()
+    output, _ = proc.communicate(timeout=240)
+    assert marker.exists(), output[-4000:]
+    assert time.monotonic() - killed_at < 60, output[-4000:]
+    lines = [line for line in output.splitlines() if line.startswith("[worker:0] error:")]
+    assert len(lines) == 1 and "Lost worker:1" in lines[0], output[-4000:]
+    assert "Traceback" not in output
+    # It ended by itself (the launcher's SIGTERM found it blocked in the all-reduce), before
+    # the launcher's 120 s grace ran out.
+    assert re.search(r"\[launch\] worker:0 (stopped|exit 1)$", output, re.M), output[-4000:]

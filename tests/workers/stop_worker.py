@@ -1,0 +1,74 @@
+"""A user's own tfdist.fit script that routes its stop signals, as the README shows; a task
+of it is stopped mid-epoch 2, for tests/test_fit_multiworker.py:
+
+  tfdist-launch --workers 2 --max_restarts 1 -- python -m tests.workers.stop_worker sigterm OUT
+  tfdist-launch --workers 2 --grace 120 -- python -m tests.workers.stop_worker sigkill OUT
+
+sigterm: worker:1 receives SIGTERM once, at epoch 2 batch 3; every worker backs up at the same
+  step (BackupAndRestore), exits with the restartable code, and the restarted job resumes
+  there and finishes.
+sigkill: worker:1 is SIGKILLed at epoch 2 batch 3; worker:0 is left waiting for it.
+"""
+
+from __future__ import annotations
+
+import tfdist
+
+if __name__ == "__main__":
+    tfdist.route_stop_signals()  # before TensorFlow starts a thread
+
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tests import fit_models  # noqa: E402
+
+SIGNALS = {"sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+AT = (1, 2)  # (epoch, batch), both from 0
+
+
+class SignalOnce(keras.callbacks.Callback):
+    """Sends `signum` to this process at AT the first time the job runs (a marker file)."""
+
+    def __init__(self, marker: str, signum: int):
+        super().__init__()
+        self.marker, self.signum, self.epoch = marker, signum, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == AT and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), self.signum)
+
+
+def main(mode: str, out: str) -> None:
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    name = f"{task['type']}_{task['index']}"
+    shared = os.path.join(out, "shared")
+    os.makedirs(shared, exist_ok=True)
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    with strategy.scope():
+        model, data = fit_models.cnn()
+    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"))]
+    if name == "worker_1":
+        callbacks.append(SignalOnce(os.path.join(shared, "signalled"), SIGNALS[mode]))
+    tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0, callbacks=callbacks)
+    os.makedirs(os.path.join(out, name), exist_ok=True)
+    np.savez(os.path.join(out, name, "cnn.npz"), *model.get_weights())
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("tfdist").setLevel(logging.INFO)
+    if len(sys.argv) != 3 or sys.argv[1] not in SIGNALS:
+        sys.exit(f"usage: stop_worker {{{','.join(SIGNALS)}}} OUT")
+    main(sys.argv[1], sys.argv[2])
