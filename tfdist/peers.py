@@ -108,28 +108,22 @@ def configure_coordination(
       heartbeat_timeout: seconds without a heartbeat before a peer is declared dead; None
         keeps TensorFlow's default (10 s).
     """
-    from tensorflow.compiler.xla.tsl.protobuf import coordination_config_pb2
-    from tensorflow.python.eager import context
+    from tfdist import compat  # deferred: parsing and waiting must not import TensorFlow
 
-    jobs = [
-        coordination_config_pb2.CoordinatedJob(name=job, num_tasks=len(cluster.cluster[job]))
-        for job in _COORDINATED_JOBS
-        if cluster.cluster.get(job)
-    ]
-    ctx = context.context()
-    if ctx.coordination_service is not None:
+    if compat.coordination_service_configured():
         return
     leader_type, leader_index = coordination_leader(cluster)
-    ctx.configure_coordination_service(
-        service_type="standalone",
-        service_leader=f"/job:{leader_type}/replica:0/task:{leader_index}",
-        coordinated_jobs=jobs,
-        cluster_register_timeout_in_ms=_milliseconds(startup_timeout),
-        heartbeat_timeout_in_ms=_milliseconds(heartbeat_timeout),
+    compat.configure_coordination_service(
+        leader=f"/job:{leader_type}/replica:0/task:{leader_index}",
+        jobs={
+            job: len(cluster.cluster[job]) for job in _COORDINATED_JOBS if cluster.cluster.get(job)
+        },
+        register_timeout_ms=_milliseconds(startup_timeout),
+        heartbeat_timeout_ms=_milliseconds(heartbeat_timeout),
+        # Without the barrier only the other tasks time out: the leader would wait for a
+        # missing peer forever.
+        register_with_barrier=startup_timeout is not None,
     )
-    # Without the barrier only the other tasks time out: the leader would wait for a missing
-    # peer forever. configure_coordination_service has no argument for it (TF 2.21).
-    ctx.coordination_service.cluster_register_with_barrier = startup_timeout is not None
 
 
 def wait_for_servers(

@@ -17,11 +17,7 @@ import logging
 
 import tensorflow as tf
 
-# TensorFlow's own CrossDeviceOps build their results with these two; there is no public
-# way to wrap per-device tensors into a Mirrored value.
-from tensorflow.python.distribute import distribute_utils
-from tensorflow.python.distribute import values as values_lib
-
+from tfdist import compat
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES, check_compression, fused_all_reduce
 from tfdist.collective.ring import local_ring_all_reduce, mean_of_sum
 from tfdist.collective.transport import ProcessRing
@@ -29,7 +25,7 @@ from tfdist.collective.transport import ProcessRing
 log = logging.getLogger(__name__)
 
 
-class RingAllReduce(tf.distribute.CrossDeviceOps):
+class RingAllReduce(compat.CrossDeviceOps):
     """Ring all-reduce of gradients over local devices and, optionally, worker processes.
 
     Args:
@@ -63,7 +59,7 @@ class RingAllReduce(tf.distribute.CrossDeviceOps):
         self._logged: set[tuple] = set()
 
     @property
-    def _num_between_graph_workers(self):
+    def num_between_graph_workers(self) -> int:
         return self.process_ring.ranks if self.process_ring else 1
 
     def reduce_implementation(self, reduce_op, per_replica_value, destinations, options):
@@ -83,8 +79,8 @@ class RingAllReduce(tf.distribute.CrossDeviceOps):
     def broadcast_implementation(self, tensor, destinations):
         return self.fallback.broadcast(tensor, destinations)
 
-    def _gather_implementation(self, per_replica_value, destinations, axis, options):
-        return self.fallback._gather(per_replica_value, destinations, axis, options)
+    def gather_implementation(self, per_replica_value, destinations, axis, options):
+        return compat.gather(self.fallback, per_replica_value, destinations, axis, options)
 
     def _all_reduce_values(self, reduce_op, per_replica_values, *, compression):
         devices = [v.device for v in per_replica_values[0].values]
@@ -97,7 +93,7 @@ class RingAllReduce(tf.distribute.CrossDeviceOps):
             bucket_bytes=self.bucket_bytes,
             compression=compression,
         )
-        replicas = len(devices) * self._num_between_graph_workers
+        replicas = len(devices) * self.num_between_graph_workers
         layout = tuple((t.dtype.name, tuple(t.shape)) for t in per_replica[0])
         if layout not in self._logged:
             self._logged.add(layout)
@@ -122,9 +118,7 @@ class RingAllReduce(tf.distribute.CrossDeviceOps):
                         if reduce_op == tf.distribute.ReduceOp.MEAN
                         else value
                     )
-            results.append(
-                distribute_utils.regroup(tuple(on_devices), wrap_class=values_lib.Mirrored)
-            )
+            results.append(compat.mirrored_value(on_devices))
         return results
 
     def _sum_flats(self, flats: list[tf.Tensor], devices: list[str]) -> list[tf.Tensor]:
