@@ -20,8 +20,10 @@ from tfdist.strategies import (
     detect_tpu,
     resolve_auto,
     strategy_kind,
+    task_name_in_tf_config,
     tpu_node_address,
 )
+from tfdist.strategies.parameter_server import PresentWorkersResolver
 from tfdist.training import run_smoke_steps
 from tools.smoke import parse_results
 
@@ -167,6 +169,40 @@ def test_only_the_chief_builds_parameter_server():
     worker = parse_tf_config({**CLUSTERS["ps_cluster"], "task": {"type": "worker", "index": 0}})
     with pytest.raises(StrategyError, match=r"only the chief builds.*tfdist.serve_if_needed\(\)"):
         tfdist.build_strategy("parameter_server", cluster=worker)
+
+
+@pytest.mark.parametrize(
+    "key, workers, present, names",
+    [
+        ("cluster", ["w0:1", "w1:1", "w2:1"], [0, 2], {"worker:1": "worker:2"}),
+        # Kubeflow's dynamic workers: TF_CONFIG lists only some indices
+        ("sparseCluster", {"1": "w1:1", "2": "w2:1", "4": "w4:1"}, [1, 4],
+         {"worker:0": "worker:1", "worker:1": "worker:4"}),
+    ],
+    ids=["cluster", "sparse"],
+)  # fmt: skip
+def test_a_parameter_server_chief_trains_on_the_workers_present_under_new_indices(
+    key, workers, present, names
+):
+    chief = parse_tf_config(
+        {
+            key: {"chief": ["c:1"], "worker": workers, "ps": ["p:1"]},
+            "task": {"type": "chief", "index": 0},
+        }
+    )
+    resolver = PresentWorkersResolver(chief, present=present)  # the others never started
+    assert resolver.cluster_spec().as_dict() == {
+        "chief": ["c:1"],
+        "worker": [f"w{i}:1" for i in present],
+        "ps": ["p:1"],
+    }
+    assert (resolver.task_type, resolver.task_id) == ("chief", 0)
+    assert {k: v for k, v in resolver.tf_config_names.items() if k != v} == names
+
+
+def test_task_names_are_unchanged_for_a_strategy_that_renumbered_no_workers():
+    strategy = tfdist.build_strategy("one_device", cluster=None)
+    assert task_name_in_tf_config(strategy, "worker:1") == "worker:1"
 
 
 def test_tpu_without_tpu_kernels_is_explained():

@@ -1,0 +1,66 @@
+"""build_strategy(): turn a name, the cluster and the hardware into a tf.distribute.Strategy.
+
+Example:
+
+    >>> import tfdist
+    >>> tfdist.configure_cpu_devices(2)
+    >>> strategy = tfdist.build_strategy("mirrored", all_reduce="hierarchical_copy")
+    >>> strategy.num_replicas_in_sync
+    2
+
+One module per concern:
+
+  options.py           StrategyOptions, the choices they take, StrategyError
+  registry.py          build_strategy, the name -> builder dict, 'auto', strategy_kind
+  single_host.py       one_device, mirrored, central_storage
+  multi_worker.py      multi_worker_mirrored
+  parameter_server.py  parameter_server, and the TF_CONFIG names of the workers it trains on
+  tpu.py               TPU discovery, the tpu builder, the paths a TPU Node can reach
+  all_reduce.py        the CrossDeviceOps an all_reduce option names (TensorFlow's or the ring)
+  cluster_checks.py    what a multi-process strategy checks of the cluster first
+
+Builders change no TensorFlow class and keep nothing about the strategies they build in
+module globals: what a later step needs to know (the TF_CONFIG names of a parameter-server
+job's workers) travels with the strategy. The private TensorFlow entry points they need are
+in tfdist.compat.
+"""
+
+from tfdist.strategies.options import (
+    ALL_REDUCE_CHOICES,
+    COLLECTIVE_CHOICES,
+    COMPRESSION_CHOICES,
+    DEFAULT_PS_MIN_SHARD_BYTES,
+    StrategyError,
+    StrategyOptions,
+)
+from tfdist.strategies.parameter_server import task_name_in_tf_config
+from tfdist.strategies.registry import (
+    ALIASES,
+    SINGLE_HOST_STRATEGIES,
+    build_strategy,
+    describe_strategy,
+    resolve_auto,
+    strategy_kind,
+    strategy_names,
+)
+from tfdist.strategies.tpu import check_tpu_node_paths, detect_tpu, tpu_node_address
+
+__all__ = [
+    "ALIASES",
+    "ALL_REDUCE_CHOICES",
+    "COLLECTIVE_CHOICES",
+    "COMPRESSION_CHOICES",
+    "DEFAULT_PS_MIN_SHARD_BYTES",
+    "SINGLE_HOST_STRATEGIES",
+    "StrategyError",
+    "StrategyOptions",
+    "build_strategy",
+    "check_tpu_node_paths",
+    "describe_strategy",
+    "detect_tpu",
+    "resolve_auto",
+    "strategy_kind",
+    "strategy_names",
+    "task_name_in_tf_config",
+    "tpu_node_address",
+]

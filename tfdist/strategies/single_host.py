@@ -1,0 +1,72 @@
+"""Builders of the strategies that train in one process on this host's devices.
+
+one_device, mirrored (a replica per device, gradients summed across them) and central_storage
+(variables on the CPU, computation mirrored on the devices).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist import devices as _devices
+from tfdist.cluster import ClusterInfo
+from tfdist.strategies.all_reduce import mirrored_cross_device_ops
+from tfdist.strategies.options import StrategyError, StrategyOptions
+
+
+def _local_devices(options: StrategyOptions) -> list[str]:
+    """The devices the options choose: `devices`, the first `num_gpus` GPUs, or every GPU
+    (every logical CPU device when there is none)."""
+    if options.devices is not None:
+        return list(options.devices)
+    gpus = _devices.gpu_device_names()
+    if options.num_gpus is not None:
+        if options.num_gpus > len(gpus):
+            raise StrategyError(
+                f"{options.num_gpus} GPUs were asked for but TensorFlow sees {len(gpus)}. "
+                f"Lower num_gpus, or pass num_gpus=0 to run on the CPU. "
+                f"Received: num_gpus={options.num_gpus}"
+            )
+        if options.num_gpus > 0:
+            return gpus[: options.num_gpus]
+        return _devices.cpu_device_names()
+    return gpus or _devices.cpu_device_names()
+
+
+def build_one_device(cluster: ClusterInfo | None, options: StrategyOptions):
+    """OneDeviceStrategy on the one device the options choose."""
+    chosen = _local_devices(options)
+    if options.devices is not None and len(chosen) > 1:
+        raise StrategyError(
+            f"one_device runs on exactly one device but {len(chosen)} were given; use "
+            f"'mirrored' for several. Received: devices={options.devices!r}"
+        )
+    return tf.distribute.OneDeviceStrategy(chosen[0])
+
+
+# TensorFlow numbers the collective groups of every MirroredStrategy from 1, so a second one
+# over a different number of devices in the same process (a notebook re-run, a test suite)
+# aborts with "joining a group with size 4, but that group has size 2". Each build takes its
+# own key range from here (the spacing TensorFlow's own tests use), given to that strategy
+# object alone.
+_MIRRORED_KEY_BASES = itertools.count(0, 100_000)
+
+
+def build_mirrored(cluster: ClusterInfo | None, options: StrategyOptions):
+    """MirroredStrategy over the local devices, with its own collective key range."""
+    chosen = _local_devices(options)
+    return compat.mirrored_strategy(
+        chosen,
+        cross_device_ops=mirrored_cross_device_ops(options, chosen),
+        collective_key_base=next(_MIRRORED_KEY_BASES),
+    )
+
+
+def build_central_storage(cluster: ClusterInfo | None, options: StrategyOptions):
+    """CentralStorageStrategy: variables on the CPU, computation on the local devices."""
+    return tf.distribute.experimental.CentralStorageStrategy(
+        compute_devices=_local_devices(options), parameter_device="/cpu:0"
+    )
