@@ -1,8 +1,7 @@
 """Input pipelines: TFRecord writing and reading, datasets by name, strategy wiring."""
 
+from tfdist.data.contract import DatasetInfo, ImageDataset
 from tfdist.data.datasets import (
-    DatasetInfo,
-    ImageDataset,
     dataset_names,
     default_data_dir,
     prepare_dataset,

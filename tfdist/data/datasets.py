@@ -1,7 +1,7 @@
 """Image classification datasets by name, all honouring one contract.
 
 Every dataset yields batches of ``(image, label)``: ``image`` float32 [batch, H, W, C] in
-[0, 1], ``label`` int32 [batch]. Names:
+[0, 1], ``label`` int32 [batch] (the contract in contract.py). Names:
 
   digits      scikit-learn's 8x8 handwritten digits (1,797 real images, 10 classes), shipped
               inside the scikit-learn wheel; converted to TFRecords on first use
@@ -20,52 +20,23 @@ import dataclasses
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Protocol
 
 import numpy as np
 import tensorflow as tf
 
+from tfdist.data.contract import SPLITS, DatasetInfo, ImageDataset, check_split
 from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
 from tfdist.data.records import META_SUFFIX, DataError, find_records, write_tfrecords
 from tfdist.storage import PATH_ERRORS, check_writable_directory
 
 log = logging.getLogger(__name__)
 
-SPLITS = ("train", "test")
 DATA_DIR_ENV = "TFDIST_DATA_DIR"
 
 
 def default_data_dir() -> str:
     """$TFDIST_DATA_DIR, else ~/.cache/tfdist."""
     return os.environ.get(DATA_DIR_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tfdist")
-
-
-@dataclasses.dataclass(frozen=True)
-class DatasetInfo:
-    name: str
-    image_shape: tuple[int, int, int]
-    num_classes: int
-    num_examples: Mapping[str, int]
-
-
-class ImageDataset(Protocol):
-    """A dataset that builds (image, label) batches for one input pipeline."""
-
-    info: DatasetInfo
-
-    def dataset(
-        self,
-        split: str,
-        *,
-        batch_size: int,
-        input_context: tf.distribute.InputContext | None = None,
-        options: PipelineOptions | None = None,
-    ) -> tf.data.Dataset: ...
-
-
-def _check_split(split: str) -> None:
-    if split not in SPLITS:
-        raise DataError(f"split must be one of {', '.join(SPLITS)}. Received: split={split!r}")
 
 
 # --- TFRecords on disk (digits, and any tfdist TFRecord dataset) ------------------------------
@@ -82,7 +53,7 @@ class TFRecordImages:
     image_scale: float = 1.0  # multiplies the stored pixel values into [0, 1]
 
     def dataset(self, split, *, batch_size, input_context=None, options=None):
-        _check_split(split)
+        check_split(split)
         scale, image_key, label_key = self.image_scale, self.image_key, self.label_key
 
         shape = self.info.image_shape
@@ -206,7 +177,7 @@ class SyntheticImages:
     seed: int = 0
 
     def dataset(self, split, *, batch_size, input_context=None, options=None):
-        _check_split(split)
+        check_split(split)
         options = options or PipelineOptions()
         rng = np.random.default_rng([self.seed, SPLITS.index(split)])
         count = self.info.num_examples[split]

@@ -23,7 +23,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from tfdist.data.datasets import SPLITS, DatasetInfo
+from tfdist.data.contract import SPLITS, DatasetInfo
 from tfdist.data.pipeline import PipelineOptions, finish
 from tfdist.data.records import DataError
 
