@@ -20,10 +20,7 @@ PACKAGE = "tfdist"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 # Circles that are known and have an owner. Each entry is the set of modules of one circle.
-KNOWN_CIRCLES = {
-    # removed by the engine refactor (issue 28)
-    frozenset({"tfdist.training.loop", "tfdist.training.trainer_callbacks"}),
-}
+KNOWN_CIRCLES: set[frozenset[str]] = set()
 
 
 def module_files(root: Path, package: str) -> dict[str, Path]:

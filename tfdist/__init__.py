@@ -3,6 +3,7 @@
 The public API, listed explicitly:
 
   fit, evaluate, predict, FitError                train / evaluate / predict any Keras model
+  StepHook                                        a link between gradients and the update
   LearningRateWarmup, WarmupSchedule              the linear scaling rule with warmup
   this_task, TaskInfo, is_chief, num_workers,     this process's place in the job
   num_replicas, setup_logging                     ... and a one-call log set-up
@@ -46,6 +47,7 @@ _EXPORTS = {
     "FitError": "tfdist.training.fit_data",
     "evaluate": "tfdist.training.fit",
     "fit": "tfdist.training.fit",
+    "StepHook": "tfdist.training.runner",
     "predict": "tfdist.training.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",
     "WarmupSchedule": "tfdist.training.optim",

@@ -4,12 +4,14 @@ Checked on TensorFlow 2.21 and Keras 3.15. TensorFlow and Keras may rename or re
 these in a minor release; when one breaks, this is the only module to change (and
 tests/test_compat.py names the entry). Each entry's "Why:" line says why no public API does.
 Grouped by topic; add new entries to the section they belong to (or a new section), never
-elsewhere in tfdist (tfdist/training's own uses move here with the engine refactor, issue 28).
+elsewhere in tfdist.
 
 Sections:
   strategies         building and inspecting tf.distribute strategy objects
   cross-device ops   the CrossDeviceOps protocol tfdist's ring all-reduce implements
   coordination       TensorFlow's coordination service (multi-worker start-up and heartbeats)
+  keras training     what Keras's trainer and optimizer keep privately, which tfdist.fit's
+                     runners and loop read or drive as Keras's own fit does
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import keras
 import tensorflow as tf
 
 # `tensorflow.python` is TensorFlow's private tree: these imports stay in this module.
@@ -82,6 +85,14 @@ def intercept_variable_creation(
     """
     extended = strategy.extended
     extended._create_variable = wrap(extended._create_variable)
+
+
+def sync_worker_count(strategy: tf.distribute.Strategy) -> int:
+    """Processes that run a synchronous strategy's steps together (1 unless multi-worker).
+
+    Why: MultiWorkerMirroredStrategy's extended object keeps the count in `_num_workers`.
+    """
+    return int(getattr(strategy.extended, "_num_workers", 1) or 1)
 
 
 def strategy_cluster_resolver(strategy: tf.distribute.Strategy):
@@ -192,3 +203,166 @@ def configure_coordination_service(
         heartbeat_timeout_in_ms=heartbeat_timeout_ms,
     )
     ctx.coordination_service.cluster_register_with_barrier = register_with_barrier
+
+
+# --- keras training -----------------------------------------------------------------------------
+
+
+def symbolic_build(model: keras.Model, sample_batch) -> None:
+    """Builds the model, its compiled metrics and losses and the optimizer's slots from one
+    batch's shapes, as Keras's fit does before its first step.
+
+    Why: Keras 3.15 has no public call that builds the compiled metrics and losses without
+    running a step (`Trainer._symbolic_build`).
+    """
+    model._symbolic_build(data_batch=sample_batch)
+
+
+def strategy_of(model: keras.Model):
+    """The strategy Keras recorded when the model was created (None: no strategy's scope).
+
+    Why: Keras records it in `Layer._distribute_strategy`; no public accessor.
+    """
+    return model._distribute_strategy
+
+
+def compiled_loss(model: keras.Model):
+    """The loss `compile` was given, in Keras's wrapper (None: compiled without one).
+
+    Why: `Trainer._compile_loss`; the public `model.loss` is the user's object, unset for
+    some forms of `compile`.
+    """
+    return model._compile_loss
+
+
+def call_has_training_arg(model: keras.Model) -> bool:
+    """Whether the model's `call` takes `training`.
+
+    Why: Keras inspects the signature once and keeps `_call_has_training_arg`.
+    """
+    return bool(model._call_has_training_arg)
+
+
+def compute_loss(model: keras.Model, **kwargs):
+    """The compiled loss of a batch, as Keras's train_step computes it.
+
+    Why: `Trainer._compute_loss` adds regularisation losses and honours a model's
+    `compute_loss` override; the public `compute_loss` skips the latter's checks.
+    """
+    return model._compute_loss(**kwargs)
+
+
+def loss_tracker(model: keras.Model):
+    """The Mean metric that Keras's train_step feeds the loss into (the logged "loss").
+
+    Why: `Trainer._loss_tracker` has no public name.
+    """
+    return model._loss_tracker
+
+
+def unscale_loss(loss):
+    """A replica's loss without the 1/replicas factor Keras's losses apply under a strategy.
+
+    Why: `keras.src.losses.loss.unscale_loss_for_distribution` is not exported.
+    """
+    from keras.src.losses.loss import unscale_loss_for_distribution
+
+    return unscale_loss_for_distribution(loss)
+
+
+def metrics_in_order(model: keras.Model, logs: dict) -> list | float:
+    """Logs as `evaluate` returns them without return_dict: `metrics_names` order.
+
+    Why: `Trainer._flatten_metrics_in_order` holds Keras's ordering rule.
+    """
+    return model._flatten_metrics_in_order(logs)
+
+
+def should_evaluate(model: keras.Model, epoch: int, validation_freq) -> bool:
+    """Keras's rule for whether fit validates after `epoch` (an int period or a list).
+
+    Why: `Trainer._should_eval`.
+    """
+    return bool(model._should_eval(epoch, validation_freq))
+
+
+def take_restored_epoch(model: keras.Model) -> int | None:
+    """The epoch a BackupAndRestore callback restored, consumed (a later fit starts afresh).
+
+    Why: BackupAndRestore hands it to Keras's fit through `model._initial_epoch`.
+    """
+    restored = model._initial_epoch
+    model._initial_epoch = None
+    return restored
+
+
+def backup_now(callback: keras.callbacks.BackupAndRestore, *, epoch: int) -> None:
+    """Makes a BackupAndRestore callback write its backup now, as taken during `epoch`.
+
+    Its metadata records the epoch; the optimizer's iteration count tells how far into it
+    the backup was taken. Why: the callback saves only at epoch ends or every `save_freq`
+    batches (`_save_model`, `_current_epoch`); a preemption saves between.
+    """
+    callback._current_epoch = epoch
+    callback._save_model()
+
+
+def optimizer_variables_list(optimizer) -> list:
+    """The variables an optimizer was built over, in its order.
+
+    Why: Keras keeps them in `_trainable_variables`; `optimizer.variables` holds its slots.
+    """
+    return list(optimizer._trainable_variables)
+
+
+def learning_rate_schedule(optimizer):
+    """The optimizer's learning rate as given (a schedule, or a variable).
+
+    Why: `learning_rate` evaluates a schedule at the current step; `_learning_rate` is the
+    schedule object itself.
+    """
+    return getattr(optimizer, "_learning_rate", None)
+
+
+def direct_assign(variable: keras.Variable, value) -> None:
+    """Writes a Keras variable below its stateless-scope check.
+
+    Why: inside a StatelessScope Keras records assignments instead of making them;
+    `_direct_assign` is its own write, which MetricState uses for every variable it does
+    not hold.
+    """
+    variable._direct_assign(value)
+
+
+def keras_train_step():
+    """Keras's own TensorFlow `train_step` (a model whose class replaces it has its own)."""
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer.train_step
+
+
+def keras_test_step():
+    """Keras's own TensorFlow `test_step`.
+
+    Why (both): the trainer class is in `keras.src`; comparing a model's method with it is
+    how Keras-shaped code tells an override.
+    """
+    from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
+
+    return TensorFlowTrainer.test_step
+
+
+def optimizer_strategy(optimizer):
+    """The strategy an optimizer was created under (None: none recorded).
+
+    Why: Keras's TensorFlow optimizer keeps it in `_distribution_strategy`.
+    """
+    return getattr(optimizer, "_distribution_strategy", None)
+
+
+def all_layers(model: keras.Model) -> list:
+    """Every layer inside `model`, nested ones included, the model itself not.
+
+    Why: Keras's `_flatten_layers`; `model.layers` lists only the top level.
+    """
+    return list(model._flatten_layers(include_self=False))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from collections.abc import Callable
 
 import tensorflow as tf
@@ -52,21 +51,6 @@ class BatchPlan:
                 "wastes none of a step"
             )
         return text
-
-
-# strategy -> the batch plans already logged for it.
-_DESCRIBED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def first_description(strategy: tf.distribute.Strategy, plan: BatchPlan) -> bool:
-    """Whether `plan` is new for `strategy` (and now recorded): its line is said once.
-
-    A loop that rebuilds its evaluation data every epoch would otherwise repeat the line.
-    """
-    said = _DESCRIBED.setdefault(strategy, set())
-    new = plan.describe() not in said
-    said.add(plan.describe())
-    return new
 
 
 def plan_batches(strategy: tf.distribute.Strategy, global_batch_size: int) -> BatchPlan:
@@ -116,9 +100,7 @@ def distribute_dataset(
         used without a coordinator.
     """
     plan = plan_batches(strategy, global_batch_size)
-    log.log(
-        logging.INFO if first_description(strategy, plan) else logging.DEBUG, "%s", plan.describe()
-    )
+    log.debug("%s", plan.describe())  # a caller logs the batch arithmetic where it belongs
 
     def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return dataset_fn(context, context.get_per_replica_batch_size(global_batch_size))

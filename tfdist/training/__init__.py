@@ -1,4 +1,56 @@
-"""Training under a tf.distribute strategy: the loop, its config, the evaluator task, smoke steps."""
+"""The training engine behind `tfdist.fit`, and the seam new parallel modes plug into.
+
+How a `tfdist.fit(model, data, ...)` call runs:
+
+  fit.py          checks the call as Keras would (keywords, a compiled model made under the
+                  strategy's scope, labels), turns the data into a FitData (fit_data.py),
+                  picks a runner, builds it, and hands both to a Controller.
+  runners/        one Runner per kind of strategy, in a registry keyed by
+                  tfdist.strategy_kind (runners/__init__.py): SyncRunner (one_device,
+                  mirrored, multi_worker_mirrored, tpu), CentralStorageRunner,
+                  ParameterServerRunner. A runner owns every fact that depends on the
+                  strategy: its iterators, the chief, the workers that move in lockstep and
+                  how they agree (`agree(flag)`), building the model and optimizer, running n
+                  steps, reading logs, evaluation, and turning a lost peer or parameter
+                  server into one line naming the task (`explained()`).
+  runner.py       the interfaces only: Runner, and StepHook.
+  controller.py   Keras's fit loop (epochs, callbacks, validation, resuming mid-epoch from a
+                  BackupAndRestore or tfdist checkpoint, the stop vote, SIGTERM -> back up at
+                  this step and raise Preempted, the step-time report). It talks to a Runner
+                  only and never asks which strategy it runs under.
+  steps.py        the model's own train_step / test_step and their logs (Keras's rule), and
+                  `updates_through`, which routes a step's optimizer update through the
+                  StepHooks.
+  step_times.py   where a step's time goes (input, compute, exchange), measured in the graph.
+
+The step seam. Every step computes its gradients and then calls `optimizer.apply`; while a
+step is traced, that call runs a chain of StepHooks, each of which may change the gradients
+and hand them on (`apply_next`), hold them (accumulation), or apply them its own way
+(sharded optimizer state, local SGD). The chain runs in replica context, once per replica
+step, whether the step is Keras's `train_step`, the model's own override, or the
+parameter-server runner's stateless step. A new parallel mode is one new file:
+
+    class Accumulate(tfdist.StepHook):               # tfdist/parallel/accumulate.py, say
+        def __init__(self, k):
+            self.k = k
+
+        def build(self, model, strategy):            # its state, under strategy.scope()
+            self.sums = [tf.Variable(tf.zeros_like(v)) for v in model.trainable_variables]
+            ...
+
+        def apply(self, grads_and_vars, apply_next):
+            ...add to self.sums; every k-th step: apply_next(summed pairs) and reset...
+
+    tfdist.fit(model, data, step_hooks=[Accumulate(4)])
+
+A mode that changes the whole step rather than its update (pipeline stages with
+micro-batches) is a Runner of its own, registered beside the others; the Controller runs it
+unchanged.
+
+The rest of the package: the training binary's run (loop.py: a zoo model, its data and
+tfdist's callbacks handed to tfdist.fit), its config (config.py), checkpoints and
+preemption, the evaluator task, and smoke steps.
+"""
 
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.evaluator import EvalRecord, evaluate_checkpoints

@@ -23,6 +23,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import compat
+
 log = logging.getLogger(__name__)
 
 # Models already warned about: one warning a process, however many fit/evaluate calls.
@@ -33,7 +35,7 @@ def unsynchronized_batch_norm(model: keras.Model) -> list[keras.layers.BatchNorm
     """The model's BatchNormalization layers that keep moving statistics per replica."""
     return [
         layer
-        for layer in model._flatten_layers(include_self=False)
+        for layer in compat.all_layers(model)
         if isinstance(layer, keras.layers.BatchNormalization) and not layer.synchronized
     ]
 

@@ -14,8 +14,7 @@ import signal
 import keras
 import tensorflow as tf
 
-from tfdist import compat_engine as compat
-from tfdist import signals
+from tfdist import compat, signals
 from tfdist.training import fit_callbacks
 from tfdist.training.fit_data import FitData
 from tfdist.training.preemption import Preempted, PreemptionWatcher

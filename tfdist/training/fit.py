@@ -31,8 +31,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfdist import compat_engine as compat
-from tfdist import signals
+from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
 from tfdist.strategies import strategy_kind
@@ -242,7 +241,7 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
             "`with strategy.scope(): model = ...; model.compile(...)`. "
             f"Received: strategy={type(strategy).__name__}"
         )
-    optimizer_strategy = getattr(model.optimizer, "_distribution_strategy", None)
+    optimizer_strategy = compat.optimizer_strategy(model.optimizer)
     if (
         optimizer_strategy is not None
         and optimizer_strategy is not strategy

@@ -21,14 +21,14 @@ import tensorflow as tf
 from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, plan_batches, prepare_dataset
 from tfdist.data.datasets import TFRECORD_PREFIX
-from tfdist.data.distribute import PAD_LABEL, first_description, pad_to_whole_steps
+from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
 from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
 from tfdist.peers import explain_peer_error
 from tfdist.storage import check_writable_directory
 from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
 from tfdist.training import fit as fit_module
-from tfdist.training import sharded
+from tfdist.training import ps_shards
 from tfdist.training.checkpoints import Checkpoints, check_resume_settings
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
@@ -136,7 +136,6 @@ class Trainer:
                 "replicas": strategy.num_replicas_in_sync,
             }  # fmt: skip
             check_resume_settings(config.model_dir, settings, write=self.is_chief)
-        first_description(strategy, self.plan)  # said here, with the rest of the run's shape
         if self.is_chief:
             log.info(
                 "%s; %d steps per epoch x %d epochs; %s on %s (%d training examples)",
@@ -163,8 +162,8 @@ class Trainer:
             if config.staleness_aware_lr:  # fit's parameter-server runner scales it per update
                 schedule = StalenessAwareSchedule(schedule)
             self.optimizer = build_optimizer(config, schedule)
-            # Over the shards of variables a partitioner split across ps tasks (sharded.py).
-            sharded.build_optimizer(self.model, self.optimizer)
+            # Over the shards of variables a partitioner split across ps tasks (ps_shards.py).
+            ps_shards.build_optimizer_over_shards(self.model, self.optimizer)
             # The step counter is ours: assigned from the host at every save.
             self.step = tf.Variable(
                 0,

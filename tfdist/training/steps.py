@@ -23,15 +23,14 @@ from typing import Any
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow.trainer import TensorFlowTrainer
 
-from tfdist import compat_engine as compat
+from tfdist import compat
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
 
 # Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.
-_KERAS_TRAIN_STEP = TensorFlowTrainer.train_step
-_KERAS_TEST_STEP = TensorFlowTrainer.test_step
+_KERAS_TRAIN_STEP = compat.keras_train_step()
+_KERAS_TEST_STEP = compat.keras_test_step()
 
 
 def custom_train_step(model: keras.Model) -> bool:
@@ -115,7 +114,7 @@ class MetricState(keras.StatelessScope):
         if id(variable) in self._held:
             super().add_update(update)
         else:  # a weight, slot or statistic: updated in place, as outside the scope
-            variable._direct_assign(value)  # Keras's own write, below its stateless check
+            compat.direct_assign(variable, value)  # below Keras's stateless check
 
     def value(self, variable: keras.Variable) -> tf.Tensor:
         """The value `variable` (one of the held ones) has now in this scope."""

@@ -14,13 +14,9 @@ save under multi_worker_mirrored, the preemption vote) safe.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
 import keras
 import tensorflow as tf
-
-if TYPE_CHECKING:
-    from tfdist.training.loop import Trainer
 
 
 class CheckpointsAndPreemption(keras.callbacks.Callback):
@@ -34,7 +30,7 @@ class CheckpointsAndPreemption(keras.callbacks.Callback):
 
     reads_batch_logs = False  # it counts steps; fit need not read the metrics for it
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer):
         super().__init__()
         self.trainer = trainer
         self.restored_step = 0
@@ -88,7 +84,7 @@ class Report(keras.callbacks.Callback):
 
     reads_batch_logs = False
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer):
         super().__init__()
         self.trainer = trainer
         self._epoch = 0

@@ -8,7 +8,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat_engine as compat
+from tfdist import compat
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import NO_LIMIT, batch_size, call_until_end, each_batch

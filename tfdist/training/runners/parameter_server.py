@@ -18,14 +18,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat_engine as compat
+from tfdist import compat
 from tfdist.strategies import task_name_in_tf_config
 from tfdist.training import fit_callbacks
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData
+from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.stateless import StatelessMetricsRunner
-from tfdist.training.sharded import ShardedTraining
 from tfdist.training.staleness import (
     STALENESS_STATS,
     StalenessAwareSchedule,
@@ -146,7 +146,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         # A partitioner may have split variables across the ps tasks: the optimizer is then
-        # built over their shards (sharded.py).
+        # built over their shards (ps_shards.py).
         self._prepare(ShardedTraining.attach(self.model, self.strategy, sample_batch), step_hooks)
 
     @property
@@ -240,7 +240,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
     # --- failures -------------------------------------------------------------------------------
 
     def _cluster(self) -> dict[str, list[str]]:
-        resolver = compat.cluster_resolver(self.strategy)
+        resolver = compat.strategy_cluster_resolver(self.strategy)
         return resolver.cluster_spec().as_dict() if resolver is not None else {}
 
     @contextlib.contextmanager

@@ -15,11 +15,11 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat_engine as compat
+from tfdist import compat
 from tfdist.training.fit_data import FitError, unpack
+from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import Runner, StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state, metric_names
-from tfdist.training.sharded import ShardedTraining
 from tfdist.training.steps import (
     MetricState,
     custom_test_step,
@@ -57,7 +57,7 @@ class StatelessMetricsRunner(Runner):
         self.hooks = list(step_hooks)
         self.metric_variables = list(model.metrics_variables)
         # The trainable variables as the step reads and updates them: whole, or for variables
-        # a partitioner split across ps tasks (parameter_server), shard by shard (sharded.py).
+        # a partitioner split across ps tasks (parameter_server), shard by shard (ps_shards.py).
         self.sharded = sharded or ShardedTraining(model)
         self.custom_train = custom_train_step(model)
         self.custom_test = custom_test_step(model)

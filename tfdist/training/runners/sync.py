@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist import compat_engine as compat
+from tfdist import compat
 from tfdist.cluster import cluster_from_environment
 from tfdist.peers import explain_peer_error
 from tfdist.training.batch_norm import MovingStatistics
@@ -390,9 +390,12 @@ class SyncRunner(Runner):
         step, directory = self._checkpoint_status() if self._checkpoint_status else (None, None)
         if directory is None:
             return "Nothing was saved, so a restart starts over. "
-        if step is None:
+        latest = tf.train.latest_checkpoint(directory)  # tfdist's checkpoints
+        if latest is not None:
+            return f"A restart resumes from {latest}, the newest checkpoint. "
+        if step is None:  # a BackupAndRestore directory
             return f"A restart resumes from the newest backup in {directory}. "
-        return f"A restart resumes from step {step}, saved in {directory}. "
+        return f"No checkpoint was saved yet in {directory}: a restart starts over. "
 
 
 def _tensors(structure) -> list[tf.Tensor]:

@@ -35,7 +35,7 @@ import numpy as np
 import tensorflow as tf
 from keras.src.backend.tensorflow import numpy as keras_tf_numpy
 
-from tfdist import compat_engine as compat
+from tfdist import compat
 from tfdist.training.checkpoints import CheckpointMismatchError
 from tfdist.training.fit_data import FitError
 
@@ -71,24 +71,24 @@ class ShardedTraining:
     @classmethod
     def attach(cls, model: keras.Model, strategy, data_batch) -> ShardedTraining | None:
         """Builds `model` from `data_batch` (as Keras's fit does) and its optimizer with
-        `build_optimizer`. Returns the ShardedTraining, or None when nothing is sharded."""
+        `build_optimizer_over_shards`. Returns the ShardedTraining, or None when nothing is sharded."""
         optimizer = model.optimizer
         with strategy.scope():
             if optimizer is None or optimizer.built:
-                model._symbolic_build(data_batch=data_batch)
+                compat.symbolic_build(model, data_batch)
                 return cls.of(model) or _refuse_whole_slots(cls(model))
             # Keras would build the optimizer over the whole (sharded) variables; build the
             # model, metrics and losses first, then the optimizer over the shards.
             optimizer.built = True
             try:
-                model._symbolic_build(data_batch=data_batch)
+                compat.symbolic_build(model, data_batch)
             finally:
                 optimizer.built = False
-            return build_optimizer(model, optimizer)
+            return build_optimizer_over_shards(model, optimizer)
 
     @classmethod
     def of(cls, model: keras.Model) -> ShardedTraining | None:
-        """The ShardedTraining `build_optimizer` made for `model`, if any.
+        """The ShardedTraining `build_optimizer_over_shards` made for `model`, if any.
 
         Found from the optimizer: it was built over Keras variables that wrap the shards.
         """
@@ -194,7 +194,7 @@ def _save_whole(variable: keras.Variable) -> None:
     variable.__class__ = _SAVED_WHOLE_CLASSES[base]
 
 
-def build_optimizer(model: keras.Model, optimizer) -> ShardedTraining | None:
+def build_optimizer_over_shards(model: keras.Model, optimizer) -> ShardedTraining | None:
     """Builds `optimizer` for the built `model`: over the shards of its sharded variables.
 
     Call it under the strategy's scope, before the first step. Returns the ShardedTraining
@@ -445,4 +445,4 @@ def sharded_lookups() -> Iterator[None]:
         keras_tf_numpy.take = original
 
 
-__all__ = ["ShardedTraining", "build_optimizer", "shards_of", "sharded_lookups"]
+__all__ = ["ShardedTraining", "build_optimizer_over_shards", "shards_of", "sharded_lookups"]
