@@ -123,7 +123,7 @@ def test_the_step_time_breakdown_is_logged_and_written_to_tensorboard(tmp_path, 
     assert len(lines) == 2 and lines[0].startswith("Epoch 1: step "), lines
     assert "compute" in lines[0] and "exchange" in lines[0]
     values: dict[str, list[float]] = {}
-    for path in glob.glob(os.path.join(tmp_path, "tb", "train", "events.out.tfevents.*")):
+    for path in glob.glob(os.path.join(tmp_path, "tb", "step_time", "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.tag.startswith("step_time/"):

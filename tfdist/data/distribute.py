@@ -100,7 +100,7 @@ def distribute_dataset(
         used without a coordinator.
     """
     plan = plan_batches(strategy, global_batch_size)
-    log.debug("%s", plan.describe())  # a caller logs the batch arithmetic where it belongs
+    log.info("%s", plan.describe())
 
     def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return dataset_fn(context, context.get_per_replica_batch_size(global_batch_size))

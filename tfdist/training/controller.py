@@ -282,7 +282,8 @@ class Controller:
         log.info("Epoch %d: %s", epoch + 1, describe(times))
         for callback in self.callbacks:
             if isinstance(callback, keras.callbacks.TensorBoard):
-                writer = self._writer(os.path.join(os.fspath(callback.log_dir), "train"))
+                # A run of its own beside Keras's "train" and "validation" runs.
+                writer = self._writer(os.path.join(os.fspath(callback.log_dir), "step_time"))
                 with writer.as_default():
                     for phase in PHASES:
                         tf.summary.scalar(f"step_time/{phase}_ms", times[phase], step=epoch)
