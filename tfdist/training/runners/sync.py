@@ -45,13 +45,12 @@ from tfdist.training.steps import (
     updates_through,
 )
 
-# What a lost peer raises in a synchronous step, depending on where it was waited for.
+# What a lost peer raises in a synchronous step, depending on where it was waited for
+# (the errors tfdist.peers.explain_peer_error reads).
 _PEER_ERRORS = (
     tf.errors.UnavailableError,
     tf.errors.DeadlineExceededError,
     tf.errors.AbortedError,
-    tf.errors.CancelledError,
-    tf.errors.InternalError,
 )
 
 
