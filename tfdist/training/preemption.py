@@ -45,11 +45,12 @@ class Preempted(TfdistError):
         saved_as: str = "checkpoint",
     ):
         self.step, self.checkpoint, self.signum = step, checkpoint, signum
-        # A preemption's state is saved: restart me (tfdist.exit_codes). A person's Ctrl-C
-        # stops the job: 130, as a shell reports it, and no restart.
+        # A preemption whose state is saved: 42, "restart me" (tfdist.exit_codes). With nothing
+        # saved, 143 as a shell reports a death by SIGTERM: a restart still helps, but 42 would
+        # claim a saved state. A person's Ctrl-C stops the job: 130, and no restart.
         interrupted = signum == signal.SIGINT
         self.label = "interrupted" if interrupted else "preempted"
-        self.exit_code = 128 + signal.SIGINT if interrupted else EXIT_PREEMPTED
+        self.exit_code = EXIT_PREEMPTED if checkpoint and not interrupted else 128 + signum
         self.restartable = not interrupted
         if checkpoint:
             where = (
