@@ -16,10 +16,12 @@ from tfdist import signals
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
 from tfdist.exit_codes import EXIT_USAGE, end_process
+from tfdist.layout import MULTI_WORKER_STRATEGIES
 from tfdist.strategies import (
     ALL_REDUCE_CHOICES,
     COLLECTIVE_CHOICES,
     COMPRESSION_CHOICES,
+    REPLICA_PER_DEVICE_STRATEGIES,
     strategy_names,
 )
 
@@ -137,12 +139,12 @@ def _check_cpu_devices_apply(cluster: ClusterInfo | None) -> None:
     if name == "auto":
         # With a cluster, 'auto' is its strategy; alone on a host without GPUs, one_device.
         name = (cluster.cluster_strategy if cluster else None) or "one_device"
-    if name in ("mirrored", "central_storage"):
+    if name in REPLICA_PER_DEVICE_STRATEGIES:
         return
     how = (
         "it runs one replica per worker process: start more workers for more replicas "
         "(tfdist-launch --workers N)"
-        if name in ("multi_worker_mirrored", "parameter_server")
+        if name in MULTI_WORKER_STRATEGIES
         else "name --strategy=mirrored (or central_storage) to train on the CPU devices"
     )
     raise tfdist.StrategyError(

@@ -58,6 +58,7 @@ import keras
 import tensorflow as tf
 
 import tfdist
+from tfdist.strategies import joins_worker_processes
 from tfdist.training.fit_data import FitError
 
 log = logging.getLogger(__name__)
@@ -382,8 +383,8 @@ def _check_builder(build_model) -> None:
 
 def _check_spans_workers(strategy: tf.distribute.Strategy) -> None:
     workers = ray.train.get_context().get_world_size()
-    kind = tfdist.strategy_kind(strategy)
-    if workers > 1 and kind != "multi_worker_mirrored":
+    if workers > 1 and not joins_worker_processes(strategy):
+        kind = tfdist.strategy_kind(strategy)
         raise FitError(
             f"Ray Train started {workers} workers, but a {kind} strategy trains each of them "
             "alone. Use strategy='auto' (or 'multi_worker_mirrored'), which joins the workers "

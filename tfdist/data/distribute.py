@@ -14,12 +14,9 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from tfdist.data.records import DataError
-from tfdist.strategies import strategy_kind
+from tfdist.strategies import batch_multiple, needs_coordinator, strategy_kind
 
 log = logging.getLogger(__name__)
-
-# The per-replica batch a TPU core processes without padding comes in multiples of this.
-TPU_BATCH_MULTIPLE = 8
 
 DatasetFn = Callable[[tf.distribute.InputContext, int], tf.data.Dataset]
 """Builds one input pipeline's dataset: (input_context, per_replica_batch_size) -> batches."""
@@ -42,13 +39,13 @@ class BatchPlan:
             f"Global batch {self.global_batch_size} = {self.replicas} replica(s) x "
             f"{self.per_replica_batch_size} per replica ({self.strategy})"
         )
-        if self.strategy == "tpu" and self.per_replica_batch_size % TPU_BATCH_MULTIPLE:
-            # A TPU core multiplies matrices in 8 x 128 tiles; XLA pads a batch dimension that
-            # does not fill them, so the padded rows cost time and memory for nothing.
+        multiple = batch_multiple(self.strategy)
+        if self.per_replica_batch_size % multiple:
+            # The multiple is 1 but on TPU cores (tfdist.strategies.tpu says why they pad),
+            # hence the advice names them.
             text += (
-                f"; TPU cores pad each batch to a multiple of {TPU_BATCH_MULTIPLE}, so a "
-                f"global batch that is a multiple of {TPU_BATCH_MULTIPLE * self.replicas} "
-                "wastes none of a step"
+                f"; TPU cores pad each batch to a multiple of {multiple}, so a global batch "
+                f"that is a multiple of {multiple * self.replicas} wastes none of a step"
             )
         return text
 
@@ -105,7 +102,7 @@ def distribute_dataset(
     def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return dataset_fn(context, context.get_per_replica_batch_size(global_batch_size))
 
-    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+    if needs_coordinator(strategy):
         if coordinator is None:
             raise DataError(
                 "parameter_server training reads per-worker datasets through its "

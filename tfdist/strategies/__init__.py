@@ -13,9 +13,11 @@ One module per concern:
   options.py           StrategyOptions, the choices they take, StrategyError
   registry.py          build_strategy, the name -> builder dict, 'auto', strategy_kind
   single_host.py       one_device, mirrored, central_storage
-  multi_worker.py      multi_worker_mirrored
-  parameter_server.py  parameter_server, and the TF_CONFIG names of the workers it trains on
-  tpu.py               TPU discovery, the tpu builder, the paths a TPU Node can reach
+  multi_worker.py      multi_worker_mirrored, and whether a strategy joins worker processes
+  parameter_server.py  parameter_server, the TF_CONFIG names of the workers it trains on, and
+                       whether a strategy trains through a ClusterCoordinator
+  tpu.py               TPU discovery, the tpu builder, the paths a TPU Node can reach, and
+                       what TPU cores ask of training (runs_on_tpu, batch_multiple)
   all_reduce.py        the CrossDeviceOps an all_reduce option names (TensorFlow's or the ring)
   cluster_checks.py    what a multi-process strategy checks of the cluster first
 
@@ -23,8 +25,14 @@ Builders change no TensorFlow class and keep nothing about the strategies they b
 module globals: what a later step needs to know (the TF_CONFIG names of a parameter-server
 job's workers) travels with the strategy. The private TensorFlow entry points they need are
 in tfdist.compat.
+
+What depends on the kind of a strategy is asked of the functions here (needs_coordinator,
+joins_worker_processes, runs_on_tpu, batch_multiple), never of its class elsewhere: only the
+builders here and the training runners test the class; strategy_kind names a strategy for
+messages.
 """
 
+from tfdist.strategies.multi_worker import joins_worker_processes
 from tfdist.strategies.options import (
     ALL_REDUCE_CHOICES,
     COLLECTIVE_CHOICES,
@@ -33,9 +41,10 @@ from tfdist.strategies.options import (
     StrategyError,
     StrategyOptions,
 )
-from tfdist.strategies.parameter_server import task_name_in_tf_config
+from tfdist.strategies.parameter_server import needs_coordinator, task_name_in_tf_config
 from tfdist.strategies.registry import (
     ALIASES,
+    REPLICA_PER_DEVICE_STRATEGIES,
     SINGLE_HOST_STRATEGIES,
     build_strategy,
     describe_strategy,
@@ -43,7 +52,13 @@ from tfdist.strategies.registry import (
     strategy_kind,
     strategy_names,
 )
-from tfdist.strategies.tpu import check_tpu_node_paths, detect_tpu, tpu_node_address
+from tfdist.strategies.tpu import (
+    batch_multiple,
+    check_tpu_node_paths,
+    detect_tpu,
+    runs_on_tpu,
+    tpu_node_address,
+)
 
 __all__ = [
     "ALIASES",
@@ -51,14 +66,19 @@ __all__ = [
     "COLLECTIVE_CHOICES",
     "COMPRESSION_CHOICES",
     "DEFAULT_PS_MIN_SHARD_BYTES",
+    "REPLICA_PER_DEVICE_STRATEGIES",
     "SINGLE_HOST_STRATEGIES",
     "StrategyError",
     "StrategyOptions",
+    "batch_multiple",
     "build_strategy",
     "check_tpu_node_paths",
     "describe_strategy",
     "detect_tpu",
+    "joins_worker_processes",
+    "needs_coordinator",
     "resolve_auto",
+    "runs_on_tpu",
     "strategy_kind",
     "strategy_names",
     "task_name_in_tf_config",

@@ -107,6 +107,17 @@ def build_multi_worker_mirrored(cluster: ClusterInfo | None, options: StrategyOp
     return strategy
 
 
+def joins_worker_processes(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `strategy` joins the job's worker processes into one synchronous training, each
+    process running the same program (true of multi_worker_mirrored alone).
+
+    Any other strategy trains in the one process that built it (a parameter_server job's
+    workers only run the steps its chief schedules), so several processes that each build
+    one train as many separate models.
+    """
+    return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+
+
 def _training_rank(cluster: ClusterInfo) -> int:
     """This task's place among the training tasks: the chief first, then the workers."""
     has_chief = bool(cluster.cluster.get(CHIEF))

@@ -92,6 +92,18 @@ def build_parameter_server(cluster: ClusterInfo | None, options: StrategyOptions
     return strategy
 
 
+def needs_coordinator(strategy: tf.distribute.Strategy) -> bool:
+    """Whether `strategy` trains only through a tf.distribute ClusterCoordinator (true of
+    parameter_server, TensorFlow's ParameterServerStrategy).
+
+    Its chief runs no step itself: the coordinator schedules each step as a closure on a
+    remote worker, which reads its batches from a per-worker dataset the coordinator made.
+    So a caller must schedule its steps and make its datasets per worker through one; every
+    other strategy runs its steps, and distributes its datasets, in the calling process.
+    """
+    return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
+
+
 def tf_config_worker_names(strategy: tf.distribute.Strategy) -> Mapping[str, str]:
     """TensorFlow's name of each worker a parameter-server strategy trains on -> its TF_CONFIG
     name; empty for any other strategy, or one tfdist did not build."""

@@ -36,6 +36,9 @@ log = logging.getLogger(__name__)
 ALIASES = {"default": "one_device"}
 # Strategies that train in one process on this host's devices.
 SINGLE_HOST_STRATEGIES = ("one_device", "mirrored", "central_storage")
+# Of those, the ones with a replica per local device, so more devices (configure_cpu_devices
+# splitting the CPU, say) make more replicas; one_device keeps one.
+REPLICA_PER_DEVICE_STRATEGIES = ("mirrored", "central_storage")
 
 _BUILDERS: dict[str, Callable[[ClusterInfo | None, StrategyOptions], tf.distribute.Strategy]] = {
     "one_device": build_one_device,

@@ -1,4 +1,5 @@
-"""TPUs: finding one (`detect_tpu`), the tpu builder, and what a TPU Node can reach.
+"""TPUs: finding one (`detect_tpu`), the tpu builder, what a TPU Node can reach, and what
+training on TPU cores asks of the rest (`runs_on_tpu`, `batch_multiple`).
 
 A TPU VM (Colab's current TPU runtime, Cloud TPU VMs) has its chips as local devices; a TPU
 Node is a remote TensorFlow server at grpc://host:8470 whose own host reads the input and
@@ -43,6 +44,32 @@ _TPU_HELP = (
 # What a TensorFlow build without TPU support says when asked to initialise a TPU: the op
 # that configures the TPU system has no kernel.
 _NO_TPU_KERNEL = "ConfigureDistributedTPU"
+
+
+# The per-replica batch a TPU core processes without padding comes in multiples of this: a
+# TPU core multiplies matrices in 8 x 128 tiles, and XLA pads a batch dimension that does not
+# fill them, so the padded rows cost time and memory for nothing.
+TPU_BATCH_MULTIPLE = 8
+
+
+def runs_on_tpu(strategy: tf.distribute.Strategy | str) -> bool:
+    """Whether `strategy`'s replicas are TPU cores; `strategy` may also be its kind from
+    strategy_kind, e.g. 'tpu' (a plan or a flag may hold only the name).
+
+    The one place that asks: what a TPU changes elsewhere (many steps per call, since each
+    call is a round trip to the TPU's host; bfloat16, its matrix units' native type; static
+    shapes, since XLA compiles a program per input shape; batches in multiples of
+    TPU_BATCH_MULTIPLE) follows from this answer.
+    """
+    if isinstance(strategy, str):
+        return strategy == "tpu"
+    return isinstance(strategy, tf.distribute.TPUStrategy)
+
+
+def batch_multiple(strategy: tf.distribute.Strategy | str) -> int:
+    """The multiple a per-replica batch should be of for no replica to pad it:
+    TPU_BATCH_MULTIPLE on TPU cores, 1 (any batch) elsewhere; `strategy` as in runs_on_tpu."""
+    return TPU_BATCH_MULTIPLE if runs_on_tpu(strategy) else 1
 
 
 def build_tpu(cluster: ClusterInfo | None, options: StrategyOptions):

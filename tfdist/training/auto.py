@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.strategies import strategy_kind
+from tfdist.strategies import runs_on_tpu
 
 AUTO = "auto"
 # Every tf.function call costs the TPU a round trip to its host, long against a small model's
@@ -32,7 +32,7 @@ def auto_steps_per_execution(strategy: tf.distribute.Strategy | str) -> int:
     On CPUs and GPUs the host launches each step's kernels itself and the call overhead is
     small next to them; one step per call keeps every progress update current.
     """
-    return TPU_STEPS_PER_EXECUTION if _is_tpu(strategy) else 1
+    return TPU_STEPS_PER_EXECUTION if runs_on_tpu(strategy) else 1
 
 
 def auto_mixed_precision(strategy: tf.distribute.Strategy | str) -> str | None:
@@ -43,11 +43,7 @@ def auto_mixed_precision(strategy: tf.distribute.Strategy | str) -> str | None:
     tensor-core GPUs and needs loss scaling, a choice to make explicitly with
     mixed_precision='mixed_float16'; on CPUs either half type is usually slower.
     """
-    return "mixed_bfloat16" if _is_tpu(strategy) else None
-
-
-def _is_tpu(strategy: tf.distribute.Strategy | str) -> bool:
-    return (strategy if isinstance(strategy, str) else strategy_kind(strategy)) == "tpu"
+    return "mixed_bfloat16" if runs_on_tpu(strategy) else None
 
 
 __all__ = ["AUTO", "TPU_STEPS_PER_EXECUTION", "auto_mixed_precision", "auto_steps_per_execution"]

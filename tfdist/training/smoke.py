@@ -15,7 +15,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.strategies import strategy_kind
+from tfdist.strategies import needs_coordinator, strategy_kind
 
 FEATURES, HIDDEN, CLASSES = 8, 16, 4
 
@@ -70,7 +70,6 @@ def run_smoke_steps(
             f"Received: global_batch_size={global_batch_size}"
         )
     x, y = smoke_data(steps=steps, global_batch_size=global_batch_size, seed=seed)
-    is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
     start = time.perf_counter()
     with strategy.scope():
         keras.utils.set_random_seed(seed)
@@ -108,7 +107,7 @@ def run_smoke_steps(
         return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica_loss, axis=None)
 
     losses = []
-    if is_ps:
+    if needs_coordinator(strategy):
         coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
         ps_step = tf.function(lambda xb, yb: strategy.run(replica_step, args=(xb, yb)))
         for k in range(steps):
