@@ -122,3 +122,34 @@ def test_gather_and_mirrored_value():
 
 def test_the_coordination_service_state_can_be_read():
     assert compat.coordination_service_configured() in (True, False)
+
+
+def test_a_trackable_of_tfdists_own_is_checkpointed_as_a_variable_is(tmp_path):
+    class Doubled(compat.Trackable):  # saved as twice the variable's value, as ps_shards does
+        def __init__(self, variable):
+            self.variable = variable
+
+        def _serialize_to_tensors(self):
+            return {"VARIABLE_VALUE": self.variable * 2.0}
+
+        def _restore_from_tensors(self, restored_tensors):
+            self.variable.assign(restored_tensors["VARIABLE_VALUE"] / 2.0)
+            return tf.no_op()
+
+    saved = tf.Variable(3.0)
+    path = tf.train.Checkpoint(item=Doubled(saved)).write(str(tmp_path / "ckpt"))
+    assert tf.train.load_checkpoint(path).get_tensor("item/.ATTRIBUTES/VARIABLE_VALUE") == 6.0
+    restored = tf.Variable(0.0)
+    tf.train.Checkpoint(item=Doubled(restored)).read(path).assert_consumed()
+    assert float(restored.numpy()) == 3.0
+
+
+def test_keras_take_can_be_replaced_for_a_block_and_comes_back():
+    import keras
+
+    table = np.arange(6.0, dtype="float32").reshape(3, 2)
+    original = compat.keras_take()
+    with compat.keras_take_replaced(lambda x, indices, axis=None: tf.zeros([7])):
+        assert keras.ops.take(table, [0], axis=0).shape == (7,)  # Embedding's path went here
+    assert compat.keras_take() is original
+    np.testing.assert_array_equal(keras.ops.take(table, [2], axis=0), [[4.0, 5.0]])

@@ -7,6 +7,10 @@ from __future__ import annotations
 import glob
 import logging
 import os
+import re
+import subprocess
+import sys
+import textwrap
 
 import keras
 import numpy as np
@@ -15,6 +19,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import custom_step_models
+from tests.conftest import REPO, free_ports
 from tfdist.training.fit_data import FitError
 from tfdist.training.runners import RUNNERS
 
@@ -112,23 +117,107 @@ def test_every_strategy_kind_has_a_runner():
     assert kinds | {"default"} <= set(RUNNERS), sorted(kinds - set(RUNNERS))
 
 
-def test_the_step_time_breakdown_is_logged_and_written_to_tensorboard(tmp_path, caplog):
-    strategy = STRATEGIES["mirrored_x2"]()
-    with strategy.scope():
-        model, data = regression()
-    board = keras.callbacks.TensorBoard(str(tmp_path / "tb"))
-    with caplog.at_level(logging.INFO, logger="tfdist"):
-        tfdist.fit(model, data, epochs=2, verbose=0, callbacks=[board])
-    lines = [r.getMessage() for r in caplog.records if "input" in r.getMessage()]
-    assert len(lines) == 2 and lines[0].startswith("Epoch 1: step "), lines
-    assert "compute" in lines[0] and "exchange" in lines[0]
+# The chief's line each epoch (step_times.describe): the step, then each phase.
+STEP_TIMES = re.compile(
+    r"Epoch (\d+): step (\S+) ms: input (\S+) ms \(\S+%\), compute (\S+) ms \(\S+%\), "
+    r"exchange (\S+) ms \(\S+%\)"
+)
+
+
+def check_step_times(lines: list[str], board: str, epochs: int) -> None:
+    """Every epoch's step times were measured, logged and written to TensorBoard's run."""
+    assert len(lines) == epochs, lines
+    for epoch, line in enumerate(lines, 1):
+        match = STEP_TIMES.fullmatch(line)
+        assert match and int(match[1]) == epoch, line
+        phases = [float(value) for value in match.groups()[2:]]
+        assert min(phases) >= 0 and sum(phases) > 0, line
     values: dict[str, list[float]] = {}
-    for path in glob.glob(os.path.join(tmp_path, "tb", "step_time", "events.out.tfevents.*")):
+    for path in glob.glob(os.path.join(board, "step_time", "events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(path):
             for value in event.summary.value:
                 if value.tag.startswith("step_time/"):
                     values.setdefault(value.tag, []).append(float(tf.make_ndarray(value.tensor)))
     assert sorted(values) == ["step_time/compute_ms", "step_time/exchange_ms", "step_time/input_ms"]
     for tag, per_epoch in values.items():
-        assert len(per_epoch) == 2 and all(0 <= v < 10_000 for v in per_epoch), (tag, per_epoch)
-    assert values["step_time/compute_ms"][-1] > 0
+        assert len(per_epoch) == epochs, (tag, per_epoch)
+        assert all(0 <= v < 10_000 for v in per_epoch), (tag, per_epoch)
+    assert sum(phase[-1] for phase in values.values()) > 0
+
+
+@pytest.mark.parametrize("strategy_name", ["mirrored_x2", "central_storage"])
+def test_the_step_time_breakdown_is_logged_and_written_to_tensorboard(
+    strategy_name, tmp_path, caplog
+):
+    strategy = STRATEGIES[strategy_name]()
+    with strategy.scope():
+        model, data = regression()
+    board = keras.callbacks.TensorBoard(str(tmp_path / "tb"))
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        tfdist.fit(model, data, epochs=2, verbose=0, callbacks=[board])
+    lines = [r.getMessage() for r in caplog.records if "input" in r.getMessage()]
+    check_step_times(lines, str(tmp_path / "tb"), epochs=2)
+
+
+# A parameter-server job in one process: its worker and ps servers run beside the chief (a
+# process of its own, so that no other test's runtime is connected to the cluster).
+PS_JOB = textwrap.dedent(
+    """
+    import logging, sys
+    import keras, tensorflow as tf
+    import tfdist
+    from tests.test_runner import regression
+
+    worker, ps, chief, board = sys.argv[1:]
+    cluster = tf.train.ClusterSpec({"chief": [chief], "worker": [worker], "ps": [ps]})
+    for job in ("worker", "ps"):
+        tf.distribute.Server(cluster, job_name=job, task_index=0, protocol="grpc")
+    strategy = tf.distribute.experimental.ParameterServerStrategy(
+        tf.distribute.cluster_resolver.SimpleClusterResolver(
+            cluster, task_type="chief", task_id=0, rpc_layer="grpc"
+        )
+    )
+    logging.basicConfig(stream=sys.stdout, format="%(message)s", force=True)
+    logging.getLogger("tfdist").setLevel(logging.INFO)
+    with strategy.scope():
+        model, data = regression()
+    callbacks = [keras.callbacks.TensorBoard(board)]
+    tfdist.fit(model, data, epochs=2, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+    """
+)
+
+
+def test_parameter_server_steps_are_timed_on_the_workers(tmp_path):
+    addresses = [f"localhost:{port}" for port in free_ports(3)]
+    result = subprocess.run(
+        [sys.executable, "-c", PS_JOB, *addresses, str(tmp_path / "tb")],
+        cwd=REPO,
+        env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},  # its cluster is its own
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if " ms: input " in line]
+    check_step_times(lines, str(tmp_path / "tb"), epochs=2)
+
+
+def test_each_replica_runs_its_own_chain_and_the_optimizer_is_left_as_it_was():
+    # Mirrored traces its replicas' steps in threads of their own, at the same time: each
+    # replica's update must go through its own chain, once, and the patch must not outlive fit.
+    import collections
+    import threading
+
+    calls = collections.Counter()
+
+    class CountThreads(tfdist.StepHook):
+        def apply(self, grads_and_vars, apply_next):
+            calls[threading.get_ident()] += 1
+            return apply_next(grads_and_vars)
+
+    strategy = STRATEGIES["mirrored_x2"]()
+    with strategy.scope():
+        model, data = regression()
+    tfdist.fit(model, data, epochs=1, verbose=0, step_hooks=[CountThreads()])
+    assert len(calls) == 2 and len(set(calls.values())) == 1, calls  # once per replica trace
+    assert "apply" not in vars(model.optimizer)

@@ -74,7 +74,7 @@ def test_staleness_aware_lr_is_refused_for_synchronous_strategies(tmp_path):
         TrainConfig(staleness_aware_lr="yes")
     config = TrainConfig(model="mlp", staleness_aware_lr=True, data_dir=str(tmp_path))
     with pytest.raises(
-        ConfigError,
-        match=r"parameter-server training only.*Received: staleness_aware_lr=True with one_device",
+        tfdist.FitError,
+        match=r"parameter-server training only.*Received: a StalenessAwareSchedule under one_device",
     ):
-        Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None))
+        Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None)).fit()

@@ -516,20 +516,20 @@ def test_a_global_batch_larger_than_the_data_is_a_warning(caplog):
 
 
 def test_the_run_record_keeps_this_runs_epochs():
-    from tfdist.training.report import read_run_record
+    from tfdist.training.report import read_run_history
 
     def line(epoch, session, resumed_from):
         return {"epoch": epoch, "step": 3 * epoch, "train_loss": 1.0 / epoch, "session": session,
                 "resumed_from_step": resumed_from, "steps_trained": 3, "train_seconds": 1.0}  # fmt: skip
 
     # Session b resumed at step 6 and trained epoch 3 again: b's epoch 3 is the run's.
-    record = read_run_record([line(1, "a", 0), line(2, "a", 0), line(3, "a", 0),
+    record = read_run_history([line(1, "a", 0), line(2, "a", 0), line(3, "a", 0),
                               {**line(3, "b", 6), "train_loss": 0.25}, line(4, "b", 6)])  # fmt: skip
     assert [h["epoch"] for h in record.history] == [1, 2, 3, 4]
     assert record.history[2]["train_loss"] == 0.25 and record.resume_points == [6]
     assert record.steps_trained == 15  # every step trained, the redone ones too
     # Session c started from step 0 (the checkpoints were removed): a new run.
-    record = read_run_record([line(1, "a", 0), line(2, "a", 0), line(1, "c", 0)])
+    record = read_run_history([line(1, "a", 0), line(2, "a", 0), line(1, "c", 0)])
     assert [h["epoch"] for h in record.history] == [1] and len(record.sessions) == 1
 
 

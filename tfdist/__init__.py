@@ -4,6 +4,7 @@ The public API, listed explicitly:
 
   fit, evaluate, predict, FitError                train / evaluate / predict any Keras model
   StepHook                                        a link between gradients and the update
+  StepCheckpoint, RunRecord                       resume at the saved step; the run's record
   LearningRateWarmup, WarmupSchedule              the linear scaling rule with warmup
   this_task, TaskInfo, is_chief, num_workers,     this process's place in the job
   num_replicas, setup_logging                     ... and a one-call log set-up
@@ -50,6 +51,8 @@ _EXPORTS = {
     "StepHook": "tfdist.training.runner",
     "predict": "tfdist.training.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",
+    "StepCheckpoint": "tfdist.training.checkpoints",
+    "RunRecord": "tfdist.training.report",
     "WarmupSchedule": "tfdist.training.optim",
     "TaskInfo": "tfdist.task",
     "this_task": "tfdist.task",

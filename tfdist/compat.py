@@ -12,11 +12,13 @@ Sections:
   coordination       TensorFlow's coordination service (multi-worker start-up and heartbeats)
   keras training     what Keras's trainer and optimizer keep privately, which tfdist.fit's
                      runners and loop read or drive as Keras's own fit does
+  ps shards          checkpointing and looking up variables split across ps tasks
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import keras
@@ -366,3 +368,39 @@ def all_layers(model: keras.Model) -> list:
     Why: Keras's `_flatten_layers`; `model.layers` lists only the top level.
     """
     return list(model._flatten_layers(include_self=False))
+
+
+# --- checkpointing of variables split across ps tasks (training/ps_shards.py) --------------------
+
+# Why: a ShardedVariable's slots and whole values are saved as one tensor each by objects of
+# tfdist's own that TensorFlow's checkpointing must accept as its own kind. tf.train.Checkpoint
+# saves any Trackable through `_serialize_to_tensors` / `_restore_from_tensors` and finds its
+# children through `_trackable_children`: the protocol tf.Variable itself implements, without
+# a public base class.
+Trackable = tf.__internal__.tracking.Trackable
+
+
+@contextlib.contextmanager
+def keras_take_replaced(take: Callable) -> Iterator[None]:
+    """Within the block, Keras's TensorFlow `ops.take` (which Embedding calls) is `take`.
+
+    Why: Keras reads an Embedding's whole table into the step and gathers there; a table
+    split across ps tasks must be gathered shard by shard on the tasks that hold it
+    (tf.nn.embedding_lookup), and Keras has no hook for that. Only a step's tracing runs
+    inside: the graph keeps the lookups.
+    """
+    from keras.src.backend.tensorflow import numpy as keras_tf_numpy
+
+    original = keras_tf_numpy.take
+    keras_tf_numpy.take = take
+    try:
+        yield
+    finally:
+        keras_tf_numpy.take = original
+
+
+def keras_take():
+    """Keras's own TensorFlow `ops.take`, for a replacement to fall back on."""
+    from keras.src.backend.tensorflow import numpy as keras_tf_numpy
+
+    return keras_tf_numpy.take

@@ -47,15 +47,21 @@ A mode that changes the whole step rather than its update (pipeline stages with
 micro-batches) is a Runner of its own, registered beside the others; the Controller runs it
 unchanged.
 
-The rest of the package: the training binary's run (loop.py: a zoo model, its data and
-tfdist's callbacks handed to tfdist.fit), its config (config.py), checkpoints and
-preemption, the evaluator task, and smoke steps.
+Callbacks reach the runner too: a callback with a `set_runner(runner)` method is given the
+runner before training, and may ask it who the chief is (`is_chief`), to settle the
+variables before a save (`settle()`: every scheduled step applied, the replicas one model),
+what else a checkpoint must hold (`checkpoint_state()`) and what it did (`summary()`).
+tfdist's own StepCheckpoint (checkpoints.py) and RunRecord (report.py) are built so.
+
+The rest of the package: the training binary's run (run.py: a zoo model, its data and
+those callbacks handed to tfdist.fit), its config (config.py), preemption, the evaluator
+task (evaluating checkpoints with tfdist.evaluate), and smoke steps.
 """
 
 from tfdist.training.config import ConfigError, TrainConfig
 from tfdist.training.evaluator import EvalRecord, evaluate_checkpoints
-from tfdist.training.loop import Trainer, train
 from tfdist.training.report import TrainResult
+from tfdist.training.run import Trainer, train
 from tfdist.training.smoke import SmokeResult, run_smoke_steps
 
 __all__ = [

@@ -4,6 +4,9 @@ TensorFlow's multi-worker rule: every worker of a MultiWorkerMirroredStrategy jo
 part in saving (saving may need their variables' values), but only the chief's copy is
 kept. The other workers write to a private temporary directory that is removed afterwards,
 so two processes never write the same files.
+
+`StepCheckpoint` is the public callback over them: a `tfdist.fit` run that resumes at the
+saved step, where the data left off, and saves at the step a SIGTERM stops it.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import os
 import re
 import shutil
 import tempfile
+import weakref
 
+import keras
 import tensorflow as tf
 
 from tfdist.errors import TfdistError
@@ -118,6 +123,8 @@ class Checkpoints:
         if not is_chief:
             self._scratch = tempfile.mkdtemp(prefix="tfdist-worker-ckpt-")
             write_to = self._scratch
+            # Removed however the run ends (an error skips the callbacks' on_train_end).
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._scratch, True)
         self.manager = tf.train.CheckpointManager(checkpoint, write_to, max_to_keep=max_to_keep)
 
     def restore_latest(self) -> str | None:
@@ -175,8 +182,138 @@ class Checkpoints:
     def close(self) -> None:
         """Removes a non-chief task's scratch directory."""
         if self._scratch is not None:
-            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._cleanup()
             self._scratch = None
+
+
+class StepCheckpoint(keras.callbacks.Callback):
+    """Checkpoints of a `tfdist.fit` run that resume at the saved step, at its data position.
+
+    Saves the model, its optimizer, the global step and whatever the runner keeps for an
+    exact resume (the parameter-server update counter) in `model_dir/checkpoints`, at every
+    epoch end, every `every_n_steps` steps, and at the step where a SIGTERM stops training
+    (fit then exits with the restartable code). Before the first step it restores the newest
+    complete checkpoint (passing over one a crash cut short) and tells fit the step to resume
+    from: fit skips the batches already trained, so the resumed run trains what an
+    uninterrupted one would. Every worker calls it at the same steps (a save may need every
+    worker's part); only the chief keeps the files.
+
+    Unlike `keras.callbacks.BackupAndRestore`, which keeps one backup and deletes it when
+    training ends, the checkpoints stay (the newest `max_to_keep`), for an evaluator task to
+    read or a later run to continue: a re-run with more epochs trains on from the last one.
+
+    Example:
+
+        tfdist.fit(model, dataset_fn, epochs=10, steps_per_epoch=500,
+                   callbacks=[tfdist.StepCheckpoint("/tmp/run", every_n_steps=100)])
+
+    Args:
+      model_dir: the run's directory (local or any filesystem TensorFlow writes: gs://...);
+        None keeps nothing (the callback then only counts steps).
+      every_n_steps: also save every this many steps (0: at epoch ends only).
+      max_to_keep: how many of the newest checkpoints to keep.
+
+    Attributes:
+      restored_step: the step of the checkpoint restored at the start (0: none).
+      step: the last step trained.
+    """
+
+    reads_batch_logs = False  # it counts steps: no metrics need reading for it
+
+    def __init__(self, model_dir: str | None, *, every_n_steps: int = 0, max_to_keep: int = 5):
+        super().__init__()
+        if not isinstance(every_n_steps, int) or every_n_steps < 0:
+            raise ValueError(
+                f"every_n_steps must be a whole number >= 0. Received: {every_n_steps!r}"
+            )
+        self.model_dir, self.every_n_steps, self.max_to_keep = model_dir, every_n_steps, max_to_keep
+        self.restored_step = self.step = 0
+        self._runner = None
+        self._checkpoints: Checkpoints | None = None
+        self._step_variable: tf.Variable | None = None
+        self._saved_step: int | None = None  # the newest checkpoint kept (chief's view)
+        self._last_saved: int | None = None  # the step this task last saved at
+        self._epoch_start = 0
+
+    def set_runner(self, runner) -> None:
+        """Called by tfdist.fit before training: the runner says who keeps the files, how
+        to settle the variables before a save, and what else a checkpoint must hold."""
+        self._runner = runner
+
+    @property
+    def directory(self) -> str | None:
+        """Where the checkpoints are kept (model_dir/checkpoints), or None."""
+        return os.path.join(self.model_dir, CHECKPOINT_SUBDIR) if self.model_dir else None
+
+    def checkpoint_status(self) -> tuple[int | None, str | None]:
+        """(step, directory) of the newest checkpoint this run saved or restored: where a
+        restart would resume (fit names it when a peer is lost)."""
+        return self._saved_step, self.directory
+
+    def on_train_begin(self, logs=None):
+        runner = self._runner
+        if runner is None:
+            raise TypeError(
+                "tfdist.StepCheckpoint resumes at a step, which needs tfdist.fit's loop: pass "
+                "it to tfdist.fit(..., callbacks=[...]). With keras.Model.fit, use "
+                "keras.callbacks.BackupAndRestore."
+            )
+        if self._step_variable is None:  # the first fit of this callback
+            with runner.strategy.scope():
+                # The loop counts steps in Python; this variable carries the count in the
+                # checkpoint (assigned at every save).
+                self._step_variable = tf.Variable(
+                    0, dtype=tf.int64, trainable=False,
+                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
+                )  # fmt: skip
+        checkpoint = tf.train.Checkpoint(
+            model=self.model, optimizer=self.model.optimizer, step=self._step_variable,
+            **runner.checkpoint_state(),
+        )  # fmt: skip
+        self._checkpoints = Checkpoints(
+            checkpoint, model_dir=self.model_dir, is_chief=runner.is_chief,
+            max_to_keep=self.max_to_keep,
+        )  # fmt: skip
+        self._checkpoints.restore_latest()
+        self.restored_step = self.step = int(self._step_variable.numpy())
+        self._last_saved = self.restored_step
+        if self.restored_step and self.directory:
+            self._saved_step = self.restored_step
+
+    def on_epoch_begin(self, epoch, logs=None):
+        # An epoch of known length starts at a multiple of it (a resumed one too: its batch
+        # numbers start where the checkpoint left it); else where the last one ended.
+        steps = self.params.get("steps")
+        self._epoch_start = epoch * steps if steps else self.step
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.step = self._epoch_start + batch + 1
+        if self.every_n_steps and self.step % self.every_n_steps == 0:
+            self.save()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.save()
+
+    def on_train_end(self, logs=None):
+        self._checkpoints.close()
+
+    def backup_now(self, *, epoch: int, step: int) -> str | None:
+        """Saves at `step` (fit stops there for a SIGTERM); returns the directory."""
+        del epoch
+        self.step = step
+        self.save()
+        return self.directory
+
+    def save(self) -> None:
+        """Saves the current step (every worker takes part; the chief keeps the files)."""
+        if self.step == self._last_saved:  # e.g. every_n_steps at an epoch's end
+            return
+        self._last_saved = self.step
+        self._runner.settle()  # every scheduled step applied, the replicas one model
+        self._step_variable.assign(self.step)
+        self._checkpoints.save(self.step)
+        if self.directory:
+            self._saved_step = self.step
 
 
 def checkpoint_candidates(directory: str) -> list[str]:

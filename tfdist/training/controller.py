@@ -93,6 +93,9 @@ class Controller:
         wanted = any(fit_callbacks.reads_batch_logs(c) for c in self.callbacks)
         self.global_logs = runner.agree(wanted)
         self.batch_logs = "global" if self.global_logs else ("local" if progress_bar else None)
+        for callback in self.callbacks:  # tfdist's callbacks ask the runner (who writes, ...)
+            if callable(getattr(callback, "set_runner", None)):
+                callback.set_runner(runner)
         with (
             signals.doing(
                 f"training in tfdist.fit (epochs {self.initial_epoch + 1}-{self.epochs})"
@@ -197,7 +200,7 @@ class Controller:
             self.pass_position += step - start_step
             if self.data.num_batches and self.pass_position >= self.data.num_batches:
                 self.iterator = None
-        runner.finish_epoch()
+        runner.settle()
         self._report_step_times(epoch)
         return runner.logs()
 
@@ -212,7 +215,7 @@ class Controller:
 
     def _preempted(self, epoch: int, step: int) -> None:
         """A stop signal reached a worker: every worker saves at this step, then stops."""
-        self.runner.finish_epoch()  # every scheduled step landed; the replicas one model
+        self.runner.settle()  # every scheduled step landed; the replicas one model
         global_step = epoch * (self.steps or step) + step
         saved, saved_as = None, "checkpoint"
         with signals.deferred():  # a second signal must not leave half a backup behind

@@ -2,7 +2,8 @@
 
 A side-car in the manner of TensorFlow's SidecarEvaluator: it watches model_dir/checkpoints,
 restores each new checkpoint's weights into the same model the trainer builds, evaluates it
-on the test split and writes the metrics. It never joins the training cluster (its strategy
+on the test split with `tfdist.evaluate` (the computation the trainer's own validation runs)
+and writes the metrics. It never joins the training cluster (its strategy
 is one_device, it runs no collective), so a slow evaluation never slows the training steps,
 and the trainer does not need to evaluate at all (--eval_every=0).
 
@@ -33,8 +34,8 @@ from tfdist.storage import strict_json, write_atomically
 from tfdist.strategies import build_strategy
 from tfdist.training.checkpoints import CHECKPOINT_SUBDIR
 from tfdist.training.config import TrainConfig
-from tfdist.training.loop import Trainer
 from tfdist.training.report import LOG_SUBDIR, SUMMARY_FILE
+from tfdist.training.run import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -161,8 +162,9 @@ def evaluate_checkpoints(
 class CheckpointEvaluator:
     """The trainer's model and test data on one device, restored from one checkpoint at a time.
 
-    The model and the evaluation step are the Trainer's own, built from the same config, so
-    the evaluator reads exactly what the trainer saves and reports what it would report.
+    The model, its compiled metrics and the test data are the Trainer's own, built from the
+    same config, and `Trainer.evaluate` (tfdist.evaluate) scores them: the evaluator reads
+    exactly what the trainer saves and reports what the trainer's validation would.
 
     Args:
       config: the training run's config.
@@ -178,11 +180,11 @@ class CheckpointEvaluator:
             dataclasses.replace(config, model_dir=None),
             strategy=build_strategy("one_device", cluster=None),
         )
+        self.trainer.compile()
         self.total_steps = self.trainer.total_steps
         # Weights and step only: the optimizer's slots are of no use here (expect_partial).
-        self._checkpoint = tf.train.Checkpoint(model=self.trainer.model, step=self.trainer.step)
-        self._eval_step = tf.function(self.trainer.replica_eval)
-        self._dataset = self.trainer.eval_dataset_fn(None, config.global_batch_size)
+        self._step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._checkpoint = tf.train.Checkpoint(model=self.trainer.model, step=self._step)
         self._writer = None
 
     def evaluate(self, path: str) -> EvalRecord | None:
@@ -209,15 +211,11 @@ class CheckpointEvaluator:
             status.assert_existing_objects_matched()
         except AssertionError as e:  # variables the checkpoint does not have
             raise self._mismatch(path, e) from None
-        sums = tf.zeros([3])
-        for images, labels in self._dataset:
-            sums += self._eval_step(images, labels)
-        loss_sum, correct, count = sums.numpy().tolist()
-        count = max(count, 1.0)
+        metrics = self.trainer.evaluate()
         return EvalRecord(
-            step=int(self.trainer.step.numpy()),
-            eval_loss=loss_sum / count,
-            eval_accuracy=correct / count,
+            step=int(self._step.numpy()),
+            eval_loss=metrics["eval_loss"],
+            eval_accuracy=metrics["eval_accuracy"],
             checkpoint=path,
         )
 

@@ -23,9 +23,10 @@ the same on every worker; only the chief writes files (see fit_callbacks.py).
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import keras
@@ -34,6 +35,7 @@ import tensorflow as tf
 from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
+from tfdist.data.pipeline import explain_data_error
 from tfdist.strategies import strategy_kind
 from tfdist.training.controller import Controller
 from tfdist.training.fit_data import FitData, FitError, make_fit_data, split_arrays, unpack
@@ -150,7 +152,7 @@ def fit(
             validation_steps=validation_steps, validation_freq=validation_freq,
         ),
     )  # fmt: skip
-    with runner.explained():
+    with _explained(runner):
         return controller.fit()
 
 
@@ -189,12 +191,26 @@ def evaluate(
         steps=steps or data.num_batches, model=model,
     )  # fmt: skip
     callback_list.on_test_begin()
-    with signals.doing("evaluating in tfdist.evaluate"), runner.explained():
+    with signals.doing("evaluating in tfdist.evaluate"), _explained(runner):
         logs = runner.evaluate(data, steps)
     callback_list.on_test_end(logs)
     if return_dict:
         return logs
     return compat.metrics_in_order(model, logs)
+
+
+@contextlib.contextmanager
+def _explained(runner) -> Iterator[None]:
+    """The runner's failures (a lost peer, a dead ps) and a tfdist pipeline's data errors (a
+    truncated TFRecord) as tfdist's one-line errors."""
+    try:
+        with runner.explained():
+            yield
+    except tf.errors.InvalidArgumentError as e:
+        explained = explain_data_error(e)
+        if explained is None:
+            raise
+        raise explained from None
 
 
 # --- checks at the boundary -------------------------------------------------------------------

@@ -33,7 +33,6 @@ from collections.abc import Iterator, Mapping, Sequence
 import keras
 import numpy as np
 import tensorflow as tf
-from keras.src.backend.tensorflow import numpy as keras_tf_numpy
 
 from tfdist import compat
 from tfdist.training.checkpoints import CheckpointMismatchError
@@ -278,7 +277,7 @@ def _optimizers(optimizer) -> list:
     return [optimizer] if inner is None else [optimizer, inner]
 
 
-class _WholeSlot(tf.__internal__.tracking.Trackable):
+class _WholeSlot(compat.Trackable):
     """One kind of optimizer slot (a momentum, say) of a sharded variable, as one tensor.
 
     The optimizer holds one slot per shard; saved whole, its state is the state an optimizer
@@ -310,7 +309,7 @@ class _WholeSlot(tf.__internal__.tracking.Trackable):
         return tf.no_op()
 
 
-class _Listing(tf.__internal__.tracking.Trackable):
+class _Listing(compat.Trackable):
     """Trackables checkpointed under "0", "1", ... as a list attribute is."""
 
     def __init__(self, items: list):
@@ -421,7 +420,7 @@ def sharded_lookups() -> Iterator[None]:
     unchanged. Only the tracing of a step is meant to run inside (the graph keeps the
     lookups).
     """
-    original = keras_tf_numpy.take
+    original = compat.keras_take()
 
     def take(x, indices, axis=None):
         shards = (shards_of(x) or _on_a_ps(x)) if axis == 0 else None
@@ -438,11 +437,8 @@ def sharded_lookups() -> Iterator[None]:
             )
         return tf.nn.embedding_lookup(shards, wrapped(tf.convert_to_tensor(indices)))
 
-    keras_tf_numpy.take = take
-    try:
+    with compat.keras_take_replaced(take):
         yield
-    finally:
-        keras_tf_numpy.take = original
 
 
 __all__ = ["ShardedTraining", "build_optimizer_over_shards", "shards_of", "sharded_lookups"]

@@ -1,7 +1,9 @@
-"""What the chief shows and writes: progress bar, epoch log lines, TensorBoard, summary.json.
+"""A run's record: epoch log lines, history.jsonl, TensorBoard scalars and summary.json.
 
-Every method is a no-op on other tasks, so training code calls them unconditionally and the
-single `is_chief` predicate decides who writes.
+`RunRecord` is the public callback that writes them, on the chief only (every worker runs
+it: the runner says which process is the chief). A run is every session that trained in one
+model_dir — the first, each resume after a preemption, each re-run — and its record covers
+them all: a re-run never loses what an earlier one recorded.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.storage import strict_json, write_atomically
+from tfdist.strategies import strategy_kind
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +32,7 @@ _SESSION_FIELDS = ("session", "resumed_from_step", "steps_trained", "train_secon
 
 
 @dataclasses.dataclass(frozen=True)
-class RunRecord:
+class RunHistory:
     """What every session of a run trained, from model_dir/history.jsonl."""
 
     # One entry per epoch (the newest session's, where an epoch was trained again after a
@@ -63,7 +66,7 @@ class RunRecord:
         return steps * global_batch_size / seconds if seconds > 0 else None
 
 
-def read_run_record(lines: list[dict]) -> RunRecord:
+def read_run_history(lines: list[dict]) -> RunHistory:
     """The run's history and sessions from history.jsonl's lines (oldest first).
 
     A session that started from step 0 begins a new run (a model_dir reused after its
@@ -95,7 +98,7 @@ def read_run_record(lines: list[dict]) -> RunRecord:
         timings.setdefault(line["session"], []).append(
             (line["steps_trained"], line["train_seconds"])
         )
-    return RunRecord(
+    return RunHistory(
         history=tuple(by_epoch[e] for e in sorted(by_epoch)),
         sessions=tuple(sessions.values()),
         epoch_timings=tuple(tuple(t) for t in timings.values()),
@@ -146,30 +149,134 @@ class TrainResult:
         return strict_json(dataclasses.asdict(self), what=SUMMARY_FILE, indent=2)
 
 
-class Reporter:
-    """Progress, logs and summaries of one task (silent unless it is the chief)."""
+class RunRecord(keras.callbacks.Callback):
+    """Writes a `tfdist.fit` run's record in `model_dir`, on the chief; see the module.
 
-    def __init__(self, *, is_chief: bool, model_dir: str | None, steps_per_epoch: int, epochs: int):
-        self.active = is_chief
-        self.model_dir = model_dir if is_chief else None
-        self.steps_per_epoch = steps_per_epoch
-        self.epochs = epochs
+    Per epoch: a log line (`epoch 2/5  step 56  train_loss 0.31  ...  eval_accuracy 0.94`),
+    a line of model_dir/history.jsonl and TensorBoard scalars in model_dir/logs. At the end:
+    model_dir/summary.json (a TrainResult over every session of the run) and the model,
+    exported to model_dir/export/model.keras. Metrics are named as the logs name them, with
+    `train_` before training metrics and `eval_` for validation ones (Keras's `val_`).
+
+    Example:
+
+        record = tfdist.RunRecord("/tmp/run", global_batch_size=256)
+        tfdist.fit(model, dataset_fn, epochs=5, steps_per_epoch=100,
+                   callbacks=[tfdist.StepCheckpoint("/tmp/run"), record])
+        record.result.examples_per_second
+
+    Args:
+      model_dir: the run's directory; None logs the epoch lines and writes nothing.
+      global_batch_size: examples per step over every replica (for examples per second).
+      eval_loss: the validation metric reported as eval_loss: Keras's loss by default
+        (evaluation padded to static shapes reports a weighted cross-entropy instead).
+      export: whether to export the trained model at the end.
+
+    Attributes:
+      result: the TrainResult of the run, once a session's training has ended.
+    """
+
+    reads_batch_logs = False  # it counts batches: no metrics need reading for it
+
+    def __init__(
+        self,
+        model_dir: str | None,
+        *,
+        global_batch_size: int,
+        eval_loss: str = "loss",
+        export: bool = True,
+    ):
+        super().__init__()
+        self.model_dir, self.global_batch_size = model_dir, global_batch_size
+        self.eval_loss, self.export = eval_loss, export
+        self.result: TrainResult | None = None
+        self._runner = None
         self._writer = None
-        self.session = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        self.resumed_from_step = 0
-        self._lines: list[dict] = []  # this session's history.jsonl lines (every task)
-        if self.model_dir:
+        self._lines: list[dict] = []
+
+    def set_runner(self, runner) -> None:
+        """Called by tfdist.fit before training: the runner says who writes, and what it did."""
+        self._runner = runner
+
+    @property
+    def _chief(self) -> bool:
+        return self._runner is None or self._runner.is_chief
+
+    @property
+    def trained(self) -> bool:
+        """Whether this session trained an epoch."""
+        return bool(self._lines)
+
+    # --- the callback -----------------------------------------------------------------------------
+
+    def on_train_begin(self, logs=None):
+        self._begin = time.perf_counter()
+        self._session = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        self._lines, self.result = [], None
+        self._resumed_from_step: int | None = None
+        self._step = 0
+        if self.model_dir and self._chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(os.path.join(self.model_dir, LOG_SUBDIR))
 
-    def end_epoch(
-        self, epoch: int, step: int, metrics: dict[str, float], *, steps: int, seconds: float
-    ) -> None:
-        """Logs an epoch and records it in history.jsonl (`steps` trained in `seconds`)."""
-        line = {"epoch": epoch + 1, "step": step, **metrics, "session": self.session,
-                "resumed_from_step": self.resumed_from_step, "steps_trained": steps,
+    def on_epoch_begin(self, epoch, logs=None):
+        steps = self.params.get("steps")
+        self._epoch_start = epoch * steps if steps else self._step
+        self._first_batch, self._end = None, 0.0
+        self._start = time.perf_counter()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if self._first_batch is None:
+            self._first_batch = batch
+            if self._resumed_from_step is None:  # the session's first step
+                self._resumed_from_step = self._epoch_start + batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self._step = self._epoch_start + batch + 1
+
+    def on_test_begin(self, logs=None):
+        self._end = self._end or time.perf_counter()  # evaluation is not training time
+
+    def on_epoch_end(self, epoch, logs=None):
+        end = self._end or time.perf_counter()
+        steps = (
+            0 if self._first_batch is None else self._step - self._epoch_start - self._first_batch
+        )
+        speed = steps * self.global_batch_size / max(end - self._start, 1e-9)
+        metrics = self._metrics(logs or {}, examples_per_second=speed)
+        self._end_epoch(epoch, metrics, steps=steps, seconds=end - self._start)
+
+    def on_train_end(self, logs=None):
+        if self.trained:
+            self.finish()
+
+    # --- what is recorded -------------------------------------------------------------------------
+
+    def _metrics(self, logs: dict, *, examples_per_second: float) -> dict[str, float]:
+        train = {k: v for k, v in logs.items() if not k.startswith("val_")}
+        validation = {k[len("val_") :]: v for k, v in logs.items() if k.startswith("val_")}
+        if self.eval_loss != "loss":  # its twin on training data, and Keras's loss, go
+            train.pop(self.eval_loss, None)
+        metrics = {f"train_{k}": v for k, v in train.items() if v is not None}
+        metrics["learning_rate"] = float(
+            keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)
+        )
+        metrics["examples_per_second"] = examples_per_second
+        if validation:
+            metrics.update(self.eval_metrics(validation))
+        return metrics
+
+    def eval_metrics(self, logs: dict[str, float]) -> dict[str, float]:
+        """`eval_` metrics from evaluation logs (tfdist.evaluate's, or fit's without `val_`)."""
+        loss = logs.get(self.eval_loss)
+        named = {f"eval_{k}": v for k, v in logs.items() if k not in ("loss", self.eval_loss)}
+        return {"eval_loss": loss, **named} if loss is not None else named
+
+    def _end_epoch(self, epoch: int, metrics: dict, *, steps: int, seconds: float) -> None:
+        line = {"epoch": epoch + 1, "step": self._step, **metrics, "session": self._session,
+                "resumed_from_step": self._resumed_from_step or 0, "steps_trained": steps,
                 "train_seconds": seconds}  # fmt: skip
         self._lines.append(line)
-        if not self.active:
+        if not self._chief:
             return
         if self.model_dir:
             path = os.path.join(self.model_dir, HISTORY_FILE)
@@ -177,24 +284,19 @@ class Reporter:
             if earlier and not earlier.endswith("\n"):
                 earlier += "\n"
             write_atomically(path, earlier + strict_json(line, what=HISTORY_FILE) + "\n")
-        parts = [f"epoch {epoch + 1}/{self.epochs}", f"step {step}"]
+        parts = [f"epoch {epoch + 1}/{self.params['epochs']}", f"step {self._step}"]
         parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
         log.info("%s", "  ".join(parts))
         if self._writer is not None:
-            with self._writer.as_default(step=step):
+            with self._writer.as_default(step=self._step):
                 for name, value in metrics.items():
                     tf.summary.scalar(name, value)
             self._writer.flush()
 
-    @property
-    def trained(self) -> bool:
-        """Whether this session trained an epoch."""
-        return bool(self._lines)
-
-    def run_record(self) -> RunRecord:
+    def history(self) -> RunHistory:
         """Every session's epochs: model_dir/history.jsonl on the chief, else this session's."""
-        if not self.model_dir:
-            return read_run_record(self._lines)
+        if not (self.model_dir and self._chief):
+            return read_run_history(self._lines)
         path = os.path.join(self.model_dir, HISTORY_FILE)
         lines = []
         for number, text in enumerate(_read_text(path).splitlines(), 1):
@@ -208,17 +310,58 @@ class Reporter:
                 )
                 continue
             lines.append(line)
-        return read_run_record(lines)
+        return read_run_history(lines)
 
-    def finish(self, result: TrainResult, model: keras.Model) -> None:
-        """Writes summary.json and exports the model (chief with a model_dir only)."""
-        if not self.model_dir:
-            return
-        write_atomically(os.path.join(self.model_dir, SUMMARY_FILE), result.to_json())
-        export_dir = os.path.join(self.model_dir, "export")
-        tf.io.gfile.makedirs(export_dir)
-        model.save(os.path.join(export_dir, "model.keras"))
-        log.info("Wrote %s and exported the model to %s", SUMMARY_FILE, export_dir)
+    def finish(self, eval_logs: dict[str, float] | None = None) -> TrainResult:
+        """Makes `result` and, on the chief with a model_dir, writes summary.json and exports
+        the model. Called when training ends; call it again with `eval_logs` (from
+        tfdist.evaluate) to report an evaluation made since (a session with nothing left to
+        train evaluates where the run stands)."""
+        record = self.history()
+        history = record.history
+        last = history[-1] if history else {}
+        evaluated = (
+            self.eval_metrics(eval_logs)
+            if eval_logs is not None
+            else {k: v for k, v in last.items() if k.startswith("eval_")}
+        )
+        strategy = self._runner.strategy if self._runner else tf.distribute.get_strategy()
+        replicas = strategy.num_replicas_in_sync
+        resumed = self._resumed_from_step
+        if resumed is None:  # nothing trained now: the run stands where its record ends
+            resumed = last.get("step", 0)
+        self.result = TrainResult(
+            strategy=strategy_kind(strategy),
+            replicas=replicas,
+            global_batch_size=self.global_batch_size,
+            per_replica_batch_size=self.global_batch_size // replicas,
+            steps=max(resumed, self._step),
+            epochs=self.params["epochs"],
+            resumed_from_step=resumed,
+            train_loss=last.get("train_loss"),
+            train_accuracy=last.get("train_accuracy"),
+            eval_loss=evaluated.get("eval_loss"),
+            eval_accuracy=evaluated.get("eval_accuracy"),
+            examples_per_second=record.examples_per_second(self.global_batch_size),
+            wall_seconds=time.perf_counter() - self._begin,
+            **(self._runner.summary() if self._runner else {}),
+            history=history,
+            steps_trained=record.steps_trained,
+            train_seconds=record.train_seconds,
+            resume_points=tuple(record.resume_points),
+            sessions=record.sessions,
+        )
+        if self.model_dir and self._chief:
+            write_atomically(os.path.join(self.model_dir, SUMMARY_FILE), self.result.to_json())
+            if self.export:
+                export_dir = os.path.join(self.model_dir, "export")
+                tf.io.gfile.makedirs(export_dir)
+                self.model.save(os.path.join(export_dir, "model.keras"))
+                log.info("Wrote %s and exported the model to %s", SUMMARY_FILE, export_dir)
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        return self.result
 
 
 def _read_text(path: str) -> str:

@@ -163,8 +163,19 @@ class Runner(abc.ABC):
     def logs(self) -> dict[str, float]:
         """The epoch's logs so far, over every replica and worker."""
 
-    def finish_epoch(self) -> None:  # noqa: B027
-        """Waits for every step scheduled in the epoch, and makes the replicas one model."""
+    def settle(self) -> None:  # noqa: B027
+        """Makes the variables what a checkpoint must hold: every step scheduled so far has
+        updated them, and the replicas are one model. Called at every epoch end and before
+        a save (every lockstep worker at the same step: it may be collective)."""
+
+    def checkpoint_state(self) -> dict[str, tf.Module | tf.Variable]:
+        """State the runner keeps beside the model and optimizer that a checkpoint must hold
+        to resume exactly (the parameter-server update counter), by checkpoint key."""
+        return {}
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Run-level figures of what this runner did, for a run's record (staleness)."""
+        return {}
 
     @abc.abstractmethod
     def evaluate(self, data, steps: int | None) -> dict[str, float]:

@@ -69,21 +69,6 @@ class UpdateCounter:
         return int(self.variable.numpy())
 
 
-def attach_update_counter(model: keras.Model, strategy: tf.distribute.Strategy) -> UpdateCounter:
-    """The model's UpdateCounter, created under `strategy`'s scope (on a ps) on first use.
-
-    One counter per model, so that parameter-server training (tfdist.fit) and the checkpoint
-    that saves it (as `applied_updates`) count the same updates.
-    """
-    counter = getattr(model, "_tfdist_update_counter", None)
-    if counter is None:
-        with strategy.scope():
-            counter = UpdateCounter()
-        # Set outside Keras's attribute tracking: the counter is not one of the model's weights.
-        object.__setattr__(model, "_tfdist_update_counter", counter)
-    return counter
-
-
 @keras.saving.register_keras_serializable(package="tfdist")
 class StalenessAwareSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """Wraps a schedule; inside `scaled(tau)` its rate is divided by max(1, tau).

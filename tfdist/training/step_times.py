@@ -1,15 +1,22 @@
 """Where a training step's time goes: waiting for input, compute, and gradient exchange.
 
-The synchronous runner marks each step's phases in its graph with `tf.timestamp()` (see
-runners/sync.py and steps.StepClock), so these are measured as the steps ran:
+The runners mark each training step's phases in its graph with `tf.timestamp()` (see
+runners/sync.py and steps.StepClock; runners/stateless.py's StepMarks for central_storage
+and parameter_server), so these are measured as the steps ran:
 
   input     from asking for the batch to having it on the replica (the input pipeline, and
             the copy to the device; with data of unknown length, the workers' agreement on
-            whether there is one more batch);
+            whether there is one more batch; under parameter_server, the worker's own copy
+            of the data);
   compute   the forward and backward passes, and the metric updates;
   exchange  from the gradients being ready to the weights having their new values: the
             all-reduce across replicas and workers (waiting for the slowest one included),
-            then the optimizer's update.
+            then the optimizer's update; under central_storage, the reduction to the
+            variables' device and the update there; under parameter_server, the push of a
+            worker's gradients to the ps and the update there (no waiting on other workers).
+
+A model's own train_step is timed too, except where it runs a step a call: on data of unknown
+length under a synchronous strategy, and always under central_storage.
 
 If adding workers makes `exchange` grow faster than `compute` shrinks, they do not help.
 """

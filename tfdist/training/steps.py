@@ -17,6 +17,7 @@ fit()"). tfdist runs the override under every strategy, and reports what Keras's
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -132,37 +133,76 @@ def updates_through(optimizer, hooks: Sequence[StepHook]) -> Iterator[None]:
     weights through `optimizer.apply` (`apply_gradients` calls it); during the trace, that
     call runs the chain instead, which ends with the optimizer's own `apply`. Outside the
     `with` the optimizer is as it was.
+
+    A mirrored strategy traces its replicas' steps in threads of its own, at the same time,
+    each with a chain of its own (a StepClock per replica): the optimizer is patched once
+    while any thread is inside, and each call runs the chain of the thread that makes it.
     """
     if not hooks:
         yield
         return
-    own = vars(optimizer).get("apply")  # normally absent: the class's method is used
-    original = optimizer.apply
-
-    def chained(grads, trainable_variables=None):
-        variables = (
-            trainable_variables
-            if trainable_variables is not None
-            else compat.optimizer_variables_list(optimizer)
-        )
-        pairs = list(zip(grads, variables, strict=True))
-
-        def link(i: int, pairs_now):
-            if i == len(hooks):
-                grads_now = [g for g, _ in pairs_now]
-                return original(grads_now, [v for _, v in pairs_now])
-            return hooks[i].apply(list(pairs_now), lambda p: link(i + 1, p))
-
-        return link(0, pairs)
-
-    optimizer.apply = chained
+    key = id(optimizer)
+    with _PATCH_LOCK:
+        if key not in _PATCHED:
+            _PATCHED[key] = _Patch(optimizer)
+        patch = _PATCHED[key]
+        patch.users += 1
+    chains = patch.chains_of_this_thread()
+    chains.append(list(hooks))
     try:
         yield
     finally:
-        if own is None:
-            del optimizer.apply
+        chains.pop()
+        with _PATCH_LOCK:
+            patch.users -= 1
+            if not patch.users:
+                patch.undo()
+                del _PATCHED[key]
+
+
+class _Patch:
+    """`optimizer.apply` replaced by a dispatch to the calling thread's innermost chain."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.users = optimizer, 0
+        self.own = vars(optimizer).get("apply")  # normally absent: the class's method is used
+        self.original = optimizer.apply
+        self._threads = threading.local()
+        optimizer.apply = self.apply
+
+    def chains_of_this_thread(self) -> list[list[StepHook]]:
+        if not hasattr(self._threads, "chains"):
+            self._threads.chains = []
+        return self._threads.chains
+
+    def apply(self, grads, trainable_variables=None):
+        chains = self.chains_of_this_thread()
+        if not chains:  # a thread outside any `updates_through`: Keras's own update
+            return self.original(grads, trainable_variables)
+        hooks = chains[-1]
+        variables = (
+            trainable_variables
+            if trainable_variables is not None
+            else compat.optimizer_variables_list(self.optimizer)
+        )
+
+        def link(i: int, pairs_now):
+            if i == len(hooks):
+                return self.original([g for g, _ in pairs_now], [v for _, v in pairs_now])
+            return hooks[i].apply(list(pairs_now), lambda p: link(i + 1, p))
+
+        return link(0, list(zip(grads, variables, strict=True)))
+
+    def undo(self) -> None:
+        if self.own is None:
+            del self.optimizer.apply
         else:
-            optimizer.apply = own
+            self.optimizer.apply = self.own
+
+
+# The optimizers patched now, by id, each until its last user leaves (see updates_through).
+_PATCH_LOCK = threading.Lock()
+_PATCHED: dict[int, _Patch] = {}
 
 
 class StepClock(StepHook):

@@ -11,8 +11,15 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.runner import StepHook
-from tfdist.training.runners.common import NO_LIMIT, batch_size, call_until_end, each_batch
+from tfdist.training.runners.common import (
+    NO_LIMIT,
+    batch_size,
+    call_until_end,
+    each_batch,
+    refuse_staleness_scaling,
+)
 from tfdist.training.runners.stateless import StatelessMetricsRunner
+from tfdist.training.step_times import PHASES
 
 
 class CentralStorageRunner(StatelessMetricsRunner):
@@ -21,6 +28,10 @@ class CentralStorageRunner(StatelessMetricsRunner):
     A model's own train_step / test_step runs on every replica with that replica's running
     metric state (carried between steps in a tensor stacked over the replicas), so what it
     returns is what it would return under mirrored, where each replica keeps its own.
+
+    Keras's own train_step is timed (step_times.py): its exchange is the gradients' reduction
+    to the variables' device and the update there. A model's own train_step runs a step a
+    call and is not timed, as under the synchronous runner on data of unknown length.
     """
 
     kinds = ("central_storage",)
@@ -30,8 +41,8 @@ class CentralStorageRunner(StatelessMetricsRunner):
         self._custom_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self._stacked: list[tf.Tensor] = []
 
-        def replica_train(batch):
-            return self._stateless_train_step(batch, self._zero_tensors())
+        def replica_train(batch, asked):
+            return self._stateless_train_step(batch, self._zero_tensors(), asked)
 
         def replica_test(batch):
             x, _, _ = unpack(batch)
@@ -41,7 +52,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
                 batch_size(x) > 0, lambda: self._stateless_test_step(batch, zeros), lambda: zeros
             )
 
-        self._train_fn = tf.function(lambda it, n: self._summed_steps(it, n, replica_train))
+        self._train_fn = tf.function(lambda it, n: self._timed_steps(it, n, replica_train))
         self._test_fn = tf.function(lambda it, n: self._summed_steps(it, n, replica_test))
 
     def _summed_steps(self, iterator, n, replica_fn):
@@ -51,13 +62,36 @@ class CentralStorageRunner(StatelessMetricsRunner):
             batch = iterator.get_next_as_optional()
             if not batch.has_value():
                 break
-            per_replica = self.strategy.run(replica_fn, args=(batch.get_value(),))
-            state = [
-                total + self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
-                for total, value in zip(state, per_replica, strict=True)
-            ]
+            state = self._add_replicas(
+                state, self.strategy.run(replica_fn, args=(batch.get_value(),))
+            )
             done += 1
         return done, state
+
+    def _timed_steps(self, iterator, n, replica_fn):
+        """`_summed_steps` for training steps, which `replica_fn(batch, asked)` times: also
+        returns their [input, compute, exchange] seconds, summed (mean over the replicas)."""
+        done, state = tf.constant(0), self._zero_tensors()
+        total = tf.zeros([len(PHASES)], tf.float64)
+        for _ in tf.range(n):
+            asked = tf.timestamp()
+            with tf.control_dependencies([asked]):
+                batch = iterator.get_next_as_optional()
+            if not batch.has_value():
+                break
+            per_replica, times = self.strategy.run(replica_fn, args=(batch.get_value(), asked))
+            state = self._add_replicas(state, per_replica)
+            local = self.strategy.experimental_local_results(times)
+            total += tf.add_n(list(local)) / len(local)
+            done += 1
+        return done, state, total
+
+    def _add_replicas(self, state, per_replica) -> list[tf.Tensor]:
+        """`state` plus one step's metric state summed over the replicas."""
+        return [
+            total + self.strategy.reduce(tf.distribute.ReduceOp.SUM, value, axis=None)
+            for total, value in zip(state, per_replica, strict=True)
+        ]
 
     def _replica_zeros(self) -> list[tf.Tensor]:
         replicas = self.strategy.num_replicas_in_sync
@@ -98,6 +132,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
         return done, outputs, stacked
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        refuse_staleness_scaling(self.model, self.strategy)
         with self.strategy.scope():
             compat.symbolic_build(self.model, sample_batch)
         self._prepare(None, step_hooks)
@@ -108,15 +143,17 @@ class CentralStorageRunner(StatelessMetricsRunner):
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
         # One process: its logs are the job's ("local" and "global" alike).
-        if self.custom_train:
+        if self.custom_train:  # a step a call, untimed
             done, outputs, self._stacked = self._custom_steps("train", iterator, n, self._stacked)
             self._state = [np.asarray(s).sum(axis=0) for s in self._stacked]
             if done:
                 self._last_outputs = tf.nest.map_structure(np.asarray, outputs)
             return done, (self.logs() if logs and done else None)
-        done, state = self._train_fn(iterator, tf.constant(n))
+        done, state, times = self._train_fn(iterator, tf.constant(n))
+        done = int(done)
         self._add_state(state)
-        return int(done), (self.logs() if logs else None)
+        self.times.add(done, np.asarray(times))
+        return done, (self.logs() if logs else None)
 
     def reset(self) -> None:
         super().reset()

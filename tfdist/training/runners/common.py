@@ -6,6 +6,10 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import compat
+from tfdist.strategies import strategy_kind
+from tfdist.training.fit_data import FitError
+from tfdist.training.staleness import StalenessAwareSchedule
 from tfdist.training.steps import python_logs
 
 NO_LIMIT = 2**62  # steps: until the data ends
@@ -71,3 +75,15 @@ def call_until_end(call, model: keras.Model, steps: int | None) -> None:
 def batch_size(x) -> tf.Tensor:
     leaf = next(leaf for leaf in tf.nest.flatten(x) if leaf is not None)
     return tf.shape(leaf)[0]
+
+
+def refuse_staleness_scaling(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+    """A synchronous runner's refusal of a staleness-aware learning rate, which means nothing
+    where every update is applied to the parameters it was computed from."""
+    if isinstance(compat.learning_rate_schedule(model.optimizer), StalenessAwareSchedule):
+        raise FitError(
+            "staleness_aware_lr (a StalenessAwareSchedule) applies to parameter-server training "
+            "only: synchronous strategies apply every update to the parameters it was computed "
+            "from (staleness 0). Use the parameter_server strategy or drop the option. "
+            f"Received: a StalenessAwareSchedule under {strategy_kind(strategy)}"
+        )

@@ -5,6 +5,11 @@ Metric variables live on the ps tasks there and several workers would update the
 metric API) and returns it; the coordinator adds the states up, the same sum a replica read
 does. Each step's staleness (the updates that landed between its read of the weights and its
 own update) is counted on a ps and logged beside the metrics.
+
+Each step is timed on its worker (step_times.py): input is the worker's `next` on its copy of
+the data; exchange runs from its gradients being ready to its update applied on the ps (the
+gradients' push and the update). A closure returns its steps' times beside their metric state,
+and a lost worker's times are lost with its metrics.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_w
 from tfdist.training.fit_data import FitData
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import StepHook
-from tfdist.training.runners.stateless import StatelessMetricsRunner
+from tfdist.training.runners.stateless import StatelessMetricsRunner, StepMarks
 from tfdist.training.staleness import (
     STALENESS_STATS,
     StalenessAwareSchedule,
-    attach_update_counter,
+    UpdateCounter,
 )
+from tfdist.training.step_times import PHASES
 from tfdist.training.steps import updates_through
 
 log = logging.getLogger(__name__)
@@ -44,6 +50,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
         self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+        # (steps, the closure's RemoteValue) of the closures whose results are not added yet.
         self._pending: collections.deque = collections.deque()
         # Results are fetched a few closures behind the newest: the progress stays current
         # without waiting on every step.
@@ -57,14 +64,16 @@ class ParameterServerRunner(StatelessMetricsRunner):
             )
         )
         self._per_worker_iterators: dict[int, object] = {}
-        self.counter = attach_update_counter(model, strategy)
+        with strategy.scope():  # on a ps, beside the variables whose updates it counts
+            self.counter = UpdateCounter()
         self.staleness = self.counter.stats
         self.scheduled_steps = 0
         self._landed = 0
         self.total_steps: int | None = None
         self.checkpoint_status = None
 
-    def _step_with_staleness(self, batch, state):
+    def _step_with_staleness(self, batch, asked, state):
+        marks = StepMarks(asked, batch)
         # The counter is read before the step reads the weights, and claimed once its
         # gradients exist: the updates that landed in between are its staleness.
         read = self.counter.read()
@@ -77,18 +86,19 @@ class ParameterServerRunner(StatelessMetricsRunner):
             if isinstance(schedule, StalenessAwareSchedule)
             else contextlib.nullcontext()
         )
-        with scaled, updates_through(self.model.optimizer, self.hooks):
+        with scaled, updates_through(self.model.optimizer, [marks.clock, *self.hooks]):
             self.model.optimizer.apply_gradients(gradients)
-        return state, staleness
+        return state, staleness, marks.end(after=[state, staleness])
 
-    def _user_step_with_staleness(self, batch, state):
+    def _user_step_with_staleness(self, batch, asked, state):
+        marks = StepMarks(asked, batch)
         # The model's own train_step applies its gradients itself: its update is claimed
         # once the step has run, which counts the updates that landed while it ran.
         read = self.counter.read()
         with tf.control_dependencies([read]):
-            outputs, state = self._user_step(self.model.train_step, batch, state)
+            outputs, state = self._user_step(self.model.train_step, batch, state, clock=marks.clock)
         staleness = self.counter.claim(read, after=[*state, *tf.nest.flatten(outputs)])
-        return outputs, state, staleness
+        return outputs, state, staleness, marks.end(after=[outputs, state, staleness])
 
     def _closure(self, n: int):
         if n not in self._closures:
@@ -97,16 +107,20 @@ class ParameterServerRunner(StatelessMetricsRunner):
             def count(stats, tau):  # [sum, max, count] of the closure's staleness
                 return tf.stack([stats[0] + tau, tf.maximum(stats[1], tau), stats[2] + 1.0])
 
+            # A closure returns (metric state, staleness stats, its steps' summed times, and
+            # for the model's own step what its last step returned); a None among these
+            # would fail the fetch.
             @tf.function
             def steps(iterator):
                 state = self._zero_tensors()
                 stats = tf.zeros([STALENESS_STATS])
+                total = tf.zeros([len(PHASES)], tf.float64)
                 for _ in tf.range(n):
-                    state, tau = strategy.run(
-                        self._step_with_staleness, args=(next(iterator), state)
+                    state, tau, times = strategy.run(
+                        self._step_with_staleness, args=(*_next(iterator), state)
                     )
-                    stats = count(stats, tau)
-                return state, stats  # (a None among the outputs would fail the fetch)
+                    stats, total = count(stats, tau), total + times
+                return state, stats, total
 
             @tf.function
             def user_steps(iterator, start):
@@ -114,16 +128,17 @@ class ParameterServerRunner(StatelessMetricsRunner):
                 # coordinator knew it, so what it returns covers the epoch so far; the
                 # closure hands back only what its own steps added.
                 state, stats = start, tf.zeros([STALENESS_STATS])
+                total = tf.zeros([len(PHASES)], tf.float64)
                 for _ in tf.range(n - 1):
-                    _, state, tau = strategy.run(
-                        self._user_step_with_staleness, args=(next(iterator), state)
+                    _, state, tau, times = strategy.run(
+                        self._user_step_with_staleness, args=(*_next(iterator), state)
                     )
-                    stats = count(stats, tau)
-                outputs, state, tau = strategy.run(
-                    self._user_step_with_staleness, args=(next(iterator), state)
+                    stats, total = count(stats, tau), total + times
+                outputs, state, tau, times = strategy.run(
+                    self._user_step_with_staleness, args=(*_next(iterator), state)
                 )
                 added = [end - begin for end, begin in zip(state, start, strict=True)]
-                return added, count(stats, tau), outputs
+                return added, count(stats, tau), total + times, outputs
 
             self._closures[n] = user_steps if self.custom_train else steps
         return self._closures[n]
@@ -165,14 +180,15 @@ class ParameterServerRunner(StatelessMetricsRunner):
         with_logs = logs is not None
         with self.explained():
             args = (iterator, self._state) if self.custom_train else (iterator,)
-            self._pending.append(self.coordinator.schedule(self._closure(n), args=args))
+            self._pending.append((n, self.coordinator.schedule(self._closure(n), args=args)))
             self.scheduled_steps += n
             while len(self._pending) > self._lag or (with_logs and not self._landed):
                 # Batch logs wait for the epoch's first closure: before it they would be zeros.
-                self._add(self._pending.popleft())
+                self._add(*self._pending.popleft())
         return n, (self.logs() if with_logs else None)
 
-    def _add(self, remote) -> None:
+    def _add(self, steps: int, remote) -> None:
+        """Adds what a closure of `steps` steps returned (`remote`) to the epoch's figures."""
         try:
             values = remote.fetch()
         except CLUSTER_ERRORS as e:
@@ -183,9 +199,10 @@ class ParameterServerRunner(StatelessMetricsRunner):
             # The steps ran and their updates reached the ps; their metrics died with it.
             log.warning("The metrics of steps that ran on %s were lost with it", worker)
             return
-        state, stats, *outputs = values  # the model's own step's outputs come third
+        state, stats, times, *outputs = values  # the model's own step's outputs come last
         self._landed += 1
         self._add_state(state)
+        self.times.add(steps, np.asarray(times))
         if outputs:
             self._last_outputs = tf.nest.map_structure(np.asarray, outputs[0])
         self.staleness.add(*np.asarray(stats).tolist())
@@ -215,14 +232,30 @@ class ParameterServerRunner(StatelessMetricsRunner):
         self.staleness.reset_epoch()
         super().reset()
 
-    def finish_epoch(self) -> None:
+    def settle(self) -> None:
         with self.explained():
             self.coordinator.join()  # the epoch ends when every scheduled step has run
             while self._pending:
-                self._add(self._pending.popleft())
+                self._add(*self._pending.popleft())
             # Keras's iteration counter loses increments under asynchronous updates; the
             # coordinator's count is exact, and drives the learning-rate schedule.
             self.model.optimizer.iterations.assign(self.scheduled_steps)
+
+    def checkpoint_state(self) -> dict[str, tf.Variable]:
+        # Saved so that updates applied minus steps counts the updates a dead worker's re-run
+        # closures applied twice, across restarts too.
+        return {"applied_updates": self.counter.variable}
+
+    def summary(self) -> dict[str, float | int | None]:
+        mean, largest = self.staleness.run_summary()
+        applied, steps = self.counter.value(), self.scheduled_steps
+        if applied > steps:
+            log.warning(
+                "%d update(s) reached the parameters twice: a worker died after applying them "
+                "and the coordinator ran its closure again elsewhere (%d updates for %d steps)",
+                applied - steps, applied, steps,
+            )  # fmt: skip
+        return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
         # On the coordinator, reading the variables from the ps tasks: every example once.
@@ -264,3 +297,10 @@ class ParameterServerRunner(StatelessMetricsRunner):
             if explained is None:
                 raise
             raise explained from None
+
+
+def _next(iterator) -> tuple:
+    """(the next batch, when it was asked for): the start of a timed step's input phase."""
+    asked = tf.timestamp()
+    with tf.control_dependencies([asked]):
+        return next(iterator), asked

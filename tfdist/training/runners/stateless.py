@@ -5,6 +5,10 @@ variable on a ps, updated by several workers at once: they race) and central_sto
 variable on the CPU, updated by every replica: Keras's own fit logs wrong figures there).
 Each step starts from the state it is given and returns the state it leads to (Keras's
 stateless metric API); states add up, as a SUM-aggregated read of replicas would.
+
+Their training steps are timed as the synchronous runner's are (step_times.py), with marks in
+the step's graph (StepMarks); the update's end is marked without reading the weights back,
+which here live away from the replica (UpdateClock).
 """
 
 from __future__ import annotations
@@ -20,13 +24,76 @@ from tfdist.training.fit_data import FitError, unpack
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import Runner, StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state, metric_names
+from tfdist.training.step_times import StepTimes
 from tfdist.training.steps import (
     MetricState,
+    StepClock,
     custom_test_step,
     custom_train_step,
     step_logs,
     updates_through,
 )
+
+
+class UpdateClock(StepClock):
+    """A StepClock for weights that live away from the replica (on the CPU, on a ps).
+
+    StepClock marks the update's end by reading every updated weight back, which costs
+    nothing on the replica's own device; here it would copy every weight to the replica each
+    step (under parameter_server, every shard of a split table). This clock waits instead on
+    a check that each variable is initialized: it runs where the variable lives, after its
+    update (ops on one resource run in program order), and sends back a bool.
+    """
+
+    def apply(self, grads_and_vars, apply_next):
+        grads = [g for g, _ in grads_and_vars if g is not None]
+        with tf.control_dependencies(grads):
+            ready = tf.timestamp()
+        with tf.control_dependencies([ready]):
+            result = apply_next(grads_and_vars)
+        updated = [
+            tf.raw_ops.VarIsInitializedOp(resource=v.handle)
+            for g, v in grads_and_vars
+            if g is not None
+        ]
+        with tf.control_dependencies([*updated, *([result] if tf.is_tensor(result) else [])]):
+            applied = tf.timestamp()
+        self.marks = (ready, applied)
+        return result
+
+
+class StepMarks:
+    """Where one training step's time goes (step_times.py), marked in its graph as it runs.
+
+    Example (inside a traced step; `asked` is a `tf.timestamp()` taken before the batch was
+    asked for, with the batch's request depending on it):
+
+        marks = StepMarks(asked, batch)     # the batch's arrival
+        with updates_through(optimizer, [marks.clock, *hooks]):
+            optimizer.apply_gradients(...)  # gradients ready, weights updated
+        times = marks.end(after=state)      # [input, compute, exchange] seconds, float64
+    """
+
+    def __init__(self, asked: tf.Tensor, batch):
+        self.asked = asked
+        with tf.control_dependencies(_tensors(batch)):
+            self.arrived = tf.timestamp()
+        self.clock = UpdateClock()  # the first link of the step's update chain
+
+    def end(self, *, after) -> tf.Tensor:
+        """The step's [input, compute, exchange] seconds, once `after` (what it returns) exists."""
+        marks = self.clock.marks
+        with tf.control_dependencies([*_tensors(after), *(marks or ())]):
+            end = tf.timestamp()
+        ready, applied = marks or (end, end)  # no update: all of it was compute
+        # Compute: the forward and backward passes, and whatever ran after the update.
+        return tf.stack(
+            [self.arrived - self.asked, (ready - self.arrived) + (end - applied), applied - ready]
+        )
+
+
+def _tensors(structure) -> list[tf.Tensor]:
+    return [t for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor)]
 
 
 class StatelessMetricsRunner(Runner):
@@ -47,6 +114,7 @@ class StatelessMetricsRunner(Runner):
         # The last step's own logs, when the model's train_step returns its own (steps.py).
         self._last_outputs = None
         self._names: list[str] | None = None
+        self.times = StepTimes()  # the epoch's timed steps
 
     def _prepare(self, sharded: ShardedTraining | None, step_hooks: Sequence[StepHook]) -> None:
         """Once the model is built: checks what the stateless steps need, and sets up."""
@@ -88,11 +156,16 @@ class StatelessMetricsRunner(Runner):
     def _zero_tensors(self) -> list[tf.Tensor]:
         return [tf.zeros(v.shape, v.dtype) for v in self.metric_variables]
 
-    def _stateless_train_step(self, batch, state):
+    def _stateless_train_step(self, batch, state, asked: tf.Tensor):
+        """One step from metric `state`, timed from `asked` (when the batch was asked for).
+
+        Returns (the metric state it leads to, its [input, compute, exchange] seconds).
+        """
+        marks = StepMarks(asked, batch)
         gradients, state = self._stateless_gradients(batch, state)
-        with updates_through(self.model.optimizer, self.hooks):
+        with updates_through(self.model.optimizer, [marks.clock, *self.hooks]):
             self.model.optimizer.apply_gradients(gradients)
-        return state
+        return state, marks.end(after=state)
 
     def _stateless_gradients(self, batch, state):
         """(gradient, variable) pairs of one step and the metric state it leads to."""
@@ -125,14 +198,16 @@ class StatelessMetricsRunner(Runner):
             self.model.test_step(batch)
         return [scope.get_current_value(v) for v in self.metric_variables]
 
-    def _user_step(self, step, batch, state):
+    def _user_step(self, step, batch, state, *, clock: StepClock | None = None):
         """Runs the model's own `step` on `batch`, its metric variables held in `state`.
 
-        Returns (what the step returned, the metric state it leads to).
+        Returns (what the step returned, the metric state it leads to). A training step is
+        timed by a `clock` (a StepMarks' clock), which goes first in its update chain.
         """
+        hooks = [clock, *self.hooks] if clock is not None else self.hooks
         with (
             MetricState(self.metric_variables, state) as scope,
-            updates_through(self.model.optimizer, self.hooks),
+            updates_through(self.model.optimizer, hooks),
         ):
             outputs = step(batch)
         return outputs, [scope.value(v) for v in self.metric_variables]
@@ -162,3 +237,7 @@ class StatelessMetricsRunner(Runner):
     def reset(self) -> None:
         self._state = self._zeros()
         self._last_outputs = None
+        self.times = StepTimes()
+
+    def step_times(self) -> dict[str, float] | None:
+        return self.times.per_step()

@@ -33,6 +33,7 @@ from tfdist.training.runners.common import (
     each_batch,
     logs_from_state,
     metric_names,
+    refuse_staleness_scaling,
     run_until_end,
 )
 from tfdist.training.step_times import PHASES, StepTimes
@@ -97,6 +98,7 @@ class SyncRunner(Runner):
     # --- building and data --------------------------------------------------------------------
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        refuse_staleness_scaling(self.model, self.strategy)
         with self.strategy.scope():
             compat.symbolic_build(self.model, sample_batch)
             for hook in step_hooks:
@@ -312,7 +314,7 @@ class SyncRunner(Runner):
         del global_step, total_steps  # synchronous updates count themselves
         self._checkpoint_status = checkpoint_status
 
-    def finish_epoch(self) -> None:
+    def settle(self) -> None:
         # Before validation and the callbacks that save: one model, not one per replica.
         with self.explained():
             self.moving_statistics.average()

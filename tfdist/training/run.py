@@ -1,11 +1,10 @@
-"""The training binary's run: a zoo model and a named dataset, trained by `tfdist.fit`.
+"""The training binary's run: a zoo model on a named dataset, trained by `tfdist.fit`.
 
-`Trainer` is one client of `tfdist.fit` (tfdist/training/fit.py), the engine every Keras
-model trains on: it turns a TrainConfig into a compiled model, dataset functions and the
-callbacks that give the binary its duties — checkpoints that resume at the saved step and
-data position, SIGTERM preemption, progress, TensorBoard and summary.json written by the
-chief (tfdist/training/trainer_callbacks.py). Strategy-specific work (parameter-server
-closures, staleness, surviving a dead worker) lives in fit's runners, not here.
+`Trainer` is a thin client of the engine every Keras model trains on (fit.py): it turns a
+TrainConfig into a compiled model, the data functions and tfdist's public callbacks —
+`StepCheckpoint` (resume at the saved step and data position, save on SIGTERM) and
+`RunRecord` (epoch lines, history.jsonl, TensorBoard, summary.json) — and hands them to
+`tfdist.fit`, which any user's script can do alike. It holds no strategy-specific code.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import sys
-import time
 
 import keras
 import tensorflow as tf
@@ -22,19 +20,15 @@ from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, plan_batches, prepare_dataset
 from tfdist.data.datasets import TFRECORD_PREFIX
 from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
-from tfdist.data.pipeline import explain_data_error
 from tfdist.models import build_model
-from tfdist.peers import explain_peer_error
 from tfdist.storage import check_writable_directory
-from tfdist.strategies import check_tpu_node_paths, strategy_kind, tpu_node_address
+from tfdist.strategies import check_tpu_node_paths, runs_on_tpu, tpu_node_address
 from tfdist.training import fit as fit_module
-from tfdist.training import ps_shards
-from tfdist.training.checkpoints import Checkpoints, check_resume_settings
-from tfdist.training.config import ConfigError, TrainConfig
+from tfdist.training.checkpoints import StepCheckpoint, check_resume_settings
+from tfdist.training.config import TrainConfig
 from tfdist.training.optim import build_optimizer, build_schedule
-from tfdist.training.report import Reporter, TrainResult
-from tfdist.training.staleness import StalenessAwareSchedule, attach_update_counter
-from tfdist.training.trainer_callbacks import CheckpointsAndPreemption, Report
+from tfdist.training.report import RunRecord, TrainResult
+from tfdist.training.staleness import StalenessAwareSchedule
 
 log = logging.getLogger(__name__)
 
@@ -84,14 +78,6 @@ class Trainer:
         cluster: ClusterInfo | None = None,
     ):
         self.config, self.strategy = config, strategy
-        self.is_ps = isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
-        if config.staleness_aware_lr and not self.is_ps:
-            raise ConfigError(
-                "staleness_aware_lr applies to parameter-server training only: synchronous "
-                "strategies apply every update to the parameters it was computed from "
-                "(staleness 0). Use the parameter_server strategy or drop the option. "
-                f"Received: staleness_aware_lr=True with {strategy_kind(strategy)}"
-            )
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
@@ -106,7 +92,7 @@ class Trainer:
         if config.model_dir is not None and self.is_chief:  # the others write elsewhere
             check_writable_directory(config.model_dir, name="model_dir")
         # TPUs compile a program per input shape, so evaluation pads its last batches.
-        self.static_shapes = strategy_kind(strategy) == "tpu"
+        self.static_shapes = runs_on_tpu(strategy)
         if self.static_shapes and self.is_chief:
             log.info(
                 "Evaluation pads its last batches to full ones for the TPU's static shapes; "
@@ -162,36 +148,14 @@ class Trainer:
             if config.staleness_aware_lr:  # fit's parameter-server runner scales it per update
                 schedule = StalenessAwareSchedule(schedule)
             self.optimizer = build_optimizer(config, schedule)
-            # Over the shards of variables a partitioner split across ps tasks (ps_shards.py).
-            ps_shards.build_optimizer_over_shards(self.model, self.optimizer)
-            # The step counter is ours: assigned from the host at every save.
-            self.step = tf.Variable(
-                0,
-                dtype=tf.int64,
-                trainable=False,
-                aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-            )
-        # Parameter-server updates are asynchronous: fit counts them on a ps to measure their
-        # staleness. Synchronous strategies have none, and skip the counter's cost.
-        self.update_counter = attach_update_counter(self.model, strategy) if self.is_ps else None
-        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
-        checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer, step=self.step)
-        if self.update_counter is not None:
-            # Saved so that updates applied minus steps counts the updates a dead worker's
-            # re-run closures applied twice, across restarts too.
-            checkpoint.applied_updates = self.update_counter.variable
-        self.checkpoints = Checkpoints(
-            checkpoint,
-            model_dir=config.model_dir,
-            is_chief=self.is_chief,
-            max_to_keep=config.max_checkpoints,
-        )
-        self.reporter = Reporter(
-            is_chief=self.is_chief,
-            model_dir=config.model_dir,
-            steps_per_epoch=self.steps_per_epoch,
-            epochs=config.epochs,
-        )
+        self.callbacks = [
+            StepCheckpoint(
+                config.model_dir,
+                every_n_steps=config.checkpoint_every,
+                max_to_keep=config.max_checkpoints,
+            ),
+            RunRecord(config.model_dir, global_batch_size=config.global_batch_size),
+        ]
 
     # --- data ---------------------------------------------------------------------------------
 
@@ -228,7 +192,8 @@ class Trainer:
         )
         return pad_to_whole_steps(dataset, batch_size=batch_size, batches_per_step=replicas_here)
 
-    def _validation_fn(self, context: tf.distribute.InputContext) -> tf.data.Dataset:
+    def validation_fn(self, context: tf.distribute.InputContext) -> tf.data.Dataset:
+        """(image, label[, weight]) test batches for validation: padding weighs nothing."""
         batch_size = context.get_per_replica_batch_size(self.config.global_batch_size)
         dataset = self.eval_dataset_fn(context, batch_size)
         if not self.static_shapes:
@@ -242,23 +207,10 @@ class Trainer:
             )
         )
 
-    # --- the evaluator task's step --------------------------------------------------------------
-
-    def replica_eval(self, images, labels):
-        """[loss sum, correct, count] of one test batch (padding, PAD_LABEL, counts nothing)."""
-
-        def evaluate():
-            logits = self.model(images, training=False)
-            real = labels != PAD_LABEL
-            known = tf.where(real, labels, tf.zeros_like(labels))
-            return _sums(self.loss_fn(known, logits), logits, known, weights=real)
-
-        # oneDNN's convolution rejects a batch of zero images: such a batch adds nothing.
-        return tf.cond(tf.size(labels) > 0, evaluate, lambda: tf.zeros([3]))
-
     # --- the run ------------------------------------------------------------------------------
 
-    def _compile(self) -> None:
+    def compile(self) -> None:
+        """Compiles the model for this run (the evaluator task compiles it alike)."""
         # Metric variables are created with the metric: inside the scope, to be the strategy's.
         with self.strategy.scope():
             accuracy = keras.metrics.SparseCategoricalAccuracy(name="accuracy")
@@ -275,6 +227,7 @@ class Trainer:
                 )
             else:
                 metrics, weighted = [accuracy], None
+            self.record.eval_loss = "xent" if self.static_shapes else "loss"
             self.model.compile(
                 optimizer=self.optimizer,
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
@@ -283,43 +236,20 @@ class Trainer:
                 steps_per_execution=self.config.steps_per_execution,
             )
 
+    def evaluate(self) -> dict[str, float]:
+        """eval_loss, eval_accuracy of the model as it stands, on every test example once."""
+        logs = fit_module.evaluate(
+            self.model, self.validation_fn, verbose=0, return_dict=True, strategy=self.strategy
+        )
+        return self.record.eval_metrics(logs)
+
+    @property
+    def record(self) -> RunRecord:
+        return self.callbacks[1]
+
     def fit(self) -> TrainResult:
         """Trains to `config.epochs`, resuming from the newest checkpoint; see `train()`."""
-        try:
-            return self._fit()
-        except tf.errors.InvalidArgumentError as e:
-            explained = explain_data_error(e)  # a truncated TFRecord, named
-            if explained is None:
-                raise
-            raise explained from None
-        except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError) as e:
-            lost = (
-                None
-                if self.is_ps or self.cluster is None
-                else explain_peer_error(
-                    e, self.cluster, starting=False, resume_hint=self._resume_hint()
-                )
-            )
-            if lost is None:
-                raise
-            raise lost from None
-        finally:
-            self.checkpoints.close()
-
-    def _resume_hint(self) -> str:
-        if self.checkpoints.directory is None:
-            return "Nothing was saved (no model_dir), so a restart starts over. "
-        latest = tf.train.latest_checkpoint(self.checkpoints.directory)
-        if latest is None:
-            return f"No checkpoint was saved yet in {self.checkpoints.directory}. "
-        return f"A restart resumes from {latest}, the newest checkpoint. "
-
-    def _fit(self) -> TrainResult:
-        start = time.perf_counter()
-        self._compile()
-        checkpoints = CheckpointsAndPreemption(self)
-        report = Report(self)
-        callbacks = [checkpoints, report]
+        self.compile()
         eval_every = self.config.eval_every
         validation_freq = sorted(
             {*(range(eval_every, self.config.epochs + 1, eval_every) if eval_every else ()),
@@ -330,81 +260,19 @@ class Trainer:
             self.train_dataset_fn,
             epochs=self.config.epochs,
             steps_per_epoch=self.steps_per_epoch,
-            validation_data=self._validation_fn,
+            validation_data=self.validation_fn,
             validation_freq=validation_freq,
-            callbacks=callbacks,
+            callbacks=self.callbacks,
             # Keras's bar on the chief, where it can redraw in place (it reads the chief's own
             # replicas' logs: no collective); in a log file the epoch line says it all.
             verbose=1 if self.is_chief and sys.stdout.isatty() else 0,
             strategy=self.strategy,
         )
-        start_step = checkpoints.restored_step or 0
-        step = max(start_step, checkpoints.step)
-        if start_step >= self.total_steps:
-            log.info("Already trained %d of %d steps; nothing to do", start_step, self.total_steps)
-        # The run's record: this session's epochs and those of earlier sessions (a resume,
-        # a re-run), which a session with nothing left to train keeps.
-        record = self.reporter.run_record()
-        history = record.history
-        last = history[-1] if history else {}
-        eval_metrics = {k: v for k, v in last.items() if k.startswith("eval_")}
-        if not self.reporter.trained:  # nothing trained now: evaluate where the run stands
-            logs = fit_module.evaluate(
-                self.model, self._validation_fn, verbose=0, return_dict=True,
-                strategy=self.strategy,
-            )  # fmt: skip
-            eval_metrics = report.eval_metrics(logs)
-        result = TrainResult(
-            strategy=strategy_kind(self.strategy),
-            replicas=self.strategy.num_replicas_in_sync,
-            global_batch_size=self.config.global_batch_size,
-            per_replica_batch_size=self.plan.per_replica_batch_size,
-            steps=step,
-            epochs=self.config.epochs,
-            resumed_from_step=start_step,
-            train_loss=last.get("train_loss"),
-            train_accuracy=last.get("train_accuracy"),
-            eval_loss=eval_metrics.get("eval_loss"),
-            eval_accuracy=eval_metrics.get("eval_accuracy"),
-            examples_per_second=record.examples_per_second(self.config.global_batch_size),
-            wall_seconds=time.perf_counter() - start,
-            **self._staleness_summary(step),
-            history=history,
-            steps_trained=record.steps_trained,
-            train_seconds=record.train_seconds,
-            resume_points=tuple(record.resume_points),
-            sessions=record.sessions,
-        )
-        self.reporter.finish(result, self.model)
-        return result
-
-    def _staleness_summary(self, step: int) -> dict:
-        if self.update_counter is None:
-            return {}
-        mean, largest = self.update_counter.stats.run_summary()
-        applied = self.update_counter.value()
-        if applied > step:
-            log.warning(
-                "%d update(s) reached the parameters twice: a worker died after applying them "
-                "and the coordinator ran its closure again elsewhere (%d updates for %d steps)",
-                applied - step, applied, step,
-            )  # fmt: skip
-        return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
-
-
-def _sums(per_example_loss, logits, labels, weights=None):
-    correct = tf.cast(tf.argmax(logits, axis=-1, output_type=tf.int32) == labels, tf.float32)
-    per_example_loss = tf.cast(per_example_loss, tf.float32)
-    if weights is None:
-        count = tf.cast(tf.shape(labels)[0], tf.float32)
-    else:  # examples of weight 0 count for nothing
-        weights = tf.cast(weights, tf.float32)
-        per_example_loss, correct, count = (
-            per_example_loss * weights,
-            correct * weights,
-            tf.reduce_sum(weights),
-        )
-    return tf.stack([tf.reduce_sum(per_example_loss), tf.reduce_sum(correct), count])
+        if self.record.trained:
+            return self.record.result
+        # Nothing left to train: the record so far, evaluated where the run stands.
+        log.info("Already trained all %d steps; nothing to do", self.total_steps)
+        return self.record.finish(self.evaluate())
 
 
 def _comparable(dataset: str) -> str:
