@@ -210,14 +210,24 @@ def configure_coordination_service(
 # --- keras training -----------------------------------------------------------------------------
 
 
-def symbolic_build(model: keras.Model, sample_batch) -> None:
-    """Builds the model, its compiled metrics and losses and the optimizer's slots from one
-    batch's shapes, as Keras's fit does before its first step.
+def symbolic_build(model: keras.Model, sample_batch, *, build_optimizer: bool = True) -> None:
+    """Builds the model, its compiled metrics and losses and (unless `build_optimizer` is
+    False) the optimizer's slots from one batch's shapes, as Keras's fit does before its
+    first step.
 
     Why: Keras 3.15 has no public call that builds the compiled metrics and losses without
-    running a step (`Trainer._symbolic_build`).
+    running a step (`Trainer._symbolic_build`); it builds an unbuilt optimizer too, so the
+    optimizer passes for built while it runs.
     """
-    model._symbolic_build(data_batch=sample_batch)
+    optimizer = model.optimizer
+    if build_optimizer or optimizer is None or optimizer.built:
+        model._symbolic_build(data_batch=sample_batch)
+        return
+    optimizer.built = True
+    try:
+        model._symbolic_build(data_batch=sample_batch)
+    finally:
+        optimizer.built = False
 
 
 def strategy_of(model: keras.Model):
@@ -315,6 +325,24 @@ def optimizer_variables_list(optimizer) -> list:
     Why: Keras keeps them in `_trainable_variables`; `optimizer.variables` holds its slots.
     """
     return list(optimizer._trainable_variables)
+
+
+def clip_gradients(optimizer, grads: list) -> list:
+    """`grads` clipped as `optimizer` clips them in its update (clipnorm per gradient,
+    global_clipnorm over all, clipvalue per element; None gradients kept).
+
+    Why: Keras 3.15 clips inside `apply` (`BaseOptimizer._clip_gradients`), with no public
+    call; a StepHook that applies gradients itself clips first.
+    """
+    return optimizer._clip_gradients(grads)
+
+
+def uses_weight_decay(optimizer, variable) -> bool:
+    """Whether `optimizer` decays `variable` (not excluded by exclude_from_weight_decay).
+
+    Why: Keras 3.15 decides it in the private `BaseOptimizer._use_weight_decay`.
+    """
+    return bool(optimizer._use_weight_decay(variable))
 
 
 def learning_rate_schedule(optimizer):

@@ -23,7 +23,15 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES, fused_all_reduce
-from tfdist.collective.ring import REDUCTIONS, chunk_bounds, mean_of_sum, ring_all_reduce
+from tfdist.collective.ring import (
+    REDUCTIONS,
+    chunk_bounds,
+    mean_of_sum,
+    owned_chunk,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
 from tfdist.errors import TfdistError
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,11 @@ GROUP_KEY_BASE = 1_000_000
 NAIVE_GROUP_KEY_BASE = 1_100_000
 # Instance keys reserved per built program: one per ring step.
 _KEYS_PER_PROGRAM = 1 << 16
+# Programs built so far on each set of group keys, over every ring object of this process.
+# TensorFlow's collective runtime is per process and remembers each instance key's shape, so
+# a second ring on the same group keys (a later fit's) must not reuse the first's keys.
+# Every rank builds its rings and programs in the same order, so the counts agree.
+_PROGRAMS_BUILT: dict[int, itertools.count] = {}
 
 
 class CollectiveMismatchError(TfdistError, ValueError):
@@ -53,7 +66,7 @@ class _PointToPointAllReduce:
         self._timeout = float(timeout_seconds or 0)
         self._group_base = group_key_base
         self._programs: dict[tuple, tf.types.experimental.ConcreteFunction] = {}
-        self._next_program = itertools.count()
+        self._next_program = _PROGRAMS_BUILT.setdefault(group_key_base, itertools.count())
         # Graph being traced -> how many all-reduces of each signature it already holds.
         self._uses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -112,29 +125,39 @@ class _PointToPointAllReduce:
         return [mean_of_sum(t, self.ranks) for t in summed] if reduction == "mean" else summed
 
     def _program(self, length: int, dtype: tf.DType, reduction: str):
-        # Calls in one traced graph run concurrently (a step's gradients, fusion off), and two
-        # transfers in flight under the same instance key collide ("BufRendezvous::ProvideBuf
-        # already called"): the n-th call of a signature in a graph gets the n-th program of
-        # that signature, keys of its own. Eager calls run one after another and share one.
-        signature = (length, dtype, reduction, 0)
+        return self._compiled(
+            (length, dtype, reduction),
+            tf.TensorSpec([length], dtype),
+            lambda flat, transfers: self._build(flat, reduction, transfers),
+        )
+
+    def _compiled(self, signature: tuple, spec: tf.TensorSpec, build):
+        """The program `build(input, transfers)` for `signature`, compiled once per use.
+
+        Calls in one traced graph run concurrently (a step's gradients, fusion off), and two
+        transfers in flight under the same instance key collide ("BufRendezvous::ProvideBuf
+        already called"): the n-th call of a signature in a graph gets the n-th program of
+        that signature, keys of its own. Eager calls run one after another and share one.
+        """
+        use = 0
         if not tf.executing_eagerly():
             # Counted over the outermost graph: a tf.cond branch or a nested tf.function is a
-            # graph of its own whose all-reduces run beside the enclosing graph's.
+            # graph of its own whose transfers run beside the enclosing graph's.
             graph = tf.compat.v1.get_default_graph()
             while getattr(graph, "outer_graph", None) is not None:
                 graph = graph.outer_graph
             uses = self._uses.setdefault(graph, collections.Counter())
-            signature = (length, dtype, reduction, uses[signature[:3]])
-            uses[signature[:3]] += 1
-        if signature not in self._programs:
+            use = uses[signature]
+            uses[signature] += 1
+        key = (*signature, use)
+        if key not in self._programs:
             # Ranks build programs in the same order, so they agree on each one's keys.
             first_key = next(self._next_program) * _KEYS_PER_PROGRAM + 1
-            transfers = _Transfers(self, dtype, first_key)
-            self._programs[signature] = tf.compat.v1.wrap_function(
-                lambda flat: transfers.after_sends(self._build(flat, reduction, transfers)),
-                [tf.TensorSpec([length], dtype)],
+            transfers = _Transfers(self, spec.dtype, first_key)
+            self._programs[key] = tf.compat.v1.wrap_function(
+                lambda tensor: transfers.after_sends(build(tensor, transfers)), [spec]
             )
-        return self._programs[signature]
+        return self._programs[key]
 
     def _build(self, flat: tf.Tensor, reduction: str, transfers: _Transfers) -> tf.Tensor:
         raise NotImplementedError
@@ -180,29 +203,88 @@ class ProcessRing(_PointToPointAllReduce):
     def _build(self, flat, reduction, transfers):
         length = int(flat.shape[0])
         pieces = max(1, min(self.max_pieces, length * flat.dtype.size // self.min_piece_bytes))
-        right_edge = self._group_base + self.rank  # this rank -> rank + 1
-        left_edge = self._group_base + (self.rank - 1) % self.ranks  # rank - 1 -> this rank
         steps = 2 * (self.ranks - 1)
         outs = []
         for i, (start, end) in enumerate(chunk_bounds(length, pieces)):
-
-            def exchange(send, recv_size, step, first=i * steps):
-                if send is not None:
-                    transfers.send(send, right_edge, 2, first + step)
-                if recv_size:
-                    return transfers.receive(recv_size, left_edge, 2, first + step)
-                return None
-
             outs.append(
                 ring_all_reduce(
                     flat[start:end],
                     rank=self.rank,
                     ranks=self.ranks,
-                    exchange=exchange,
+                    exchange=self._exchange(transfers, first=i * steps),
                     reduction=reduction,
                 )
             )
         return tf.concat(outs, axis=0)
+
+    def reduce_scatter(self, flat: tf.Tensor, bounds: Sequence[tuple[int, int]]) -> tf.Tensor:
+        """The sum over every rank of this rank's chunk of `flat` (ZeRO's first half).
+
+        Args:
+          flat: this rank's 1-D buffer; every rank passes the same length and dtype.
+          bounds: [start, end) of each rank's chunk, in rank order, covering `flat`.
+
+        Returns:
+          The summed chunk `owned_chunk(rank, ranks)` of `flat`.
+        """
+        bounds = tuple(tuple(b) for b in bounds)
+        owned = owned_chunk(self.rank, self.ranks)
+        if self.ranks == 1:
+            return flat
+        program = self._compiled(
+            ("reduce_scatter", bounds, flat.dtype),
+            tf.TensorSpec([bounds[-1][1]], flat.dtype),
+            lambda tensor, transfers: ring_reduce_scatter(
+                [tensor[start:end] for start, end in bounds],
+                rank=self.rank,
+                ranks=self.ranks,
+                exchange=self._exchange(transfers),
+            )[owned],
+        )
+        return program(flat)
+
+    def all_gather(self, chunk: tf.Tensor, bounds: Sequence[tuple[int, int]]) -> tf.Tensor:
+        """Every rank's chunk, end to end (ZeRO's second half).
+
+        Args:
+          chunk: this rank's chunk `owned_chunk(rank, ranks)`, sized as `bounds` say.
+          bounds: [start, end) of each rank's chunk in the whole buffer, in rank order.
+
+        Returns:
+          The whole 1-D buffer, on every rank.
+        """
+        bounds = tuple(tuple(b) for b in bounds)
+        owned = owned_chunk(self.rank, self.ranks)
+        if self.ranks == 1:
+            return chunk
+
+        def build(tensor, transfers):
+            chunks = [tf.zeros([end - start], tensor.dtype) for start, end in bounds]
+            chunks[owned] = tensor
+            chunks = ring_all_gather(
+                chunks, rank=self.rank, ranks=self.ranks, exchange=self._exchange(transfers)
+            )
+            return tf.concat(chunks, axis=0)
+
+        start, end = bounds[owned]
+        program = self._compiled(
+            ("all_gather", bounds, chunk.dtype), tf.TensorSpec([end - start], chunk.dtype), build
+        )
+        return program(chunk)
+
+    def _exchange(self, transfers: _Transfers, first: int = 0):
+        """The ring's transport: send right, receive from the left, one instance key a step."""
+        right_edge = self._group_base + self.rank  # this rank -> rank + 1
+        left_edge = self._group_base + (self.rank - 1) % self.ranks  # rank - 1 -> this rank
+
+        def exchange(send, recv_size, step):
+            if send is not None:
+                transfers.send(send, right_edge, 2, first + step)
+            if recv_size:
+                return transfers.receive(recv_size, left_edge, 2, first + step)
+            return None
+
+        return exchange
 
 
 class GatherBroadcast(_PointToPointAllReduce):

@@ -13,7 +13,8 @@ One module per concern:
   options.py           StrategyOptions, the choices they take, StrategyError
   registry.py          build_strategy, the name -> builder dict, 'auto', strategy_kind
   single_host.py       one_device, mirrored, central_storage
-  multi_worker.py      multi_worker_mirrored, and whether a strategy joins worker processes
+  multi_worker.py      multi_worker_mirrored, whether a strategy joins worker processes,
+                       and this process's rank among them
   parameter_server.py  parameter_server, the TF_CONFIG names of the workers it trains on, and
                        whether a strategy trains through a ClusterCoordinator
   tpu.py               TPU discovery, the tpu builder, the paths a TPU Node can reach, and
@@ -32,7 +33,7 @@ builders here and the training runners test the class; strategy_kind names a str
 messages.
 """
 
-from tfdist.strategies.multi_worker import joins_worker_processes
+from tfdist.strategies.multi_worker import joins_worker_processes, worker_rank
 from tfdist.strategies.options import (
     ALL_REDUCE_CHOICES,
     COLLECTIVE_CHOICES,
@@ -76,6 +77,7 @@ __all__ = [
     "describe_strategy",
     "detect_tpu",
     "joins_worker_processes",
+    "worker_rank",
     "needs_coordinator",
     "resolve_auto",
     "runs_on_tpu",

@@ -118,6 +118,16 @@ def joins_worker_processes(strategy: tf.distribute.Strategy) -> bool:
     return isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
 
 
+def worker_rank(strategy: tf.distribute.Strategy) -> int:
+    """This process's place among the worker processes `strategy` joins (chief first, then
+    the workers, as MultiWorkerMirroredStrategy numbers its replicas); 0 for one process."""
+    resolver = strategy.cluster_resolver if joins_worker_processes(strategy) else None
+    if resolver is None or not resolver.task_type:
+        return 0
+    has_chief = bool(resolver.cluster_spec().as_dict().get(CHIEF))
+    return 0 if resolver.task_type == CHIEF else int(resolver.task_id) + int(has_chief)
+
+
 def _training_rank(cluster: ClusterInfo) -> int:
     """This task's place among the training tasks: the chief first, then the workers."""
     has_chief = bool(cluster.cluster.get(CHIEF))

@@ -32,7 +32,7 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfdist import compat, signals
+from tfdist import compat, parallel, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
 from tfdist.data.pipeline import explain_data_error
@@ -48,6 +48,7 @@ _FIT_KEYWORDS = (
     "x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
     "validation_split", "class_weight", "sample_weight", "initial_epoch", "steps_per_epoch",
     "validation_steps", "validation_batch_size", "validation_freq", "strategy", "step_hooks",
+    "shard_optimizer", "accumulate_steps",
 )  # fmt: skip
 _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
@@ -76,6 +77,8 @@ def fit(
     validation_freq: int | list[int] = 1,
     strategy: tf.distribute.Strategy | None = None,
     step_hooks: Sequence[StepHook] = (),
+    shard_optimizer: str | None = None,
+    accumulate_steps: int = 1,
     **unknown: Any,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model under its tf.distribute strategy, as `model.fit` would.
@@ -102,6 +105,10 @@ def fit(
       strategy: the strategy to train under; default: the one the model was created under.
       step_hooks: StepHooks between each step's gradients and the optimizer's update, in
         order (tfdist.StepHook: accumulation, sharded updates, corrections plug in there).
+      shard_optimizer: None, 'zero1' (the optimizer's state sharded over the replicas) or
+        'zero2' (the gradients too); see tfdist.parallel.zero. Synchronous strategies.
+      accumulate_steps: split each replica's batch into this many micro-batches, summing
+        their gradients into one exchange and update per step (tfdist.parallel.accumulate).
       (the rest: as for keras.Model.fit)
 
     Returns:
@@ -134,7 +141,14 @@ def fit(
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
     runner = runner_for(model, strategy)
-    runner.build(data.sample_batch, _checked_hooks(step_hooks))
+    hooks = parallel.hooks_for(
+        _checked_hooks(step_hooks),
+        shard_optimizer=shard_optimizer,
+        accumulate_steps=accumulate_steps,
+    )
+    if data.global_batch is not None:
+        parallel.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
+    runner.build(data.sample_batch, hooks)
     if data.global_batch is not None and runner.is_chief:
         log.info("%s", plan_batches(strategy, data.global_batch).describe())
     steps = steps_per_epoch or data.num_batches

@@ -47,13 +47,37 @@ class StepHook:
         tfdist.fit(model, data, step_hooks=[ClipGlobalNorm(1.0)])
     """
 
+    # True: the hook works on the steps of a synchronous strategy, where every replica runs
+    # each step together (a sharded update, micro-batch accumulation); the central_storage
+    # and parameter_server runners refuse it.
+    synchronous_only: ClassVar[bool] = False
+
+    @property
+    def name(self) -> str:
+        """How messages name the hook (the option that made it, where one did)."""
+        return type(self).__name__
+
     def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
         """Creates the hook's state (under the strategy's scope), once, before training.
+
+        The model is built; its optimizer is built after every hook's `build`, on the
+        model's trainable variables, unless a hook built it (one that keeps the optimizer's
+        state itself builds it on the variables it keeps state for).
 
         Args:
           model: the compiled, built model.
           strategy: the strategy it trains under.
         """
+
+    def step(self, batch: Any, train_step: Callable[[Any], Any]) -> Any:
+        """Runs one replica's training step on `batch` through `train_step` (the model's
+        own, or the next hook's `step`) and returns what the last call returned.
+
+        The default calls it once. A hook that changes the step's shape overrides it (one
+        that accumulates gradients splits the batch into micro-batches and calls it once
+        for each); `apply` then sees one call per micro-batch.
+        """
+        return train_step(batch)
 
     def apply(self, grads_and_vars: GradsAndVars, apply_next: Callable[[GradsAndVars], Any]):
         """Applies one step's gradients; call `apply_next(pairs)` to hand them on."""

@@ -17,6 +17,7 @@ fit()"). tfdist runs the override under every strategy, and reports what Keras's
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -123,6 +124,18 @@ class MetricState(keras.StatelessScope):
 
 
 # --- the update chain: where StepHooks sit in a step --------------------------------------------
+
+
+def hooked_train_step(model: keras.Model, hooks: Sequence[StepHook]) -> Callable[[Any], Any]:
+    """The model's `train_step`, run through each hook's `step` (the first hook outermost)."""
+    step = model.train_step
+    for hook in reversed(hooks):
+        step = functools.partial(_hook_step, hook, step)
+    return step
+
+
+def _hook_step(hook: StepHook, train_step, batch):
+    return hook.step(batch, train_step)
 
 
 @contextlib.contextmanager

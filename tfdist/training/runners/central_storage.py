@@ -134,7 +134,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         refuse_staleness_scaling(self.model, self.strategy)
         with self.strategy.scope():
-            compat.symbolic_build(self.model, sample_batch)
+            compat.symbolic_build(self.model, sample_batch, build_optimizer=False)
         self._prepare(None, step_hooks)
         self._stacked = self._replica_zeros()
 

@@ -20,6 +20,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.strategies import strategy_kind
 from tfdist.training.fit_data import FitError, unpack
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import Runner, StepHook
@@ -119,9 +120,20 @@ class StatelessMetricsRunner(Runner):
     def _prepare(self, sharded: ShardedTraining | None, step_hooks: Sequence[StepHook]) -> None:
         """Once the model is built: checks what the stateless steps need, and sets up."""
         model, strategy = self.model, self.strategy
+        for hook in step_hooks:
+            if hook.synchronous_only:
+                raise FitError(
+                    f"{hook.name} works on the steps of a synchronous strategy "
+                    "(mirrored, multi_worker_mirrored), where every replica runs each step "
+                    f"together; {strategy_kind(strategy)} updates the variables another way. "
+                    "Use a synchronous strategy or drop the option. "
+                    f"Received: {hook.name} under {strategy_kind(strategy)}"
+                )
         with strategy.scope():
             for hook in step_hooks:
                 hook.build(model, strategy)
+            if model.optimizer is not None and not model.optimizer.built:
+                model.optimizer.build(model.trainable_variables)  # no hook built it
         self.hooks = list(step_hooks)
         self.metric_variables = list(model.metrics_variables)
         # The trainable variables as the step reads and updates them: whole, or for variables

@@ -41,6 +41,7 @@ from tfdist.training.steps import (
     StepClock,
     custom_test_step,
     custom_train_step,
+    hooked_train_step,
     python_logs,
     step_logs,
     updates_through,
@@ -99,10 +100,15 @@ class SyncRunner(Runner):
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         refuse_staleness_scaling(self.model, self.strategy)
+        optimizer = self.model.optimizer
         with self.strategy.scope():
-            compat.symbolic_build(self.model, sample_batch)
+            # A hook may keep the optimizer's state itself (a sharded update builds the
+            # optimizer for its slice): hooks build first, the optimizer after if none did.
+            compat.symbolic_build(self.model, sample_batch, build_optimizer=False)
             for hook in step_hooks:
                 hook.build(self.model, self.strategy)
+            if optimizer is not None and not optimizer.built:
+                optimizer.build(self.model.trainable_variables)
         self.hooks = list(step_hooks)
         self.metric_variables = list(self.model.metrics_variables)
         self.moving_statistics = MovingStatistics(self.model, self.strategy)
@@ -122,7 +128,7 @@ class SyncRunner(Runner):
             arrived = tf.timestamp()
         clock = StepClock()
         with updates_through(self.model.optimizer, [clock, *self.hooks]):
-            outputs = self.model.train_step(batch)
+            outputs = hooked_train_step(self.model, self.hooks)(batch)
         with tf.control_dependencies(_tensors(outputs)):
             end = tf.timestamp()
         ready, applied = clock.marks or (end, end)  # no update: all of it was compute
@@ -207,7 +213,7 @@ class SyncRunner(Runner):
                 if kind == "test":
                     return model.test_step(batch)
                 with updates_through(model.optimizer, hooks):
-                    return model.train_step(batch)
+                    return hooked_train_step(model, hooks)(batch)
 
             self._one_fns[kind] = tf.function(lambda batch: strategy.run(replica, args=(batch,)))
         return self._one_fns[kind](batch)

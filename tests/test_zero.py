@@ -1,0 +1,222 @@
+"""Sharded optimizer state and gradients (tfdist.parallel.zero) and gradient accumulation
+(tfdist.parallel.accumulate), against unsharded training and Keras's own fit.
+
+In one process over 2, 3 and 4 logical CPUs (mirrored), and with real worker processes
+(multi_worker_mirrored, 2 and 3 workers: tests/workers/zero_worker.py).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests import zero_cases
+from tests.conftest import run_module
+from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
+from tfdist.training.fit_data import FitError
+
+TOLERANCE = 1e-5
+
+
+def mirrored(devices: int):
+    return tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(devices)]
+    )
+
+
+def train(strategy, optimizer: str, **keywords):
+    with strategy.scope():
+        model = zero_cases.mlp(optimizer)
+    x, y = zero_cases.data()
+    tfdist.fit(
+        model, x, y, batch_size=zero_cases.GLOBAL_BATCH, shuffle=False, verbose=0, **keywords
+    )
+    return model
+
+
+def slot_bytes(optimizer) -> int:
+    """Bytes of an optimizer's variables other than its step count and learning rate."""
+    own = {id(optimizer.iterations), id(getattr(optimizer, "_learning_rate", None))}
+    return sum(
+        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+        for v in optimizer.variables
+        if id(v) not in own
+    )
+
+
+# --- how the weights are cut ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 7])
+def test_flat_partition_covers_every_weight_once_in_equal_ranges(ranks):
+    shapes = [(6, 13), (13,), (13, 9), (9,), (9, 3), (3,)]
+    partition = Partition.flat(shapes, ranks)
+    lengths = [end - start for start, end in partition.bounds]
+    assert max(lengths) - min(lengths) <= 1 and sum(lengths) == 247
+    covered = np.zeros(247, int)
+    for chunk in range(ranks):
+        at = partition.bounds[chunk][0]
+        for piece in partition.pieces(chunk):
+            assert piece.shape == (piece.end - piece.start,)
+            first = partition.offsets[piece.index] + piece.start
+            assert first == at  # pieces tile the chunk in buffer order
+            covered[first : first + piece.end - piece.start] += 1
+            at += piece.end - piece.start
+        assert at == partition.bounds[chunk][1]
+    assert (covered == 1).all()
+
+
+def test_variable_partition_keeps_variables_whole_and_balances_them():
+    shapes = [(100, 10), (10,), (10, 300), (300,), (300, 2), (2,)]
+    partition = Partition.by_variable(shapes, 2)
+    owners = {}
+    for chunk in range(2):
+        for piece in partition.pieces(chunk):
+            assert piece.shape == shapes[piece.index] and piece.start == 0
+            owners[piece.index] = chunk
+    assert sorted(owners) == list(range(len(shapes)))
+    loads = [end - start for start, end in partition.bounds]
+    assert loads == [3000, 1000 + 10 + 300 + 600 + 2]  # the largest alone; the rest together
+
+
+# --- one process, several devices -------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "devices, optimizers",
+    [
+        (2, ["sgd_momentum", "adam", "adamw_clipnorm", "lamb"]),
+        (3, ["adam", "lamb"]),  # 247 weights do not split evenly over 3
+        (4, ["sgd_momentum", "adamw_clipnorm"]),
+    ],
+)
+def test_sharded_updates_equal_unsharded_training_over_local_devices(devices, optimizers):
+    strategy = mirrored(devices)
+    for optimizer in optimizers:
+        plain = train(strategy, optimizer)
+        for stage in (1, 2):
+            hook = ShardedUpdate(stage)
+            sharded = train(strategy, optimizer, step_hooks=[hook])
+            diff = zero_cases.max_diff(plain.get_weights(), sharded.get_weights())
+            assert diff <= TOLERANCE, (optimizer, stage, diff)
+            assert int(sharded.optimizer.iterations.numpy()) == zero_cases.STEPS
+            # The user's optimizer keeps no slots; each replica holds its slice's.
+            assert slot_bytes(sharded.optimizer) == 0
+            per_replica = [r.slot_bytes() for r in hook.replicas]
+            whole = slot_bytes(plain.optimizer)
+            if hook.partition.whole:  # whole variables per replica: balanced, not exact
+                assert sum(per_replica) == whole
+            else:
+                for got in per_replica:
+                    assert abs(got - whole / devices) <= 4 * len(plain.trainable_variables) * 4
+
+
+def test_accumulation_equals_one_larger_batch_and_composes_with_sharding():
+    x, y = zero_cases.data()
+    keras_model = zero_cases.mlp("adam")  # Keras's own fit, one device, whole batches
+    reference = keras_model.fit(x, y, batch_size=48, shuffle=False, verbose=0).history
+    strategy = mirrored(2)
+    for keywords in (
+        {"accumulate_steps": 4},  # micro-batches of 6 per replica
+        {"accumulate_steps": 4, "shard_optimizer": "zero2"},
+        {"accumulate_steps": 2, "shard_optimizer": "zero1"},
+    ):
+        with strategy.scope():
+            model = zero_cases.mlp("adam")
+        history = tfdist.fit(model, x, y, batch_size=48, shuffle=False, verbose=0, **keywords)
+        diff = zero_cases.max_diff(keras_model.get_weights(), model.get_weights())
+        assert diff <= TOLERANCE, (keywords, diff)
+        # One optimizer step per batch, and the logs count every micro-batch's examples.
+        assert int(model.optimizer.iterations.numpy()) == zero_cases.STEPS
+        for key, values in reference.items():
+            np.testing.assert_allclose(history.history[key], values, atol=1e-5)
+
+
+def test_accumulation_exchanges_once_per_step():
+    strategy = mirrored(2)
+    exchanges = []
+
+    class CountExchanges(tfdist.StepHook):
+        def apply(self, grads_and_vars, apply_next):
+            exchanges.append(1)  # traced once per exchange in the step's graph
+            return apply_next(grads_and_vars)
+
+    with strategy.scope():
+        model = zero_cases.mlp("sgd_momentum")
+    x, y = zero_cases.data()
+    tfdist.fit(
+        model, x, y, batch_size=48, steps_per_epoch=1, verbose=0,
+        step_hooks=[Accumulate(4), CountExchanges()],
+    )  # fmt: skip
+    assert len(exchanges) == 2  # one per replica's traced step, not 4 per replica
+
+
+# --- what is refused, and how -------------------------------------------------------------------
+
+
+def test_bad_sharding_and_accumulation_options_get_one_clear_line():
+    x, y = zero_cases.data()
+    two = mirrored(2)
+    cases = [
+        (two, {"accumulate_steps": 5}, "accumulate_steps=5 must divide each replica's batch"),
+        (two, {"accumulate_steps": 0}, "accumulate_steps must be a whole number >= 1"),
+        (two, {"shard_optimizer": "zero4"}, "shard_optimizer must be None, 'zero1' or 'zero2'"),
+        (mirrored(1), {"shard_optimizer": "zero2"}, "needs at least 2 replicas"),
+        (
+            tfdist.build_strategy("central_storage", cluster=None, devices=["/cpu:0", "/cpu:1"]),
+            {"shard_optimizer": "zero1"},
+            "works on the steps of a synchronous strategy",
+        ),
+        (
+            two,
+            {"step_hooks": [ShardedUpdate(2, partition="flat")]},
+            "Lamb needs whole variables under sharding",
+        ),
+    ]
+    for strategy, keywords, message in cases:
+        with strategy.scope():
+            model = zero_cases.mlp("lamb" if "step_hooks" in keywords else "adam")
+        with pytest.raises(FitError, match=message):
+            tfdist.fit(model, x, y, batch_size=48, verbose=0, **keywords)
+    with two.scope():
+        model = zero_cases.mlp("adam")
+        model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
+    with pytest.raises(ShardingError, match="does not yet shard a LossScaleOptimizer"):
+        tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero2")
+
+
+# --- worker processes -----------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [2, 3])
+def test_sharded_updates_equal_unsharded_training_across_worker_processes(workers, tmp_path):
+    result = run_module(
+        "tools.launch", "--workers", str(workers), "--timeout", "280", "--",
+        sys.executable, "-m", "tests.workers.zero_worker", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+    def weights(task: str, name: str) -> list[np.ndarray]:
+        arrays = np.load(tmp_path / task / f"{name}.npz")
+        return [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+
+    tasks = [f"worker_{i}" for i in range(workers)]
+    for optimizer in ("sgd_momentum", "adam", "adamw_clipnorm"):
+        plain = weights("worker_0", f"{optimizer}_plain")
+        for task in tasks:
+            for stage in ("zero1", "zero2"):
+                got = weights(task, f"{optimizer}_{stage}")
+                assert zero_cases.max_diff(plain, got) <= TOLERANCE, (optimizer, stage, task)
+    for task in tasks:
+        assert zero_cases.max_diff(weights(task, "lamb_plain"), weights(task, "lamb_zero2")) <= (
+            TOLERANCE
+        )
+        two = weights(task, "two_outputs_plain")
+        got = weights(task, "two_outputs_zero2_accumulate2")
+        assert zero_cases.max_diff(two, got) <= TOLERANCE, task

@@ -1,0 +1,64 @@
+"""A user's script with sharded optimizer state, run by every worker of a launched job.
+
+  python -m tools.launch --workers 3 -- python -m tests.workers.zero_worker OUT
+
+Each worker trains every case of tests/zero_cases.py unsharded, then sharded (zero1, zero2,
+with accumulation), under multi_worker_mirrored, and writes the weights to OUT/<task>/ for
+tests/test_zero.py to compare.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+from tests import zero_cases  # noqa: E402
+
+# (case name, model builder, fit keywords)
+RUNS = [
+    *(
+        (f"{name}_{shard or 'plain'}", lambda name=name: zero_cases.mlp(name), shard)
+        for name in ("sgd_momentum", "adam", "adamw_clipnorm")
+        for shard in (None, "zero1", "zero2")
+    ),
+    ("lamb_plain", lambda: zero_cases.mlp("lamb"), None),
+    ("lamb_zero2", lambda: zero_cases.mlp("lamb"), "zero2"),
+]
+
+
+def main(out: str) -> None:
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    here = os.path.join(out, f"{task['type']}_{task['index']}")
+    os.makedirs(here, exist_ok=True)
+    x, y = zero_cases.data()
+    batch = zero_cases.GLOBAL_BATCH
+    for name, build, shard in RUNS:
+        with strategy.scope():
+            model = build()
+        tfdist.fit(model, x, y, batch_size=batch, shuffle=False, verbose=0, shard_optimizer=shard)
+        np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
+    # A functional model with two outputs: zero2 with 2 micro-batches a step, against plain.
+    targets = zero_cases.two_output_targets(x, y)
+    for name, keywords in (
+        ("two_outputs_plain", {}),
+        ("two_outputs_zero2_accumulate2", {"shard_optimizer": "zero2", "accumulate_steps": 2}),
+    ):
+        with strategy.scope():
+            model = zero_cases.two_outputs()
+        history = tfdist.fit(
+            model, x, targets, batch_size=batch, epochs=2, shuffle=False, verbose=0, **keywords
+        )
+        np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
+        with open(os.path.join(here, f"{name}.json"), "w") as f:
+            json.dump(history.history, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

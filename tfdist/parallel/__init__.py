@@ -1,0 +1,60 @@
+"""Parallel modes that plug into tfdist.fit's step seam (tfdist.StepHook).
+
+- zero.py: ShardedUpdate, the optimizer's state (ZeRO stage 1) and the gradients (stage 2)
+  sharded over the replicas of a synchronous strategy.
+- accumulate.py: Accumulate, k micro-batches per step and one exchange.
+
+Each is a StepHook. `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4)` builds
+them from keywords (`hooks_for`), or pass them yourself with `step_hooks=[...]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tfdist.parallel.accumulate import Accumulate
+from tfdist.parallel.zero import Partition, ShardedUpdate, ShardingError
+from tfdist.training.fit_data import FitError
+from tfdist.training.runner import StepHook
+
+SHARD_CHOICES = ("zero1", "zero2")
+
+
+def hooks_for(
+    step_hooks: Sequence[StepHook] = (),
+    *,
+    shard_optimizer: str | None = None,
+    accumulate_steps: int = 1,
+) -> list[StepHook]:
+    """The chain of hooks fit's keywords ask for, around the user's own `step_hooks`:
+    accumulation first (the user's hooks then see each step's summed gradients once), a
+    sharded update last (it applies the gradients itself)."""
+    if shard_optimizer not in (None, *SHARD_CHOICES):
+        raise FitError(
+            f"shard_optimizer must be None, 'zero1' or 'zero2'. Received: {shard_optimizer!r}"
+        )
+    hooks: list[StepHook] = []
+    if accumulate_steps != 1:
+        hooks.append(Accumulate(accumulate_steps))
+    hooks.extend(step_hooks)
+    if shard_optimizer:
+        hooks.append(ShardedUpdate(stage=int(shard_optimizer[-1])))
+    return hooks
+
+
+def check_batch(hooks: Sequence[StepHook], per_replica_batch: int) -> None:
+    """Refuses a per-replica batch that an Accumulate hook cannot split evenly."""
+    for hook in hooks:
+        if isinstance(hook, Accumulate):
+            hook.check_batch(per_replica_batch)
+
+
+__all__ = [
+    "SHARD_CHOICES",
+    "Accumulate",
+    "Partition",
+    "ShardedUpdate",
+    "ShardingError",
+    "check_batch",
+    "hooks_for",
+]

@@ -1,0 +1,509 @@
+"""Sharded optimizer state (ZeRO stage 1) and gradients (stage 2) for synchronous training.
+
+In plain data parallelism every replica keeps the whole optimizer state: with Adam, two
+more fp32 copies of every weight. ZeRO (Rajbhandari et al., 2020) splits it over the N
+replicas instead. Every step, each replica
+
+  1. packs its gradients into one flat buffer (clipped first, as Keras clips each replica's
+     gradients under a strategy);
+  2. reduces them over the ring: stage 1 all-reduces the buffer and keeps its own slice,
+     stage 2 reduce-scatters it, so only the slice's sum is ever formed;
+  3. applies the user's own optimizer to its slice only, so slot variables exist for 1/N of
+     the weights (the slice's weight decay too);
+  4. all-gathers the updated slices, and every replica writes the whole model back.
+
+The slices are contiguous ranges of the packed buffer (tfdist.collective.ring's chunks).
+How the buffer is cut, the `Partition`, depends on the optimizer: one whose update of a
+weight reads only that weight's gradient and slots (SGD, Adam, AdamW, RMSprop, ...) is cut
+into N equal ranges, whatever the variables; one that reads a whole variable (LAMB's trust
+ratio, Adafactor's factored moments) gets whole variables per replica instead, balanced by
+size, as PyTorch's ZeroRedundancyOptimizer does.
+
+The user's optimizer stays the model's optimizer: its `iterations`, its learning rate (a
+schedule, or a value callbacks change) and its weight-decay choices drive every slice. It is
+built on no variables; each local replica keeps a copy of it (same class and config) whose
+slots are built for that replica's slice alone, on its device.
+
+Example:
+
+    with strategy.scope():
+        model = ...; model.compile(optimizer="adam", loss=...)
+    tfdist.fit(model, data, shard_optimizer="zero2")
+    # or: tfdist.fit(model, data, step_hooks=[tfdist.parallel.ShardedUpdate(stage=2)])
+
+The ring runs over the local devices of a mirrored strategy (one program, copies between
+devices) or over the worker processes of a multi_worker_mirrored job (tfdist's ProcessRing
+on collective point-to-point transfers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.collective.ring import (
+    chunk_bounds,
+    local_ring_all_gather,
+    local_ring_reduce_scatter,
+    owned_chunk,
+)
+from tfdist.collective.transport import ProcessRing
+from tfdist.strategies import joins_worker_processes, runs_on_tpu, worker_rank
+from tfdist.training.fit_data import FitError
+from tfdist.training.runner import StepHook
+
+STAGES = (1, 2)
+PARTITIONS = ("auto", "flat", "variables")
+# Group keys of the ZeRO ring's edges: apart from the gradient ring's (tfdist.collective).
+ZERO_GROUP_KEY_BASE = 1_200_000
+
+# Optimizers whose update of each weight reads only that weight's gradient and slots (and
+# scalar hyperparameters): any contiguous range of the packed weights can be updated alone.
+_ELEMENTWISE = (
+    keras.optimizers.SGD,
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.Adamax,
+    keras.optimizers.Nadam,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Ftrl,
+    keras.optimizers.Lion,
+)
+
+
+class ShardingError(FitError):
+    """A sharded update was asked for where it cannot work as asked."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """The part of one model variable a replica updates.
+
+    Attributes:
+      index: the variable's position in `model.trainable_variables`.
+      start: its first element (flattened) in the piece.
+      end: one past its last.
+      shape: the shape the optimizer sees: the variable's own for a whole variable, else
+        [end - start].
+    """
+
+    index: int
+    start: int
+    end: int
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """How the packed weights are cut into one contiguous chunk per replica.
+
+    Attributes:
+      order: variable indices in the order they are packed.
+      offsets: each variable's first element in the packed buffer, by variable index.
+      sizes: each variable's number of elements, by variable index.
+      shapes: each variable's shape, by variable index.
+      bounds: [start, end) of each chunk in the buffer; chunk c belongs to the replica r
+        with owned_chunk(r, N) == c.
+      whole: whether every chunk holds whole variables.
+    """
+
+    order: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    bounds: tuple[tuple[int, int], ...]
+    whole: bool
+
+    @property
+    def length(self) -> int:
+        return sum(self.sizes)
+
+    def pieces(self, chunk: int) -> list[Piece]:
+        """The pieces of the variables chunk `chunk` covers, in buffer order."""
+        start, end = self.bounds[chunk]
+        pieces = []
+        for i in self.order:
+            lo, hi = max(start, self.offsets[i]), min(end, self.offsets[i] + self.sizes[i])
+            if lo < hi:
+                local = (lo - self.offsets[i], hi - self.offsets[i])
+                shape = self.shapes[i] if self.whole else (hi - lo,)
+                pieces.append(Piece(i, *local, shape))
+        return pieces
+
+    @classmethod
+    def flat(cls, shapes: Sequence[tuple[int, ...]], ranks: int) -> Partition:
+        """N ranges of equal length (to one element) over the variables in model order."""
+        sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        offsets = tuple(int(o) for o in np.cumsum((0, *sizes[:-1])))
+        return cls(
+            order=tuple(range(len(shapes))),
+            offsets=offsets,
+            sizes=sizes,
+            shapes=tuple(tuple(s) for s in shapes),
+            bounds=tuple(chunk_bounds(sum(sizes), ranks)),
+            whole=False,
+        )
+
+    @classmethod
+    def by_variable(cls, shapes: Sequence[tuple[int, ...]], ranks: int) -> Partition:
+        """Whole variables per chunk: largest first, each to the chunk with the fewest
+        elements so far (ties: the lower chunk)."""
+        sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        loads, members = [0] * ranks, [[] for _ in range(ranks)]
+        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+            chunk = min(range(ranks), key=lambda c: (loads[c], c))
+            loads[chunk] += sizes[i]
+            members[chunk].append(i)
+        order = tuple(i for chunk in members for i in sorted(chunk))
+        offsets, at = [0] * len(sizes), 0
+        for i in order:
+            offsets[i], at = at, at + sizes[i]
+        bounds, at = [], 0
+        for load in loads:
+            bounds.append((at, at + load))
+            at += load
+        return cls(
+            order=order,
+            offsets=tuple(offsets),
+            sizes=sizes,
+            shapes=tuple(tuple(s) for s in shapes),
+            bounds=tuple(bounds),
+            whole=True,
+        )
+
+
+class ShardedUpdate(StepHook):
+    """A StepHook that shards the optimizer's state (stage 1) and the gradients (stage 2).
+
+    It ends the update chain: it applies the gradients itself and does not call the next
+    link. See the module docstring for what a step does.
+
+    Args:
+      stage: 1 (optimizer state sharded; the gradients all-reduced whole) or 2 (gradients
+        reduce-scattered as well: each replica forms only its slice's sum).
+      partition: 'flat' (equal ranges of the packed weights; for optimizers that update
+        each weight on its own), 'variables' (whole variables per replica, balanced by
+        size; any optimizer) or 'auto' ('flat' where the optimizer allows it).
+      timeout_seconds: how long a transfer between worker processes may wait for its peer;
+        None waits forever.
+    """
+
+    synchronous_only = True
+
+    def __init__(self, stage: int = 2, *, partition: str = "auto", timeout_seconds=None):
+        if stage not in STAGES:
+            raise ShardingError(
+                f"stage must be 1 or 2 (zero1: optimizer state; zero2: gradients too). "
+                f"Received: stage={stage!r}"
+            )
+        if partition not in PARTITIONS:
+            raise ShardingError(
+                f"partition must be one of {', '.join(PARTITIONS)}. Received: {partition!r}"
+            )
+        self.stage, self.partition_choice = stage, partition
+        self.timeout_seconds = timeout_seconds
+        self.partition: Partition | None = None
+        self.replicas: list[_LocalReplica] = []
+
+    @property
+    def name(self) -> str:
+        return f"shard_optimizer='zero{self.stage}'"
+
+    # --- building -------------------------------------------------------------------------------
+
+    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+        self.model, self.strategy = model, strategy
+        optimizer = _plain_optimizer(model.optimizer, self.name)
+        variables = list(model.trainable_variables)
+        if runs_on_tpu(strategy):
+            raise ShardingError(
+                f"{self.name} is not built for TPUs (their replicas are one XLA program). "
+                "Drop shard_optimizer on TPU. Received: a TPU strategy"
+            )
+        devices = list(strategy.extended.worker_devices)
+        workers = compat.sync_worker_count(strategy)
+        ranks = workers * len(devices)
+        if ranks < 2:
+            raise ShardingError(
+                f"{self.name} needs at least 2 replicas to shard over; this strategy has "
+                f"{ranks}. Use 2 or more devices (tfdist.configure_cpu_devices(2) for logical "
+                "CPUs) or worker processes, or drop shard_optimizer. Received: 1 replica"
+            )
+        if workers > 1 and len(devices) > 1:
+            raise ShardingError(
+                f"{self.name} across worker processes runs one replica per process; this "
+                f"job has {len(devices)} devices in each of {workers} processes. Start one "
+                "process per device (tfdist-launch --workers N), or use mirrored in one "
+                f"process. Received: {workers} workers x {len(devices)} devices"
+            )
+        dtypes = {v.dtype for v in variables}
+        if len(dtypes) != 1 or not tf.as_dtype(next(iter(dtypes))).is_floating:
+            raise ShardingError(
+                f"{self.name} packs the trainable variables into one buffer, so they must "
+                "share one floating-point dtype. Received: "
+                + ", ".join(sorted(str(d) for d in dtypes))
+            )
+        self.partition = self._partition(optimizer, [tuple(v.shape) for v in variables], ranks)
+        self.dtype = tf.as_dtype(next(iter(dtypes)))
+        rank_base = worker_rank(strategy) * len(devices)
+        # The user's optimizer keeps iterations and the learning rate, no slots.
+        if not optimizer.built:
+            optimizer.build([])
+        decays = [
+            bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
+            for v in variables
+        ]
+        self.replicas = _outside_strategy(
+            lambda: [
+                _LocalReplica(
+                    optimizer,
+                    self.partition,
+                    rank=rank_base + d,
+                    ranks=ranks,
+                    device=device,
+                    variables=variables,
+                    decays=decays,
+                )
+                for d, device in enumerate(devices)
+            ]
+        )
+        self.devices = devices
+        self.ring = None
+        if joins_worker_processes(strategy) and workers > 1:
+            self.ring = ProcessRing(
+                rank=rank_base,
+                ranks=ranks,
+                timeout_seconds=self.timeout_seconds,
+                group_key_base=ZERO_GROUP_KEY_BASE,
+            )
+
+    def _partition(self, optimizer, shapes, ranks: int) -> Partition:
+        elementwise = isinstance(optimizer, _ELEMENTWISE)
+        choice = self.partition_choice
+        if choice == "flat" and not elementwise:
+            raise ShardingError(
+                f"{type(optimizer).__name__} needs whole variables under sharding (its update "
+                "reads a variable's whole gradient, as LAMB's trust ratio does), so it cannot "
+                "be cut into equal flat ranges. Use partition='variables' (or 'auto'), which "
+                "gives each replica whole variables. Received: partition='flat'"
+            )
+        if choice == "flat" or (choice == "auto" and elementwise):
+            return Partition.flat(shapes, ranks)
+        return Partition.by_variable(shapes, ranks)
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def apply(self, grads_and_vars, apply_next):
+        del apply_next  # the end of the chain: this hook applies the update itself
+        optimizer = self.model.optimizer
+        grads = [g for g, _ in grads_and_vars]
+        present = [g is not None for g in grads]
+        grads = compat.clip_gradients(optimizer, grads)  # per replica, as Keras clips
+        flat = self._pack(grads)
+        context = tf.distribute.get_replica_context()
+        return context.merge_call(self._update, args=(flat,), kwargs={"present": present})
+
+    def _pack(self, grads) -> tf.Tensor:
+        parts = []
+        for i in self.partition.order:
+            grad = grads[i]
+            if grad is None:  # no gradient: zeros travel, and the variable is left alone
+                parts.append(tf.zeros([self.partition.sizes[i]], self.dtype))
+            else:
+                parts.append(tf.reshape(tf.convert_to_tensor(grad), [-1]))
+        return tf.concat(parts, axis=0)
+
+    def _update(self, strategy, flat, present: list[bool]):
+        """In cross-replica context: reduce, update each local slice, gather, write back."""
+        flats = list(strategy.experimental_local_results(flat))
+        slices = self._reduced_slices(flats)
+        variables = list(self.model.trainable_variables)
+        optimizer = self.model.optimizer
+        learning_rate = optimizer.learning_rate
+        iterations = optimizer.iterations
+        weight_decay = optimizer.weight_decay or 0.0
+        updated = []
+        for d, (replica, grad) in enumerate(zip(self.replicas, slices, strict=True)):
+            weights = [strategy.experimental_local_results(v.value)[d] for v in variables]
+            with tf.device(replica.device):
+                updated.append(
+                    replica.update(grad, weights, present, learning_rate, weight_decay, iterations)
+                )
+        iterations.assign_add(1)
+        wholes = self._gathered(updated)
+        for d, whole in enumerate(wholes):
+            with tf.device(self.devices[d]):
+                self._write_back(whole, variables, present, d)
+        return None
+
+    def _reduced_slices(self, flats: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each local replica's owned chunk of the sum over every replica."""
+        bounds = self.partition.bounds
+        owned = [replica.chunk for replica in self.replicas]
+        if self.ring is not None:  # one replica per process
+            (flat,) = flats
+            if self.stage == 1:
+                start, end = bounds[owned[0]]
+                return [self.ring.all_reduce(flat)[start:end]]
+            return [self.ring.reduce_scatter(flat, bounds)]
+        chunks = []
+        for flat, device in zip(flats, self.devices, strict=True):
+            with tf.device(device):
+                chunks.append([flat[start:end] for start, end in bounds])
+        chunks = local_ring_reduce_scatter(chunks, self.devices)
+        if self.stage == 1:  # the whole sum on every device, then this replica's slice
+            chunks = local_ring_all_gather(chunks, self.devices)
+        return [chunks[d][c] for d, c in enumerate(owned)]
+
+    def _gathered(self, updated: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The whole packed weights on every local device, from each replica's slice."""
+        bounds = self.partition.bounds
+        if self.ring is not None:
+            return [self.ring.all_gather(updated[0], bounds)]
+        chunks = []
+        for replica, mine, device in zip(self.replicas, updated, self.devices, strict=True):
+            with tf.device(device):
+                row = [tf.zeros([end - start], self.dtype) for start, end in bounds]
+                row[replica.chunk] = mine
+                chunks.append(row)
+        chunks = local_ring_all_gather(chunks, self.devices)
+        out = []
+        for row, device in zip(chunks, self.devices, strict=True):
+            with tf.device(device):
+                out.append(tf.concat(row, axis=0))
+        return out
+
+    def _write_back(self, whole: tf.Tensor, variables, present, d: int) -> None:
+        partition = self.partition
+        for i in partition.order:
+            if not present[i]:
+                continue
+            variable = variables[i]
+            start = partition.offsets[i]
+            value = tf.reshape(whole[start : start + partition.sizes[i]], variable.shape)
+            if variable.constraint is not None:
+                value = variable.constraint(value)
+            self.strategy.experimental_local_results(variable.value)[d].assign(value)
+
+    # --- what it holds --------------------------------------------------------------------------
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this process holds: the optimizer's slots (all local replicas) and the
+        pieces of weights they update."""
+        slots = sum(r.slot_bytes() for r in self.replicas)
+        pieces = sum(r.piece_bytes() for r in self.replicas)
+        return {"optimizer_state": slots, "weight_slices": pieces}
+
+
+class _LocalReplica:
+    """One local replica's slice: its pieces of the weights (variables on its device), and
+    a copy of the user's optimizer whose slots are built for those pieces alone."""
+
+    def __init__(self, optimizer, partition: Partition, *, rank, ranks, device, variables, decays):
+        self.rank, self.device = rank, device
+        self.chunk = owned_chunk(rank, ranks)
+        self.pieces = partition.pieces(self.chunk)
+        self.decays = [decays[p.index] for p in self.pieces]
+        dtype = self.dtype = variables[0].dtype
+        with tf.device(device):
+            self.variables = [
+                keras.Variable(
+                    np.zeros(p.shape, dtype),
+                    dtype=dtype,
+                    name=f"{variables[p.index].name}_zero{rank}",
+                )
+                for p in self.pieces
+            ]
+            # The same class and config: only its update_step and slots are used (the hook
+            # clips, decays and counts through the user's optimizer).
+            self.optimizer = type(optimizer).from_config(optimizer.get_config())
+            self.optimizer.build(self.variables)
+
+    def update(self, grad, weights, present, learning_rate, weight_decay, iterations):
+        """Applies `grad` (this replica's summed chunk) to its pieces of `weights` (the model's
+        variables on this device) and returns the updated chunk, packed. The pieces take the
+        weights' values first, so whatever set the weights (a restore, set_weights) holds. A
+        piece of a variable without a gradient keeps its value."""
+        optimizer = self.optimizer
+        optimizer.iterations.assign(tf.cast(iterations, optimizer.iterations.dtype))
+        out, at = [], 0
+        for piece, variable, decays in zip(self.pieces, self.variables, self.decays, strict=True):
+            size = piece.end - piece.start
+            source = tf.reshape(weights[piece.index], [-1])
+            variable.assign(tf.reshape(source[piece.start : piece.end], piece.shape))
+            if present[piece.index]:
+                g = tf.reshape(grad[at : at + size], piece.shape)
+                lr = tf.cast(learning_rate, variable.dtype)
+                if decays:  # decoupled weight decay, before the update (Keras's order)
+                    wd = tf.cast(weight_decay, variable.dtype)
+                    variable.assign(variable - variable * wd * lr)
+                optimizer.update_step(g, variable, lr)
+            out.append(tf.reshape(variable.value, [-1]))
+            at += size
+        return tf.concat(out, axis=0) if out else tf.zeros([0], self.dtype)
+
+    def slot_bytes(self) -> int:
+        mine = {id(v) for v in self.variables} | {id(self.optimizer.iterations)}
+        mine.add(id(getattr(self.optimizer, "_learning_rate", None)))
+        return sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+            for v in self.optimizer.variables
+            if id(v) not in mine
+        )
+
+    def piece_bytes(self) -> int:
+        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables)
+
+
+def _plain_optimizer(optimizer, name: str):
+    """The model's optimizer, refused where a sharded update cannot reproduce it."""
+    if optimizer is None:
+        raise ShardingError(f"{name} shards the optimizer's state, but the model has none.")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise ShardingError(
+            f"{name} does not yet shard a LossScaleOptimizer (mixed_float16's loss scaling). "
+            "Train in float32 or bfloat16 (keras.mixed_precision.set_global_policy"
+            '("mixed_bfloat16") needs no loss scaling), or drop shard_optimizer. '
+            "Received: a LossScaleOptimizer"
+        )
+    if optimizer.use_ema:
+        raise ShardingError(
+            f"{name} does not shard an optimizer with use_ema=True (its moving averages "
+            "would be kept per slice and finalize_variable_values reads them whole). "
+            "Drop use_ema or shard_optimizer. Received: use_ema=True"
+        )
+    if optimizer.gradient_accumulation_steps:
+        raise ShardingError(
+            f"{name} takes tfdist's accumulate_steps=k, which exchanges once per k "
+            "micro-batches, instead of the optimizer's gradient_accumulation_steps. "
+            f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+        )
+    return optimizer
+
+
+def _outside_strategy(build: Callable):
+    """Runs `build` in a thread of its own, where no strategy's scope is entered (scopes are
+    per thread), so the variables it creates are plain ones on the devices it names."""
+    result: list = []
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            result.append(build())
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="tfdist-zero-build")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
