@@ -159,7 +159,7 @@ def test_accumulation_exchanges_once_per_step():
 # --- what is refused, and how -------------------------------------------------------------------
 
 
-def test_bad_sharding_and_accumulation_options_get_one_clear_line():
+def test_bad_sharding_and_accumulation_options_get_one_clear_line(tmp_path):
     x, y = zero_cases.data()
     two = mirrored(2)
     cases = [
@@ -167,6 +167,14 @@ def test_bad_sharding_and_accumulation_options_get_one_clear_line():
         (two, {"accumulate_steps": 0}, "accumulate_steps must be a whole number >= 1"),
         (two, {"shard_optimizer": "zero4"}, "shard_optimizer must be None, 'zero1' or 'zero2'"),
         (mirrored(1), {"shard_optimizer": "zero2"}, "needs at least 2 replicas"),
+        (
+            two,
+            {
+                "shard_optimizer": "zero2",
+                "callbacks": [keras.callbacks.BackupAndRestore(str(tmp_path))],
+            },
+            "BackupAndRestore does not save it yet",
+        ),
         (
             tfdist.build_strategy("central_storage", cluster=None, devices=["/cpu:0", "/cpu:1"]),
             {"shard_optimizer": "zero1"},

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import keras
+
 from tfdist.parallel.accumulate import Accumulate
 from tfdist.parallel.zero import Partition, ShardedUpdate, ShardingError
+from tfdist.training.checkpoints import StepCheckpoint
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
 
@@ -42,6 +45,25 @@ def hooks_for(
     return hooks
 
 
+def check_callbacks(hooks: Sequence[StepHook], callbacks) -> None:
+    """Refuses a sharded update beside a callback that backs up to resume: the slices'
+    optimizer state is not in the checkpoints yet, so a resume would restart it from zero."""
+    sharded = next((h for h in hooks if isinstance(h, ShardedUpdate)), None)
+    backups = [
+        c
+        for c in callbacks or ()
+        if isinstance(c, (keras.callbacks.BackupAndRestore, StepCheckpoint))
+    ]
+    if sharded is not None and backups:
+        raise FitError(
+            f"{sharded.name} keeps each replica's optimizer state apart from the model, and "
+            f"{type(backups[0]).__name__} does not save it yet: a resume would restart Adam's "
+            "moments (or momentum) from zero and train differently from the run it resumes. "
+            "Drop the backup callback or the sharding for now (ModelCheckpoint of weights "
+            f"works). Received: {sharded.name} with {type(backups[0]).__name__}"
+        )
+
+
 def check_batch(hooks: Sequence[StepHook], per_replica_batch: int) -> None:
     """Refuses a per-replica batch that an Accumulate hook cannot split evenly."""
     for hook in hooks:
@@ -56,5 +78,6 @@ __all__ = [
     "ShardedUpdate",
     "ShardingError",
     "check_batch",
+    "check_callbacks",
     "hooks_for",
 ]

@@ -148,6 +148,7 @@ def fit(
     )
     if data.global_batch is not None:
         parallel.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
+    parallel.check_callbacks(hooks, callbacks)
     runner.build(data.sample_batch, hooks)
     if data.global_batch is not None and runner.is_chief:
         log.info("%s", plan_batches(strategy, data.global_batch).describe())
