@@ -7,6 +7,7 @@ In one process over 2, 3 and 4 logical CPUs (mirrored), and with real worker pro
 
 from __future__ import annotations
 
+import json
 import sys
 
 import keras
@@ -173,7 +174,7 @@ def test_bad_sharding_and_accumulation_options_get_one_clear_line(tmp_path):
                 "shard_optimizer": "zero2",
                 "callbacks": [keras.callbacks.BackupAndRestore(str(tmp_path))],
             },
-            "BackupAndRestore does not save it yet",
+            "Use tfdist.StepCheckpoint",
         ),
         (
             tfdist.build_strategy("central_storage", cluster=None, devices=["/cpu:0", "/cpu:1"]),
@@ -228,3 +229,25 @@ def test_sharded_updates_equal_unsharded_training_across_worker_processes(worker
         two = weights(task, "two_outputs_plain")
         got = weights(task, "two_outputs_zero2_accumulate2")
         assert zero_cases.max_diff(two, got) <= TOLERANCE, task
+
+
+@pytest.mark.multiprocess
+def test_a_sharded_job_resumes_with_other_numbers_of_workers_as_an_unsharded_one(tmp_path):
+    """4 workers train an epoch and save; 2 resume for the next; 3 for the one after."""
+    for epochs, workers in ((1, 4), (2, 2), (3, 3)):
+        result = run_module(
+            "tools.launch", "--workers", str(workers), "--timeout", "280", "--",
+            sys.executable, "-m", "tests.workers.zero_worker", str(tmp_path), "resume",
+            str(epochs),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+        for task in range(workers):
+            here = tmp_path / f"epoch{epochs}" / f"worker_{task}"
+            plain, sharded = (np.load(here / f"{m}.npz") for m in ("plain", "zero2"))
+            diff = zero_cases.max_diff(
+                [plain[k] for k in sorted(plain.files)], [sharded[k] for k in sorted(sharded.files)]
+            )
+            assert diff <= TOLERANCE, (epochs, workers, task, diff)
+            for mode in ("plain", "zero2"):  # resumed: the steps of every launch so far
+                steps = json.loads((here / f"{mode}.json").read_text())["iterations"]
+                assert steps == zero_cases.STEPS * epochs, (mode, epochs)

@@ -1,6 +1,7 @@
 """A user's script with sharded optimizer state, run by every worker of a launched job.
 
   python -m tools.launch --workers 3 -- python -m tests.workers.zero_worker OUT
+  python -m tools.launch --workers 4 -- python -m tests.workers.zero_worker OUT resume EPOCHS
 
 Each worker trains every case of tests/zero_cases.py unsharded, then sharded (zero1, zero2,
 with accumulation), under multi_worker_mirrored, and writes the weights to OUT/<task>/ for
@@ -60,5 +61,30 @@ def main(out: str) -> None:
             json.dump(history.history, f)
 
 
+def resume(out: str, epochs: int) -> None:
+    """Trains Adam unsharded and with zero2 to `epochs`, each resuming from its own
+    StepCheckpoint directory under OUT (written by an earlier launch, with any number of
+    workers), and writes the weights to OUT/epoch<E>/<task>/."""
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    here = os.path.join(out, f"epoch{epochs}", f"{task['type']}_{task['index']}")
+    os.makedirs(here, exist_ok=True)
+    x, y = zero_cases.data()
+    for shard in (None, "zero2"):
+        with strategy.scope():
+            model = zero_cases.mlp("adam")
+        checkpoint = tfdist.StepCheckpoint(os.path.join(out, f"checkpoints_{shard or 'plain'}"))
+        tfdist.fit(
+            model, x, y, batch_size=zero_cases.GLOBAL_BATCH, epochs=epochs, shuffle=False,
+            verbose=0, shard_optimizer=shard, callbacks=[checkpoint],
+        )  # fmt: skip
+        np.savez(os.path.join(here, f"{shard or 'plain'}.npz"), *model.get_weights())
+        with open(os.path.join(here, f"{shard or 'plain'}.json"), "w") as f:
+            json.dump({"iterations": int(model.optimizer.iterations.numpy())}, f)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:3] == ["resume"]:
+        resume(sys.argv[1], int(sys.argv[3]))
+    else:
+        main(sys.argv[1])

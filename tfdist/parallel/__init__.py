@@ -16,7 +16,6 @@ import keras
 
 from tfdist.parallel.accumulate import Accumulate
 from tfdist.parallel.zero import Partition, ShardedUpdate, ShardingError
-from tfdist.training.checkpoints import StepCheckpoint
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
 
@@ -46,21 +45,18 @@ def hooks_for(
 
 
 def check_callbacks(hooks: Sequence[StepHook], callbacks) -> None:
-    """Refuses a sharded update beside a callback that backs up to resume: the slices'
-    optimizer state is not in the checkpoints yet, so a resume would restart it from zero."""
+    """Refuses a sharded update beside Keras's BackupAndRestore, which saves the model and
+    its optimizer only (Keras's own weights file): the slices' optimizer state would be
+    lost, and a resume would restart it from zero. tfdist.StepCheckpoint saves it whole."""
     sharded = next((h for h in hooks if isinstance(h, ShardedUpdate)), None)
-    backups = [
-        c
-        for c in callbacks or ()
-        if isinstance(c, (keras.callbacks.BackupAndRestore, StepCheckpoint))
-    ]
+    backups = [c for c in callbacks or () if isinstance(c, keras.callbacks.BackupAndRestore)]
     if sharded is not None and backups:
         raise FitError(
             f"{sharded.name} keeps each replica's optimizer state apart from the model, and "
-            f"{type(backups[0]).__name__} does not save it yet: a resume would restart Adam's "
-            "moments (or momentum) from zero and train differently from the run it resumes. "
-            "Drop the backup callback or the sharding for now (ModelCheckpoint of weights "
-            f"works). Received: {sharded.name} with {type(backups[0]).__name__}"
+            "BackupAndRestore saves only what Keras's weights file holds: a resume would "
+            "restart Adam's moments (or momentum) from zero and train differently from the "
+            "run it resumes. Use tfdist.StepCheckpoint(model_dir) instead, which saves the "
+            f"sharded state whole. Received: {sharded.name} with BackupAndRestore"
         )
 
 

@@ -39,6 +39,7 @@ on collective point-to-point transfers).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 from collections.abc import Callable, Sequence
 
@@ -393,6 +394,58 @@ class ShardedUpdate(StepHook):
                 value = variable.constraint(value)
             self.strategy.experimental_local_results(variable.value)[d].assign(value)
 
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict:
+        return {"sharded_optimizer_state": _WholeSlots(self)}
+
+    def slot_names(self) -> list[str]:
+        """The optimizer's slots per weight (momentum, velocity, ...), in a fixed order."""
+        names = sorted({name for replica in self.replicas for _, name in replica.slots})
+        for replica in self.replicas:
+            for piece in replica.pieces:
+                for name in names:
+                    slot = replica.slots.get((piece.index, name))
+                    if slot is None or tuple(slot.shape) != piece.shape:
+                        raise ShardingError(
+                            f"{self.name} cannot checkpoint {type(self.model.optimizer).__name__}"
+                            f": its slot {name!r} is not shaped like the weights it updates, so "
+                            "the slices cannot be put back together whole. Checkpoint without "
+                            "sharding, or use an optimizer whose slots are shaped like the "
+                            f"weights (SGD, Adam, AdamW, LAMB, ...). Received: slot {name!r}"
+                        )
+        return names
+
+    def whole_slots(self) -> dict[str, tf.Tensor]:
+        """Every slot of every weight, whole, by "v<variable's index>_<slot>" (the index in
+        model.trainable_variables: names Keras numbers per process are not stable). A
+        collective across worker processes: every worker calls it at the same point."""
+        variables = list(self.model.trainable_variables)
+        out = {}
+        for name in self.slot_names():
+            mine = [
+                tf.concat([tf.reshape(r.slots[p.index, name], [-1]) for p in r.pieces], 0)
+                if r.pieces
+                else tf.zeros([0], self.dtype)
+                for r in self.replicas
+            ]
+            whole = self._gathered(mine)[0]
+            for i in self.partition.order:
+                start = self.partition.offsets[i]
+                value = whole[start : start + self.partition.sizes[i]]
+                out[f"v{i}_{name}"] = tf.reshape(value, variables[i].shape)
+        return out
+
+    def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
+        """Gives each local replica its slices of whole slots (saved with any number of
+        replicas: a resume may change it)."""
+        for replica in self.replicas:
+            for piece in replica.pieces:
+                for name in self.slot_names():
+                    flat = tf.reshape(restored[f"v{piece.index}_{name}"], [-1])
+                    flat = flat[piece.start : piece.end]
+                    replica.slots[piece.index, name].assign(tf.reshape(flat, piece.shape))
+
     # --- what it holds --------------------------------------------------------------------------
 
     def state_bytes(self) -> dict[str, int]:
@@ -415,17 +468,19 @@ class _LocalReplica:
         dtype = self.dtype = variables[0].dtype
         with tf.device(device):
             self.variables = [
-                keras.Variable(
-                    np.zeros(p.shape, dtype),
-                    dtype=dtype,
-                    name=f"{variables[p.index].name}_zero{rank}",
-                )
+                keras.Variable(np.zeros(p.shape, dtype), dtype=dtype, name=f"zero_v{p.index}")
                 for p in self.pieces
             ]
             # The same class and config: only its update_step and slots are used (the hook
             # clips, decays and counts through the user's optimizer).
             self.optimizer = type(optimizer).from_config(optimizer.get_config())
             self.optimizer.build(self.variables)
+        # Each piece's slots by name (Keras names a slot "<reference>_<slot>").
+        self.slots: dict[tuple[int, str], keras.Variable] = {}
+        for slot in self.optimizer.variables:
+            found = re.search(r"zero_v(\d+)_(\w+)$", slot.path)
+            if found:
+                self.slots[int(found.group(1)), found.group(2)] = slot
 
     def update(self, grad, weights, present, learning_rate, weight_decay, iterations):
         """Applies `grad` (this replica's summed chunk) to its pieces of `weights` (the model's
@@ -461,6 +516,21 @@ class _LocalReplica:
 
     def piece_bytes(self) -> int:
         return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables)
+
+
+class _WholeSlots(compat.Trackable):
+    """The sharded optimizer state as a checkpoint holds it: each slot of each weight whole,
+    so a job saved with N replicas resumes with any other number."""
+
+    def __init__(self, hook: ShardedUpdate):
+        self.hook = hook
+
+    def _serialize_to_tensors(self):
+        return self.hook.whole_slots()
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.hook.restore_slots(restored_tensors)
+        return tf.no_op()
 
 
 def _plain_optimizer(optimizer, name: str):

@@ -83,6 +83,11 @@ class StepHook:
         """Applies one step's gradients; call `apply_next(pairs)` to hand them on."""
         return apply_next(grads_and_vars)
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """State the hook keeps that a checkpoint must hold to resume exactly (a sharded
+        update's optimizer slots), by checkpoint key; the runner adds it to its own."""
+        return {}
+
 
 class Runner(abc.ABC):
     """Runs a compiled model's steps under one kind of strategy.

@@ -328,6 +328,12 @@ class SyncRunner(Runner):
     def step_times(self) -> dict[str, float] | None:
         return self.times.per_step()
 
+    def checkpoint_state(self):
+        state = {}
+        for hook in self.hooks:
+            state.update(hook.checkpoint_state())
+        return state
+
     # --- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
