@@ -47,7 +47,13 @@ from tfdist.training.auto import (  # noqa: E402
     auto_mixed_precision,
     auto_steps_per_execution,
 )
-from tfdist.training.config import LR_SCALING, LR_SCHEDULES, MIXED_PRECISION, OPTIMIZERS  # noqa: E402
+from tfdist.training.config import (  # noqa: E402
+    LR_SCALING,
+    LR_SCHEDULES,
+    MIXED_PRECISION,
+    OPTIMIZERS,
+    SHARD_CHOICES,
+)
 from tfdist.training.evaluator import EvaluatorTimeoutError, evaluate_checkpoints  # noqa: E402
 
 log = logging.getLogger("tfdist.train")
@@ -162,6 +168,21 @@ flags.DEFINE_bool(
     "updates that reached the parameters between the worker's read and its write (Zhang et "
     "al., 2016). Staleness is reported either way (summary.json, TensorBoard).",
 )
+flags.DEFINE_enum(
+    "shard_optimizer",
+    "none",
+    ["none", *SHARD_CHOICES],
+    "Synchronous strategies: shard the optimizer's state over the replicas (zero1: 1/N of the "
+    "slots per replica), and with zero2 the gradients too (reduce-scatter, then all-gather). "
+    "Same result as unsharded; see README 'Sharded optimizer state'.",
+)
+flags.DEFINE_integer(
+    "accumulate_steps",
+    _DEFAULTS.accumulate_steps,
+    "Split each replica's batch into this many micro-batches, summing their gradients into "
+    "one exchange and update per step (must divide the per-replica batch).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
 flags.DEFINE_integer(
     "shuffle_buffer",
@@ -217,7 +238,8 @@ _CONFIG_FLAGS = [
     "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
     "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
     "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
-    "checkpoint_every", "staleness_aware_lr", "skip_corrupt",
+    "checkpoint_every", "staleness_aware_lr", "skip_corrupt", "shard_optimizer",
+    "accumulate_steps",
 ]  # fmt: skip
 
 
@@ -234,8 +256,9 @@ def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
     for name, resolve in _AUTO_RESOLVERS.items():
         if values[name] == AUTO:
             values[name] = getattr(_DEFAULTS, name) if strategy is None else resolve(strategy)
-    if values["mixed_precision"] == "none":
-        values["mixed_precision"] = None
+    for name in ("mixed_precision", "shard_optimizer"):
+        if values[name] == "none":
+            values[name] = None
     values["steps_per_execution"] = int(values["steps_per_execution"])
     if values["model"] == "resnet":
         values.setdefault("model_options", {"depth": FLAGS.resnet_depth})

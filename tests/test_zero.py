@@ -251,3 +251,26 @@ def test_a_sharded_job_resumes_with_other_numbers_of_workers_as_an_unsharded_one
             for mode in ("plain", "zero2"):  # resumed: the steps of every launch so far
                 steps = json.loads((here / f"{mode}.json").read_text())["iterations"]
                 assert steps == zero_cases.STEPS * epochs, (mode, epochs)
+
+
+def test_the_binary_shards_and_accumulates_as_it_trains_unsharded(tmp_path):
+    """experiments.train's --shard_optimizer and --accumulate_steps, through its Trainer."""
+    from tfdist.training import TrainConfig, Trainer
+
+    def weights(**options):
+        config = TrainConfig(
+            model="mlp", optimizer="adam", shuffle_buffer=0, global_batch_size=32, epochs=1,
+            steps_per_epoch=6, eval_every=0, data_dir=str(tmp_path / "data"), **options,
+        )  # fmt: skip
+        trainer = Trainer(config, strategy=mirrored(2))
+        trainer.fit()
+        return trainer.model.get_weights()
+
+    plain = weights()
+    for options in (
+        {"shard_optimizer": "zero2", "accumulate_steps": 2},
+        {"shard_optimizer": "zero1"},
+    ):
+        assert zero_cases.max_diff(plain, weights(**options)) <= TOLERANCE, options
+    with pytest.raises(FitError, match="accumulate_steps=3 must divide each replica's batch"):
+        weights(accumulate_steps=3)

@@ -16,10 +16,9 @@ import keras
 
 from tfdist.parallel.accumulate import Accumulate
 from tfdist.parallel.zero import Partition, ShardedUpdate, ShardingError
+from tfdist.training.config import SHARD_CHOICES
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
-
-SHARD_CHOICES = ("zero1", "zero2")
 
 
 def hooks_for(

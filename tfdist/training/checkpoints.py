@@ -36,10 +36,13 @@ CHECKPOINT_SUBDIR = "checkpoints"
 # The settings a run's checkpoints were written under, beside them: a resume compares.
 SETTINGS_FILE = "run.json"
 # Settings a resume must keep: with another model, dataset or optimizer (mixed precision
-# wraps it in a LossScaleOptimizer) the checkpoint does not fit; with another global batch
+# wraps it in a LossScaleOptimizer; sharding keeps its state apart) the checkpoint does not
+# fit; with another global batch
 # its step counts batches of another size (another data position and schedule). The others
 # may change, with a warning.
-_MUST_MATCH = ("model", "dataset", "optimizer", "mixed_precision", "global_batch_size")
+_MUST_MATCH = (
+    "model", "dataset", "optimizer", "mixed_precision", "global_batch_size", "shard_optimizer",
+)  # fmt: skip
 
 
 def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> None:

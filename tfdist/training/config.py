@@ -12,6 +12,7 @@ OPTIMIZERS = ("sgd", "adam", "lamb")
 LR_SCALING = ("none", "linear")
 LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
+SHARD_CHOICES = ("zero1", "zero2")
 
 
 class ConfigError(TfdistError, ValueError):
@@ -52,6 +53,10 @@ class TrainConfig:
       staleness_aware_lr: parameter-server training only: divide each update's learning
         rate by max(1, its staleness), the number of updates that reached the parameters
         between the worker's read and its write (Zhang et al., 2016).
+      shard_optimizer: None, 'zero1' or 'zero2': shard the optimizer's state (and with
+        zero2 the gradients) over the replicas (tfdist.parallel.zero).
+      accumulate_steps: split each replica's batch into this many micro-batches, one
+        exchange per step (tfdist.parallel.accumulate).
     """
 
     model: str = "cnn"
@@ -79,6 +84,8 @@ class TrainConfig:
     checkpoint_every: int = 0
     max_checkpoints: int = 3
     staleness_aware_lr: bool = False
+    shard_optimizer: str | None = None
+    accumulate_steps: int = 1
 
     def __post_init__(self):
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -86,12 +93,15 @@ class TrainConfig:
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.mixed_precision is not None:
             _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
+        if self.shard_optimizer is not None:
+            _choice("shard_optimizer", self.shard_optimizer, SHARD_CHOICES)
         for name in (
             "global_batch_size",
             "epochs",
             "steps_per_execution",
             "base_batch_size",
             "max_checkpoints",
+            "accumulate_steps",
         ):
             _positive_int(name, getattr(self, name))
         if self.steps_per_epoch is not None:

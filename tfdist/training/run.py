@@ -16,6 +16,7 @@ import sys
 import keras
 import tensorflow as tf
 
+from tfdist import parallel
 from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, plan_batches, prepare_dataset
 from tfdist.data.datasets import TFRECORD_PREFIX
@@ -81,6 +82,11 @@ class Trainer:
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
+        # The data is a dataset_fn of per-replica batches, which fit cannot measure.
+        parallel.check_batch(
+            parallel.hooks_for(accumulate_steps=config.accumulate_steps),
+            self.plan.per_replica_batch_size,
+        )
         # Before anything is read or written, as a TPU Node's host sees only Cloud Storage.
         # Synthetic data is made in memory; without a model_dir nothing is written.
         paths = {} if config.dataset == "synthetic" else {"data_dir": config.data_dir}
@@ -117,6 +123,7 @@ class Trainer:
                 "model": config.model, "dataset": _comparable(config.dataset),
                 "optimizer": config.optimizer, "mixed_precision": config.mixed_precision,
                 "global_batch_size": config.global_batch_size,
+                "shard_optimizer": config.shard_optimizer,
                 "steps_per_epoch": self.steps_per_epoch,
                 "workers": cluster.num_workers if cluster is not None else 1,
                 "replicas": strategy.num_replicas_in_sync,
@@ -267,6 +274,8 @@ class Trainer:
             # replicas' logs: no collective); in a log file the epoch line says it all.
             verbose=1 if self.is_chief and sys.stdout.isatty() else 0,
             strategy=self.strategy,
+            shard_optimizer=self.config.shard_optimizer,
+            accumulate_steps=self.config.accumulate_steps,
         )
         if self.record.trained:
             return self.record.result
