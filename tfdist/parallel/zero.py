@@ -41,13 +41,14 @@ from __future__ import annotations
 import dataclasses
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES
 from tfdist.collective.ring import (
     chunk_bounds,
     local_ring_all_gather,
@@ -104,10 +105,10 @@ class Piece:
 
 @dataclasses.dataclass(frozen=True)
 class Partition:
-    """How the packed weights are cut into one contiguous chunk per replica.
+    """How one bucket of variables, packed end to end, is cut into one chunk per replica.
 
     Attributes:
-      order: variable indices in the order they are packed.
+      order: the variables' indices (in model.trainable_variables) in packing order.
       offsets: each variable's first element in the packed buffer, by variable index.
       sizes: each variable's number of elements, by variable index.
       shapes: each variable's shape, by variable index.
@@ -117,15 +118,15 @@ class Partition:
     """
 
     order: tuple[int, ...]
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    shapes: tuple[tuple[int, ...], ...]
+    offsets: dict[int, int]
+    sizes: dict[int, int]
+    shapes: dict[int, tuple[int, ...]]
     bounds: tuple[tuple[int, int], ...]
     whole: bool
 
     @property
     def length(self) -> int:
-        return sum(self.sizes)
+        return sum(self.sizes.values())
 
     def pieces(self, chunk: int) -> list[Piece]:
         """The pieces of the variables chunk `chunk` covers, in buffer order."""
@@ -140,45 +141,48 @@ class Partition:
         return pieces
 
     @classmethod
-    def flat(cls, shapes: Sequence[tuple[int, ...]], ranks: int) -> Partition:
-        """N ranges of equal length (to one element) over the variables in model order."""
-        sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
-        offsets = tuple(int(o) for o in np.cumsum((0, *sizes[:-1])))
-        return cls(
-            order=tuple(range(len(shapes))),
-            offsets=offsets,
-            sizes=sizes,
-            shapes=tuple(tuple(s) for s in shapes),
-            bounds=tuple(chunk_bounds(sum(sizes), ranks)),
-            whole=False,
-        )
+    def flat(cls, shapes: dict[int, tuple[int, ...]], ranks: int) -> Partition:
+        """N ranges of equal length (to one element) over the variables, in index order."""
+        order = tuple(sorted(shapes))
+        sizes = {i: int(np.prod(shapes[i], dtype=np.int64)) for i in order}
+        offsets, at = {}, 0
+        for i in order:
+            offsets[i], at = at, at + sizes[i]
+        return cls(order, offsets, sizes, dict(shapes), tuple(chunk_bounds(at, ranks)), False)
 
     @classmethod
-    def by_variable(cls, shapes: Sequence[tuple[int, ...]], ranks: int) -> Partition:
+    def by_variable(cls, shapes: dict[int, tuple[int, ...]], ranks: int) -> Partition:
         """Whole variables per chunk: largest first, each to the chunk with the fewest
         elements so far (ties: the lower chunk)."""
-        sizes = tuple(int(np.prod(s, dtype=np.int64)) for s in shapes)
+        sizes = {i: int(np.prod(s, dtype=np.int64)) for i, s in shapes.items()}
         loads, members = [0] * ranks, [[] for _ in range(ranks)]
-        for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        for i in sorted(sizes, key=lambda i: (-sizes[i], i)):
             chunk = min(range(ranks), key=lambda c: (loads[c], c))
             loads[chunk] += sizes[i]
             members[chunk].append(i)
         order = tuple(i for chunk in members for i in sorted(chunk))
-        offsets, at = [0] * len(sizes), 0
+        offsets, at = {}, 0
         for i in order:
             offsets[i], at = at, at + sizes[i]
         bounds, at = [], 0
         for load in loads:
             bounds.append((at, at + load))
             at += load
-        return cls(
-            order=order,
-            offsets=tuple(offsets),
-            sizes=sizes,
-            shapes=tuple(tuple(s) for s in shapes),
-            bounds=tuple(bounds),
-            whole=True,
-        )
+        return cls(order, offsets, sizes, dict(shapes), tuple(bounds), True)
+
+
+def bucket_variables(sizes: list[int], bucket_elements: int) -> list[list[int]]:
+    """Consecutive variable indices grouped into buckets of at most `bucket_elements`
+    elements (a larger variable gets a bucket of its own)."""
+    buckets: list[list[int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        if not buckets or used + size > bucket_elements:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += size
+    return buckets
 
 
 class ShardedUpdate(StepHook):
@@ -193,13 +197,24 @@ class ShardedUpdate(StepHook):
       partition: 'flat' (equal ranges of the packed weights; for optimizers that update
         each weight on its own), 'variables' (whole variables per replica, balanced by
         size; any optimizer) or 'auto' ('flat' where the optimizer allows it).
+      bucket_bytes: the packed weights are exchanged and updated bucket by bucket, each of
+        up to this many bytes (a larger variable gets a bucket of its own), so what a step
+        holds beside the model and its gradients is a bucket's worth; 'variables'
+        partitions use one bucket.
       timeout_seconds: how long a transfer between worker processes may wait for its peer;
         None waits forever.
     """
 
     synchronous_only = True
 
-    def __init__(self, stage: int = 2, *, partition: str = "auto", timeout_seconds=None):
+    def __init__(
+        self,
+        stage: int = 2,
+        *,
+        partition: str = "auto",
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        timeout_seconds=None,
+    ):
         if stage not in STAGES:
             raise ShardingError(
                 f"stage must be 1 or 2 (zero1: optimizer state; zero2: gradients too). "
@@ -209,9 +224,11 @@ class ShardedUpdate(StepHook):
             raise ShardingError(
                 f"partition must be one of {', '.join(PARTITIONS)}. Received: {partition!r}"
             )
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ShardingError(f"bucket_bytes must be >= 1. Received: {bucket_bytes!r}")
         self.stage, self.partition_choice = stage, partition
-        self.timeout_seconds = timeout_seconds
-        self.partition: Partition | None = None
+        self.bucket_bytes, self.timeout_seconds = bucket_bytes, timeout_seconds
+        self.partitions: list[Partition] = []
         self.replicas: list[_LocalReplica] = []
 
     @property
@@ -252,8 +269,8 @@ class ShardedUpdate(StepHook):
                 "share one floating-point dtype. Received: "
                 + ", ".join(sorted(str(d) for d in dtypes))
             )
-        self.partition = self._partition(optimizer, [tuple(v.shape) for v in variables], ranks)
         self.dtype = tf.as_dtype(next(iter(dtypes)))
+        self.partitions = self._partitions(optimizer, [tuple(v.shape) for v in variables], ranks)
         rank_base = worker_rank(strategy) * len(devices)
         # The user's optimizer keeps iterations and the learning rate, no slots.
         if not optimizer.built:
@@ -266,7 +283,7 @@ class ShardedUpdate(StepHook):
             lambda: [
                 _LocalReplica(
                     optimizer,
-                    self.partition,
+                    self.partitions,
                     rank=rank_base + d,
                     ranks=ranks,
                     device=device,
@@ -286,7 +303,7 @@ class ShardedUpdate(StepHook):
                 group_key_base=ZERO_GROUP_KEY_BASE,
             )
 
-    def _partition(self, optimizer, shapes, ranks: int) -> Partition:
+    def _partitions(self, optimizer, shapes, ranks: int) -> list[Partition]:
         elementwise = isinstance(optimizer, _ELEMENTWISE)
         choice = self.partition_choice
         if choice == "flat" and not elementwise:
@@ -296,58 +313,76 @@ class ShardedUpdate(StepHook):
                 "be cut into equal flat ranges. Use partition='variables' (or 'auto'), which "
                 "gives each replica whole variables. Received: partition='flat'"
             )
-        if choice == "flat" or (choice == "auto" and elementwise):
-            return Partition.flat(shapes, ranks)
-        return Partition.by_variable(shapes, ranks)
+        if choice == "variables" or (choice == "auto" and not elementwise):
+            return [Partition.by_variable(dict(enumerate(shapes)), ranks)]
+        sizes = [int(np.prod(s, dtype=np.int64)) for s in shapes]
+        buckets = bucket_variables(sizes, max(1, self.bucket_bytes // self.dtype.size))
+        return [Partition.flat({i: shapes[i] for i in bucket}, ranks) for bucket in buckets]
 
     # --- one step -------------------------------------------------------------------------------
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: this hook applies the update itself
-        optimizer = self.model.optimizer
-        grads = [g for g, _ in grads_and_vars]
+        grads = compat.clip_gradients(self.model.optimizer, [g for g, _ in grads_and_vars])
         present = [g is not None for g in grads]
-        grads = compat.clip_gradients(optimizer, grads)  # per replica, as Keras clips
-        flat = self._pack(grads)
+        # A gradient that is None stays out (zeros travel for it, and its variable is left
+        # alone, as Keras leaves it).
+        given = [tf.convert_to_tensor(g) for g in grads if g is not None]
         context = tf.distribute.get_replica_context()
-        return context.merge_call(self._update, args=(flat,), kwargs={"present": present})
+        return context.merge_call(self._update, args=(given,), kwargs={"present": present})
 
-    def _pack(self, grads) -> tf.Tensor:
-        parts = []
-        for i in self.partition.order:
-            grad = grads[i]
-            if grad is None:  # no gradient: zeros travel, and the variable is left alone
-                parts.append(tf.zeros([self.partition.sizes[i]], self.dtype))
-            else:
-                parts.append(tf.reshape(tf.convert_to_tensor(grad), [-1]))
-        return tf.concat(parts, axis=0)
-
-    def _update(self, strategy, flat, present: list[bool]):
-        """In cross-replica context: reduce, update each local slice, gather, write back."""
-        flats = list(strategy.experimental_local_results(flat))
-        slices = self._reduced_slices(flats)
+    def _update(self, strategy, given, present: list[bool]):
+        """In cross-replica context: bucket by bucket, reduce, update each local replica's
+        slice, gather, write back. Each bucket starts when the previous one is written, so
+        what the update holds beside the gradients is one bucket's worth."""
         variables = list(self.model.trainable_variables)
         optimizer = self.model.optimizer
         learning_rate = optimizer.learning_rate
-        iterations = optimizer.iterations
         weight_decay = optimizer.weight_decay or 0.0
-        updated = []
-        for d, (replica, grad) in enumerate(zip(self.replicas, slices, strict=True)):
-            weights = [strategy.experimental_local_results(v.value)[d] for v in variables]
-            with tf.device(replica.device):
-                updated.append(
-                    replica.update(grad, weights, present, learning_rate, weight_decay, iterations)
-                )
-        iterations.assign_add(1)
-        wholes = self._gathered(updated)
-        for d, whole in enumerate(wholes):
-            with tf.device(self.devices[d]):
-                self._write_back(whole, variables, present, d)
+        positions = [sum(present[:i]) if present[i] else None for i in range(len(present))]
+        local = [strategy.experimental_local_results(g) for g in given]
+        weights = [
+            [strategy.experimental_local_results(v.value)[d] for v in variables]
+            for d in range(len(self.devices))
+        ]
+        started = [r.begin_step(optimizer.iterations) for r in self.replicas]
+        written: list = started
+        for b, partition in enumerate(self.partitions):
+            with tf.control_dependencies(written):
+                flats = []
+                for d, device in enumerate(self.devices):
+                    with tf.device(device):
+                        flats.append(self._pack(partition, local, positions, d))
+                slices = self._reduced_slices(partition, flats)
+                updated = []
+                for d, (replica, grad) in enumerate(zip(self.replicas, slices, strict=True)):
+                    with tf.device(replica.device):
+                        updated.append(
+                            replica.update(
+                                b, grad, weights[d], present, learning_rate, weight_decay
+                            )
+                        )
+                wholes = self._gathered(partition, updated)
+                written = []
+                for d, whole in enumerate(wholes):
+                    with tf.device(self.devices[d]):
+                        written.extend(self._write_back(partition, whole, variables, present, d))
+        with tf.control_dependencies(written):
+            optimizer.iterations.assign_add(1)
         return None
 
-    def _reduced_slices(self, flats: list[tf.Tensor]) -> list[tf.Tensor]:
-        """Each local replica's owned chunk of the sum over every replica."""
-        bounds = self.partition.bounds
+    def _pack(self, partition: Partition, local, positions, d: int) -> tf.Tensor:
+        parts = []
+        for i in partition.order:
+            if positions[i] is None:
+                parts.append(tf.zeros([partition.sizes[i]], self.dtype))
+            else:
+                parts.append(tf.reshape(local[positions[i]][d], [-1]))
+        return tf.concat(parts, axis=0)
+
+    def _reduced_slices(self, partition: Partition, flats: list[tf.Tensor]) -> list[tf.Tensor]:
+        """Each local replica's owned chunk of the bucket's sum over every replica."""
+        bounds = partition.bounds
         owned = [replica.chunk for replica in self.replicas]
         if self.ring is not None:  # one replica per process
             (flat,) = flats
@@ -364,16 +399,16 @@ class ShardedUpdate(StepHook):
             chunks = local_ring_all_gather(chunks, self.devices)
         return [chunks[d][c] for d, c in enumerate(owned)]
 
-    def _gathered(self, updated: list[tf.Tensor]) -> list[tf.Tensor]:
-        """The whole packed weights on every local device, from each replica's slice."""
-        bounds = self.partition.bounds
+    def _gathered(self, partition: Partition, mine: list[tf.Tensor]) -> list[tf.Tensor]:
+        """The bucket's whole buffer on every local device, from each replica's chunk."""
+        bounds = partition.bounds
         if self.ring is not None:
-            return [self.ring.all_gather(updated[0], bounds)]
+            return [self.ring.all_gather(mine[0], bounds)]
         chunks = []
-        for replica, mine, device in zip(self.replicas, updated, self.devices, strict=True):
+        for replica, chunk, device in zip(self.replicas, mine, self.devices, strict=True):
             with tf.device(device):
                 row = [tf.zeros([end - start], self.dtype) for start, end in bounds]
-                row[replica.chunk] = mine
+                row[replica.chunk] = chunk
                 chunks.append(row)
         chunks = local_ring_all_gather(chunks, self.devices)
         out = []
@@ -382,8 +417,8 @@ class ShardedUpdate(StepHook):
                 out.append(tf.concat(row, axis=0))
         return out
 
-    def _write_back(self, whole: tf.Tensor, variables, present, d: int) -> None:
-        partition = self.partition
+    def _write_back(self, partition: Partition, whole, variables, present, d: int) -> list:
+        writes = []
         for i in partition.order:
             if not present[i]:
                 continue
@@ -392,7 +427,9 @@ class ShardedUpdate(StepHook):
             value = tf.reshape(whole[start : start + partition.sizes[i]], variable.shape)
             if variable.constraint is not None:
                 value = variable.constraint(value)
-            self.strategy.experimental_local_results(variable.value)[d].assign(value)
+            component = self.strategy.experimental_local_results(variable.value)[d]
+            writes.append(component.assign(value, read_value=False))
+        return writes
 
     # --- checkpoints ----------------------------------------------------------------------------
 
@@ -403,7 +440,7 @@ class ShardedUpdate(StepHook):
         """The optimizer's slots per weight (momentum, velocity, ...), in a fixed order."""
         names = sorted({name for replica in self.replicas for _, name in replica.slots})
         for replica in self.replicas:
-            for piece in replica.pieces:
+            for piece in replica.all_pieces():
                 for name in names:
                     slot = replica.slots.get((piece.index, name))
                     if slot is None or tuple(slot.shape) != piece.shape:
@@ -423,24 +460,24 @@ class ShardedUpdate(StepHook):
         variables = list(self.model.trainable_variables)
         out = {}
         for name in self.slot_names():
-            mine = [
-                tf.concat([tf.reshape(r.slots[p.index, name], [-1]) for p in r.pieces], 0)
-                if r.pieces
-                else tf.zeros([0], self.dtype)
-                for r in self.replicas
-            ]
-            whole = self._gathered(mine)[0]
-            for i in self.partition.order:
-                start = self.partition.offsets[i]
-                value = whole[start : start + self.partition.sizes[i]]
-                out[f"v{i}_{name}"] = tf.reshape(value, variables[i].shape)
+            for b, partition in enumerate(self.partitions):
+                mine = []
+                for replica in self.replicas:
+                    pieces = replica.pieces[b]
+                    flat = [tf.reshape(replica.slots[p.index, name], [-1]) for p in pieces]
+                    mine.append(tf.concat(flat, 0) if flat else tf.zeros([0], self.dtype))
+                whole = self._gathered(partition, mine)[0]
+                for i in partition.order:
+                    start = partition.offsets[i]
+                    value = whole[start : start + partition.sizes[i]]
+                    out[f"v{i}_{name}"] = tf.reshape(value, variables[i].shape)
         return out
 
     def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
         """Gives each local replica its slices of whole slots (saved with any number of
         replicas: a resume may change it)."""
         for replica in self.replicas:
-            for piece in replica.pieces:
+            for piece in replica.all_pieces():
                 for name in self.slot_names():
                     flat = tf.reshape(restored[f"v{piece.index}_{name}"], [-1])
                     flat = flat[piece.start : piece.end]
@@ -457,24 +494,27 @@ class ShardedUpdate(StepHook):
 
 
 class _LocalReplica:
-    """One local replica's slice: its pieces of the weights (variables on its device), and
-    a copy of the user's optimizer whose slots are built for those pieces alone."""
+    """One local replica's slices (one per bucket): its pieces of the weights (variables on
+    its device), and a copy of the user's optimizer whose slots are built for those pieces
+    alone."""
 
-    def __init__(self, optimizer, partition: Partition, *, rank, ranks, device, variables, decays):
+    def __init__(self, optimizer, partitions, *, rank, ranks, device, variables, decays):
         self.rank, self.device = rank, device
         self.chunk = owned_chunk(rank, ranks)
-        self.pieces = partition.pieces(self.chunk)
-        self.decays = [decays[p.index] for p in self.pieces]
+        self.pieces = [partition.pieces(self.chunk) for partition in partitions]
         dtype = self.dtype = variables[0].dtype
+        self.decays = {p.index: decays[p.index] for p in self.all_pieces()}
         with tf.device(device):
-            self.variables = [
-                keras.Variable(np.zeros(p.shape, dtype), dtype=dtype, name=f"zero_v{p.index}")
-                for p in self.pieces
-            ]
+            self.variables = {
+                p.index: keras.Variable(
+                    np.zeros(p.shape, dtype), dtype=dtype, name=f"zero_v{p.index}"
+                )
+                for p in self.all_pieces()
+            }
             # The same class and config: only its update_step and slots are used (the hook
             # clips, decays and counts through the user's optimizer).
             self.optimizer = type(optimizer).from_config(optimizer.get_config())
-            self.optimizer.build(self.variables)
+            self.optimizer.build(list(self.variables.values()))
         # Each piece's slots by name (Keras names a slot "<reference>_<slot>").
         self.slots: dict[tuple[int, str], keras.Variable] = {}
         for slot in self.optimizer.variables:
@@ -482,31 +522,38 @@ class _LocalReplica:
             if found:
                 self.slots[int(found.group(1)), found.group(2)] = slot
 
-    def update(self, grad, weights, present, learning_rate, weight_decay, iterations):
-        """Applies `grad` (this replica's summed chunk) to its pieces of `weights` (the model's
-        variables on this device) and returns the updated chunk, packed. The pieces take the
-        weights' values first, so whatever set the weights (a restore, set_weights) holds. A
-        piece of a variable without a gradient keeps its value."""
-        optimizer = self.optimizer
-        optimizer.iterations.assign(tf.cast(iterations, optimizer.iterations.dtype))
+    def all_pieces(self) -> list[Piece]:
+        return [piece for pieces in self.pieces for piece in pieces]
+
+    def begin_step(self, iterations):
+        """The copy counts the user's optimizer's steps (Adam's bias correction reads it)."""
+        count = self.optimizer.iterations
+        return count.value.assign(tf.cast(iterations, count.dtype), read_value=False)
+
+    def update(self, bucket, grad, weights, present, learning_rate, weight_decay):
+        """Applies `grad` (this replica's summed chunk of `bucket`) to its pieces of `weights`
+        (the model's variables on this device) and returns the updated chunk, packed. The
+        pieces take the weights' values first, so whatever set the weights (a restore,
+        set_weights) holds. A piece of a variable without a gradient keeps its value."""
         out, at = [], 0
-        for piece, variable, decays in zip(self.pieces, self.variables, self.decays, strict=True):
+        for piece in self.pieces[bucket]:
+            variable = self.variables[piece.index]
             size = piece.end - piece.start
             source = tf.reshape(weights[piece.index], [-1])
             variable.assign(tf.reshape(source[piece.start : piece.end], piece.shape))
             if present[piece.index]:
                 g = tf.reshape(grad[at : at + size], piece.shape)
                 lr = tf.cast(learning_rate, variable.dtype)
-                if decays:  # decoupled weight decay, before the update (Keras's order)
+                if self.decays[piece.index]:  # decoupled decay, before the update (Keras's)
                     wd = tf.cast(weight_decay, variable.dtype)
                     variable.assign(variable - variable * wd * lr)
-                optimizer.update_step(g, variable, lr)
+                self.optimizer.update_step(g, variable, lr)
             out.append(tf.reshape(variable.value, [-1]))
             at += size
         return tf.concat(out, axis=0) if out else tf.zeros([0], self.dtype)
 
     def slot_bytes(self) -> int:
-        mine = {id(v) for v in self.variables} | {id(self.optimizer.iterations)}
+        mine = {id(v) for v in self.variables.values()} | {id(self.optimizer.iterations)}
         mine.add(id(getattr(self.optimizer, "_learning_rate", None)))
         return sum(
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
@@ -515,7 +562,9 @@ class _LocalReplica:
         )
 
     def piece_bytes(self) -> int:
-        return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables)
+        return sum(
+            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables.values()
+        )
 
 
 class _WholeSlots(compat.Trackable):

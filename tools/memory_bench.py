@@ -1,0 +1,312 @@
+"""Benchmark: memory and speed of sharded optimizer state (ZeRO) against plain data parallelism.
+
+For MLPs of about 10M and 50M parameters trained with Adam on synthetic data, by N = 1, 2
+and 4 worker processes (multi_worker_mirrored, one CPU replica each, started by tools.launch),
+it measures per process, for plain training and for shard_optimizer zero1 and zero2:
+
+- bytes of optimizer state (Adam's slots) this process holds, reduced-gradient bytes
+  (plain and zero1 form the whole all-reduced gradient; zero2 only its slice's sum), and
+  parameter bytes (every stage built keeps the whole model on each process);
+- peak resident memory (VmHWM) and the memory training added on top of the built model;
+- the median step time, and the bytes each process sends per step over the ring, counted
+  from the ring's schedule for the buffers the step exchanges (plain runs the same ring,
+  all_reduce='ring', so every mode uses one transport).
+
+Output: a table, memory_bench.csv and memory_bench.png. Then, from the two sizes, the largest
+model each mode fits in a per-process memory budget (a straight line through the measured
+peaks against parameters, per mode and N).
+
+  python -m tools.memory_bench                         # about 10 minutes on 2 cores
+  python -m tools.memory_bench --sizes 10 --workers 1 2 --steps 3
+
+This is a benchmark, not a test: it reports figures and never fails on them. Stage 3
+(parameters sharded too) is not built; see tfdist/parallel/zero.py for why.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+
+MODES = ("plain", "zero1", "zero2")
+# Hidden layers (width, count) of the MLPs, 512 inputs and 10 outputs: ~10M and ~50M weights.
+SIZES = {10: (2048, 3), 50: (4000, 4)}
+INPUTS, CLASSES = 512, 10
+
+
+def parameter_count(size: int) -> int:
+    width, layers = SIZES[size]
+    dims = [INPUTS, *[width] * layers, CLASSES]
+    return sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
+
+
+def ring_bytes(length: int, ranks: int, itemsize: int, phases: tuple[str, ...]) -> int:
+    """Bytes rank 0 sends over tfdist's ring for `phases` ('reduce_scatter', 'all_gather')
+    of a buffer of `length` elements, chunk by chunk as the ring's schedule sends them (the
+    gradient ring cuts its buffer into fusion buckets first: the same bytes to a chunk's
+    rounding)."""
+    from tfdist.collective.ring import (
+        all_gather_schedule,
+        chunk_bounds,
+        reduce_scatter_schedule,
+    )
+
+    if ranks == 1:
+        return 0
+    sizes = [end - start for start, end in chunk_bounds(length, ranks)]
+    schedules = {"reduce_scatter": reduce_scatter_schedule, "all_gather": all_gather_schedule}
+    sent = sum(sizes[chunk] for phase in phases for chunk, _ in schedules[phase](0, ranks))
+    return sent * itemsize
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+# --- one worker process -------------------------------------------------------------------------
+
+
+def worker(args) -> None:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.parallel import ShardedUpdate
+
+    workers = args.workers
+    if workers > 1:
+        strategy = tfdist.build_strategy("multi_worker_mirrored", all_reduce="ring")
+    else:
+        strategy = tfdist.build_strategy("one_device", cluster=None)
+    width, layers = SIZES[args.size]
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [keras.Input((INPUTS,))]
+            + [keras.layers.Dense(width, activation="relu") for _ in range(layers)]
+            + [keras.layers.Dense(CLASSES)]
+        )
+        model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    rng = np.random.default_rng(0)
+    batch = args.global_batch_size
+    x = rng.normal(size=(batch * 4, INPUTS)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(batch * 4,)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
+    hooks = [ShardedUpdate(int(args.mode[-1]))] if args.mode != "plain" else []
+    built_rss = _rss("VmRSS")
+    ends: list[float] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+
+    warmup = 2
+    tfdist.fit(
+        model, data, epochs=1, steps_per_epoch=warmup + args.steps, verbose=0,
+        callbacks=[Clock()], step_hooks=hooks,
+    )  # fmt: skip
+    params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
+    if hooks:
+        state = hooks[0].state_bytes()["optimizer_state"]
+    else:
+        own = {id(model.optimizer.iterations), id(model.optimizer._learning_rate)}
+        state = sum(
+            int(np.prod(v.shape)) * 4 for v in model.optimizer.variables if id(v) not in own
+        )
+    length, ranks = params, workers
+    all_reduce = ("reduce_scatter", "all_gather")
+    phases = {
+        "plain": all_reduce,
+        "zero1": (*all_reduce, "all_gather"),  # the gradients whole, then the weights
+        "zero2": all_reduce,  # the gradients' slices, then the weights
+    }[args.mode]
+    sent = ring_bytes(length, ranks, 4, phases)
+    gradient = params * 4 if args.mode != "zero2" else -(-params // ranks) * 4
+    steps = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=False)]
+    task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
+    record = {
+        "size": args.size, "workers": workers, "mode": args.mode, "task": task,
+        "parameters": params, "parameter_bytes": params * 4, "optimizer_state_bytes": state,
+        "reduced_gradient_bytes": gradient, "peak_rss_bytes": _rss("VmHWM"),
+        "training_rss_bytes": _rss("VmHWM") - built_rss,
+        "step_seconds": statistics.median(steps), "bytes_sent_per_step": sent,
+    }  # fmt: skip
+    with open(os.path.join(args.out_dir, f"task{task}.json"), "w") as f:
+        json.dump(record, f)
+
+
+# --- the benchmark ------------------------------------------------------------------------------
+
+
+def run(size: int, workers: int, mode: str, steps: int, batch: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        command = [
+            sys.executable, "-m", "tools.memory_bench", "--worker", "--size", str(size),
+            "--mode", mode, "--workers", str(workers), "--steps", str(steps),
+            "--global_batch_size", str(batch), "--out_dir", out,
+        ]  # fmt: skip
+        if workers > 1:
+            command = [
+                sys.executable, "-m", "tools.launch", "--workers", str(workers), "--",
+                *command,
+            ]  # fmt: skip
+        result = subprocess.run(command, capture_output=True, text=True)
+        if result.returncode:
+            raise SystemExit(f"{size}M {mode} x{workers} failed:\n{result.stdout[-3000:]}")
+        return [json.load(open(os.path.join(out, f"task{i}.json"))) for i in range(workers)]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.memory_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--sizes", type=int, nargs="+", default=[10, 50], choices=sorted(SIZES))
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--steps", type=int, default=4, help="timed steps (after 2 warm-up)")
+    parser.add_argument("--global_batch_size", type=int, default=32)
+    parser.add_argument(
+        "--budget_gib", type=float, default=2.0, help="per-process memory budget for the "
+        "largest-model estimate (default 2 GiB)",
+    )  # fmt: skip
+    parser.add_argument("--out_csv", default="memory_bench.csv")
+    parser.add_argument("--out_png", default="memory_bench.png")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--mode", help=argparse.SUPPRESS)
+    parser.add_argument("--out_dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.workers = args.workers[0]
+        worker(args)
+        return 0
+
+    rows = []
+    for size in args.sizes:
+        for workers in args.workers:
+            for mode in MODES if workers > 1 else ("plain",):
+                tasks = run(size, workers, mode, args.steps, args.global_batch_size)
+                row = dict(tasks[0])
+                row["peak_rss_bytes"] = max(t["peak_rss_bytes"] for t in tasks)
+                row["training_rss_bytes"] = max(t["training_rss_bytes"] for t in tasks)
+                row["step_seconds"] = statistics.median(t["step_seconds"] for t in tasks)
+                row["optimizer_state_bytes"] = max(t["optimizer_state_bytes"] for t in tasks)
+                del row["task"]
+                rows.append(row)
+                print(
+                    f"  {size}M x{workers} {mode:<5}  state {row['optimizer_state_bytes'] / 2**20:7.1f}"
+                    f" MiB  peak {row['peak_rss_bytes'] / 2**20:7.0f} MiB"
+                    f"  step {row['step_seconds'] * 1e3:7.0f} ms",
+                    flush=True,
+                )
+    with open(args.out_csv, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print_table(rows)
+    print_budget(rows, args.budget_gib)
+    plot(rows, args.out_png)
+    print(f"\nwrote {args.out_csv} and {args.out_png}")
+    return 0
+
+
+def _plain(rows, row):
+    return next(
+        r for r in rows
+        if r["size"] == row["size"] and r["workers"] == row["workers"] and r["mode"] == "plain"
+    )  # fmt: skip
+
+
+def print_table(rows) -> None:
+    mib = 2**20
+    print(
+        f"\n{'model':>6} {'N':>2} {'mode':<6} {'params MiB':>10} {'opt state MiB':>13} "
+        f"{'/plain':>7} {'grad MiB':>8} {'peak RSS MiB':>12} {'train +MiB':>10} "
+        f"{'step ms':>8} {'/plain':>7} {'sent MiB/step':>13}"
+    )
+    for r in rows:
+        plain = _plain(rows, r)
+        print(
+            f"{r['size']:>5}M {r['workers']:>2} {r['mode']:<6} {r['parameter_bytes'] / mib:10.1f} "
+            f"{r['optimizer_state_bytes'] / mib:13.1f} "
+            f"{r['optimizer_state_bytes'] / plain['optimizer_state_bytes']:7.3f} "
+            f"{r['reduced_gradient_bytes'] / mib:8.1f} {r['peak_rss_bytes'] / mib:12.0f} "
+            f"{r['training_rss_bytes'] / mib:10.0f} {r['step_seconds'] * 1e3:8.0f} "
+            f"{r['step_seconds'] / plain['step_seconds']:7.2f} "
+            f"{r['bytes_sent_per_step'] / mib:13.1f}"
+        )
+
+
+def print_budget(rows, budget_gib: float) -> None:
+    """The largest model under `budget_gib` per process: peak RSS = a + b * parameters,
+    fitted through the two sizes measured for each (N, mode)."""
+    sizes = sorted({r["size"] for r in rows})
+    if len(sizes) < 2:
+        return
+    print(f"\nLargest MLP that trains with Adam in {budget_gib:g} GiB per process (fitted):")
+    budget = budget_gib * 2**30
+    for workers in sorted({r["workers"] for r in rows}):
+        for mode in MODES:
+            points = [
+                (r["parameters"], r["peak_rss_bytes"]) for r in rows
+                if r["workers"] == workers and r["mode"] == mode
+            ]  # fmt: skip
+            if len(points) < 2:
+                continue
+            (p0, m0), (p1, m1) = points[0], points[-1]
+            per_parameter = (m1 - m0) / (p1 - p0)
+            largest = p0 + (budget - m0) / per_parameter
+            print(
+                f"  N={workers} {mode:<6} {per_parameter:5.1f} bytes/parameter -> "
+                f"{largest / 1e6:6.0f}M parameters"
+            )
+
+
+def plot(rows, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[plot]'); no plot written")
+        return
+    sizes = sorted({r["size"] for r in rows})
+    fig, axes = plt.subplots(2, len(sizes), figsize=(5.5 * len(sizes), 7), squeeze=False)
+    for col, size in enumerate(sizes):
+        mine = [r for r in rows if r["size"] == size]
+        labels = [f"N={r['workers']}\n{r['mode']}" for r in mine]
+        state = [r["optimizer_state_bytes"] / 2**20 for r in mine]
+        peak = [r["peak_rss_bytes"] / 2**20 for r in mine]
+        colors = [
+            {"plain": "tab:gray", "zero1": "tab:blue", "zero2": "tab:green"}[r["mode"]]
+            for r in mine
+        ]
+        axes[0][col].bar(labels, state, color=colors)
+        axes[0][col].set_title(f"{size}M parameters, Adam: optimizer state per process")
+        axes[0][col].set_ylabel("MiB")
+        axes[1][col].bar(labels, peak, color=colors)
+        axes[1][col].set_title("peak resident memory per process (max over processes)")
+        axes[1][col].set_ylabel("MiB")
+        for ax in axes[:, col]:
+            ax.tick_params(axis="x", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
