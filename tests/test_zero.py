@@ -196,9 +196,31 @@ def test_bad_sharding_and_accumulation_options_get_one_clear_line(tmp_path):
             tfdist.fit(model, x, y, batch_size=48, verbose=0, **keywords)
     with two.scope():
         model = zero_cases.mlp("adam")
-        model.compile(keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam()), "mse")
-    with pytest.raises(ShardingError, match="does not yet shard a LossScaleOptimizer"):
+        model.compile(keras.optimizers.Adam(use_ema=True), "mse")
+    with pytest.raises(ShardingError, match="does not shard an optimizer with use_ema=True"):
         tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero2")
+
+
+@pytest.mark.parametrize("initial_scale", [2.0**15, 2.0**60], ids=["finite", "overflows"])
+def test_mixed_float16_loss_scaling_under_sharding_equals_unsharded(initial_scale):
+    """Dynamic loss scaling: a scale of 2**60 overflows float16 in the first steps, which
+    must be skipped alike (weights kept, the scale halved, the step not counted)."""
+    strategy = mirrored(2)
+    x, y = zero_cases.data()
+    models = {}
+    for shard in (None, "zero2"):
+        with strategy.scope():
+            models[shard] = zero_cases.mixed_float16(initial_scale)
+        tfdist.fit(
+            models[shard], x, y, batch_size=48, shuffle=False, verbose=0, shard_optimizer=shard
+        )
+    plain, sharded = models[None], models["zero2"]
+    assert zero_cases.max_diff(plain.get_weights(), sharded.get_weights()) <= TOLERANCE
+    for name in ("iterations", "dynamic_scale", "step_counter"):
+        want, got = (getattr(m.optimizer, name).numpy() for m in (plain, sharded))
+        assert want == got, (name, want, got)
+    if initial_scale > 2.0**40:  # the overflowing steps were skipped
+        assert plain.optimizer.iterations.numpy() < zero_cases.STEPS
 
 
 # --- worker processes -----------------------------------------------------------------------------

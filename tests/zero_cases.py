@@ -43,6 +43,25 @@ def mlp(optimizer: str) -> keras.Model:
     return model
 
 
+def mixed_float16(initial_scale: float = 2.0**15) -> keras.Model:
+    """The MLP computing in float16 with float32 weights, Adam under dynamic loss scaling."""
+    keras.utils.set_random_seed(7)
+    policy = keras.mixed_precision.DTypePolicy("mixed_float16")
+    model = keras.Sequential(
+        [
+            keras.Input((6,)),
+            keras.layers.Dense(13, activation="relu", dtype=policy),
+            keras.layers.Dense(9, activation="tanh", dtype=policy),
+            keras.layers.Dense(3, dtype="float32"),
+        ]
+    )
+    optimizer = keras.optimizers.LossScaleOptimizer(
+        keras.optimizers.Adam(0.01), initial_scale=initial_scale, dynamic_growth_steps=3
+    )
+    model.compile(optimizer, "mse")
+    return model
+
+
 def two_outputs() -> keras.Model:
     """A user's functional model with two named outputs and a loss for each."""
     keras.utils.set_random_seed(11)

@@ -33,7 +33,27 @@ Example:
 
 The ring runs over the local devices of a mirrored strategy (one program, copies between
 devices) or over the worker processes of a multi_worker_mirrored job (tfdist's ProcessRing
-on collective point-to-point transfers).
+on collective point-to-point transfers). The packed weights travel in buckets (like the
+gradient ring's fusion), each exchanged and updated after the last is written back, so the
+update's temporaries are a bucket's worth.
+
+Stage 3 (the parameters themselves sharded, gathered layer by layer when used) is not
+built: Keras 3 on TensorFlow stops it in three places, each needing a fork rather than a
+hook.
+  1. Storage: under mirrored and multi_worker_mirrored every variable a layer creates is a
+     MirroredVariable, a whole copy per device; tf.distribute's only partitioned variable
+     (ShardedVariable) belongs to ParameterServerStrategy. A rank cannot hold 1/N of a
+     layer's kernel as that layer's weight.
+  2. Gather on use: a Keras 3 layer reads `self.kernel` inside `call`. The one place to
+     substitute values, keras.StatelessScope(state_mapping=...), takes every value up front
+     (the whole model gathered at once, not layer by layer), and inside it the layers read
+     tensors, not variables, so `tape.gradient(loss, model.trainable_variables)` - what
+     Keras's train_step and every user's own step differentiate - returns None.
+  3. Free after use: a gathered kernel feeds both the forward and the backward pass, so it
+     stays alive until the backward pass unless each layer's call is wrapped in a
+     tf.custom_gradient that gathers again - wrapping every Layer.__call__.
+tfdist could own the step (its own forward and gradients over gathered tensors), but then
+a model's own train_step would not run, which tfdist.fit promises.
 """
 
 from __future__ import annotations
@@ -239,7 +259,8 @@ class ShardedUpdate(StepHook):
 
     def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
         self.model, self.strategy = model, strategy
-        optimizer = _plain_optimizer(model.optimizer, self.name)
+        optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
+        self.optimizer = optimizer
         variables = list(model.trainable_variables)
         if runs_on_tpu(strategy):
             raise ShardingError(
@@ -272,9 +293,11 @@ class ShardedUpdate(StepHook):
         self.dtype = tf.as_dtype(next(iter(dtypes)))
         self.partitions = self._partitions(optimizer, [tuple(v.shape) for v in variables], ranks)
         rank_base = worker_rank(strategy) * len(devices)
-        # The user's optimizer keeps iterations and the learning rate, no slots.
-        if not optimizer.built:
-            optimizer.build([])
+        # The user's optimizer keeps iterations and the learning rate (and a loss scale
+        # optimizer its scale), no slots.
+        outer = self.scaling or optimizer
+        if not outer.built:
+            outer.build([])
         decays = [
             bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
             for v in variables
@@ -323,20 +346,38 @@ class ShardedUpdate(StepHook):
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: this hook applies the update itself
-        grads = compat.clip_gradients(self.model.optimizer, [g for g, _ in grads_and_vars])
+        grads = [g for g, _ in grads_and_vars]
+        overflow = tf.constant(0.0)
+        if self.scaling is not None:  # mixed_float16: unscale, and note an overflow
+            scale = tf.cast(self.scaling.dynamic_scale, tf.float32)
+            grads = [None if g is None else tf.convert_to_tensor(g) / scale for g in grads]
+            finite = [tf.reduce_all(tf.math.is_finite(g)) for g in grads if g is not None]
+            overflow = 1.0 - tf.cast(tf.reduce_all(tf.stack(finite)), tf.float32)
+        grads = compat.clip_gradients(self.optimizer, grads)  # per replica, as Keras clips
         present = [g is not None for g in grads]
         # A gradient that is None stays out (zeros travel for it, and its variable is left
         # alone, as Keras leaves it).
         given = [tf.convert_to_tensor(g) for g in grads if g is not None]
         context = tf.distribute.get_replica_context()
-        return context.merge_call(self._update, args=(given,), kwargs={"present": present})
+        return context.merge_call(self._update, args=(given, overflow), kwargs={"present": present})
 
-    def _update(self, strategy, given, present: list[bool]):
+    def _finite(self, strategy, overflow) -> tf.Tensor | None:
+        """Whether no replica's gradients overflowed (None: no loss scaling). One small
+        all-reduce across processes, so every replica takes the same decision."""
+        if self.scaling is None:
+            return None
+        local = tf.add_n(list(strategy.experimental_local_results(overflow)))
+        total = self.ring.all_reduce(tf.reshape(local, [1]))[0] if self.ring else local
+        return tf.equal(total, 0.0)
+
+    def _update(self, strategy, given, overflow, present: list[bool]):
         """In cross-replica context: bucket by bucket, reduce, update each local replica's
         slice, gather, write back. Each bucket starts when the previous one is written, so
-        what the update holds beside the gradients is one bucket's worth."""
+        what the update holds beside the gradients is one bucket's worth. Under loss
+        scaling a step whose gradients overflowed anywhere changes no weight."""
         variables = list(self.model.trainable_variables)
-        optimizer = self.model.optimizer
+        optimizer = self.optimizer
+        finite = self._finite(strategy, overflow)
         learning_rate = optimizer.learning_rate
         weight_decay = optimizer.weight_decay or 0.0
         positions = [sum(present[:i]) if present[i] else None for i in range(len(present))]
@@ -359,7 +400,7 @@ class ShardedUpdate(StepHook):
                     with tf.device(replica.device):
                         updated.append(
                             replica.update(
-                                b, grad, weights[d], present, learning_rate, weight_decay
+                                b, grad, weights[d], present, learning_rate, weight_decay, finite
                             )
                         )
                 wholes = self._gathered(partition, updated)
@@ -368,7 +409,10 @@ class ShardedUpdate(StepHook):
                     with tf.device(self.devices[d]):
                         written.extend(self._write_back(partition, whole, variables, present, d))
         with tf.control_dependencies(written):
-            optimizer.iterations.assign_add(1)
+            if finite is None:
+                optimizer.iterations.assign_add(1)
+            else:
+                _count_scaled_step(self.scaling, finite)
         return None
 
     def _pack(self, partition: Partition, local, positions, d: int) -> tf.Tensor:
@@ -445,7 +489,7 @@ class ShardedUpdate(StepHook):
                     slot = replica.slots.get((piece.index, name))
                     if slot is None or tuple(slot.shape) != piece.shape:
                         raise ShardingError(
-                            f"{self.name} cannot checkpoint {type(self.model.optimizer).__name__}"
+                            f"{self.name} cannot checkpoint {type(self.optimizer).__name__}"
                             f": its slot {name!r} is not shaped like the weights it updates, so "
                             "the slices cannot be put back together whole. Checkpoint without "
                             "sharding, or use an optimizer whose slots are shaped like the "
@@ -530,26 +574,36 @@ class _LocalReplica:
         count = self.optimizer.iterations
         return count.value.assign(tf.cast(iterations, count.dtype), read_value=False)
 
-    def update(self, bucket, grad, weights, present, learning_rate, weight_decay):
+    def update(self, bucket, grad, weights, present, learning_rate, weight_decay, finite=None):
         """Applies `grad` (this replica's summed chunk of `bucket`) to its pieces of `weights`
         (the model's variables on this device) and returns the updated chunk, packed. The
         pieces take the weights' values first, so whatever set the weights (a restore,
-        set_weights) holds. A piece of a variable without a gradient keeps its value."""
-        out, at = [], 0
-        for piece in self.pieces[bucket]:
-            variable = self.variables[piece.index]
-            size = piece.end - piece.start
+        set_weights) holds. A piece of a variable without a gradient keeps its value; with
+        `finite` False (an overflow under loss scaling) every piece does."""
+        pieces = self.pieces[bucket]
+        for piece in pieces:
             source = tf.reshape(weights[piece.index], [-1])
-            variable.assign(tf.reshape(source[piece.start : piece.end], piece.shape))
-            if present[piece.index]:
-                g = tf.reshape(grad[at : at + size], piece.shape)
-                lr = tf.cast(learning_rate, variable.dtype)
-                if self.decays[piece.index]:  # decoupled decay, before the update (Keras's)
-                    wd = tf.cast(weight_decay, variable.dtype)
-                    variable.assign(variable - variable * wd * lr)
-                self.optimizer.update_step(g, variable, lr)
-            out.append(tf.reshape(variable.value, [-1]))
-            at += size
+            current = tf.reshape(source[piece.start : piece.end], piece.shape)
+            self.variables[piece.index].assign(current)
+
+        def step():
+            at = 0
+            for piece in pieces:
+                variable = self.variables[piece.index]
+                size = piece.end - piece.start
+                if present[piece.index]:
+                    g = tf.reshape(grad[at : at + size], piece.shape)
+                    lr = tf.cast(learning_rate, variable.dtype)
+                    if self.decays[piece.index]:  # decoupled decay, first (Keras's order)
+                        wd = tf.cast(weight_decay, variable.dtype)
+                        variable.assign(variable - variable * wd * lr)
+                    self.optimizer.update_step(g, variable, lr)
+                at += size
+            return tf.constant(True)
+
+        done = step() if finite is None else tf.cond(finite, step, lambda: tf.constant(False))
+        with tf.control_dependencies([done]):
+            out = [tf.reshape(self.variables[p.index].value, [-1]) for p in pieces]
         return tf.concat(out, axis=0) if out else tf.zeros([0], self.dtype)
 
     def slot_bytes(self) -> int:
@@ -582,17 +636,37 @@ class _WholeSlots(compat.Trackable):
         return tf.no_op()
 
 
-def _plain_optimizer(optimizer, name: str):
-    """The model's optimizer, refused where a sharded update cannot reproduce it."""
+def _count_scaled_step(scaling, finite) -> None:
+    """A LossScaleOptimizer's bookkeeping after a step, as Keras keeps it: a finite step
+    counts (and every dynamic_growth_steps-th doubles the scale); an overflow halves the
+    scale and restarts the count, and the step is not counted."""
+
+    def counted():
+        scaling.iterations.assign_add(1)
+        count = tf.convert_to_tensor(scaling.step_counter)
+        grow = tf.equal(count, tf.cast(scaling.dynamic_growth_steps - 1, count.dtype))
+        scaling.step_counter.assign(tf.where(grow, tf.zeros_like(count), count + 1))
+        scaling.dynamic_scale.assign(
+            tf.where(grow, scaling.dynamic_scale * 2.0, scaling.dynamic_scale)
+        )
+        return tf.constant(True)
+
+    def overflowed():
+        scaling.step_counter.assign(0)
+        scaling.dynamic_scale.assign(scaling.dynamic_scale * 0.5)
+        return tf.constant(False)
+
+    tf.cond(finite, counted, overflowed)
+
+
+def _split_optimizer(optimizer, name: str):
+    """(the optimizer whose update the slices apply, the LossScaleOptimizer around it or
+    None); refused where a sharded update cannot reproduce it."""
     if optimizer is None:
         raise ShardingError(f"{name} shards the optimizer's state, but the model has none.")
+    scaling = None
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise ShardingError(
-            f"{name} does not yet shard a LossScaleOptimizer (mixed_float16's loss scaling). "
-            "Train in float32 or bfloat16 (keras.mixed_precision.set_global_policy"
-            '("mixed_bfloat16") needs no loss scaling), or drop shard_optimizer. '
-            "Received: a LossScaleOptimizer"
-        )
+        scaling, optimizer = optimizer, optimizer.inner_optimizer
     if optimizer.use_ema:
         raise ShardingError(
             f"{name} does not shard an optimizer with use_ema=True (its moving averages "
@@ -605,7 +679,7 @@ def _plain_optimizer(optimizer, name: str):
             "micro-batches, instead of the optimizer's gradient_accumulation_steps. "
             f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
         )
-    return optimizer
+    return optimizer, scaling
 
 
 def _outside_strategy(build: Callable):
