@@ -8,6 +8,7 @@ In one process over 2, 3 and 4 logical CPUs (mirrored), and with real worker pro
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import keras
@@ -298,3 +299,22 @@ def test_the_binary_shards_and_accumulates_as_it_trains_unsharded(tmp_path):
         assert zero_cases.max_diff(plain, weights(**options)) <= TOLERANCE, options
     with pytest.raises(FitError, match="accumulate_steps=3 must divide each replica's batch"):
         weights(accumulate_steps=3)
+
+
+def test_a_model_trained_with_sharding_saves_and_loads_without_tfdist(tmp_path):
+    with mirrored(2).scope():
+        model = zero_cases.mlp("adam")
+    x, y = zero_cases.data()
+    tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero2")
+    model.save(tmp_path / "model.keras")
+    np.savez(tmp_path / "trained.npz", *model.get_weights())
+    script = (
+        "import sys, keras, numpy as np\n"
+        f"model = keras.saving.load_model({str(tmp_path / 'model.keras')!r})\n"
+        "assert not any(m.startswith('tfdist') for m in sys.modules)\n"
+        f"np.savez({str(tmp_path / 'loaded.npz')!r}, *model.get_weights())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    trained, loaded = (np.load(tmp_path / f"{n}.npz") for n in ("trained", "loaded"))
+    assert all(np.array_equal(trained[k], loaded[k]) for k in trained.files)
