@@ -195,11 +195,15 @@ def test_bad_sharding_and_accumulation_options_get_one_clear_line(tmp_path):
             model = zero_cases.mlp("lamb" if "step_hooks" in keywords else "adam")
         with pytest.raises(FitError, match=message):
             tfdist.fit(model, x, y, batch_size=48, verbose=0, **keywords)
-    with two.scope():
-        model = zero_cases.mlp("adam")
-        model.compile(keras.optimizers.Adam(use_ema=True), "mse")
-    with pytest.raises(ShardingError, match="does not shard an optimizer with use_ema=True"):
-        tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero2")
+    for optimizer, message in (
+        (lambda: keras.optimizers.Adam(use_ema=True), "does not shard an optimizer with use_ema"),
+        (keras.optimizers.Nadam, "keeps state outside update_step"),
+    ):
+        with two.scope():
+            model = zero_cases.mlp("adam")
+            model.compile(optimizer(), "mse")
+        with pytest.raises(ShardingError, match=message):
+            tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero2")
 
 
 @pytest.mark.parametrize("initial_scale", [2.0**15, 2.0**60], ids=["finite", "overflows"])

@@ -337,6 +337,21 @@ def clip_gradients(optimizer, grads: list) -> list:
     return optimizer._clip_gradients(grads)
 
 
+def updates_only_through_update_step(optimizer) -> bool:
+    """Whether `optimizer`'s update is its `update_step` per variable, as Keras's base
+    optimizer runs it: its class does not replace `apply` or the steps around update_step.
+
+    Why: Keras 3.15 optimizers may keep state outside `update_step` in private overrides
+    (Nadam's `_u_product` in `_backend_update_step`); a caller of update_step would miss it.
+    """
+    base = keras.optimizers.Optimizer
+    kind = type(optimizer)
+    return all(
+        getattr(kind, name) is getattr(base, name)
+        for name in ("apply", "_backend_apply_gradients", "_backend_update_step")
+    )
+
+
 def uses_weight_decay(optimizer, variable) -> bool:
     """Whether `optimizer` decays `variable` (not excluded by exclude_from_weight_decay).
 

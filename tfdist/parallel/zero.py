@@ -4,9 +4,9 @@ In plain data parallelism every replica keeps the whole optimizer state: with Ad
 more fp32 copies of every weight. ZeRO (Rajbhandari et al., 2020) splits it over the N
 replicas instead. Every step, each replica
 
-  1. packs its gradients into one flat buffer (clipped first, as Keras clips each replica's
-     gradients under a strategy);
-  2. reduces them over the ring: stage 1 all-reduces the buffer and keeps its own slice,
+  1. packs its gradients into flat buffers, bucket by bucket (clipped first, as Keras clips
+     each replica's gradients under a strategy);
+  2. reduces each over the ring: stage 1 all-reduces the buffer and keeps its own slice,
      stage 2 reduce-scatters it, so only the slice's sum is ever formed;
   3. applies the user's own optimizer to its slice only, so slot variables exist for 1/N of
      the weights (the slice's weight decay too);
@@ -92,7 +92,6 @@ _ELEMENTWISE = (
     keras.optimizers.Adam,
     keras.optimizers.AdamW,
     keras.optimizers.Adamax,
-    keras.optimizers.Nadam,
     keras.optimizers.RMSprop,
     keras.optimizers.Adagrad,
     keras.optimizers.Adadelta,
@@ -667,6 +666,14 @@ def _split_optimizer(optimizer, name: str):
     scaling = None
     if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
         scaling, optimizer = optimizer, optimizer.inner_optimizer
+    if not compat.updates_only_through_update_step(optimizer):
+        raise ShardingError(
+            f"{name} applies {type(optimizer).__name__}'s update_step to each replica's slice, "
+            "but this optimizer keeps state outside update_step (Nadam's momentum schedule, "
+            "an optimizer of optimizers), which slices would skip. Use another optimizer "
+            f"(Adam, AdamW, SGD, ...) or drop shard_optimizer. Received: "
+            f"{type(optimizer).__name__}"
+        )
     if optimizer.use_ema:
         raise ShardingError(
             f"{name} does not shard an optimizer with use_ema=True (its moving averages "
