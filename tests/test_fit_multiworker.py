@@ -106,6 +106,9 @@ def test_parameter_server_trains_a_user_model(tmp_path):
     assert logs["history"]["loss"][-1] < logs["history"]["loss"][0]
     assert "val_accuracy" in logs["history"]
     assert "parameter_server test accuracy" in output
+    assert logs["evaluate"]["zero2"].startswith(
+        "shard_optimizer='zero2' works on the steps of a synchronous strategy"
+    ), logs["evaluate"]["zero2"]
 
 
 def test_variables_split_across_ps_tasks_train_and_back_up(tmp_path):

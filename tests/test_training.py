@@ -590,3 +590,22 @@ def test_static_shape_evaluation_counts_every_test_example_once(data_dir):
     assert [(h["epoch"], h["step"]) for h in padded.history] == [(1, 2)]
     assert padded.history[-1]["eval_accuracy"] == padded.eval_accuracy
     assert padded.history[-1]["train_loss"] == padded.train_loss
+
+
+def test_a_run_stopped_between_its_last_checkpoint_and_its_last_record_ends_at_its_step(
+    data_dir, tmp_path
+):
+    """Killed after the final checkpoint was saved but before the last epoch's line reached
+    history.jsonl, a re-run has nothing to train: its summary stands at the checkpoint's
+    step, not at the last recorded epoch's."""
+    config = TrainConfig(
+        data_dir=data_dir, model_dir=str(tmp_path), **{**EXACT, "model": "mlp", "epochs": 3}
+    )
+    strategy = tfdist.build_strategy("one_device", cluster=None)
+    assert Trainer(config, strategy=strategy).fit().steps == 18
+    history = tmp_path / "history.jsonl"
+    lines = history.read_text().splitlines()
+    history.write_text("\n".join(lines[:-1]) + "\n")  # the last epoch's line never written
+    result = Trainer(config, strategy=strategy).fit()
+    assert result.steps == 18 and result.resumed_from_step == 18
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 18

@@ -312,11 +312,21 @@ class RunRecord(keras.callbacks.Callback):
             lines.append(line)
         return read_run_history(lines)
 
-    def finish(self, eval_logs: dict[str, float] | None = None) -> TrainResult:
+    def finish(
+        self, eval_logs: dict[str, float] | None = None, *, step: int | None = None
+    ) -> TrainResult:
         """Makes `result` and, on the chief with a model_dir, writes summary.json and exports
         the model. Called when training ends; call it again with `eval_logs` (from
         tfdist.evaluate) to report an evaluation made since (a session with nothing left to
-        train evaluates where the run stands)."""
+        train evaluates where the run stands).
+
+        Args:
+          eval_logs: an evaluation made since training ended.
+          step: where the run stands when this session trained nothing (the step of the
+            checkpoint it restored); default: the last recorded epoch's step. They differ
+            when a run was stopped after its last checkpoint but before its last epoch's
+            record was written.
+        """
         record = self.history()
         history = record.history
         last = history[-1] if history else {}
@@ -328,8 +338,8 @@ class RunRecord(keras.callbacks.Callback):
         strategy = self._runner.strategy if self._runner else tf.distribute.get_strategy()
         replicas = strategy.num_replicas_in_sync
         resumed = self._resumed_from_step
-        if resumed is None:  # nothing trained now: the run stands where its record ends
-            resumed = last.get("step", 0)
+        if resumed is None:  # nothing trained now: the run stands where it was restored
+            resumed = max(step or 0, last.get("step", 0))
         self.result = TrainResult(
             strategy=strategy_kind(strategy),
             replicas=replicas,

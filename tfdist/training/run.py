@@ -251,6 +251,10 @@ class Trainer:
         return self.record.eval_metrics(logs)
 
     @property
+    def checkpoint(self) -> StepCheckpoint:
+        return self.callbacks[0]
+
+    @property
     def record(self) -> RunRecord:
         return self.callbacks[1]
 
@@ -281,7 +285,7 @@ class Trainer:
             return self.record.result
         # Nothing left to train: the record so far, evaluated where the run stands.
         log.info("Already trained all %d steps; nothing to do", self.total_steps)
-        return self.record.finish(self.evaluate())
+        return self.record.finish(self.evaluate(), step=self.checkpoint.restored_step)
 
 
 def _comparable(dataset: str) -> str:
