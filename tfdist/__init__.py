@@ -17,7 +17,7 @@ The public API, listed explicitly:
   TfdistError                                     base of every error tfdist explains
 
 Subpackages: tfdist.data (TFRecord and TFDS pipelines), tfdist.collective (the ring
-all-reduce), tfdist.launch (the tfdist-launch command), tfdist.k8s (tfdist-k8s: JobSet and
+all-reduce), tfdist.parallel (sharded optimizer state, gradient accumulation), tfdist.launch (the tfdist-launch command), tfdist.k8s (tfdist-k8s: JobSet and
 TFJob manifests), tfdist.ray (Ray Train; the optional extra tfdist[ray]).
 
 Names are imported on first use, so tools that only read TF_CONFIG (the launcher, the
@@ -71,7 +71,7 @@ _EXPORTS = {
 }
 
 # Subpackages, imported on first use too: `import tfdist` then `tfdist.data.tfrecord_dataset`.
-_SUBPACKAGES = ("collective", "data", "k8s", "launch", "ray", "training")
+_SUBPACKAGES = ("collective", "data", "k8s", "launch", "parallel", "ray", "training")
 
 __all__ = sorted(_EXPORTS)
 

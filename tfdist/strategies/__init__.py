@@ -77,7 +77,6 @@ __all__ = [
     "describe_strategy",
     "detect_tpu",
     "joins_worker_processes",
-    "worker_rank",
     "needs_coordinator",
     "resolve_auto",
     "runs_on_tpu",
@@ -85,4 +84,5 @@ __all__ = [
     "strategy_names",
     "task_name_in_tf_config",
     "tpu_node_address",
+    "worker_rank",
 ]

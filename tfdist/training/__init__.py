@@ -28,20 +28,30 @@ step is traced, that call runs a chain of StepHooks, each of which may change th
 and hand them on (`apply_next`), hold them (accumulation), or apply them its own way
 (sharded optimizer state, local SGD). The chain runs in replica context, once per replica
 step, whether the step is Keras's `train_step`, the model's own override, or the
-parameter-server runner's stateless step. A new parallel mode is one new file:
+parameter-server runner's stateless step. A new parallel mode is one new file; two are
+built so (tfdist/parallel/):
 
-    class Accumulate(tfdist.StepHook):               # tfdist/parallel/accumulate.py, say
-        def __init__(self, k):
-            self.k = k
+    class ShardedUpdate(tfdist.StepHook):            # zero.py: ZeRO stages 1 and 2
+        synchronous_only = True                      # central_storage / ps refuse it
 
-        def build(self, model, strategy):            # its state, under strategy.scope()
-            self.sums = [tf.Variable(tf.zeros_like(v)) for v in model.trainable_variables]
-            ...
+        def build(self, model, strategy):            # slices, and an optimizer per slice
+            ...                                      # (the user's is built on nothing)
 
         def apply(self, grads_and_vars, apply_next):
-            ...add to self.sums; every k-th step: apply_next(summed pairs) and reset...
+            ...reduce-scatter, update this replica's slice, all-gather; no apply_next...
 
-    tfdist.fit(model, data, step_hooks=[Accumulate(4)])
+        def checkpoint_state(self):                  # the slices' slots, saved whole
+            return {"sharded_optimizer_state": ...}
+
+    class Accumulate(tfdist.StepHook):               # accumulate.py
+        def step(self, batch, train_step):           # k micro-batches in one step
+            ...train_step(micro) for each...
+
+        def apply(self, grads_and_vars, apply_next):
+            ...hold the first k-1, apply_next(the weighted sum) on the k-th...
+
+    tfdist.fit(model, data, step_hooks=[Accumulate(4), ShardedUpdate(2)])
+    # = tfdist.fit(model, data, accumulate_steps=4, shard_optimizer="zero2")
 
 A mode that changes the whole step rather than its update (pipeline stages with
 micro-batches) is a Runner of its own, registered beside the others; the Controller runs it

@@ -37,9 +37,8 @@ CHECKPOINT_SUBDIR = "checkpoints"
 SETTINGS_FILE = "run.json"
 # Settings a resume must keep: with another model, dataset or optimizer (mixed precision
 # wraps it in a LossScaleOptimizer; sharding keeps its state apart) the checkpoint does not
-# fit; with another global batch
-# its step counts batches of another size (another data position and schedule). The others
-# may change, with a warning.
+# fit; with another global batch its step counts batches of another size (another data
+# position and schedule). The others may change, with a warning.
 _MUST_MATCH = (
     "model", "dataset", "optimizer", "mixed_precision", "global_batch_size", "shard_optimizer",
 )  # fmt: skip
