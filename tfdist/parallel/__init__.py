@@ -3,6 +3,8 @@
 - zero.py: ShardedUpdate, the optimizer's state (ZeRO stage 1) and the gradients (stage 2)
   sharded over the replicas of a synchronous strategy.
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
+- schedules.py: pipeline schedules (GPipe, 1F1B) and their simulation: the step's length,
+  the bubble, the activations each stage holds (for the pipeline runner to come).
 
 Each is a StepHook. `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4)` builds
 them from keywords (`hooks_for`), or pass them yourself with `step_hooks=[...]`.
