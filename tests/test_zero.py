@@ -14,12 +14,12 @@ import sys
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tfdist
 from tests import zero_cases
 from tests.conftest import run_module
 from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
+from tfdist.parallel.zero import slot_bytes
 from tfdist.training.fit_data import FitError
 
 TOLERANCE = 1e-5
@@ -39,16 +39,6 @@ def train(strategy, optimizer: str, **keywords):
         model, x, y, batch_size=zero_cases.GLOBAL_BATCH, shuffle=False, verbose=0, **keywords
     )
     return model
-
-
-def slot_bytes(optimizer) -> int:
-    """Bytes of an optimizer's variables other than its step count and learning rate."""
-    own = {id(optimizer.iterations), id(getattr(optimizer, "_learning_rate", None))}
-    return sum(
-        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-        for v in optimizer.variables
-        if id(v) not in own
-    )
 
 
 # --- how the weights are cut ------------------------------------------------------------------

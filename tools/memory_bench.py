@@ -87,6 +87,7 @@ def worker(args) -> None:
 
     import tfdist
     from tfdist.parallel import ShardedUpdate
+    from tfdist.parallel.zero import slot_bytes
 
     workers = args.workers
     if workers > 1:
@@ -121,13 +122,7 @@ def worker(args) -> None:
         callbacks=[Clock()], step_hooks=hooks,
     )  # fmt: skip
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
-    if hooks:
-        state = hooks[0].state_bytes()["optimizer_state"]
-    else:
-        own = {id(model.optimizer.iterations), id(model.optimizer._learning_rate)}
-        state = sum(
-            int(np.prod(v.shape)) * 4 for v in model.optimizer.variables if id(v) not in own
-        )
+    state = hooks[0].state_bytes()["optimizer_state"] if hooks else slot_bytes(model.optimizer)
     length, ranks = params, workers
     all_reduce = ("reduce_scatter", "all_gather")
     phases = {
@@ -168,7 +163,11 @@ def run(size: int, workers: int, mode: str, steps: int, batch: int) -> list[dict
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode:
             raise SystemExit(f"{size}M {mode} x{workers} failed:\n{result.stdout[-3000:]}")
-        return [json.load(open(os.path.join(out, f"task{i}.json"))) for i in range(workers)]
+        tasks = []
+        for i in range(workers):
+            with open(os.path.join(out, f"task{i}.json")) as f:
+                tasks.append(json.load(f))
+        return tasks
 
 
 def main(argv=None) -> int:
@@ -190,6 +189,8 @@ def main(argv=None) -> int:
     parser.add_argument("--mode", help=argparse.SUPPRESS)
     parser.add_argument("--out_dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if min(args.workers) < 1 or args.steps < 1:
+        parser.error("--workers and --steps take whole numbers >= 1")
     if args.worker:
         args.workers = args.workers[0]
         worker(args)

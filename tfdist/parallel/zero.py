@@ -143,10 +143,6 @@ class Partition:
     bounds: tuple[tuple[int, int], ...]
     whole: bool
 
-    @property
-    def length(self) -> int:
-        return sum(self.sizes.values())
-
     def pieces(self, chunk: int) -> list[Piece]:
         """The pieces of the variables chunk `chunk` covers, in buffer order."""
         start, end = self.bounds[chunk]
@@ -519,9 +515,10 @@ class ShardedUpdate(StepHook):
     def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
         """Gives each local replica its slices of whole slots (saved with any number of
         replicas: a resume may change it)."""
+        names = self.slot_names()
         for replica in self.replicas:
             for piece in replica.all_pieces():
-                for name in self.slot_names():
+                for name in names:
                     flat = tf.reshape(restored[f"v{piece.index}_{name}"], [-1])
                     flat = flat[piece.start : piece.end]
                     replica.slots[piece.index, name].assign(tf.reshape(flat, piece.shape))
@@ -606,18 +603,22 @@ class _LocalReplica:
         return tf.concat(out, axis=0) if out else tf.zeros([0], self.dtype)
 
     def slot_bytes(self) -> int:
-        mine = {id(v) for v in self.variables.values()} | {id(self.optimizer.iterations)}
-        mine.add(id(getattr(self.optimizer, "_learning_rate", None)))
-        return sum(
-            int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
-            for v in self.optimizer.variables
-            if id(v) not in mine
-        )
+        return slot_bytes(self.optimizer)
 
     def piece_bytes(self) -> int:
         return sum(
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables.values()
         )
+
+
+def slot_bytes(optimizer) -> int:
+    """Bytes of an optimizer's state beside its step count and learning rate (its slots)."""
+    own = {id(optimizer.iterations), id(getattr(optimizer, "_learning_rate", None))}
+    return sum(
+        int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size
+        for v in optimizer.variables
+        if id(v) not in own
+    )
 
 
 class _WholeSlots(compat.Trackable):

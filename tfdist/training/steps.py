@@ -237,9 +237,13 @@ class StepClock(StepHook):
             ready = tf.timestamp()
         with tf.control_dependencies([ready]):
             result = apply_next(grads_and_vars)
-        # Reading a variable is ordered after its update (same resource): the new values.
-        reads = [tf.identity(v.value) for g, v in grads_and_vars if g is not None]
-        with tf.control_dependencies([*reads, *([result] if tf.is_tensor(result) else [])]):
+        updated = [self.updated(v) for g, v in grads_and_vars if g is not None]
+        with tf.control_dependencies([*updated, *([result] if tf.is_tensor(result) else [])]):
             applied = tf.timestamp()
         self.marks = (ready, applied)
         return result
+
+    def updated(self, variable) -> tf.Tensor:
+        """A tensor that exists once `variable` has its new value: reading it, which is
+        ordered after its update (same resource)."""
+        return tf.identity(variable.value)

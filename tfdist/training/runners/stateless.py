@@ -46,21 +46,8 @@ class UpdateClock(StepClock):
     update (ops on one resource run in program order), and sends back a bool.
     """
 
-    def apply(self, grads_and_vars, apply_next):
-        grads = [g for g, _ in grads_and_vars if g is not None]
-        with tf.control_dependencies(grads):
-            ready = tf.timestamp()
-        with tf.control_dependencies([ready]):
-            result = apply_next(grads_and_vars)
-        updated = [
-            tf.raw_ops.VarIsInitializedOp(resource=v.handle)
-            for g, v in grads_and_vars
-            if g is not None
-        ]
-        with tf.control_dependencies([*updated, *([result] if tf.is_tensor(result) else [])]):
-            applied = tf.timestamp()
-        self.marks = (ready, applied)
-        return result
+    def updated(self, variable) -> tf.Tensor:
+        return tf.raw_ops.VarIsInitializedOp(resource=variable.handle)
 
 
 class StepMarks:
