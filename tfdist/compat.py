@@ -413,6 +413,26 @@ def all_layers(model: keras.Model) -> list:
     return list(model._flatten_layers(include_self=False))
 
 
+def layer_graph(model: keras.Model):
+    """The functional graph of a Sequential or functional model (None: a subclassed one).
+
+    Why: a built Sequential keeps its graph in `_functional`; a functional model's graph
+    nodes are Keras's `_nodes_by_depth`.
+    """
+    graph = getattr(model, "_functional", None) if isinstance(model, keras.Sequential) else model
+    return graph if getattr(graph, "_nodes_by_depth", None) is not None else None
+
+
+def layer_inputs_in(graph, layer) -> list[list]:
+    """The symbolic tensors `layer` takes at each of its calls in a `layer_graph`.
+
+    Why: a layer's calls are its `_inbound_nodes` (a layer shared by several models has
+    calls outside this one).
+    """
+    nodes = {id(node) for depth in graph._nodes_by_depth.values() for node in depth}
+    return [list(node.input_tensors) for node in layer._inbound_nodes if id(node) in nodes]
+
+
 # --- checkpointing of variables split across ps tasks (training/ps_shards.py) --------------------
 
 # Why: a ShardedVariable's slots and whole values are saved as one tensor each by objects of

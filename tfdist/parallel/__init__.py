@@ -4,10 +4,13 @@
   sharded over the replicas of a synchronous strategy.
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
 - schedules.py: pipeline schedules (GPipe, 1F1B) and their simulation: the step's length,
-  the bubble, the activations each stage holds (for the pipeline runner to come).
+  the bubble, the activations each stage holds.
+- stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
+- pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner).
 
-Each is a StepHook. `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4)` builds
-them from keywords (`hooks_for`), or pass them yourself with `step_hooks=[...]`.
+The first two are StepHooks: `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4)`
+builds them from keywords (`hooks_for`), or pass them yourself with `step_hooks=[...]`.
+A pipeline replaces the runner: `tfdist.fit(..., pipeline=Pipeline(cut_before=[...]))`.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from collections.abc import Sequence
 import keras
 
 from tfdist.parallel.accumulate import Accumulate
+from tfdist.parallel.pipeline import Pipeline, PipelineRunner
+from tfdist.parallel.stages import Stage, StageError, chain, split
 from tfdist.parallel.zero import Partition, ShardedUpdate, ShardingError
 from tfdist.training.config import SHARD_CHOICES
 from tfdist.training.fit_data import FitError
@@ -72,9 +77,15 @@ __all__ = [
     "SHARD_CHOICES",
     "Accumulate",
     "Partition",
+    "Pipeline",
+    "PipelineRunner",
     "ShardedUpdate",
     "ShardingError",
+    "Stage",
+    "StageError",
+    "chain",
     "check_batch",
     "check_callbacks",
     "hooks_for",
+    "split",
 ]

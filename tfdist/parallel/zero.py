@@ -297,7 +297,7 @@ class ShardedUpdate(StepHook):
             bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
             for v in variables
         ]
-        self.replicas = _outside_strategy(
+        self.replicas = outside_strategy(
             lambda: [
                 _LocalReplica(
                     optimizer,
@@ -690,7 +690,7 @@ def _split_optimizer(optimizer, name: str):
     return optimizer, scaling
 
 
-def _outside_strategy(build: Callable):
+def outside_strategy(build: Callable):
     """Runs `build` in a thread of its own, where no strategy's scope is entered (scopes are
     per thread), so the variables it creates are plain ones on the devices it names."""
     result: list = []

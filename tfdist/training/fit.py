@@ -48,7 +48,7 @@ _FIT_KEYWORDS = (
     "x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
     "validation_split", "class_weight", "sample_weight", "initial_epoch", "steps_per_epoch",
     "validation_steps", "validation_batch_size", "validation_freq", "strategy", "step_hooks",
-    "shard_optimizer", "accumulate_steps",
+    "shard_optimizer", "accumulate_steps", "pipeline",
 )  # fmt: skip
 _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
@@ -79,6 +79,7 @@ def fit(
     step_hooks: Sequence[StepHook] = (),
     shard_optimizer: str | None = None,
     accumulate_steps: int = 1,
+    pipeline: parallel.Pipeline | None = None,
     **unknown: Any,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model under its tf.distribute strategy, as `model.fit` would.
@@ -109,6 +110,8 @@ def fit(
         'zero2' (the gradients too); see tfdist.parallel.zero. Synchronous strategies.
       accumulate_steps: split each replica's batch into this many micro-batches, summing
         their gradients into one exchange and update per step (tfdist.parallel.accumulate).
+      pipeline: a tfdist.parallel.Pipeline: the model cut into stages over the replicas,
+        trained in micro-batches (GPipe or 1F1B); see tfdist.parallel.pipeline.
       (the rest: as for keras.Model.fit)
 
     Returns:
@@ -140,7 +143,12 @@ def fit(
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
-    runner = runner_for(model, strategy)
+    if pipeline is not None and not isinstance(pipeline, parallel.Pipeline):
+        raise FitError(
+            "pipeline takes a tfdist.parallel.Pipeline(cut_before=[...], micro_batches=..., "
+            f"schedule=...). Received: pipeline of type {type(pipeline).__name__}"
+        )
+    runner = runner_for(model, strategy, layout=pipeline)
     hooks = parallel.hooks_for(
         _checked_hooks(step_hooks),
         shard_optimizer=shard_optimizer,

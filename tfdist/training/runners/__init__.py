@@ -22,8 +22,15 @@ RUNNERS: dict[str, type[Runner]] = {
 }
 
 
-def runner_for(model: keras.Model, strategy: tf.distribute.Strategy) -> Runner:
-    """The runner that trains `model` under `strategy` (not yet built)."""
+def runner_for(model: keras.Model, strategy: tf.distribute.Strategy, *, layout=None) -> Runner:
+    """The runner that trains `model` under `strategy` (not yet built).
+
+    Args:
+      layout: None (the strategy's kind decides), or an object whose `runner(model,
+        strategy)` makes a runner of its own (tfdist.parallel.Pipeline).
+    """
+    if layout is not None:
+        return layout.runner(model, strategy)
     kind = strategy_kind(strategy)
     if kind not in RUNNERS:
         raise FitError(

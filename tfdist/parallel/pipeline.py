@@ -1,0 +1,674 @@
+"""Pipeline parallelism: a Keras model cut into stages that train their micro-batches in turn.
+
+    with strategy.scope():                 # mirrored over 4 devices, or 4 worker processes
+        model = build_model(); model.compile("adam", "sparse_categorical_crossentropy",
+                                             metrics=["accuracy"])
+    tfdist.fit(model, dataset, epochs=3,
+               pipeline=tfdist.parallel.Pipeline(cut_before=["block_2", "block_3", "head"],
+                                                 micro_batches=4, schedule="1f1b"))
+
+The strategy's replicas form a grid of D pipelines x S stages: replica r holds stage r % S
+of pipeline r // S (4 replicas and 2 stages: 2 pipelines, data parallel). Each step, pipeline
+p takes its 1/D of the global batch as M micro-batches; each stage runs its forward and
+backward passes in the order the schedule gives (schedules.py), activations going forward
+and their gradients backward, between devices in one program or between worker processes
+over TensorFlow's point-to-point collective transfers. A stage sums its weights' gradients
+over the micro-batches, averages them over the D pipelines (a ring all-reduce among the
+stage's replicas), and takes one optimizer step: the step the unsplit model takes on the
+whole batch, up to floating point (tests/test_pipeline.py checks it after 5 steps).
+
+Where things live. Each stage's weights, the state of its optimizer (a copy of the user's,
+same class and config) and its activations live on the stage's device, in variables of
+tfdist's own. The user's model and optimizer keep the whole model, written back when the
+runner settles (each epoch end, before each save): evaluation, callbacks, checkpoints and
+`model.save` see one ordinary Keras model, and a restore reaches the stages when training
+begins. The loss is the compiled one (with its loss weights and sample weights), plus each
+stage's regularisation losses; the metrics are the compiled ones, updated on the last stage.
+
+Limits (each refused with a message): models with their own `train_step` (a pipeline runs
+the layer graph, not the step), global_clipnorm (a norm over every stage), loss scaling,
+StepHooks (accumulation is the micro-batches already; sharded state is per stage already).
+BatchNormalization normalises each micro-batch by its own statistics, as in GPipe; M = 1
+matches the unsplit model exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.collective.transport import ProcessRing
+from tfdist.parallel.schedules import SCHEDULES, schedule, simulate
+from tfdist.parallel.stages import Stage, StageError, split
+from tfdist.parallel.zero import outside_strategy
+from tfdist.strategies import worker_rank
+from tfdist.training.fit_data import FitData, FitError, unpack
+from tfdist.training.runner import StepHook
+from tfdist.training.runners.common import batch_size, logs_from_state
+from tfdist.training.runners.sync import SyncRunner
+from tfdist.training.steps import custom_train_step
+
+# Group keys of the stage-to-stage links (one 2-member group per neighbouring pair) and of
+# the rings that average a stage's gradients over the pipelines (one ring per stage).
+LINK_GROUP_KEY_BASE = 1_300_000
+STAGE_RING_GROUP_KEY_BASE = 1_400_000
+# TensorFlow's collective runtime remembers each instance key's shape for the life of the
+# process, so each step program (a fit's, for one micro-batch size) takes keys of its own;
+# every process builds its programs in the same order, so they agree.
+_PROGRAMS_BUILT = itertools.count()
+_KEYS_PER_PROGRAM = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Pipeline:
+    """How `tfdist.fit(..., pipeline=...)` cuts and schedules the model.
+
+    Args:
+      cut_before: names of the layers where stages 1, 2, ... begin (stage 0 starts at the
+        inputs), in the order the data reaches them; None for a model made by
+        `tfdist.parallel.chain` (cut between its stage models). The strategy's replicas must
+        be a multiple of the stages: the multiple is the number of data-parallel pipelines.
+      micro_batches: M, the micro-batches each pipeline's share of a batch is cut into
+        (it must divide that share). More shrinks the bubble, (S-1)/(M+S-1).
+      schedule: 'gpipe' (every forward, then every backward: M micro-batches' activations
+        held) or '1f1b' (a forward and a backward in turn: at most S-s held on stage s).
+      timeout_seconds: how long a transfer between worker processes may wait for its peer
+        (None: forever), so a lost stage ends the step with an error instead of a hang.
+
+    Raises:
+      ValueError: an option out of range.
+    """
+
+    cut_before: tuple[str, ...] | None = None
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    timeout_seconds: float | None = None
+
+    def __post_init__(self):
+        m = self.micro_batches
+        if not isinstance(m, int) or isinstance(m, bool) or m < 1:
+            raise ValueError(f"micro_batches must be a whole number >= 1. Received: {m!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(
+                f"schedule must be one of {', '.join(SCHEDULES)}. Received: {self.schedule!r}"
+            )
+        if self.cut_before is not None:
+            if isinstance(self.cut_before, str):
+                raise ValueError(
+                    f"cut_before is a list of layer names. Received: the string {self.cut_before!r}"
+                )
+            object.__setattr__(self, "cut_before", tuple(self.cut_before))
+
+    def runner(self, model: keras.Model, strategy: tf.distribute.Strategy) -> PipelineRunner:
+        """The runner tfdist.fit trains `model` with (not yet built)."""
+        return PipelineRunner(model, strategy, self)
+
+
+@dataclasses.dataclass
+class _StageReplica:
+    """One replica of one stage: its place, its weights and its optimizer (on its device)."""
+
+    stage: Stage
+    pipeline: int
+    device: str
+    trainable: list[keras.Variable]
+    non_trainable: list[keras.Variable]
+    optimizer: keras.optimizers.Optimizer
+
+
+class PipelineRunner(SyncRunner):
+    """Trains a model cut into pipeline stages (see the module docstring).
+
+    Evaluation, the chief, agreement between workers and failure messages are the
+    synchronous runner's: after `settle` the model is whole on every replica.
+    """
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, options: Pipeline):
+        super().__init__(model, strategy)
+        self.options = options
+        self.stages: list[Stage] = []
+        self.replicas: list[_StageReplica] = []  # this process's
+        self.pipelines = 1
+        self._state: list[np.ndarray] = []
+        self._programs: dict[int, _StepProgram] = {}
+        self._loaded = False
+        self._rings: dict[int, ProcessRing] = {}
+        self.last_passes: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
+
+    # --- building -------------------------------------------------------------------------------
+
+    @property
+    def processes(self) -> int:
+        return compat.sync_worker_count(self.strategy)
+
+    def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        model, options = self.model, self.options
+        if step_hooks:
+            raise FitError(
+                "A pipeline takes no step hooks: its micro-batches already accumulate "
+                "gradients (drop accumulate_steps), and each stage keeps only its own "
+                "optimizer state (drop shard_optimizer). "
+                f"Received: {', '.join(h.name for h in step_hooks)}"
+            )
+        if custom_train_step(model):
+            raise FitError(
+                f"Model {model.name!r} has its own train_step, which runs the whole model at "
+                "once; a pipeline runs its layers stage by stage with the compiled loss and "
+                "metrics. Move the step's logic into compile()'s loss and metrics, or train "
+                "without pipeline=. Received: a model with train_step overridden"
+            )
+        super().build(sample_batch)  # the whole model and its optimizer: the host copy
+        _check_optimizer(model.optimizer)
+        self.stages = split(model, options.cut_before)
+        self._place()
+        self._state = self._zeros()
+
+    def _place(self) -> None:
+        strategy, stages = self.strategy, self.stages
+        devices = list(strategy.extended.worker_devices)
+        processes = self.processes
+        replicas = strategy.num_replicas_in_sync
+        if processes > 1 and len(devices) > 1:
+            raise FitError(
+                "A pipeline across worker processes takes one device per process (stage "
+                f"replicas are processes); this job has {processes} processes with "
+                f"{len(devices)} devices each. Run one process per device. "
+                f"Received: {replicas} replicas"
+            )
+        if replicas % len(stages):
+            raise StageError(
+                f"{len(stages)} stages need a multiple of {len(stages)} replicas (D pipelines x "
+                f"{len(stages)} stages); the strategy has {replicas}. Cut the model into a "
+                "number of stages that divides the replicas, or change the devices/workers. "
+                f"Received: {len(stages)} stages over {replicas} replicas"
+            )
+        self.pipelines = replicas // len(stages)
+        if processes > 1:
+            ranks = [worker_rank(strategy)]
+            devices = {ranks[0]: devices[0]}
+        else:
+            ranks = list(range(replicas))
+            devices = dict(enumerate(devices))
+        optimizer = self.model.optimizer
+        trainable = self.model.trainable_variables
+        non_trainable = self.model.non_trainable_variables
+
+        def make():
+            made = []
+            for rank in ranks:
+                pipeline, index = divmod(rank, len(stages))
+                stage, device = stages[index], devices[rank]
+                with tf.device(device):
+                    # Named as the model's own (its path's '/' as '_'), so the optimizer
+                    # copy's slots are named as the user's optimizer's for the same weight.
+                    copies = [_copy(trainable[i]) for i in stage.trainable]
+                    statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
+                    stage_optimizer = type(optimizer).from_config(optimizer.get_config())
+                    stage_optimizer.build(copies)
+                made.append(
+                    _StageReplica(stage, pipeline, device, copies, statistics, stage_optimizer)
+                )
+            return made
+
+        self.replicas = outside_strategy(make)
+        self._slot_pairs = {id(r): _slot_pairs(r.optimizer, optimizer) for r in self.replicas}
+        if processes > 1:
+            for r in self.replicas:
+                self._rings[r.stage.index] = ProcessRing(
+                    rank=r.pipeline,
+                    ranks=self.pipelines,
+                    timeout_seconds=self.options.timeout_seconds,
+                    group_key_base=STAGE_RING_GROUP_KEY_BASE + 1000 * r.stage.index,
+                )
+
+    def check_callbacks(self, callbacks) -> None:
+        super().check_callbacks(callbacks)
+        for callback in callbacks:
+            if isinstance(callback, keras.callbacks.BackupAndRestore) and isinstance(
+                callback.save_freq, int
+            ):
+                raise FitError(
+                    "Under a pipeline the stages hold the weights while an epoch trains, and "
+                    "the model is made whole at each epoch's end; BackupAndRestore with "
+                    "save_freq=<steps> would back up the model as it was then. Use "
+                    "save_freq='epoch', or tfdist.StepCheckpoint, which settles the stages "
+                    f"before it saves. Received: save_freq={callback.save_freq}"
+                )
+
+    # --- data -------------------------------------------------------------------------------------
+
+    def iterator(self, data: FitData, *, skip: int = 0):
+        if data.dataset is None:
+            raise FitError(
+                "A pipeline feeds each stage from the global batches, so it takes a dataset "
+                "batched with the global batch (or arrays with batch_size), not a dataset_fn. "
+                "Received: a dataset_fn"
+            )
+        dataset = data.dataset.skip(skip) if skip else data.dataset
+        return iter(dataset)
+
+    def _split_batch(self, batch) -> int:
+        size = int(batch_size(unpack(batch)[0]))
+        parts = self.pipelines * self.options.micro_batches
+        if size % parts:
+            raise FitError(
+                f"A batch of {size} examples does not split into {self.pipelines} pipeline(s) "
+                f"x {self.options.micro_batches} micro-batches: make the global batch a "
+                f"multiple of {parts} (and batch with drop_remainder=True, or give "
+                "steps_per_epoch, so the last batch is full too). "
+                f"Received: micro_batches={self.options.micro_batches}, batch of {size}"
+            )
+        return size // parts
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def begin(self, global_step: int, *, total_steps=None, checkpoint_status=None) -> None:
+        super().begin(global_step, total_steps=total_steps, checkpoint_status=checkpoint_status)
+        self._loaded = False  # callbacks may have restored the model: load it into the stages
+
+    def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
+        with self.explained():
+            if not self._loaded:
+                self._load()
+            done = 0
+            while done < n:
+                batch = iterator.get_next_as_optional()
+                if not batch.has_value():
+                    break
+                batch = batch.get_value()
+                micro = self._split_batch(batch)
+                program = self._program(micro)
+                state, times = program.function(batch)
+                self._state = [a + np.asarray(b) for a, b in zip(self._state, state, strict=True)]
+                self.last_passes = program.passes(times)
+                done += 1
+            return done, (self._read(logs) if logs and done else None)
+
+    def _program(self, micro: int) -> _StepProgram:
+        if micro not in self._programs:
+            self._programs[micro] = _StepProgram(self, micro)
+        return self._programs[micro]
+
+    def _zeros(self) -> list[np.ndarray]:
+        return [np.zeros(v.shape, v.dtype) for v in self.metric_variables]
+
+    def reset(self) -> None:
+        super().reset()
+        self._state = self._zeros()
+
+    def _read(self, scope: str) -> dict[str, float]:
+        if scope == "local" or self.processes == 1:
+            return logs_from_state(self.model, self.metric_variables, self._state)
+        return self.logs()
+
+    def logs(self) -> dict[str, float]:
+        state = self._state
+        if self.processes > 1:
+            state = self._summed_over_workers(state)
+        return logs_from_state(self.model, self.metric_variables, state)
+
+    def _summed_over_workers(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Each array summed over every worker process (a collective: all call it)."""
+        flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays] or [[]])
+        strategy = self.strategy
+        with self.explained():
+            values = strategy.experimental_distribute_values_from_function(
+                lambda _: tf.constant(flat)
+            )
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
+        out, at = [], 0
+        for a in arrays:
+            size = int(np.prod(np.shape(a)))
+            out.append(total[at : at + size].reshape(np.shape(a)).astype(np.asarray(a).dtype))
+            at += size
+        return out
+
+    def step_times(self) -> dict[str, float] | None:
+        return None
+
+    # --- the whole model and the stages -----------------------------------------------------------
+
+    def _load(self) -> None:
+        """The stages take the model's weights and the user's optimizer's state."""
+        model, user = self.model, self.model.optimizer
+        trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+        for r in self.replicas:
+            for copy, i in zip(r.trainable, r.stage.trainable, strict=True):
+                copy.assign(trainable[i].value)
+            for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
+                copy.assign(non_trainable[i].value)
+            for mine, theirs in self._slot_pairs[id(r)]:
+                mine.assign(theirs.value)
+            r.optimizer.iterations.assign(user.iterations.value)
+        self._loaded = True
+
+    def settle(self) -> None:
+        """Writes the stages' weights, statistics and optimizer state into the user's model
+        and optimizer, on every replica (a collective across worker processes)."""
+        if not self._loaded:
+            return  # nothing trained since the model was last loaded
+        model, user = self.model, self.model.optimizer
+        trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+        # The same list on every process: the whole model and the user's optimizer's slots.
+        own = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
+        targets = [*trainable, *non_trainable, *(v for v in user.variables if id(v) not in own)]
+        index = {id(v): k for k, v in enumerate(targets)}
+        parts: dict[int, tf.Tensor] = {}  # target position -> this process's share
+        for r in self.replicas:
+            first = r.pipeline == 0  # one copy of each stage's weights and optimizer state
+            for copy, i in zip(r.trainable, r.stage.trainable, strict=True):
+                if first:
+                    parts[index[id(trainable[i])]] = copy.value
+            for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
+                # Statistics (BatchNormalization's) are averaged over the pipelines.
+                k = index[id(non_trainable[i])]
+                share = tf.cast(copy.value, tf.float64) / self.pipelines
+                parts[k] = parts[k] + share if k in parts else share
+            for mine, theirs in self._slot_pairs[id(r)]:
+                if first:
+                    parts[index[id(theirs)]] = mine.value
+        arrays = [
+            np.asarray(parts[k], np.float64) if k in parts else np.zeros(v.shape, np.float64)
+            for k, v in enumerate(targets)
+        ]
+        if self.processes > 1:
+            arrays = self._summed_over_workers(arrays)
+        for variable, value in zip(targets, arrays, strict=True):
+            variable.assign(np.asarray(value).astype(variable.dtype))
+        user.iterations.assign(self.replicas[0].optimizer.iterations.value)
+
+
+class _StepProgram:
+    """Builds one training step of this process's stage replicas, for micro-batches of
+    `micro` examples: every pass in its schedule's order, the gradients averaged over the
+    pipelines, one optimizer step per stage. The traced function takes the global batch and
+    returns (the step's metric state, each replica's pass times)."""
+
+    def __init__(self, runner: PipelineRunner, micro: int):
+        self.runner, self.micro = runner, micro
+        self.model = runner.model
+        self.options = runner.options
+        self.stages = len(runner.stages)
+        self.plan = schedule(self.options.schedule, self.stages, self.options.micro_batches)
+        self.local = {(r.pipeline, r.stage.index): r for r in runner.replicas}
+        self.mailbox: dict[tuple, tf.Tensor] = {}
+        self.sends: list[tf.Tensor] = []
+        self.names: dict[str, list[str]] = {}  # replica -> its passes, in the order run
+        self.first_key = next(_PROGRAMS_BUILT) * _KEYS_PER_PROGRAM + 1
+        self.function = tf.function(self.step)
+
+    def passes(self, times) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
+        """{(pipeline, stage): [(pass, start, end), ...]} of one step, from its `times`."""
+        out = {}
+        for key, value in times.items():
+            pipeline, stage = (int(k) for k in key.split("_"))
+            out[pipeline, stage] = [
+                (name, float(t[0]), float(t[1]))
+                for name, t in zip(self.names[key], np.asarray(value), strict=True)
+            ]
+        return out
+
+    # --- the order of passes --------------------------------------------------------------------
+
+    def order(self) -> list[tuple[_StageReplica, object]]:
+        """This process's passes in an order that builds each before what consumes it: by
+        when the schedule starts them (a consumer starts after its producer ends)."""
+        starts = simulate(self.plan).starts
+        passes = [
+            (starts[r.stage.index][k], r.stage.index, r.pipeline, k)
+            for r in self.local.values()
+            for k in range(len(self.plan[r.stage.index]))
+        ]
+        return [
+            (self.local[pipeline, stage], self.plan[stage][k])
+            for _, stage, pipeline, k in sorted(passes)
+        ]
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self, batch):
+        runner = self.runner
+        x, y, sample_weight = unpack(batch)
+        state = [tf.zeros(v.shape, v.dtype) for v in runner.metric_variables]
+        live: dict[tuple[int, int], dict] = {}
+        self.mailbox, self.sends = {}, []
+        for r in self.local.values():
+            with tf.device(r.device):
+                live[r.pipeline, r.stage.index] = {
+                    "weights": [v.value for v in r.trainable],
+                    "statistics": [v.value for v in r.non_trainable],
+                    "grads": None,
+                    "saved": {},
+                    "last": None,  # the previous pass's result: the stage runs one at a time
+                    "times": [],
+                    "names": [],
+                }
+        for r, p in self.order():
+            own = live[r.pipeline, r.stage.index]
+            with tf.device(r.device):
+                deps = [own["last"]] if own["last"] is not None else []
+                with tf.control_dependencies(deps):
+                    start = tf.timestamp()
+                with tf.control_dependencies([start]):
+                    if p.kind == "F":
+                        done, state = self._forward(
+                            r, p.micro_batch, own, x, y, sample_weight, state
+                        )
+                    else:
+                        done = self._backward(r, p.micro_batch, own)
+                with tf.control_dependencies([done]):
+                    end = tf.timestamp()
+                own["last"] = end
+                own["times"].append(tf.stack([start, end]))
+                own["names"].append(str(p))
+        updates = self._update(live)
+        with tf.control_dependencies([*updates, *self.sends]):
+            state = [tf.identity(s) for s in state]
+            times = {f"{p}_{s}": tf.stack(own["times"]) for (p, s), own in live.items()}
+        self.names = {f"{p}_{s}": own["names"] for (p, s), own in live.items()}
+        return state, times
+
+    def _micro(self, tensor, pipeline: int, m: int):
+        if tensor is None:
+            return None
+        start = (pipeline * self.options.micro_batches + m) * self.micro
+        return tf.nest.map_structure(lambda t: t[start : start + self.micro], tensor)
+
+    def _forward(self, r: _StageReplica, m: int, own: dict, x, y, sample_weight, state):
+        stage, model = r.stage, self.model
+        last = stage.index == self.stages - 1
+        if stage.first:
+            inputs = self._micro(x, r.pipeline, m)
+        else:
+            inputs = self._receive(r, m, "F", self._boundary_spec(stage.index - 1))
+        with tf.GradientTape() as tape:
+            tape.watch(own["weights"])
+            if not stage.first:
+                tape.watch(inputs)
+            outputs, statistics, losses = stage.model.stateless_call(
+                own["weights"], own["statistics"], inputs, training=True, return_losses=True
+            )
+            regularization = tf.add_n(losses) / self.options.micro_batches if losses else None
+            if last:
+                y_m, w_m = self._micro(y, r.pipeline, m), self._micro(sample_weight, r.pipeline, m)
+                loss = compat.compiled_loss(model)(y_m, outputs, w_m)
+                objective = loss / self.options.micro_batches
+                if regularization is not None:
+                    objective = objective + regularization
+        own["statistics"] = list(statistics)
+        size = tf.cast(batch_size(outputs), tf.float32)
+        if last:
+            state = self._metrics(state, y_m, outputs, w_m, loss, size)
+        if regularization is not None:  # the logged loss counts each stage's penalty too
+            state = self._add_to_loss(state, regularization * self.options.micro_batches * size)
+        own["saved"][m] = (tape, inputs, outputs, regularization, objective if last else None)
+        if not last:
+            self._send(r, m, "F", outputs)
+        return outputs, state
+
+    def _backward(self, r: _StageReplica, m: int, own: dict):
+        stage = r.stage
+        tape, inputs, outputs, regularization, objective = own["saved"].pop(m)
+        sources = list(own["weights"]) + ([] if stage.first else [inputs])
+        if objective is not None:
+            grads = tape.gradient(objective, sources)
+        else:
+            upstream = self._receive(r, m, "B", self._boundary_spec(stage.index))
+            targets, seeds = [outputs], [upstream]
+            if regularization is not None:
+                targets.append(regularization)
+                seeds.append(tf.ones_like(regularization))
+            grads = tape.gradient(targets, sources, output_gradients=seeds)
+        weight_grads = [
+            g if g is not None else tf.zeros_like(w)
+            for g, w in zip(grads[: len(own["weights"])], own["weights"], strict=True)
+        ]
+        if own["grads"] is None:
+            own["grads"] = weight_grads
+        else:
+            own["grads"] = [a + b for a, b in zip(own["grads"], weight_grads, strict=True)]
+        if not stage.first:
+            self._send(r, m, "B", grads[-1])
+            return grads[-1]
+        return own["grads"][0] if own["grads"] else tf.constant(0.0)
+
+    def _metrics(self, state, y, y_pred, sample_weight, loss, size):
+        model, variables = self.model, self.runner.metric_variables
+        with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))) as scope:
+            compat.loss_tracker(model).update_state(loss, sample_weight=size)
+            model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
+        return [scope.get_current_value(v) for v in variables]
+
+    def _add_to_loss(self, state, amount):
+        total = compat.loss_tracker(self.model).total
+        return [
+            s + tf.cast(amount, s.dtype) if v is total else s
+            for s, v in zip(state, self.runner.metric_variables, strict=True)
+        ]
+
+    def _update(self, live) -> list[tf.Tensor]:
+        runner, pipelines = self.runner, self.runner.pipelines
+        user = self.model.optimizer
+        schedule_lr = compat.learning_rate_schedule(user) is not None
+        done = []
+        for (pipeline, index), own in live.items():
+            r = self.local[pipeline, index]
+            grads = own["grads"]
+            if pipelines > 1:
+                if runner.processes > 1:
+                    grads = runner._rings[index].all_reduce_many(grads)
+                else:  # every pipeline's replica of this stage is on a device here
+                    with tf.device(r.device):
+                        grads = [
+                            tf.add_n([live[q, index]["grads"][j] for q in range(pipelines)])
+                            for j in range(len(grads))
+                        ]
+                grads = [g / pipelines for g in grads]
+            with tf.device(r.device):
+                if not schedule_lr:  # a callback may have changed the user's rate
+                    r.optimizer.learning_rate = user.learning_rate
+                r.optimizer.apply(grads, r.trainable)
+                for variable, value in zip(r.non_trainable, own["statistics"], strict=True):
+                    variable.assign(value)
+                done.append(r.optimizer.iterations.value)
+        return done
+
+    # --- transfers between stages -----------------------------------------------------------------
+
+    def _boundary_spec(self, stage: int) -> tf.TensorSpec:
+        """What stage `stage` gives the next one, for one micro-batch."""
+        out = self.runner.stages[stage].model.outputs[0]
+        return tf.TensorSpec([self.micro, *out.shape[1:]], out.dtype)
+
+    def _key(self, pipeline: int, low_stage: int) -> int:
+        """The group key of the link between stages low_stage and low_stage + 1."""
+        return LINK_GROUP_KEY_BASE + pipeline * self.stages + low_stage
+
+    def _instance(self, m: int, kind: str) -> int:
+        return self.first_key + 2 * m + (kind == "B")
+
+    def _send(self, r: _StageReplica, m: int, kind: str, tensor) -> None:
+        to = r.stage.index + (1 if kind == "F" else -1)
+        if (r.pipeline, to) in self.local:
+            self.mailbox[r.pipeline, to, kind, m] = tensor
+            return
+        low = min(to, r.stage.index)
+        self.sends.append(
+            tf.raw_ops.CollectiveBcastSendV2(
+                input=tensor,
+                group_size=2,
+                group_key=self._key(r.pipeline, low),
+                instance_key=self._instance(m, kind),
+                communication_hint="auto",
+                timeout_seconds=float(self.options.timeout_seconds or 0),
+            )  # fmt: skip
+        )
+
+    def _receive(self, r: _StageReplica, m: int, kind: str, spec: tf.TensorSpec):
+        key = (r.pipeline, r.stage.index, kind, m)
+        if key in self.mailbox:
+            return tf.identity(self.mailbox.pop(key))  # copied to this device
+        low = r.stage.index - 1 if kind == "F" else r.stage.index
+        return tf.raw_ops.CollectiveBcastRecvV2(
+            group_size=2, group_key=self._key(r.pipeline, low),
+            instance_key=self._instance(m, kind), shape=spec.shape, T=spec.dtype,
+            communication_hint="auto", timeout_seconds=float(self.options.timeout_seconds or 0),
+        )  # fmt: skip
+
+
+def _copy(variable) -> keras.Variable:
+    """A plain variable shaped as `variable` (its value is loaded before training)."""
+    return keras.Variable(
+        np.zeros(variable.shape, variable.dtype),
+        dtype=variable.dtype,
+        trainable=variable.trainable,
+        name=variable.path.replace("/", "_"),
+    )
+
+
+def _slot_pairs(stage_optimizer, user_optimizer) -> list[tuple[keras.Variable, keras.Variable]]:
+    """(the stage optimizer's slot, the user's optimizer's slot for the same weight) pairs."""
+    theirs = {v.name: v for v in user_optimizer.variables}
+    skip = {id(stage_optimizer.iterations), id(getattr(stage_optimizer, "_learning_rate", None))}
+    pairs = []
+    for v in stage_optimizer.variables:
+        if id(v) in skip:
+            continue
+        if v.name not in theirs:
+            raise FitError(
+                f"Cannot match the pipeline stage's optimizer state {v.name!r} with "
+                f"{type(user_optimizer).__name__}'s own (its slots are not named after the "
+                "weights): the model could not be saved whole. Use a Keras optimizer. "
+                f"Received: {type(user_optimizer).__name__}"
+            )
+        pairs.append((v, theirs[v.name]))
+    return pairs
+
+
+def _check_optimizer(optimizer) -> None:
+    if optimizer is None:
+        raise FitError("A pipeline trains the model's optimizer; compile the model with one.")
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise FitError(
+            "A pipeline does not take a LossScaleOptimizer (mixed_float16's loss scaling "
+            "checks every stage's gradients at once). Train in float32 or mixed_bfloat16. "
+            "Received: LossScaleOptimizer"
+        )
+    if optimizer.global_clipnorm is not None:
+        raise FitError(
+            "A pipeline's stages update their own weights, so a norm over all the gradients "
+            "(global_clipnorm) is not known to any of them. Use clipnorm (per weight) or "
+            f"clipvalue. Received: global_clipnorm={optimizer.global_clipnorm}"
+        )
+    if optimizer.gradient_accumulation_steps:
+        raise FitError(
+            "A pipeline's micro-batches already accumulate gradients within a step; drop "
+            "the optimizer's gradient_accumulation_steps. "
+            f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+        )

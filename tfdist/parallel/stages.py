@@ -1,0 +1,222 @@
+"""Cutting a Keras model into pipeline stages, and chaining stage models into one model.
+
+A stage is a sub-model of the user's model that shares its layers (and so its variables):
+stage 0 takes the model's inputs, the last stage gives its outputs, and each stage between
+takes the one tensor its cut layer takes.
+
+    stages = split(model, cut_before=["block_2", "block_3", "head"])   # 4 stages
+    model = chain([stage_0, stage_1, stage_2, stage_3])                # and back
+
+Each bad split gets one error naming what is wrong (a cut at a layer the model does not
+have, cuts out of order, a cut where the data flows around it, stages whose shapes do not
+chain), raised before anything trains.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Sequence
+
+import keras
+
+from tfdist import compat
+from tfdist.training.fit_data import FitError
+
+
+class StageError(FitError):
+    """A model cannot be cut into stages as asked (the message says why and how to fix it)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """One stage of a pipeline.
+
+    Attributes:
+      index: its position, 0 for the stage that takes the model's inputs.
+      model: a Keras model over the user's model's layers (their variables are shared).
+      trainable: positions of its trainable variables in `model.trainable_variables` of the
+        whole model, in the stage model's order.
+      non_trainable: the same for non-trainable variables (BatchNormalization statistics).
+    """
+
+    index: int
+    model: keras.Model
+    trainable: tuple[int, ...]
+    non_trainable: tuple[int, ...]
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+
+def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[Stage]:
+    """Cuts `model` into stages, a new stage starting at each layer named in `cut_before`.
+
+    Args:
+      model: a built Sequential or functional model.
+      cut_before: names of the layers where stages 1, 2, ... begin, in the order the data
+        reaches them. None: the model is a chain of stage models (see `chain`), cut at each.
+
+    Returns:
+      len(cut_before) + 1 stages.
+
+    Raises:
+      StageError: a name is not a layer of the model, the cuts are out of order, a tensor
+        made before a cut is used after it, or a cut layer takes several tensors.
+    """
+    graph = compat.layer_graph(model)
+    if graph is None:
+        raise StageError(
+            f"A pipeline cuts a model's layer graph into stages, so it takes a built "
+            f"Sequential or functional model; {model.name!r} is a subclassed model (its "
+            "call() is Python code with no graph to cut). Build the stages as models and "
+            "chain them: model = tfdist.parallel.chain([stage_0, stage_1, ...]). "
+            f"Received: {type(model).__name__}"
+        )
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    names = [layer.name for layer in layers]
+    if cut_before is None:
+        if len(layers) < 2 or not all(isinstance(layer, keras.Model) for layer in layers):
+            raise StageError(
+                f"Say where to cut {model.name!r}: pass cut_before=[names of the layers where "
+                "stages 1, 2, ... begin], or chain stage models with tfdist.parallel.chain. "
+                f"Its layers: {', '.join(names)}. Received: cut_before=None"
+            )
+        cut_before = names[1:]
+    cut_before = list(cut_before)
+    if not cut_before:
+        raise StageError("A pipeline needs at least one cut (two stages). Received: cut_before=[]")
+    for name in cut_before:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise StageError(
+                f"Cannot cut {model.name!r} before layer {name!r}: it has no layer of that "
+                f"name{hint}. Its layers, in order: {', '.join(names)}. "
+                f"Received: cut_before={cut_before!r}"
+            )
+    if len(set(cut_before)) != len(cut_before):
+        raise StageError(f"A layer is named twice in cut_before. Received: {cut_before!r}")
+    boundaries = [_boundary(model.get_layer(name), graph) for name in cut_before]
+    order = [names.index(name) for name in cut_before]
+    if order != sorted(order):
+        raise StageError(
+            "cut_before must name the layers in the order the data reaches them "
+            f"({', '.join(n for n in names if n in cut_before)}). Received: {cut_before!r}"
+        )
+    ends = [list(model.inputs), *[[b] for b in boundaries]]
+    outs = [[b] for b in boundaries] + [list(model.outputs)]
+    stages = []
+    for index, (inputs, outputs) in enumerate(zip(ends, outs, strict=True)):
+        try:
+            sub = keras.Model(
+                inputs[0] if len(inputs) == 1 else inputs,
+                outputs[0] if len(outputs) == 1 else outputs,
+                name=f"{model.name}_stage_{index}",
+            )
+        except ValueError as e:
+            where = f"before {cut_before[index - 1]!r}" if index else "at the model's inputs"
+            raise StageError(
+                f"Stage {index} of {model.name!r} (starting {where}) needs a tensor made "
+                "before it begins: data flows around a cut (a skip connection, or a second "
+                "input used late). Cut before the block that forks, or after it joins. "
+                f"Keras said: {str(e).splitlines()[0]}. Received: cut_before={cut_before!r}"
+            ) from None
+        stages.append(sub)
+    return _indexed(model, stages)
+
+
+def chain(stages: Sequence[keras.Model], *, name: str | None = None) -> keras.Model:
+    """One functional model that runs `stages` one after another (a pipeline cuts it at each).
+
+    Args:
+      stages: built Keras models; each one's output feeds the next one's input.
+      name: the chained model's name.
+
+    Raises:
+      StageError: fewer than two stages, a stage that is not built, or stages whose shapes
+        do not chain (stage k gives what stage k+1 cannot take).
+    """
+    stages = list(stages)
+    if len(stages) < 2 or not all(isinstance(s, keras.Model) for s in stages):
+        raise StageError(
+            "chain takes two or more Keras models, the stages in order. "
+            f"Received: {[type(s).__name__ for s in stages]}"
+        )
+    for index, stage in enumerate(stages):
+        if not stage.built or not getattr(stage, "inputs", None):
+            raise StageError(
+                f"Stage {index} ({stage.name!r}) has no input shape: give it a keras.Input "
+                "(or build it) so the stages' shapes can be checked. "
+                f"Received: an unbuilt {type(stage).__name__}"
+            )
+    for index in range(len(stages) - 1):
+        given, taken = stages[index].outputs, stages[index + 1].inputs
+        if len(given) != 1 or len(taken) != 1 or not _fits(given[0].shape, taken[0].shape):
+            raise StageError(
+                f"The stages' shapes do not chain: stage {index} ({stages[index].name!r}) "
+                f"gives {_shapes(given)}, but stage {index + 1} ({stages[index + 1].name!r}) "
+                f"takes {_shapes(taken)}. Each stage must take what the one before gives. "
+                f"Received: {len(stages)} stages"
+            )
+    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in stages[0].inputs]
+    x = stages[0](inputs[0] if len(inputs) == 1 else inputs)
+    for stage in stages[1:]:
+        x = stage(x)
+    return keras.Model(inputs[0] if len(inputs) == 1 else inputs, x, name=name)
+
+
+def _boundary(layer, graph):
+    """The one tensor the cut layer takes: what crosses from one stage to the next."""
+    calls = compat.layer_inputs_in(graph, layer)
+    inputs = calls[0] if len(calls) == 1 else None
+    if inputs is None or len(inputs) != 1:
+        count = "is called more than once" if len(calls) != 1 else f"takes {len(inputs)} tensors"
+        raise StageError(
+            f"Cannot cut before layer {layer.name!r}: it {count}, and a cut passes one tensor "
+            "from a stage to the next. Cut before a layer that takes one tensor. "
+            f"Received: cut before {layer.name!r}"
+        )
+    return inputs[0]
+
+
+def _indexed(model: keras.Model, models: list[keras.Model]) -> list[Stage]:
+    trainable = {id(v): i for i, v in enumerate(model.trainable_variables)}
+    non_trainable = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+    owner: dict[int, int] = {}
+    stages = []
+    for index, sub in enumerate(models):
+        for v in [*sub.trainable_variables, *sub.non_trainable_variables]:
+            if id(v) in owner and owner[id(v)] != index:
+                raise StageError(
+                    f"Variable {v.path} is used by stage {owner[id(v)]} and stage {index} (a "
+                    "layer shared across a cut): each weight must live on one stage. Cut so "
+                    f"the shared layer's uses fall in one stage. Received: {len(models)} stages"
+                )
+            owner[id(v)] = index
+        stages.append(
+            Stage(
+                index=index,
+                model=sub,
+                trainable=tuple(trainable[id(v)] for v in sub.trainable_variables),
+                non_trainable=tuple(non_trainable[id(v)] for v in sub.non_trainable_variables),
+            )
+        )
+    missed = [v.path for v in model.trainable_variables if id(v) not in owner]
+    if missed:
+        raise StageError(
+            f"No stage uses {missed[0]} (and {len(missed) - 1} more): the cut stages do not "
+            "cover the model. Received: a model whose outputs do not depend on every weight"
+        )
+    return stages
+
+
+def _fits(given, taken) -> bool:
+    if len(given) != len(taken):
+        return False
+    return all(a is None or b is None or a == b for a, b in zip(given, taken, strict=True))
+
+
+def _shapes(tensors) -> str:
+    return ", ".join(str(tuple(t.shape)) for t in tensors)
