@@ -433,6 +433,16 @@ def layer_inputs_in(graph, layer) -> list[list]:
     return [list(node.input_tensors) for node in layer._inbound_nodes if id(node) in nodes]
 
 
+def producer(tensor):
+    """The layer that made a symbolic tensor (None: a model input).
+
+    Why: Keras records it in the KerasTensor's `_keras_history`.
+    """
+    history = getattr(tensor, "_keras_history", None)
+    operation = history.operation if history is not None else None
+    return None if isinstance(operation, keras.layers.InputLayer) else operation
+
+
 # --- checkpointing of variables split across ps tasks (training/ps_shards.py) --------------------
 
 # Why: a ShardedVariable's slots and whole values are saved as one tensor each by objects of

@@ -7,6 +7,9 @@
   the bubble, the activations each stage holds.
 - stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
 - pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner).
+- tensor.py: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
+  ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model, and
+  TensorParallelUpdate, the hook that updates their parts (added when a model has them).
 
 The first two are StepHooks: `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4)`
 builds them from keywords (`hooks_for`), or pass them yourself with `step_hooks=[...]`.
@@ -22,6 +25,16 @@ import keras
 from tfdist.parallel.accumulate import Accumulate
 from tfdist.parallel.pipeline import Pipeline, PipelineRunner
 from tfdist.parallel.stages import Stage, StageError, chain, split
+from tfdist.parallel.tensor import (
+    ColumnParallelDense,
+    ParallelEmbedding,
+    ParallelMultiHeadAttention,
+    RowParallelDense,
+    TensorParallelError,
+    TensorParallelUpdate,
+    split_layers,
+    tensor_parallel,
+)
 from tfdist.parallel.zero import Partition, ShardedUpdate, ShardingError
 from tfdist.training.config import SHARD_CHOICES
 from tfdist.training.fit_data import FitError
@@ -33,10 +46,12 @@ def hooks_for(
     *,
     shard_optimizer: str | None = None,
     accumulate_steps: int = 1,
+    model: keras.Model | None = None,
 ) -> list[StepHook]:
-    """The chain of hooks fit's keywords ask for, around the user's own `step_hooks`:
-    accumulation first (the user's hooks then see each step's summed gradients once), a
-    sharded update last (it applies the gradients itself)."""
+    """The chain of hooks fit's keywords (and the model's split layers) ask for, around the
+    user's own `step_hooks`: accumulation first (the user's hooks then see each step's
+    summed gradients once), the split layers' update next to last (it applies their parts'
+    gradients and hands the rest on), a sharded update last (it applies them itself)."""
     if shard_optimizer not in (None, *SHARD_CHOICES):
         raise FitError(
             f"shard_optimizer must be None, 'zero1' or 'zero2'. Received: {shard_optimizer!r}"
@@ -45,6 +60,14 @@ def hooks_for(
     if accumulate_steps != 1:
         hooks.append(Accumulate(accumulate_steps))
     hooks.extend(step_hooks)
+    if model is not None and split_layers(model):
+        if shard_optimizer:
+            raise FitError(
+                "A model with tensor-parallel layers keeps each part's optimizer state on the "
+                "part's replica already; drop shard_optimizer. "
+                f"Received: shard_optimizer={shard_optimizer!r}"
+            )
+        hooks.append(TensorParallelUpdate())
     if shard_optimizer:
         hooks.append(ShardedUpdate(stage=int(shard_optimizer[-1])))
     return hooks
@@ -76,16 +99,24 @@ def check_batch(hooks: Sequence[StepHook], per_replica_batch: int) -> None:
 __all__ = [
     "SHARD_CHOICES",
     "Accumulate",
+    "ColumnParallelDense",
+    "ParallelEmbedding",
+    "ParallelMultiHeadAttention",
     "Partition",
     "Pipeline",
     "PipelineRunner",
     "ShardedUpdate",
+    "RowParallelDense",
     "ShardingError",
     "Stage",
     "StageError",
+    "TensorParallelError",
+    "TensorParallelUpdate",
     "chain",
     "check_batch",
     "check_callbacks",
     "hooks_for",
     "split",
+    "split_layers",
+    "tensor_parallel",
 ]

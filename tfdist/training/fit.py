@@ -153,6 +153,7 @@ def fit(
         _checked_hooks(step_hooks),
         shard_optimizer=shard_optimizer,
         accumulate_steps=accumulate_steps,
+        model=model,
     )
     if data.global_batch is not None:
         parallel.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
