@@ -163,8 +163,8 @@ class PipelineRunner(SyncRunner):
                 "metrics. Move the step's logic into compile()'s loss and metrics, or train "
                 "without pipeline=. Received: a model with train_step overridden"
             )
-        super().build(sample_batch)  # the whole model and its optimizer: the host copy
         _check_optimizer(model.optimizer)
+        super().build(sample_batch)  # the whole model and its optimizer: the host copy
         self.stages = split(model, options.cut_before)
         self._place()
         self._state = self._zeros()

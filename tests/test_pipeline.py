@@ -1,0 +1,293 @@
+"""Pipeline parallelism (tfdist.parallel.pipeline, stages.py) against the unsplit model.
+
+The reference is Keras's own fit of the same model on one device, same data, same order
+(tests/pipeline_cases.py). In one process over 4 logical CPUs (mirrored: 4 stages, or 2
+pipelines x 2 stages), and with 4 real worker processes (tests/workers/pipeline_worker.py).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tests import pipeline_cases
+from tests.conftest import run_module
+from tfdist.parallel import Pipeline, StageError, chain, split
+from tfdist.parallel.schedules import schedule
+from tfdist.training.fit_data import FitError, make_fit_data
+
+TOLERANCE = 1e-5
+
+
+def mirrored(devices: int = 4):
+    return tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(devices)]
+    )
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Keras's fit on one device: the weights, history and Adam's state after 5 steps."""
+    model = pipeline_cases.mlp()
+    history = model.fit(pipeline_cases.data(), epochs=1, verbose=0, shuffle=False)
+    slots = {v.name: v.numpy() for v in model.optimizer.variables}
+    return model.get_weights(), history.history, slots
+
+
+def max_diff(want, got) -> float:
+    return max(float(np.max(np.abs(a - b))) for a, b in zip(want, got, strict=True))
+
+
+@pytest.mark.parametrize(
+    "stages, schedule, micro_batches",
+    [
+        (4, "gpipe", 1),
+        (4, "gpipe", 4),
+        (4, "1f1b", 1),
+        (4, "1f1b", 4),
+        (2, "1f1b", 4),
+        (2, "gpipe", 2),
+    ],
+)
+def test_a_pipeline_trains_the_weights_keras_trains_unsplit(
+    reference, stages, schedule, micro_batches
+):
+    """4 stages on 4 devices, or 2 pipelines x 2 stages: weights, logs and the optimizer's
+    state (written back into the user's optimizer) equal Keras's on one device."""
+    want, history, slots = reference
+    with mirrored().scope():
+        model = pipeline_cases.mlp()
+    pipeline = Pipeline(
+        cut_before=pipeline_cases.CUTS[stages], micro_batches=micro_batches, schedule=schedule
+    )
+    got = tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
+    assert max_diff(want, model.get_weights()) <= TOLERANCE
+    for name, values in history.items():
+        assert got.history[name] == pytest.approx(values, abs=1e-6), name
+    assert int(model.optimizer.iterations.numpy()) == pipeline_cases.STEPS
+    for v in model.optimizer.variables:
+        if v.name in slots and v.name != "learning_rate":
+            assert np.max(np.abs(v.numpy() - slots[v.name])) <= TOLERANCE, v.name
+
+
+def test_the_pipeline_runs_each_stage_s_passes_in_its_schedule_s_order():
+    pipeline = Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=4, schedule="1f1b")
+    strategy = mirrored()
+    with strategy.scope():
+        model = pipeline_cases.mlp()
+    runner = pipeline.runner(model, strategy)
+    data = make_fit_data(pipeline_cases.data(), strategy=strategy, for_training=True)
+    runner.build(data.sample_batch)
+    runner.begin(0)
+    runner.train(runner.iterator(data), 1, bounded=True, logs=None)
+    plan = schedule("1f1b", 4, 4)
+    for (_, stage), passes in runner.last_passes.items():
+        assert [name for name, _, _ in passes] == [str(p) for p in plan[stage]]
+        ends = [end for _, _, end in passes]
+        starts = [start for _, start, _ in passes]
+        assert all(s >= e for s, e in zip(starts[1:], ends[:-1], strict=True))  # one at a time
+    # A stage's forward of micro-batch m starts after the stage before it finished it.
+    finished = {
+        (stage, name): end for (_, stage), passes in runner.last_passes.items()
+        for name, _, end in passes
+    }  # fmt: skip
+    for (_, stage), passes in runner.last_passes.items():
+        for name, start, _ in passes:
+            if name.startswith("F") and stage > 0:
+                assert start >= finished[stage - 1, name]
+
+
+def test_a_functional_model_with_batch_normalization_and_two_inputs_trains_as_keras_does():
+    """M = 1: BatchNormalization sees the whole batch, as unsplit; statistics come back."""
+
+    def build():
+        keras.utils.set_random_seed(4)
+        a, b = keras.Input((5,), name="a"), keras.Input((3,), name="b")
+        x = keras.layers.Concatenate(name="join")([a, b])
+        x = keras.layers.Dense(12, name="first")(x)
+        x = keras.layers.BatchNormalization(name="norm")(x)
+        x = keras.layers.Activation("relu", name="relu")(x)
+        x = keras.layers.Dense(8, activation="tanh", name="second")(x)
+        out = keras.layers.Dense(1, name="out")(x)
+        model = keras.Model({"a": a, "b": b}, out)
+        model.compile(keras.optimizers.SGD(0.05, momentum=0.9), "mse", metrics=["mae"])
+        return model
+
+    rng = np.random.default_rng(2)
+    x = {
+        "a": rng.normal(size=(64, 5)).astype("float32"),
+        "b": rng.normal(size=(64, 3)).astype("float32"),
+    }
+    y = rng.normal(size=(64, 1)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    reference = build()
+    want = reference.fit(data, epochs=2, verbose=0).history
+    with mirrored(2).scope():
+        model = build()
+    got = tfdist.fit(
+        model, data, epochs=2, verbose=0, pipeline=Pipeline(cut_before=["second"], micro_batches=1)
+    )
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+    assert got.history["loss"] == pytest.approx(want["loss"], abs=1e-6)
+    assert got.history["mae"] == pytest.approx(want["mae"], abs=1e-6)
+
+
+def test_chained_stage_models_are_cut_between_them_and_train():
+    keras.utils.set_random_seed(5)
+    stages = [
+        keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu")], name="s0"),
+        keras.Sequential([keras.Input((16,)), keras.layers.Dense(3)], name="s1"),
+    ]
+    with mirrored(2).scope():
+        model = chain(stages, name="chained")
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert [len(s.trainable) for s in split(model)] == [2, 2]
+    before = [w.copy() for w in model.get_weights()]
+    tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=Pipeline(micro_batches=2))
+    assert all(np.any(a != b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+# --- worker processes -----------------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stages", [4, 2])
+def test_a_pipeline_across_four_worker_processes_trains_the_weights_keras_trains_unsplit(
+    reference, stages, tmp_path
+):
+    """4 stages on 4 processes, or 2 pipelines x 2 stages: each schedule, M = 1 and 4."""
+    result = run_module(
+        "tools.launch", "--workers", "4", "--timeout", "280", "--",
+        sys.executable, "-m", "tests.workers.pipeline_worker", str(tmp_path), str(stages),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    want, history, _ = reference
+    for task in [f"worker_{i}" for i in range(4)]:
+        for order in ("gpipe", "1f1b"):
+            for micro_batches in (1, 4):
+                name = f"{order}_m{micro_batches}"
+                arrays = np.load(tmp_path / task / f"{name}.npz")
+                got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+                assert max_diff(want, got) <= TOLERANCE, (task, name)
+                logs = json.loads((tmp_path / task / f"{name}.json").read_text())
+                assert logs["loss"] == pytest.approx(history["loss"], abs=1e-6), (task, name)
+
+
+# --- bad splits: one clear error each -------------------------------------------------------------
+
+
+def fit_with(pipeline, *, devices: int = 4, build=pipeline_cases.mlp, data=None, **keywords):
+    with mirrored(devices).scope():
+        model = build()
+    return tfdist.fit(
+        model, data or pipeline_cases.data(), verbose=0, pipeline=pipeline, **keywords
+    )
+
+
+@pytest.mark.parametrize(
+    "cuts, message",
+    [
+        (["d44"], r"no layer of that name \(did you mean 'd4'\?\)"),
+        (["d3", "d2"], "in the order the data reaches them"),
+        (["d2", "d2"], "named twice"),
+        ([], "at least one cut"),
+    ],
+)
+def test_a_bad_cut_is_refused_before_training(cuts, message):
+    with pytest.raises(StageError, match=message):
+        split(pipeline_cases.mlp(), cuts)
+
+
+def test_a_cut_that_data_flows_around_is_refused():
+    a = keras.Input((4,))
+    x = keras.layers.Dense(4, name="inner")(a)
+    y = keras.layers.Dense(4, name="after")(x)
+    out = keras.layers.Add(name="skip")([a, y])  # the input reaches past the cut
+    with pytest.raises(StageError, match="data flows around a cut"):
+        split(keras.Model(a, out), ["after"])
+
+
+def test_stages_whose_shapes_do_not_chain_are_refused():
+    first = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16)], name="first")
+    second = keras.Sequential([keras.Input((32,)), keras.layers.Dense(3)], name="second")
+    with pytest.raises(
+        StageError, match=r"gives \(None, 16\), but stage 1 \('second'\) takes \(None, 32\)"
+    ):
+        chain([first, second])
+
+
+def test_micro_batches_that_do_not_divide_the_batch_are_refused():
+    with pytest.raises(FitError, match="does not split into 1 pipeline.* x 3 micro-batches"):
+        fit_with(Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=3))
+
+
+def test_stages_that_do_not_divide_the_replicas_are_refused():
+    with pytest.raises(StageError, match="3 stages need a multiple of 3 replicas.* has 4"):
+        fit_with(Pipeline(cut_before=["d2", "d3"]))
+
+
+def test_a_subclassed_model_is_refused_with_the_way_to_chain_stages():
+    class Net(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = keras.layers.Dense(4), keras.layers.Dense(3)
+
+        def call(self, x):
+            return self.b(self.a(x))
+
+    def build():
+        model = Net()
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    with pytest.raises(StageError, match="subclassed model.*tfdist.parallel.chain"):
+        fit_with(Pipeline(cut_before=["a"]), build=build)
+
+
+@pytest.mark.parametrize(
+    "keywords, message",
+    [
+        ({"accumulate_steps": 2}, "takes no step hooks"),
+        ({"pipeline": "1f1b"}, "pipeline takes a tfdist.parallel.Pipeline"),
+        (
+            {"callbacks": [keras.callbacks.BackupAndRestore("/tmp/unused", save_freq=2)]},
+            "save_freq='epoch'",
+        ),
+    ],
+)
+def test_options_a_pipeline_cannot_honour_are_refused(keywords, message):
+    pipeline = keywords.pop("pipeline", Pipeline(cut_before=pipeline_cases.CUTS[4]))
+    with pytest.raises(FitError, match=message):
+        fit_with(pipeline, **keywords)
+
+
+def test_an_optimizer_with_a_global_norm_is_refused():
+    def build():
+        model = pipeline_cases.mlp()
+        model.compile(
+            keras.optimizers.Adam(global_clipnorm=1.0),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        )
+        return model
+
+    with pytest.raises(FitError, match="global_clipnorm"):
+        fit_with(Pipeline(cut_before=pipeline_cases.CUTS[4]), build=build)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"micro_batches": 0}, "micro_batches must be a whole number >= 1"),
+        ({"schedule": "zb"}, "schedule must be one of gpipe, 1f1b"),
+        ({"cut_before": "d2"}, "cut_before is a list of layer names"),
+    ],
+)
+def test_bad_pipeline_options_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        Pipeline(**options)
