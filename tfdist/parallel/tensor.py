@@ -104,8 +104,10 @@ def gather_group(x, degree: int):
     context = tf.distribute.get_replica_context()
     sizes = context.all_gather(tf.shape(x)[:1], axis=0)
     _SIZES[_graph_key(), replica] = sizes
-    everyone = context.all_gather(x, axis=0)
-    return _group_rows(everyone, sizes, replica // degree, degree), sizes
+    boolean = x.dtype == tf.bool  # collectives take numbers: a mask travels as int32
+    everyone = context.all_gather(tf.cast(x, "int32") if boolean else x, axis=0)
+    rows = _group_rows(everyone, sizes, replica // degree, degree)
+    return (tf.cast(rows, tf.bool) if boolean else rows), sizes
 
 
 def step_sizes(layer_name: str) -> tf.Tensor:
@@ -199,7 +201,7 @@ class _Split(keras.layers.Layer):
                         keras.Variable(
                             pieces[index % degree],
                             dtype=self.variable_dtype,
-                            name=f"{name}_part{index % degree}_replica{index}",
+                            name=f"{self.name}_{name}_part{index % degree}_replica{index}",
                         )  # fmt: skip
                     )
             return made

@@ -1,0 +1,290 @@
+"""Tensor-parallel layers (tfdist.parallel.tensor) against their dense Keras equivalents.
+
+Over 2 and 4 replicas of a mirrored strategy on 4 logical CPUs (2-way tensor x 2-way data,
+and 4-way tensor): forward outputs and gradients inside the strategy's step, and a small
+transformer classifier, converted by `tensor_parallel`, trained through tfdist.fit against
+the unsplit model trained by Keras's own fit on one device.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.parallel import (
+    ColumnParallelDense,
+    ParallelEmbedding,
+    RowParallelDense,
+    TensorParallelError,
+    split_layers,
+    tensor_parallel,
+)
+from tfdist.parallel.tensor import dense_weights
+from tfdist.training.fit_data import FitError
+
+TOLERANCE = 1e-5
+VOCAB, LENGTH, WIDTH, CLASSES = 32, 6, 16, 3
+
+
+def mirrored(devices: int = 4):
+    return tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(devices)]
+    )
+
+
+def transformer() -> keras.Model:
+    """A keras.io-style transformer classifier: embedding, self-attention, an MLP block."""
+    keras.utils.set_random_seed(3)
+    ids = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, WIDTH, name="embed")(ids)
+    attended = keras.layers.MultiHeadAttention(4, 8, name="attention")(x, x)
+    x = keras.layers.LayerNormalization(name="ln1")(keras.layers.Add()([x, attended]))
+    h = keras.layers.Dense(32, activation="relu", name="ff1")(x)
+    h = keras.layers.Dense(WIDTH, name="ff2")(h)
+    x = keras.layers.LayerNormalization(name="ln2")(keras.layers.Add()([x, h]))
+    x = keras.layers.GlobalAveragePooling1D()(x)
+    return keras.Model(ids, keras.layers.Dense(CLASSES, name="head")(x))
+
+
+def compiled(model: keras.Model) -> keras.Model:
+    model.compile(
+        keras.optimizers.Adam(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def token_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, VOCAB, (64, LENGTH)).astype("int32")
+    return x, x[:, 0] % CLASSES
+
+
+def in_step(strategy, model, inputs, weights):
+    """Each replica's outputs (its own examples, end to end) and each weight's gradient of
+    sum(outputs * weights), summed over the replicas (a split weight's parts: over the
+    replicas holding the same part)."""
+    dataset = tf.data.Dataset.from_tensor_slices((inputs, weights)).batch(len(weights))
+    batch = next(iter(strategy.experimental_distribute_dataset(dataset)))
+
+    @tf.function
+    def run(batch):
+        def replica(x, w):
+            with tf.GradientTape() as tape:
+                y = model(x)
+                loss = tf.reduce_sum(y * w)
+            grads = tape.gradient(loss, model.trainable_variables)
+            return y, [tf.zeros([0]) if g is None else tf.convert_to_tensor(g) for g in grads]
+
+        return strategy.run(replica, args=batch)
+
+    outputs, grads = run(batch)
+    local = strategy.experimental_local_results
+    outputs = np.concatenate([t.numpy() for t in local(outputs)])
+    replicas = strategy.num_replicas_in_sync
+    per_variable = {}
+    for variable, grad in zip(model.trainable_variables, grads, strict=True):
+        parts = [t.numpy() for t in local(grad)]
+        per_variable[variable.path] = sum(p for p in parts if p.size) if replicas else None
+    return outputs, per_variable
+
+
+def whole_gradients(layer, per_variable) -> list[np.ndarray]:
+    """A split layer's gradients whole (parts of the first group, each summed over its copies)."""
+    out = []
+    for name, parts in layer._parts.items():
+        degree = layer.tensor_parallel
+        sums = []
+        for part in range(degree):
+            copies = parts[part::degree]
+            sums.append(sum(per_variable[v.path] for v in copies))
+        out.append((name, np.concatenate(sums, layer._axes[name])))
+    return out
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_a_column_row_block_computes_the_dense_mlp_and_its_gradients(degree):
+    strategy = mirrored()
+    with strategy.scope():
+        inputs = keras.Input((5,))
+        column = ColumnParallelDense(8, activation="relu", tensor_parallel=degree)
+        row = RowParallelDense(3, tensor_parallel=degree)
+        model = keras.Model(inputs, row(column(inputs)))
+    first, second = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)
+    dense = keras.Sequential([keras.Input((5,)), first, second])
+    first.set_weights(dense_weights(column))
+    second.set_weights(dense_weights(row))
+    rng = np.random.default_rng(0)
+    x, w = rng.normal(size=(12, 5)).astype("float32"), rng.normal(size=(12, 3)).astype("float32")
+    outputs, grads = in_step(strategy, model, x, w)
+    np.testing.assert_allclose(outputs, dense(x), atol=TOLERANCE)
+    np.testing.assert_allclose(model(x), dense(x), atol=TOLERANCE)  # outside a step: whole
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(dense(x) * w)
+    kernel, bias, row_kernel, row_bias = tape.gradient(loss, dense.trainable_variables)
+    got = dict(whole_gradients(column, grads))
+    np.testing.assert_allclose(got["kernel"], kernel, atol=TOLERANCE)
+    np.testing.assert_allclose(got["bias"], bias, atol=TOLERANCE)
+    np.testing.assert_allclose(
+        dict(whole_gradients(row, grads))["kernel"], row_kernel, atol=TOLERANCE
+    )
+    np.testing.assert_allclose(grads[row.bias.path], row_bias, atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_a_parallel_embedding_looks_up_and_differentiates_as_keras_s(degree):
+    strategy = mirrored()
+    with strategy.scope():
+        ids = keras.Input((5,), dtype="int32")
+        embedding = ParallelEmbedding(8, 3, tensor_parallel=degree)
+        model = keras.Model(ids, embedding(ids))
+    dense_layer = keras.layers.Embedding(8, 3)
+    dense = keras.Sequential([keras.Input((5,), dtype="int32"), dense_layer])
+    dense_layer.set_weights(dense_weights(embedding))
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 8, (12, 5)).astype("int32")
+    w = rng.normal(size=(12, 5, 3)).astype("float32")
+    outputs, grads = in_step(strategy, model, x, w)
+    np.testing.assert_allclose(outputs, dense(x), atol=TOLERANCE)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(dense(x) * w)
+    (want,) = tape.gradient(loss, dense.trainable_variables)
+    ((_, got),) = whole_gradients(embedding, grads)
+    np.testing.assert_allclose(got, tf.convert_to_tensor(want), atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_parallel_attention_computes_keras_s_attention_and_its_gradients(degree):
+    keras.utils.set_random_seed(7)
+    query, value = keras.Input((4, 8)), keras.Input((5, 6))
+    mask = keras.Input((4, 5), dtype="bool")
+    attention = keras.layers.MultiHeadAttention(4, 3, value_dim=2, name="attention")
+    dense = keras.Model([query, value, mask], attention(query, value, attention_mask=mask))
+    strategy = mirrored()
+    with strategy.scope():
+        model = tensor_parallel(dense, degree=degree)
+    (split,) = split_layers(model)
+    assert split.tensor_parallel == degree
+    rng = np.random.default_rng(2)
+    q = rng.normal(size=(8, 4, 8)).astype("float32")
+    v = rng.normal(size=(8, 5, 6)).astype("float32")
+    m = rng.random((8, 4, 5)) > 0.3
+    w = rng.normal(size=(8, 4, 8)).astype("float32")
+    outputs, grads = in_step(strategy, model, (q, v, m), w)
+    np.testing.assert_allclose(outputs, dense([q, v, m]), atol=TOLERANCE)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(dense([q, v, m]) * w)
+    want = tape.gradient(loss, dense.trainable_variables)
+    got = dict(whole_gradients(split, grads))
+    names = [
+        "query_kernel",
+        "query_bias",
+        "key_kernel",
+        "key_bias",
+        "value_kernel",
+        "value_bias",
+        "output_kernel",
+    ]
+    for name, expected in zip(names, want, strict=False):
+        np.testing.assert_allclose(got[name], expected, atol=TOLERANCE, err_msg=name)
+    np.testing.assert_allclose(grads[split.output_bias.path], want[-1], atol=TOLERANCE)
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_a_converted_transformer_trains_through_fit_as_keras_trains_it_unsplit(degree):
+    """2-way tensor x 2-way data, and 4-way tensor, on 4 replicas: the same loss curve and
+    the same weights after 12 Adam steps as Keras's fit on one device."""
+    x, y = token_data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    reference = compiled(transformer())
+    want = reference.fit(data, epochs=3, verbose=0).history
+    with mirrored().scope():
+        model = compiled(tensor_parallel(transformer(), degree=degree))
+    kinds = {type(layer).__name__ for layer in split_layers(model)}
+    assert kinds == {
+        "ParallelEmbedding",
+        "ParallelMultiHeadAttention",
+        "ColumnParallelDense",
+        "RowParallelDense",
+    }
+    got = tfdist.fit(model, data, epochs=3, verbose=0).history
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert got["accuracy"] == pytest.approx(want["accuracy"], abs=1e-6)
+    split = {layer.name: layer for layer in split_layers(model)}
+    for layer in reference.layers:
+        if not layer.weights:
+            continue
+        mine = split[layer.name] if layer.name in split else model.get_layer(layer.name)
+        mine = dense_weights(mine) if layer.name in split else mine.get_weights()
+        for a, b in zip(layer.get_weights(), mine, strict=True):
+            assert np.max(np.abs(a - b)) <= TOLERANCE, layer.name
+
+
+def test_each_device_holds_its_part_of_a_split_weight():
+    with mirrored().scope():
+        layer = ColumnParallelDense(8, tensor_parallel=2)
+        layer.build((None, 6))
+    parts = layer._parts["kernel"]
+    assert [tuple(v.shape) for v in parts] == [(6, 4)] * 4
+    assert [v.value.device.split(":")[-1] for v in parts] == ["0", "1", "2", "3"]
+    np.testing.assert_array_equal(parts[0].numpy(), parts[2].numpy())  # data-parallel copies
+
+
+# --- what cannot be split: one clear error each --------------------------------------------------
+
+
+def test_heads_that_do_not_divide_over_the_replicas_are_refused():
+    query = keras.Input((4, 8))
+    dense = keras.Model(query, keras.layers.MultiHeadAttention(3, 4)(query, query))
+    with (
+        mirrored().scope(),
+        pytest.raises(TensorParallelError, match="3 heads do not divide over tensor_parallel=2"),
+    ):
+        tensor_parallel(dense, degree=2)
+
+
+def test_units_that_do_not_divide_are_refused():
+    with (
+        mirrored().scope(),
+        pytest.raises(TensorParallelError, match="does not divide into tensor_parallel=4"),
+    ):
+        ColumnParallelDense(6, tensor_parallel=4).build((None, 5))
+
+
+def test_a_degree_that_does_not_divide_the_replicas_is_refused():
+    with (
+        mirrored().scope(),
+        pytest.raises(
+            TensorParallelError, match="4 replicas do not form groups of tensor_parallel=3"
+        ),
+    ):
+        ColumnParallelDense(6, tensor_parallel=3).build((None, 5))
+
+
+def test_a_subclassed_model_cannot_be_converted():
+    class Net(keras.Model):
+        def call(self, x):
+            return x
+
+    with pytest.raises(TensorParallelError, match="is subclassed"):
+        tensor_parallel(Net())
+
+
+@pytest.mark.parametrize(
+    "optimizer, keywords, message",
+    [
+        (lambda: keras.optimizers.Adam(clipnorm=1.0), {}, "clipnorm"),
+        (lambda: "adam", {"shard_optimizer": "zero2"}, "drop shard_optimizer"),
+    ],
+)
+def test_options_split_layers_cannot_honour_are_refused(optimizer, keywords, message):
+    x, y = token_data()
+    with mirrored().scope():
+        model = tensor_parallel(transformer(), degree=2)
+        model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(FitError, match=message):
+        tfdist.fit(model, x, y, batch_size=16, verbose=0, **keywords)
