@@ -76,6 +76,21 @@ def test_a_pipeline_trains_the_weights_keras_trains_unsplit(
             assert np.max(np.abs(v.numpy() - slots[v.name])) <= TOLERANCE, v.name
 
 
+def test_fit_called_inside_the_strategy_s_scope_trains_the_same(reference):
+    """Keras scales a compiled loss by the replicas under a scope; the stages' steps run
+    outside it, so a user's `with strategy.scope(): tfdist.fit(...)` trains the same."""
+    want, history, _ = reference
+    strategy = mirrored()
+    with strategy.scope():
+        model = pipeline_cases.mlp()
+        got = tfdist.fit(
+            model, pipeline_cases.data(), verbose=0,
+            pipeline=Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2),
+        )  # fmt: skip
+    assert max_diff(want, model.get_weights()) <= TOLERANCE
+    assert got.history["loss"] == pytest.approx(history["loss"], abs=1e-6)
+
+
 def test_the_pipeline_runs_each_stage_s_passes_in_its_schedule_s_order():
     pipeline = Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=4, schedule="1f1b")
     strategy = mirrored()

@@ -34,6 +34,7 @@ matches the unsplit model exactly.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 from collections.abc import Sequence
@@ -137,6 +138,9 @@ class PipelineRunner(SyncRunner):
         self.pipelines = 1
         self._state: list[np.ndarray] = []
         self._programs: dict[int, _StepProgram] = {}
+        self._thread = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="tfdist-pipeline"
+        )
         self._loaded = False
         self._rings: dict[int, ProcessRing] = {}
         self.last_passes: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
@@ -284,7 +288,9 @@ class PipelineRunner(SyncRunner):
                 batch = batch.get_value()
                 micro = self._split_batch(batch)
                 program = self._program(micro)
-                state, times = program.function(batch)
+                # In a thread of its own, outside any strategy's scope (scopes are per
+                # thread): under one, Keras would scale the compiled loss by the replicas.
+                state, times = self._thread.submit(program.function, batch).result()
                 self._state = [a + np.asarray(b) for a, b in zip(self._state, state, strict=True)]
                 self.last_passes = program.passes(times)
                 done += 1
@@ -571,12 +577,9 @@ class _StepProgram:
                         ]
                 grads = [g / pipelines for g in grads]
             with tf.device(r.device):
-                if not schedule_lr:  # a callback may have changed the user's rate
-                    r.optimizer.learning_rate = user.learning_rate
-                r.optimizer.apply(grads, r.trainable)
+                done.append(_apply(r.optimizer, grads, r.trainable, user, schedule_lr))
                 for variable, value in zip(r.non_trainable, own["statistics"], strict=True):
                     variable.assign(value)
-                done.append(r.optimizer.iterations.value)
         return done
 
     # --- transfers between stages -----------------------------------------------------------------
@@ -622,6 +625,22 @@ class _StepProgram:
         )  # fmt: skip
 
 
+def _apply(optimizer, grads, variables, user, schedule_lr: bool) -> tf.Tensor:
+    """One step of a stage's optimizer, as its `apply` takes it (clipping, decoupled weight
+    decay, update_step, the count), without `apply`'s tf.distribute calls: the stage's
+    variables are its own, whatever strategy's scope the user trains in."""
+    if not schedule_lr:  # a callback may have changed the user's rate
+        optimizer.learning_rate = user.learning_rate
+    grads = compat.clip_gradients(optimizer, grads)
+    learning_rate, weight_decay = optimizer.learning_rate, optimizer.weight_decay or 0.0
+    for grad, variable in zip(grads, variables, strict=True):
+        lr = tf.cast(learning_rate, variable.dtype)
+        if weight_decay and compat.uses_weight_decay(optimizer, variable):
+            variable.assign(variable - variable * tf.cast(weight_decay, variable.dtype) * lr)
+        optimizer.update_step(grad, variable, lr)
+    return optimizer.iterations.assign_add(1)
+
+
 def _copy(variable) -> keras.Variable:
     """A plain variable shaped as `variable` (its value is loaded before training)."""
     return keras.Variable(
@@ -665,6 +684,13 @@ def _check_optimizer(optimizer) -> None:
             "A pipeline's stages update their own weights, so a norm over all the gradients "
             "(global_clipnorm) is not known to any of them. Use clipnorm (per weight) or "
             f"clipvalue. Received: global_clipnorm={optimizer.global_clipnorm}"
+        )
+    if not compat.updates_only_through_update_step(optimizer) or optimizer.use_ema:
+        raise FitError(
+            f"A pipeline's stages apply {type(optimizer).__name__}'s update_step to their "
+            "own weights, but this optimizer keeps state outside it (Nadam's momentum "
+            "schedule, moving averages with use_ema, an optimizer of optimizers). Use Adam, "
+            f"AdamW, SGD, RMSprop, ... Received: {type(optimizer).__name__}"
         )
     if optimizer.gradient_accumulation_steps:
         raise FitError(
