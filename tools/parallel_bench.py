@@ -1,0 +1,901 @@
+"""Benchmark: tfdist's pipeline and tensor parallelism on logical CPU devices, measured and
+against a cost model calibrated on this machine.
+
+It prints four tables (every figure is labelled measured, formula, or model = the cost model
+applied to measured inputs):
+
+1. Pipeline bubble (an MLP of 4 equal blocks, two Dense layers each, cut into S = 2 and 4
+   stages; M = 1..16 micro-batches; GPipe and 1F1B): the median measured idle share of a step,
+   from the pass timestamps the runner records in the graph, beside (S-1)/(M+S-1) and the
+   bubble `schedules.simulate` predicts from the measured median pass times per stage.
+2. Activations held per stage, GPipe vs 1F1B (S=4, M=8): the most micro-batches a stage
+   held at once in the executed order (forward ended, backward not yet), times one
+   micro-batch's boundary activation, beside simulate's peak_activations.
+3. Parameter bytes per device under tensor parallelism (a small transformer block converted
+   with tensor_parallel(degree=N) over N = 1, 2, 4 devices): bytes on device 0, split and
+   replicated, and the ratio to N = 1.
+4. A cost model: per-layer and per-stage forward/backward times on one device, the link's
+   latency and bandwidth (copies between two logical devices), the optimizer's update cost;
+   from them the predicted step time of 4-device layouts (data x4, pipeline 4 x M=4 and 8,
+   pipeline 2 x data 2, tensor 2 x data 2, tensor 4), next to each layout's measured median
+   step under tfdist.fit, and the same prediction for a cluster given by flags.
+
+Output: the tables, parallel_bench.csv (a `table` column says which) and parallel_bench.png
+in --out.
+
+  python -m tools.parallel_bench            # about 3-4 minutes on 2 cores
+  python -m tools.parallel_bench --quick    # a smoke run, under a minute
+  python -m tools.parallel_bench --cluster_bandwidth_gbps 25 --cluster_latency_us 30
+
+On a machine with fewer cores than logical devices (2 cores, 4 devices here) passes that
+run at once on different devices share the cores and slow each other: a pass is slower in
+a pipeline's steady state (every stage busy) than while it fills and drains, so pass times
+are not constant as the formula assumes, and an idle stage's core goes to the busy ones.
+Table 1 also gives the most passes measured running at once; where that is 1, the stages
+took turns and the measured bubble is (S-1)/S whatever M (its footnote says which held).
+The cost model divides compute by cores only where more devices than cores are busy
+(--cores). This is a benchmark, not a test: it reports figures and never fails on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import dataclasses  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+
+DEVICES = 4
+BLOCKS = 4  # the MLP's blocks: S = 2 puts two in a stage, S = 4 one
+CLASSES = 10
+WARMUP = 2
+HELD_MICRO_BATCHES = 8  # table 2's M (S = 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    width: int  # the MLP's layers
+    batch: int  # global batch of the MLP runs
+    vocab: int  # the transformer's
+    model_dim: int
+    heads: int
+    ff: int
+    seq: int
+    tp_batch: int  # global batch of the transformer runs
+    steps: int  # timed steps after WARMUP
+    micro_batches: tuple[int, ...]
+    repeats: int  # timed calls per calibration figure
+
+
+FULL = Sizes(512, 128, 2048, 128, 4, 512, 32, 64, 5, (1, 2, 4, 8, 16), 10)
+# Both lists keep M = 8: table 2 is read from those runs.
+QUICK = Sizes(128, 64, 256, 32, 4, 64, 8, 32, 2, (1, 8), 4)
+
+
+def cuts(stages: int) -> list[str]:
+    return [f"b{k * BLOCKS // stages}_1" for k in range(1, stages)]
+
+
+def cpu(index: int) -> str:
+    return f"/cpu:{index}"
+
+
+# --- models and data ----------------------------------------------------------------------------
+
+
+def mlp(sizes: Sizes, *, compile_it: bool = True):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.Input((sizes.width,))]
+    for block in range(BLOCKS):
+        layers += [
+            keras.layers.Dense(sizes.width, activation="relu", name=f"b{block}_{i}") for i in (1, 2)
+        ]
+    model = keras.Sequential([*layers, keras.layers.Dense(CLASSES, name="head")])
+    if compile_it:
+        model.compile(keras.optimizers.Adam(1e-4), _loss())
+    return model
+
+
+def transformer(sizes: Sizes, *, compile_it: bool = True):
+    """Embedding -> attention -> LayerNorm -> Dense(ff) -> Dense(d) -> pooling -> head, as a
+    chain (no residual), so each layer can be timed on its predecessor's output."""
+    import keras
+
+    keras.utils.set_random_seed(0)
+    d = sizes.model_dim
+    ids = keras.Input((sizes.seq,), dtype="int32")
+    x = keras.layers.Embedding(sizes.vocab, d, name="embed")(ids)
+    x = keras.layers.MultiHeadAttention(sizes.heads, d // sizes.heads, name="attention")(x, x)
+    x = keras.layers.LayerNormalization(name="norm")(x)
+    x = keras.layers.Dense(sizes.ff, activation="relu", name="ff_in")(x)
+    x = keras.layers.Dense(d, name="ff_out")(x)
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    model = keras.Model(ids, keras.layers.Dense(CLASSES, name="head")(x))
+    if compile_it:
+        model.compile(keras.optimizers.Adam(1e-4), _loss())
+    return model
+
+
+def _loss():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def mlp_data(sizes: Sizes):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(sizes.batch * 4, sizes.width)).astype("float32")
+    y = rng.integers(0, CLASSES, sizes.batch * 4).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(sizes.batch, True)
+
+
+def transformer_data(sizes: Sizes):
+    import numpy as np
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, sizes.vocab, (sizes.tp_batch * 4, sizes.seq)).astype("int32")
+    y = rng.integers(0, CLASSES, sizes.tp_batch * 4).astype("int32")
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(sizes.tp_batch, True)
+
+
+def strategy_over(devices: int):
+    import tfdist
+
+    return tfdist.build_strategy("mirrored", cluster=None, devices=[cpu(i) for i in range(devices)])
+
+
+def parameter_count(variables) -> int:
+    return sum(int(v.numpy().size) for v in variables)
+
+
+# --- 1 and 2: pipeline bubble and activations held --------------------------------------------
+
+
+def drive_pipeline(
+    model, strategy, dataset, *, stages: int, micro_batches: int, schedule: str, steps: int
+) -> list[dict]:
+    """`runner.last_passes` of each timed step; fit hides its runner, so this drives one."""
+    from tfdist.parallel import Pipeline
+    from tfdist.training.fit_data import make_fit_data
+
+    pipeline = Pipeline(cut_before=cuts(stages), micro_batches=micro_batches, schedule=schedule)
+    runner = pipeline.runner(model, strategy)
+    data = make_fit_data(dataset, strategy=strategy, for_training=True)
+    runner.build(data.sample_batch)
+    runner.begin(0)
+    iterator = runner.iterator(data)
+    timed = []
+    for step in range(WARMUP + steps):
+        runner.train(iterator, 1, bounded=True, logs=None)
+        if step >= WARMUP:
+            timed.append(dict(runner.last_passes))
+    return timed
+
+
+def measured_bubble(passes: dict) -> float:
+    """1 - time in passes / (devices x the step's span), over every (pipeline, stage)."""
+    spans = [p for ps in passes.values() for p in ps]
+    busy = sum(end - start for _, start, end in spans)
+    length = max(end for *_, end in spans) - min(start for _, start, _ in spans)
+    return 1.0 - busy / (len(passes) * length)
+
+
+def median_pass_times(steps: list[dict], stages: int) -> tuple[list[float], list[float]]:
+    """Each stage's median forward and backward pass, over pipelines, passes and steps."""
+    forward, backward = [], []
+    for stage in range(stages):
+        mine = [p for step in steps for (_, s), ps in step.items() if s == stage for p in ps]
+        forward.append(statistics.median(e - b for n, b, e in mine if n[0] == "F"))
+        backward.append(statistics.median(e - b for n, b, e in mine if n[0] == "B"))
+    return forward, backward
+
+
+def most_at_once(passes: dict) -> int:
+    """The most passes in flight at once over all devices, by their timestamps."""
+    events = sorted(
+        (t, change) for ps in passes.values() for _, start, end in ps
+        for t, change in ((start, 1), (end, -1))
+    )  # fmt: skip
+    running = peak = 0
+    for _, change in events:
+        running += change
+        peak = max(peak, running)
+    return peak
+
+
+def held_at_most(passes: list[tuple[str, float, float]]) -> int:
+    """Micro-batches held at once: forward ended and its backward not yet, by the clock."""
+    events = sorted(
+        [(end, 1) for name, _, end in passes if name[0] == "F"]
+        + [(end, -1) for name, _, end in passes if name[0] == "B"]
+    )  # a tie puts the release first: it ends the backward that frees the slot
+    held = peak = 0
+    for _, change in events:
+        held += change
+        peak = max(peak, held)
+    return peak
+
+
+def bench_pipeline(sizes: Sizes, schedules: list[str]) -> tuple[list[dict], list[dict]]:
+    from tfdist.parallel.schedules import bubble_formula, schedule, simulate
+
+    bubble_rows, held_rows = [], []
+    dataset = mlp_data(sizes)
+    for stages in (2, 4):
+        strategy = strategy_over(stages)
+        with strategy.scope():
+            model = mlp(sizes)
+        for name in schedules:
+            for m in sizes.micro_batches:
+                steps = drive_pipeline(
+                    model, strategy, dataset, stages=stages, micro_batches=m, schedule=name,
+                    steps=sizes.steps,
+                )  # fmt: skip
+                forward, backward = median_pass_times(steps, stages)
+                plan = schedule(name, stages, m)
+                timeline = simulate(plan, lambda s, f=forward: f[s], lambda s, b=backward: b[s])
+                row = {
+                    "table": "bubble", "stages": stages, "micro_batches": m, "schedule": name,
+                    "bubble_measured": statistics.median(measured_bubble(p) for p in steps),
+                    "bubble_formula": bubble_formula(stages, m),
+                    "bubble_simulated": timeline.bubble,
+                    "passes_at_once_measured": max(most_at_once(p) for p in steps),
+                    "forward_ms_measured": 1e3 * statistics.mean(forward),
+                    "backward_ms_measured": 1e3 * statistics.mean(backward),
+                }  # fmt: skip
+                bubble_rows.append(row)
+                print(
+                    f"  S={stages} M={m:<2} {name:<5} bubble measured {row['bubble_measured']:.3f}"
+                    f" formula {row['bubble_formula']:.3f}",
+                    flush=True,
+                )
+                if stages == 4 and m == HELD_MICRO_BATCHES:
+                    micro = sizes.batch // m
+                    for stage in range(stages):
+                        width = CLASSES if stage == stages - 1 else sizes.width
+                        held = max(held_at_most(p[0, stage]) for p in steps)
+                        held_rows.append(
+                            {
+                                "table": "activations",
+                                "stages": stages,
+                                "micro_batches": m,
+                                "schedule": name,
+                                "stage": stage,
+                                "held_measured": held,
+                                "held_simulated": timeline.peak_activations[stage],
+                                "boundary_bytes": width * micro * 4,
+                                "held_bytes_measured": held * width * micro * 4,
+                            }  # fmt: skip
+                        )
+    return bubble_rows, held_rows
+
+
+# --- 3: parameter bytes per device under tensor parallelism ----------------------------------
+
+
+def bytes_on_device(model, device: int) -> tuple[int, int]:
+    """(split bytes, replicated bytes) that device `device` holds of `model`'s weights."""
+    import tensorflow as tf
+
+    from tfdist.parallel import split_layers
+
+    parts = {id(v) for layer in split_layers(model) for ps in layer._parts.values() for v in ps}
+    split = replicated = 0
+    for v in model.weights:
+        size = int(v.numpy().size) * v.value.dtype.size
+        if id(v) not in parts:  # mirrored: whole on every device
+            replicated += size
+        elif tf.DeviceSpec.from_string(v.value.device).device_index == device:
+            split += size
+    return split, replicated
+
+
+def bench_tensor_bytes(sizes: Sizes) -> list[dict]:
+    import tfdist
+
+    rows = []
+    for n in (1, 2, 4):
+        strategy = strategy_over(n)
+        with strategy.scope():
+            model = transformer(sizes, compile_it=False)
+            if n > 1:
+                model = tfdist.parallel.tensor_parallel(model, degree=n)
+        split, replicated = bytes_on_device(model, 0)
+        rows.append(
+            {"table": "tensor_bytes", "devices": n, "split_bytes": split,
+             "replicated_bytes": replicated, "device0_bytes": split + replicated}
+        )  # fmt: skip
+    for row in rows:
+        row["ratio_to_1"] = row["device0_bytes"] / rows[0]["device0_bytes"]
+    return rows
+
+
+# --- 4: calibration -----------------------------------------------------------------------------
+
+
+def median_seconds(fn: Callable, *args, repeats: int) -> float:
+    for _ in range(2):
+        fn(*args)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def forward_backward(call: Callable, weights, x, *, repeats: int) -> tuple[float, float]:
+    """(forward, backward) seconds of `call` on `x` on device 0; backward = the forward and
+    backward program's time less the forward's (the tape re-runs the forward)."""
+    import tensorflow as tf
+
+    differentiable = x.dtype.is_floating
+
+    @tf.function
+    def forward(x):
+        with tf.device(cpu(0)):
+            return call(x)
+
+    @tf.function
+    def both(x, seed):
+        with tf.device(cpu(0)):
+            with tf.GradientTape() as tape:
+                if differentiable:
+                    tape.watch(x)
+                y = call(x)
+            sources = [*weights, x] if differentiable else list(weights)
+            return tape.gradient(y, sources, output_gradients=seed)
+
+    @tf.function
+    def empty(x):
+        with tf.device(cpu(0)):
+            return tf.identity(x)
+
+    # A pass inside the pipeline's program pays no call of its own: the cost of calling
+    # a program (measured on one that does nothing) comes off.
+    seed = tf.ones_like(forward(x))
+    call_cost = median_seconds(empty, x, repeats=repeats)
+    f = max(median_seconds(forward, x, repeats=repeats) - call_cost, 0.0)
+    fb = max(median_seconds(both, x, seed, repeats=repeats) - call_cost, 0.0)
+    return f, max(fb - f, 0.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One transfer: latency + bytes / bandwidth; collectives as rings of such transfers."""
+
+    latency: float  # seconds
+    bandwidth: float  # bytes per second (inf: a copy costs its latency only)
+
+    def send(self, nbytes: float) -> float:
+        return self.latency + nbytes / self.bandwidth
+
+    def all_reduce(self, nbytes: float, n: int) -> float:
+        if n == 1:
+            return 0.0
+        return 2 * (n - 1) * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
+
+    def all_gather(self, total_bytes: float, n: int) -> float:
+        """Each of n members ends with `total_bytes` (a reduce-scatter costs the same)."""
+        if n == 1:
+            return 0.0
+        return (n - 1) * self.latency + (n - 1) / n * total_bytes / self.bandwidth
+
+
+def measure_link(repeats: int, quick: bool) -> tuple[Link, list[dict]]:
+    """Ping-pong copies between /cpu:0 and /cpu:1, fitted to latency + bytes / bandwidth."""
+    import numpy as np
+    import tensorflow as tf
+
+    hops = 20
+
+    @tf.function
+    def ping_pong(x):
+        for hop in range(hops):
+            with tf.device(cpu((hop + 1) % 2)):
+                x = tf.identity(x)
+        return x
+
+    rows = []
+    lengths = (2**10, 2**16, 2**20) if quick else (2**10, 2**14, 2**18, 2**22)
+    for length in lengths:
+        with tf.device(cpu(0)):
+            x = tf.random.normal([length])
+        seconds = median_seconds(ping_pong, x, repeats=repeats) / hops
+        rows.append({"table": "link", "bytes": length * 4, "seconds_measured": seconds})
+    slope, intercept = np.polyfit(
+        [r["bytes"] for r in rows], [r["seconds_measured"] for r in rows], 1
+    )
+    # In one process the logical CPUs share memory: a copy may pass a reference, and then
+    # the time does not grow with size (a slope at or under zero means no bandwidth limit).
+    if slope > 0:
+        return Link(max(intercept, 0.0), 1.0 / slope), rows
+    return Link(statistics.median(r["seconds_measured"] for r in rows), float("inf")), rows
+
+
+@dataclasses.dataclass
+class Calibration:
+    stage_times: dict[tuple[int, int], tuple[float, float]]  # (stage of 4, batch) -> (F, B)
+    layer_times: dict[tuple[str, int], tuple[float, float]]  # (transformer layer, batch)
+    mlp_layer_times: dict[str, tuple[float, float]]  # at batch / DEVICES
+    update_per_parameter: float
+    mlp_stage_bytes: list[int]
+    transformer_bytes: dict[str, int]
+
+
+def calibrate(sizes: Sizes) -> Calibration:
+    """Compute costs on one device with nothing else running (models outside any strategy)."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    from tfdist.parallel import split
+
+    repeats = sizes.repeats
+    model = mlp(sizes, compile_it=False)
+    rng = np.random.default_rng(0)
+    stage_times = {}
+    stages = split(model, cuts(4))
+    batches = sorted({sizes.batch // DEVICES, sizes.batch // (2 * DEVICES)})
+    for stage in stages:
+        width = sizes.width
+        for batch in batches:
+            x = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
+            call = lambda x, m=stage.model: m(x, training=True)  # noqa: E731
+            stage_times[stage.index, batch] = forward_backward(
+                call, stage.model.trainable_weights, x, repeats=repeats
+            )
+    mlp_layer_times = {}
+    x = tf.constant(rng.normal(size=(sizes.batch // DEVICES, sizes.width)).astype("float32"))
+    for layer in model.layers:
+        mlp_layer_times[layer.name] = forward_backward(
+            layer, layer.trainable_weights, x, repeats=repeats
+        )
+        x = layer(x)
+    stage_bytes = [parameter_count(s.model.trainable_weights) * 4 for s in stages]
+
+    # Adam's update, per parameter, on the MLP's weights (one device, one program).
+    weights = model.trainable_weights
+    optimizer = keras.optimizers.Adam(1e-4)
+    optimizer.build(weights)
+    grads = [tf.ones_like(w.value) for w in weights]
+    apply = tf.function(lambda: optimizer.apply(grads, weights))
+    update = median_seconds(apply, repeats=repeats) / parameter_count(weights)
+
+    # The transformer layer by layer, at every batch a layout gives a layer (see predict).
+    net = transformer(sizes, compile_it=False)
+    layer_times = {}
+    batches = sorted({sizes.tp_batch * t // DEVICES for t in (1, 2, 4)})
+    for batch in batches:
+        x = tf.constant(rng.integers(0, sizes.vocab, (batch, sizes.seq)).astype("int32"))
+        for layer in net.layers[1:]:
+            if isinstance(layer, keras.layers.MultiHeadAttention):
+                call = lambda x, a=layer: a(x, x)  # noqa: E731
+            else:
+                call = layer
+            layer_times[layer.name, batch] = forward_backward(
+                call, layer.trainable_weights, x, repeats=repeats
+            )
+            x = call(x)
+    transformer_bytes = {
+        layer.name: parameter_count(layer.trainable_weights) * 4 for layer in net.layers[1:]
+    }
+    return Calibration(
+        stage_times, layer_times, mlp_layer_times, update, stage_bytes, transformer_bytes
+    )
+
+
+# --- 4: the cost model --------------------------------------------------------------------------
+
+SPLIT = ("embed", "attention", "ff_in", "ff_out")  # what tensor_parallel converts
+BLOCKS_SPLIT = 3  # exchanges: the embedding, attention, the ff_in -> ff_out pair
+
+
+def predict(layout: str, cal: Calibration, sizes: Sizes, link: Link, cores: int) -> float:
+    """The step time the model gives `layout` over DEVICES devices (seconds)."""
+    from tfdist.parallel.schedules import schedule, simulate
+
+    def slowed(busy_devices: float) -> float:
+        # Devices share the cores; a pass measured alone had them all.
+        return max(1.0, busy_devices / cores)
+
+    adam = cal.update_per_parameter / 4  # per byte of weights
+    if layout == "mlp data x4":
+        batch = sizes.batch // DEVICES
+        compute = sum(sum(cal.stage_times[s, batch]) for s in range(BLOCKS))
+        total = sum(cal.mlp_stage_bytes)
+        return (compute + adam * total) * slowed(DEVICES) + link.all_reduce(total, DEVICES)
+    if layout.startswith("mlp pipeline"):
+        stages = 4 if "pipeline 4" in layout else 2
+        pipelines = DEVICES // stages
+        m = int(layout.split("M=")[1])
+        micro = sizes.batch // (pipelines * m)
+        per = BLOCKS // stages  # 4-stage pieces in one stage
+        forward = [
+            sum(cal.stage_times[s * per + k, micro][0] for k in range(per)) for s in range(stages)
+        ]
+        backward = [
+            sum(cal.stage_times[s * per + k, micro][1] for k in range(per)) for s in range(stages)
+        ]
+        hop = link.send(micro * sizes.width * 4)  # an activation out, its gradient back
+        fwd = [f + (hop if s < stages - 1 else 0.0) for s, f in enumerate(forward)]
+        bwd = [b + (hop if s > 0 else 0.0) for s, b in enumerate(backward)]
+        plan = schedule("1f1b", stages, m)
+        first = simulate(plan, lambda s: fwd[s], lambda s: bwd[s])
+        # The devices busy on average: D pipelines x S stages x (1 - bubble).
+        slow = slowed(DEVICES * (1.0 - first.bubble))
+        stage_bytes = [sum(cal.mlp_stage_bytes[s * per : (s + 1) * per]) for s in range(stages)]
+        exchange = max(link.all_reduce(b, pipelines) for b in stage_bytes)
+        return (first.length + adam * max(stage_bytes)) * slow + exchange
+    # The transformer: data x4, tensor T x data 4/T.
+    degree = {"tf data x4": 1, "tf tensor 2 x data 2": 2, "tf tensor 4": 4}[layout]
+    own = sizes.tp_batch // DEVICES
+    group = own * degree
+    compute = 0.0
+    for name in cal.transformer_bytes:
+        if degree > 1 and name in SPLIT:
+            compute += sum(cal.layer_times[name, group]) / degree
+        else:
+            compute += sum(cal.layer_times[name, own])
+    split_bytes = sum(b for n, b in cal.transformer_bytes.items() if n in SPLIT)
+    replicated = sum(cal.transformer_bytes.values()) - (split_bytes if degree > 1 else 0)
+    held = replicated + (split_bytes / degree if degree > 1 else 0)
+    exchange = link.all_reduce(replicated, DEVICES)
+    if degree > 1:
+        # tensor.py gathers over all replicas and keeps its group's rows: per block forward
+        # an all-gather of every replica's input and one of every replica's partial sums
+        # (the reduce-scatter), and the same two backward.
+        activation = sizes.tp_batch * sizes.seq * sizes.model_dim * 4
+        per_block = 2 * link.all_gather(activation, DEVICES)
+        per_block += 2 * link.all_gather(activation * degree, DEVICES)
+        exchange += BLOCKS_SPLIT * per_block
+        if degree < DEVICES:  # a part's gradient gathered from every replica, summed
+            exchange += link.all_gather(split_bytes / degree * DEVICES, DEVICES)
+    return (compute + adam * held) * slowed(DEVICES) + exchange
+
+
+LAYOUTS = (
+    "mlp data x4",
+    "mlp pipeline 4 M=4",
+    "mlp pipeline 4 M=8",
+    "mlp pipeline 2 x data 2 M=4",
+    "tf data x4",
+    "tf tensor 2 x data 2",
+    "tf tensor 4",
+)
+
+
+def measure_layout(layout: str, sizes: Sizes, steps: int) -> float:
+    """The median step time of `layout` under tfdist.fit on this machine (seconds)."""
+    import keras
+
+    import tfdist
+    from tfdist.parallel import Pipeline
+
+    ends: list[float] = []
+
+    class Clock(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+
+    strategy = strategy_over(DEVICES)
+    pipeline = None
+    with strategy.scope():
+        if layout.startswith("mlp"):
+            model, data = mlp(sizes), mlp_data(sizes)
+            if "pipeline" in layout:
+                stages = 4 if "pipeline 4" in layout else 2
+                m = int(layout.split("M=")[1])
+                pipeline = Pipeline(cut_before=cuts(stages), micro_batches=m, schedule="1f1b")
+        else:
+            # Converted before it is compiled: the copy would rebuild a compiled optimizer
+            # on its split parts, which live outside the strategy's variables.
+            model, data = transformer(sizes, compile_it=False), transformer_data(sizes)
+            if "tensor" in layout:
+                degree = 4 if layout.endswith("tensor 4") else 2
+                model = tfdist.parallel.tensor_parallel(model, degree=degree)
+            model.compile(keras.optimizers.Adam(1e-4), _loss())
+    tfdist.fit(
+        model, data, epochs=1, steps_per_epoch=WARMUP + steps, verbose=0, callbacks=[Clock()],
+        pipeline=pipeline,
+    )  # fmt: skip
+    return statistics.median(b - a for a, b in zip(ends[WARMUP - 1 :], ends[WARMUP:], strict=False))
+
+
+def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], Link]:
+    cal = calibrate(sizes)
+    link, link_rows = measure_link(sizes.repeats, args.quick)
+    measured_link = link
+    if args.latency_us is not None or args.bandwidth_gbps is not None:
+        link = Link(
+            args.latency_us * 1e-6 if args.latency_us is not None else link.latency,
+            args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps is not None else link.bandwidth,
+        )
+    cluster = Link(args.cluster_latency_us * 1e-6, args.cluster_bandwidth_gbps * 1e9 / 8)
+    calibration = [
+        *link_rows,
+        *(
+            {"table": "calibration", "what": f"mlp stage {s} F/B", "batch": b,
+             "forward_ms_measured": 1e3 * f, "backward_ms_measured": 1e3 * bw}
+            for (s, b), (f, bw) in sorted(cal.stage_times.items())
+        ),
+        *(
+            {"table": "calibration", "what": f"mlp layer {name}", "batch": sizes.batch // DEVICES,
+             "forward_ms_measured": 1e3 * f, "backward_ms_measured": 1e3 * bw}
+            for name, (f, bw) in cal.mlp_layer_times.items()
+        ),
+        *(
+            {"table": "calibration", "what": f"transformer layer {name}", "batch": b,
+             "forward_ms_measured": 1e3 * f, "backward_ms_measured": 1e3 * bw}
+            for (name, b), (f, bw) in cal.layer_times.items()
+        ),
+        {"table": "calibration", "what": "adam update us per 1k parameters",
+         "value_measured": 1e9 * cal.update_per_parameter},
+        {"table": "calibration", "what": "link latency us (fit)",
+         "value_measured": 1e6 * measured_link.latency},
+        {"table": "calibration", "what": "link bandwidth Gb/s (fit)",
+         "value_measured": measured_link.bandwidth * 8 / 1e9},
+    ]  # fmt: skip
+    rows = []
+    for layout in LAYOUTS:
+        measured = measure_layout(layout, sizes, sizes.steps)
+        local = predict(layout, cal, sizes, link, args.cores)
+        rows.append(
+            {
+                "table": "layouts",
+                "layout": layout,
+                "step_ms_model_local": 1e3 * local,
+                "step_ms_measured": 1e3 * measured,
+                "measured_over_model": measured / local,
+                "step_ms_model_cluster": 1e3 * predict(layout, cal, sizes, cluster, DEVICES),
+            }  # fmt: skip
+        )
+        print(f"  {layout:<28} measured {1e3 * measured:7.1f} ms", flush=True)
+    return calibration, rows, link
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def print_bubble(rows: list[dict]) -> None:
+    print("\n1. Pipeline bubble (idle share of a step): measured, formula, model")
+    print(
+        f"{'S':>2} {'M':>3} {'schedule':<8} {'measured':>9} {'formula':>8} {'simulated':>10} "
+        f"{'F ms':>6} {'B ms':>6} {'at once':>7}"
+    )
+    for r in rows:
+        print(
+            f"{r['stages']:>2} {r['micro_batches']:>3} {r['schedule']:<8} "
+            f"{r['bubble_measured']:9.3f} {r['bubble_formula']:8.3f} {r['bubble_simulated']:10.3f} "
+            f"{r['forward_ms_measured']:6.2f} {r['backward_ms_measured']:6.2f} "
+            f"{r['passes_at_once_measured']:>7}"
+        )
+    print(
+        "  measured: median over the timed steps of 1 - sum(pass times) / (devices x step span),\n"
+        "  from the runner's in-graph timestamps; formula: (S-1)/(M+S-1); simulated: simulate()\n"
+        "  on each stage's measured median F and B (F ms, B ms: their mean over the stages);\n"
+        "  at once: the most passes measured in flight together, over all devices.\n"
+        f"  Note: the {DEVICES} logical devices share this machine's {os.cpu_count()} cores. "
+        "Passes running at once\n"
+        "  slow each other, so a pass is slower while every stage is busy than while the pipe\n"
+        "  fills and drains (the measured F and B mix both), and an idle device's core goes\n"
+        "  to the busy ones: on few cores a bubble is not all lost CPU."
+    )
+    if max(r["passes_at_once_measured"] for r in rows) == 1:
+        print(
+            "  In this run no two passes overlapped (at once = 1): the step's program ran one\n"
+            "  pass at a time, so the measured bubble is (S-1)/S for every M, and neither the\n"
+            "  formula nor the simulated bubble (which lets stages run concurrently) was reached."
+        )
+
+
+def print_held(rows: list[dict]) -> None:
+    if not rows:
+        return
+    m = rows[0]["micro_batches"]
+    print(f"\n2. Activations held per stage (S=4, M={m}): measured order vs simulate")
+    print(
+        f"{'schedule':<8} {'stage':>5} {'held (measured)':>15} {'held (simulate)':>15} "
+        f"{'boundary KiB':>12} {'held KiB':>9}"
+    )
+    for r in rows:
+        print(
+            f"{r['schedule']:<8} {r['stage']:>5} {r['held_measured']:>15} "
+            f"{r['held_simulated']:>15} {r['boundary_bytes'] / 1024:12.1f} "
+            f"{r['held_bytes_measured'] / 1024:9.1f}"
+        )
+    print(
+        "  held: the most micro-batches whose forward had ended and backward had not, by the\n"
+        "  pass timestamps; KiB: held x one micro-batch's stage output (micro batch x width x 4\n"
+        "  bytes). The layers' inner activations the tape also keeps are not counted."
+    )
+
+
+def print_tensor_bytes(rows: list[dict]) -> None:
+    print("\n3. Parameter bytes on device 0, transformer block, tensor_parallel(degree=N)")
+    print(f"{'N':>2} {'split KiB':>10} {'replicated KiB':>14} {'device 0 KiB':>12} {'/N=1':>6}")
+    for r in rows:
+        print(
+            f"{r['devices']:>2} {r['split_bytes'] / 1024:10.1f} "
+            f"{r['replicated_bytes'] / 1024:14.1f} {r['device0_bytes'] / 1024:12.1f} "
+            f"{r['ratio_to_1']:6.3f}"
+        )
+    print(
+        "  measured from the variables: split parts on device 0 (their device), replicated\n"
+        "  (mirrored) weights counted whole; N=1 is the unconverted model on one device."
+    )
+
+
+def print_cost_model(calibration: list[dict], rows: list[dict], link: Link, args) -> None:
+    print("\n4. Cost model. Calibration (measured on this machine, one device at a time):")
+    for r in calibration:
+        if r["table"] == "link":
+            print(
+                f"  copy /cpu:0 <-> /cpu:1 of {r['bytes']:>9} B: {1e6 * r['seconds_measured']:8.1f} us"
+            )
+    for r in calibration:
+        if r["table"] == "calibration" and "batch" in r:
+            print(
+                f"  {r['what']:<32} batch {r['batch']:>4}: F {r['forward_ms_measured']:7.3f} ms"
+                f"  B {r['backward_ms_measured']:7.3f} ms"
+            )
+    adam = next(r for r in calibration if r.get("what", "").startswith("adam"))
+    print(f"  Adam update: {adam['value_measured']:.3f} us per 1k parameters")
+    bandwidth = (
+        "unbounded" if link.bandwidth == float("inf") else f"{link.bandwidth * 8 / 1e9:.1f} Gb/s"
+    )
+    print(
+        f"  link used for the local model: latency {1e6 * link.latency:.1f} us, "
+        f"bandwidth {bandwidth}; cores {args.cores}"
+    )
+    print(
+        f"\nStep time, {DEVICES} devices: model (local: this link and {args.cores} cores; "
+        f"cluster: {args.cluster_latency_us:g} us, {args.cluster_bandwidth_gbps:g} Gb/s, a core "
+        "per device) vs measured (tfdist.fit, median)"
+    )
+    print(
+        f"{'layout':<28} {'model ms':>9} {'measured ms':>11} {'meas/model':>10} {'cluster model ms':>16}"
+    )
+    for r in rows:
+        print(
+            f"{r['layout']:<28} {r['step_ms_model_local']:9.1f} {r['step_ms_measured']:11.1f} "
+            f"{r['measured_over_model']:10.2f} {r['step_ms_model_cluster']:16.1f}"
+        )
+    print(
+        "  model: compute (the one-device times above, x busy devices / cores where more are\n"
+        "  busy than cores) + Adam's update + transfers (pipeline: activation and gradient per\n"
+        "  micro-batch and boundary, in simulate(); data: ring all-reduce of the gradients;\n"
+        "  tensor: 2 all-gathers + 2 reduce-scatters per split block, forward and backward).\n"
+        "  Not modelled: the per-step launch cost and input pipeline, overlap of exchange with\n"
+        "  compute. The cluster column keeps this machine's one-device compute times."
+    )
+
+
+def plot(bubble: list[dict], layouts: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e '.[plot]'); no plot written")
+        return
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for stages, color in ((2, "tab:blue"), (4, "tab:green")):
+        mine = [
+            r for r in bubble if r["stages"] == stages and r["schedule"] == bubble[0]["schedule"]
+        ]
+        ms = [r["micro_batches"] for r in mine]
+        left.plot(
+            ms,
+            [r["bubble_measured"] for r in mine],
+            "o-",
+            color=color,
+            label=f"S={stages} measured",
+        )
+        left.plot(
+            ms, [r["bubble_formula"] for r in mine], "--", color=color, label=f"S={stages} formula"
+        )
+        left.plot(
+            ms,
+            [r["bubble_simulated"] for r in mine],
+            ":",
+            color=color,
+            label=f"S={stages} simulated",
+        )
+    left.set_xscale("log", base=2)
+    left.set_xlabel("micro-batches M")
+    left.set_ylabel("bubble")
+    left.set_title(f"pipeline bubble ({bubble[0]['schedule']})")
+    left.legend(fontsize=7)
+    labels = [r["layout"].replace(" x ", "x\n").replace(" M=", "\nM=") for r in layouts]
+    at = range(len(layouts))
+    right.bar(
+        [i - 0.27 for i in at],
+        [r["step_ms_model_local"] for r in layouts],
+        0.27,
+        label="model (local)",
+    )
+    right.bar(list(at), [r["step_ms_measured"] for r in layouts], 0.27, label="measured")
+    right.bar(
+        [i + 0.27 for i in at],
+        [r["step_ms_model_cluster"] for r in layouts],
+        0.27,
+        label="model (cluster)",
+    )
+    right.set_xticks(list(at), labels, fontsize=7)
+    right.set_ylabel("step ms")
+    right.set_title(f"step time on {DEVICES} devices")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def write_csv(rows: list[dict], path: str) -> None:
+    fields: list[str] = []
+    for row in rows:
+        fields += [k for k in row if k not in fields]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.parallel_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--quick", action="store_true", help="smaller everything: a smoke run")
+    parser.add_argument(
+        "--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"]
+    )
+    parser.add_argument(
+        "--cores", type=int, default=os.cpu_count() or 1,
+        help="cores the logical devices share, for the local model (default: this machine's)",
+    )  # fmt: skip
+    parser.add_argument("--latency_us", type=float, help="replace the measured link latency")
+    parser.add_argument("--bandwidth_gbps", type=float, help="replace the measured bandwidth")
+    parser.add_argument("--cluster_latency_us", type=float, default=10.0)
+    parser.add_argument("--cluster_bandwidth_gbps", type=float, default=100.0)
+    parser.add_argument("--out", default=".", help="folder for the CSV and the plot")
+    args = parser.parse_args(argv)
+    if args.cores < 1 or args.cluster_bandwidth_gbps <= 0:
+        parser.error("--cores and --cluster_bandwidth_gbps must be positive")
+    sizes = QUICK if args.quick else FULL
+
+    import tfdist
+
+    tfdist.configure_cpu_devices(DEVICES)  # before any TensorFlow op
+    began = time.perf_counter()
+    print("pipeline runs:", flush=True)
+    bubble, held = bench_pipeline(sizes, args.schedules)
+    tensor_bytes = bench_tensor_bytes(sizes)
+    print("cost model: calibrating, then each layout under tfdist.fit", flush=True)
+    calibration, layouts, link = bench_cost_model(sizes, args)
+
+    print_bubble(bubble)
+    print_held(held)
+    print_tensor_bytes(tensor_bytes)
+    print_cost_model(calibration, layouts, link, args)
+    os.makedirs(args.out, exist_ok=True)
+    csv_path = os.path.join(args.out, "parallel_bench.csv")
+    png_path = os.path.join(args.out, "parallel_bench.png")
+    write_csv([*bubble, *held, *tensor_bytes, *calibration, *layouts], csv_path)
+    plot(bubble, layouts, png_path)
+    print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - began:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
