@@ -407,6 +407,7 @@ class _StepProgram:
         self.sends: list[tf.Tensor] = []
         self.names: dict[str, list[str]] = {}  # replica -> its passes, in the order run
         self.first_key = next(_PROGRAMS_BUILT) * _KEYS_PER_PROGRAM + 1
+        self._passes = None  # the passes' program, built when the step is first traced
         self.function = tf.function(self.step)
 
     def passes(self, times) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
@@ -439,46 +440,91 @@ class _StepProgram:
     # --- the step ---------------------------------------------------------------------------------
 
     def step(self, batch):
+        """The traced step: the passes' program, then the exchange and the updates."""
+        flat = tf.nest.flatten(batch)
+        keys = sorted(self.local)
+        values = []
+        for key in keys:
+            r = self.local[key]
+            with tf.device(r.device):
+                values += [tf.identity(v.value) for v in [*r.trainable, *r.non_trainable]]
+        if self._passes is None:
+            # Without tf.function's ordering of stateful ops in program order: its chain of
+            # the passes' timestamps (stateful, no resource) would make every pass wait for
+            # the one built before it, on every stage, and the stages would take turns.
+            # Here only the schedule's own dependencies order them (transport.py's reason).
+            specs = [tf.TensorSpec(t.shape, t.dtype) for t in [*flat, *values]]
+            structure = batch
+            self._passes = tf.compat.v1.wrap_function(
+                lambda *args: self._all_passes(structure, len(flat), keys, args), specs
+            )
+        outputs = list(self._passes(*flat, *values))
+        results, at = {}, 0
+        for key in keys:
+            r = self.local[key]
+            grads = outputs[at : at + len(r.trainable)]
+            at += len(r.trainable)
+            statistics = outputs[at : at + len(r.non_trainable)]
+            at += len(r.non_trainable)
+            results[key] = {"grads": grads, "statistics": statistics, "times": outputs[at]}
+            at += 1
+        state = outputs[at:]
+        updates = self._update(results)
+        with tf.control_dependencies(updates):
+            state = [tf.identity(s) for s in state]
+        times = {f"{p}_{s}": results[p, s]["times"] for p, s in keys}
+        return state, times
+
+    def _all_passes(self, structure, batch_length: int, keys, args) -> list[tf.Tensor]:
+        """Every pass of this process's stage replicas, in the schedule's order per stage.
+
+        Takes the batch (flattened) and each replica's weights and statistics; returns per
+        replica its weight gradients (summed over the micro-batches), its statistics after
+        the last forward pass, its passes' [start, end] times; then the metric state.
+        """
         runner = self.runner
+        batch = tf.nest.pack_sequence_as(structure, list(args[:batch_length]))
         x, y, sample_weight = unpack(batch)
         state = [tf.zeros(v.shape, v.dtype) for v in runner.metric_variables]
         live: dict[tuple[int, int], dict] = {}
         self.mailbox, self.sends = {}, []
-        for r in self.local.values():
-            with tf.device(r.device):
-                live[r.pipeline, r.stage.index] = {
-                    "weights": [v.value for v in r.trainable],
-                    "statistics": [v.value for v in r.non_trainable],
-                    "grads": None,
-                    "saved": {},
-                    "last": None,  # the previous pass's result: the stage runs one at a time
-                    "times": [],
-                    "names": [],
-                }
+        at = batch_length
+        for key in keys:
+            r = self.local[key]
+            trainable, statistics = len(r.trainable), len(r.non_trainable)
+            live[key] = {
+                "weights": list(args[at : at + trainable]),
+                "statistics": list(args[at + trainable : at + trainable + statistics]),
+                "grads": None,
+                "saved": {},
+                "last": None,  # the previous pass's end: a stage runs one pass at a time
+                "times": [],
+                "names": [],
+            }
+            at += trainable + statistics
         for r, p in self.order():
             own = live[r.pipeline, r.stage.index]
             with tf.device(r.device):
-                deps = [own["last"]] if own["last"] is not None else []
-                with tf.control_dependencies(deps):
-                    start = tf.timestamp()
-                with tf.control_dependencies([start]):
-                    if p.kind == "F":
-                        done, state = self._forward(
-                            r, p.micro_batch, own, x, y, sample_weight, state
-                        )
-                    else:
-                        done = self._backward(r, p.micro_batch, own)
+                if p.kind == "F":
+                    done, state = self._forward(r, p.micro_batch, own, x, y, sample_weight, state)
+                else:
+                    done = self._backward(r, p.micro_batch, own)
                 with tf.control_dependencies([done]):
                     end = tf.timestamp()
+                own["times"].append(tf.stack([own["start"], end]))
                 own["last"] = end
-                own["times"].append(tf.stack([start, end]))
                 own["names"].append(str(p))
-        updates = self._update(live)
-        with tf.control_dependencies([*updates, *self.sends]):
-            state = [tf.identity(s) for s in state]
-            times = {f"{p}_{s}": tf.stack(own["times"]) for (p, s), own in live.items()}
-        self.names = {f"{p}_{s}": own["names"] for (p, s), own in live.items()}
-        return state, times
+        self.names = {f"{p}_{s}": live[p, s]["names"] for p, s in keys}
+        outputs = []
+        for key in keys:
+            own = live[key]
+            grads = own["grads"] or []
+            outputs += [*grads, *own["statistics"], tf.stack(own["times"])]
+        outputs += state
+        # A send's result feeds nothing, and a graph function prunes what its outputs do
+        # not depend on: the outputs wait for the sends.
+        with tf.control_dependencies(self.sends):
+            return [tf.identity(t) for t in outputs]
 
     def _micro(self, tensor, pipeline: int, m: int):
         if tensor is None:
@@ -493,6 +539,7 @@ class _StepProgram:
             inputs = self._micro(x, r.pipeline, m)
         else:
             inputs = self._receive(r, m, "F", self._boundary_spec(stage.index - 1))
+        inputs = self._begin(own, inputs)
         with tf.GradientTape() as tape:
             tape.watch(own["weights"])
             if not stage.first:
@@ -518,14 +565,28 @@ class _StepProgram:
             self._send(r, m, "F", outputs)
         return outputs, state
 
+    def _begin(self, own: dict, arrived):
+        """Marks a pass's start, once its input has arrived and the stage's previous pass
+        has ended, and returns the input as the pass must use it (after the mark)."""
+        deps = [t for t in tf.nest.flatten(arrived) if isinstance(t, tf.Tensor)]
+        if own["last"] is not None:
+            deps.append(own["last"])
+        with tf.control_dependencies(deps):
+            own["start"] = tf.timestamp()
+        with tf.control_dependencies([own["start"]]):
+            return tf.nest.map_structure(tf.identity, arrived)
+
     def _backward(self, r: _StageReplica, m: int, own: dict):
         stage = r.stage
         tape, inputs, outputs, regularization, objective = own["saved"].pop(m)
         sources = list(own["weights"]) + ([] if stage.first else [inputs])
         if objective is not None:
-            grads = tape.gradient(objective, sources)
+            self._begin(own, [])
+            with tf.control_dependencies([own["start"]]):
+                grads = tape.gradient(objective, sources)
         else:
             upstream = self._receive(r, m, "B", self._boundary_spec(stage.index))
+            upstream = self._begin(own, upstream)
             targets, seeds = [outputs], [upstream]
             if regularization is not None:
                 targets.append(regularization)
@@ -558,7 +619,8 @@ class _StepProgram:
             for s, v in zip(state, self.runner.metric_variables, strict=True)
         ]
 
-    def _update(self, live) -> list[tf.Tensor]:
+    def _update(self, live: dict) -> list[tf.Tensor]:
+        """Each replica's gradients averaged over the pipelines, then one optimizer step."""
         runner, pipelines = self.runner, self.runner.pipelines
         user = self.model.optimizer
         schedule_lr = compat.learning_rate_schedule(user) is not None
