@@ -45,9 +45,9 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.collective.transport import ProcessRing
+from tfdist.parallel import updates
 from tfdist.parallel.schedules import SCHEDULES, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split
-from tfdist.parallel.zero import outside_strategy
 from tfdist.strategies import worker_rank
 from tfdist.training.fit_data import FitData, FitError, unpack
 from tfdist.training.runner import StepHook
@@ -167,7 +167,7 @@ class PipelineRunner(SyncRunner):
                 "metrics. Move the step's logic into compile()'s loss and metrics, or train "
                 "without pipeline=. Received: a model with train_step overridden"
             )
-        _check_optimizer(model.optimizer)
+        updates.check_copyable(model.optimizer, who="A pipeline's stages")
         super().build(sample_batch)  # the whole model and its optimizer: the host copy
         self.stages = split(model, options.cut_before)
         self._place()
@@ -213,14 +213,13 @@ class PipelineRunner(SyncRunner):
                     # copy's slots are named as the user's optimizer's for the same weight.
                     copies = [_copy(trainable[i]) for i in stage.trainable]
                     statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
-                    stage_optimizer = type(optimizer).from_config(optimizer.get_config())
-                    stage_optimizer.build(copies)
+                    stage_optimizer = updates.optimizer_copy(optimizer, copies)
                 made.append(
                     _StageReplica(stage, pipeline, device, copies, statistics, stage_optimizer)
                 )
             return made
 
-        self.replicas = outside_strategy(make)
+        self.replicas = updates.outside_strategy(make)
         self._slot_pairs = {id(r): _slot_pairs(r.optimizer, optimizer) for r in self.replicas}
         if processes > 1:
             for r in self.replicas:
@@ -688,18 +687,13 @@ class _StepProgram:
 
 
 def _apply(optimizer, grads, variables, user, schedule_lr: bool) -> tf.Tensor:
-    """One step of a stage's optimizer, as its `apply` takes it (clipping, decoupled weight
-    decay, update_step, the count), without `apply`'s tf.distribute calls: the stage's
-    variables are its own, whatever strategy's scope the user trains in."""
+    """One step of a stage's optimizer copy, counted."""
     if not schedule_lr:  # a callback may have changed the user's rate
         optimizer.learning_rate = user.learning_rate
-    grads = compat.clip_gradients(optimizer, grads)
-    learning_rate, weight_decay = optimizer.learning_rate, optimizer.weight_decay or 0.0
-    for grad, variable in zip(grads, variables, strict=True):
-        lr = tf.cast(learning_rate, variable.dtype)
-        if weight_decay and compat.uses_weight_decay(optimizer, variable):
-            variable.assign(variable - variable * tf.cast(weight_decay, variable.dtype) * lr)
-        optimizer.update_step(grad, variable, lr)
+    updates.update_step(
+        optimizer, grads, variables, learning_rate=optimizer.learning_rate,
+        weight_decay=optimizer.weight_decay or 0.0,
+    )  # fmt: skip
     return optimizer.iterations.assign_add(1)
 
 
@@ -730,33 +724,3 @@ def _slot_pairs(stage_optimizer, user_optimizer) -> list[tuple[keras.Variable, k
             )
         pairs.append((v, theirs[v.name]))
     return pairs
-
-
-def _check_optimizer(optimizer) -> None:
-    if optimizer is None:
-        raise FitError("A pipeline trains the model's optimizer; compile the model with one.")
-    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
-        raise FitError(
-            "A pipeline does not take a LossScaleOptimizer (mixed_float16's loss scaling "
-            "checks every stage's gradients at once). Train in float32 or mixed_bfloat16. "
-            "Received: LossScaleOptimizer"
-        )
-    if optimizer.global_clipnorm is not None:
-        raise FitError(
-            "A pipeline's stages update their own weights, so a norm over all the gradients "
-            "(global_clipnorm) is not known to any of them. Use clipnorm (per weight) or "
-            f"clipvalue. Received: global_clipnorm={optimizer.global_clipnorm}"
-        )
-    if not compat.updates_only_through_update_step(optimizer) or optimizer.use_ema:
-        raise FitError(
-            f"A pipeline's stages apply {type(optimizer).__name__}'s update_step to their "
-            "own weights, but this optimizer keeps state outside it (Nadam's momentum "
-            "schedule, moving averages with use_ema, an optimizer of optimizers). Use Adam, "
-            f"AdamW, SGD, RMSprop, ... Received: {type(optimizer).__name__}"
-        )
-    if optimizer.gradient_accumulation_steps:
-        raise FitError(
-            "A pipeline's micro-batches already accumulate gradients within a step; drop "
-            "the optimizer's gradient_accumulation_steps. "
-            f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
-        )

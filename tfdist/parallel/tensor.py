@@ -52,6 +52,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.parallel import updates
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
 
@@ -182,8 +183,6 @@ class _Split(keras.layers.Layer):
 
     def _split_weight(self, name: str, whole: np.ndarray, axis: int) -> None:
         """Creates the parts of weight `name` from its whole value, split along `axis`."""
-        from tfdist.parallel.zero import outside_strategy
-
         devices, degree = self._placement()
         if whole.shape[axis] % degree:
             raise TensorParallelError(
@@ -206,7 +205,7 @@ class _Split(keras.layers.Layer):
                     )
             return made
 
-        self._parts[name] = outside_strategy(make)
+        self._parts[name] = updates.outside_strategy(make)
         self._axes[name] = axis
         setattr(self, f"_{name}_parts", self._parts[name])  # tracked: in the model's weights
 
@@ -537,30 +536,14 @@ class TensorParallelUpdate(StepHook):
     synchronous_only = True
 
     def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
-        from tfdist.parallel.zero import outside_strategy
-
         optimizer = model.optimizer
-        if optimizer is None:
-            raise TensorParallelError("A model with split layers needs an optimizer: compile it.")
-        if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        who = "Tensor-parallel layers' parts"
+        updates.check_copyable(optimizer, who=who, error=TensorParallelError)
+        if optimizer.clipnorm is not None:
             raise TensorParallelError(
-                "Split layers are updated apart from the rest, so a LossScaleOptimizer's "
-                "one check over every gradient is not made for them. Train in float32 or "
-                "mixed_bfloat16. Received: LossScaleOptimizer"
-            )
-        if optimizer.global_clipnorm is not None or optimizer.clipnorm is not None:
-            raise TensorParallelError(
-                "Split layers' parts are updated one replica at a time, so a norm over a "
-                "whole weight (clipnorm) or over every gradient (global_clipnorm) is not known "
-                "where a part is updated. Use clipvalue, or no clipping. Received: "
-                f"clipnorm={optimizer.clipnorm}, global_clipnorm={optimizer.global_clipnorm}"
-            )
-        if not compat.updates_only_through_update_step(optimizer) or optimizer.use_ema:
-            raise TensorParallelError(
-                f"Split layers' parts are updated through {type(optimizer).__name__}'s "
-                "update_step, but this optimizer keeps state outside it (Nadam's momentum "
-                "schedule, moving averages with use_ema, an optimizer of optimizers). Use "
-                f"Adam, AdamW, SGD, RMSprop, ... Received: {type(optimizer).__name__}"
+                f"{who} are updated one replica at a time, so the norm of a whole weight "
+                "(clipnorm) is not known where a part is updated. Use clipvalue, or no "
+                f"clipping. Received: clipnorm={optimizer.clipnorm}"
             )
         layers = split_layers(model)
         replicas = strategy.num_replicas_in_sync
@@ -584,12 +567,10 @@ class TensorParallelUpdate(StepHook):
             copies = []
             for parts in self.parts:
                 with tf.device(parts[0].value.device if parts else None):
-                    copy = type(optimizer).from_config(optimizer.get_config())
-                    copy.build(parts)
-                copies.append(copy)
+                    copies.append(updates.optimizer_copy(optimizer, parts))
             return copies
 
-        self.optimizers = outside_strategy(make)
+        self.optimizers = updates.outside_strategy(make)
         self.user = optimizer
         optimizer.build(rest)  # the user's optimizer keeps the replicated weights' state
 
@@ -606,19 +587,14 @@ class TensorParallelUpdate(StepHook):
                 grad = tf.zeros_like(variable.value)
             summed.append(_summed_over(context, grad, copies))
         copy, user = self.optimizers[replica], self.user
-        summed = compat.clip_gradients(copy, summed)  # clipvalue, per element
-        learning_rate, weight_decay = user.learning_rate, user.weight_decay or 0.0
         with tf.device(parts[0].value.device):
             # The user's optimizer counts the step after this hook (Adam's bias correction
             # reads iterations + 1); the copy reads the same count.
             copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
-            for grad, variable in zip(summed, parts, strict=True):
-                lr = tf.cast(learning_rate, variable.dtype)
-                if weight_decay and compat.uses_weight_decay(copy, variable):
-                    variable.assign(
-                        variable - variable * tf.cast(weight_decay, variable.dtype) * lr
-                    )
-                copy.update_step(grad, variable, lr)
+            updates.update_step(
+                copy, summed, parts, learning_rate=user.learning_rate,
+                weight_decay=user.weight_decay or 0.0,
+            )  # fmt: skip
         rest = [(g, v) for g, v in grads_and_vars if id(v) not in self.owned]
         return apply_next(rest)
 

@@ -60,8 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import threading
-from collections.abc import Callable
 
 import keras
 import numpy as np
@@ -76,6 +74,7 @@ from tfdist.collective.ring import (
     owned_chunk,
 )
 from tfdist.collective.transport import ProcessRing
+from tfdist.parallel import updates
 from tfdist.strategies import joins_worker_processes, runs_on_tpu, worker_rank
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
@@ -297,7 +296,7 @@ class ShardedUpdate(StepHook):
             bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
             for v in variables
         ]
-        self.replicas = outside_strategy(
+        self.replicas = updates.outside_strategy(
             lambda: [
                 _LocalReplica(
                     optimizer,
@@ -553,8 +552,7 @@ class _LocalReplica:
             }
             # The same class and config: only its update_step and slots are used (the hook
             # clips, decays and counts through the user's optimizer).
-            self.optimizer = type(optimizer).from_config(optimizer.get_config())
-            self.optimizer.build(list(self.variables.values()))
+            self.optimizer = updates.optimizer_copy(optimizer, list(self.variables.values()))
         # Each piece's slots by name (Keras names a slot "<reference>_<slot>").
         self.slots: dict[tuple[int, str], keras.Variable] = {}
         for slot in self.optimizer.variables:
@@ -688,23 +686,3 @@ def _split_optimizer(optimizer, name: str):
             f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
         )
     return optimizer, scaling
-
-
-def outside_strategy(build: Callable):
-    """Runs `build` in a thread of its own, where no strategy's scope is entered (scopes are
-    per thread), so the variables it creates are plain ones on the devices it names."""
-    result: list = []
-    errors: list[BaseException] = []
-
-    def run():
-        try:
-            result.append(build())
-        except BaseException as e:  # re-raised in the caller's thread
-            errors.append(e)
-
-    thread = threading.Thread(target=run, name="tfdist-zero-build")
-    thread.start()
-    thread.join()
-    if errors:
-        raise errors[0]
-    return result[0]

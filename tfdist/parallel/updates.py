@@ -1,0 +1,98 @@
+"""What the modes that update weights themselves share (pipeline stages, tensor-parallel
+parts, ZeRO's slices): a copy of the user's optimizer for the weights a replica keeps, built
+outside the strategy; the checks that such a copy can stand for the user's optimizer; and
+one update step through the copy's `update_step`, as Keras's `apply` takes it.
+
+A copy is the user's optimizer's class and config, its slots built for the weights it is
+given (plain variables on one device). Its step goes through `update_step` directly, not
+`apply`, whose tf.distribute calls expect the strategy's variables.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.training.fit_data import FitError
+
+
+def outside_strategy(build: Callable):
+    """Runs `build` in a thread of its own, where no strategy's scope is entered (scopes are
+    per thread), so the variables it creates are plain ones on the devices it names."""
+    result: list = []
+    errors: list[BaseException] = []
+
+    def run():
+        try:
+            result.append(build())
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    thread = threading.Thread(target=run, name="tfdist-build")
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+def optimizer_copy(optimizer, variables) -> keras.optimizers.Optimizer:
+    """A copy of `optimizer` (same class and config) built on `variables` (call it where
+    the copy's slots should live: under `tf.device`, outside the strategy)."""
+    copy = type(optimizer).from_config(optimizer.get_config())
+    copy.build(variables)
+    return copy
+
+
+def check_copyable(optimizer, *, who: str, error: type[FitError] = FitError) -> None:
+    """Refuses an optimizer that copies updating parts of the weights cannot stand for.
+
+    Args:
+      optimizer: the model's.
+      who: what updates the parts, for the messages ("A pipeline's stages").
+      error: the FitError subclass to raise.
+    """
+    if optimizer is None:
+        raise error(f"{who} update the model's weights with its optimizer; compile it with one.")
+    name = type(optimizer).__name__
+    if isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+        raise error(
+            f"{who} update their weights apart, so a LossScaleOptimizer's one check over "
+            "every gradient (mixed_float16) is not made for them. Train in float32 or "
+            "mixed_bfloat16. Received: LossScaleOptimizer"
+        )
+    if optimizer.global_clipnorm is not None:
+        raise error(
+            f"{who} update their weights apart, so a norm over all the gradients "
+            "(global_clipnorm) is known to none of them. Use clipvalue (or clipnorm where "
+            f"whole weights are kept). Received: global_clipnorm={optimizer.global_clipnorm}"
+        )
+    if not compat.updates_only_through_update_step(optimizer) or optimizer.use_ema:
+        raise error(
+            f"{who} apply {name}'s update_step to their weights, but this optimizer keeps "
+            "state outside it (Nadam's momentum schedule, moving averages with use_ema, an "
+            f"optimizer of optimizers). Use Adam, AdamW, SGD, RMSprop, ... Received: {name}"
+        )
+    if optimizer.gradient_accumulation_steps:
+        raise error(
+            f"{who} take each step's gradients whole; drop the optimizer's "
+            "gradient_accumulation_steps (a pipeline's micro-batches, or tfdist.fit's "
+            "accumulate_steps, accumulate instead). "
+            f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
+        )
+
+
+def update_step(optimizer, grads, variables, *, learning_rate, weight_decay) -> None:
+    """One update of `variables` by a copy, as `apply` makes it: clipping (per gradient),
+    decoupled weight decay first, then `update_step`. The caller sets the copy's step count
+    (Adam's bias correction reads iterations + 1) and advances it."""
+    grads = compat.clip_gradients(optimizer, grads)
+    for grad, variable in zip(grads, variables, strict=True):
+        lr = tf.cast(learning_rate, variable.dtype)
+        if weight_decay and compat.uses_weight_decay(optimizer, variable):
+            variable.assign(variable - variable * tf.cast(weight_decay, variable.dtype) * lr)
+        optimizer.update_step(grad, variable, lr)
