@@ -46,6 +46,7 @@ checkpoint would need them gathered); local devices of one mirrored strategy onl
 from __future__ import annotations
 
 import math
+import weakref
 
 import keras
 import numpy as np
@@ -84,18 +85,20 @@ def _group_rows(x, sizes, group: int, degree: int):
     return x[starts[group * degree] : starts[(group + 1) * degree]]
 
 
-# Every replica's batch size in the step being traced, by (graph, replica): recorded by the
-# first split layer that gathers its group's examples, read by a row layer that hands them
-# back (its input holds the group's rows, not its own count). Mirrored strategies trace
-# their replicas in threads at once, hence a key per replica.
-_SIZES: dict[tuple[int, int], tf.Tensor] = {}
+# Every replica's batch size in the step being traced: gathered by the first split layer
+# that gathers its group's examples, and reused by the others (a row layer needs it to hand
+# the rows back: its input holds the group's rows, not its own count). Keyed by the graph
+# being built (a loop's body is a graph of its own) and the replica (mirrored strategies
+# trace their replicas in threads at once).
+_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _graph_key() -> int:
+def _sizes(context, x, replica: int):
     graph = tf.compat.v1.get_default_graph()
-    while getattr(graph, "outer_graph", None) is not None:
-        graph = graph.outer_graph
-    return id(graph)
+    known = _SIZES.setdefault(graph, {})
+    if replica not in known:
+        known[replica] = context.all_gather(tf.shape(x)[:1], axis=0)
+    return known[replica]
 
 
 def gather_group(x, degree: int):
@@ -103,8 +106,7 @@ def gather_group(x, degree: int):
     replica's batch size. The gradient flows back to each member's own rows."""
     replica, _ = _replica()
     context = tf.distribute.get_replica_context()
-    sizes = context.all_gather(tf.shape(x)[:1], axis=0)
-    _SIZES[_graph_key(), replica] = sizes
+    sizes = _sizes(context, x, replica)
     boolean = x.dtype == tf.bool  # collectives take numbers: a mask travels as int32
     everyone = context.all_gather(tf.cast(x, "int32") if boolean else x, axis=0)
     rows = _group_rows(everyone, sizes, replica // degree, degree)
@@ -114,7 +116,7 @@ def gather_group(x, degree: int):
 def step_sizes(layer_name: str) -> tf.Tensor:
     """Every replica's batch size in this step (recorded by the split layer before)."""
     replica, _ = _replica()
-    sizes = _SIZES.get((_graph_key(), replica))
+    sizes = _SIZES.get(tf.compat.v1.get_default_graph(), {}).get(replica)
     if sizes is None:
         raise TensorParallelError(
             f"{layer_name} takes the split output of a ColumnParallelDense (or a parallel "
@@ -479,9 +481,10 @@ class ParallelMultiHeadAttention(_Split):
         sizes = None
         if self.in_step:
             degree = self.tensor_parallel
+            same_value, same_key = value is query, key is value
             query, sizes = gather_group(query, degree)
-            value = gather_group(value, degree)[0]
-            key = gather_group(key, degree)[0]
+            value = query if same_value else gather_group(value, degree)[0]
+            key = value if same_key else gather_group(key, degree)[0]
             if attention_mask is not None:
                 attention_mask = gather_group(attention_mask, degree)[0]
         q = self._project("query", query) * (1.0 / math.sqrt(self.key_dim))
@@ -579,13 +582,12 @@ class TensorParallelUpdate(StepHook):
         replica = int(tf.get_static_value(context.replica_id_in_sync_group))
         given = {id(v): g for g, v in grads_and_vars}
         parts = self.parts[replica]
-        summed = []
         copies = list(range(replica % self.degree, len(self.parts), self.degree))
-        for variable in parts:
-            grad = given.get(id(variable))
-            if grad is None:
-                grad = tf.zeros_like(variable.value)
-            summed.append(_summed_over(context, grad, copies))
+        grads = [given.get(id(v)) for v in parts]
+        grads = [
+            tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, parts, strict=True)
+        ]
+        summed = _summed_over(context, grads, [tuple(v.shape) for v in parts], copies)
         copy, user = self.optimizers[replica], self.user
         with tf.device(parts[0].value.device):
             # The user's optimizer counts the step after this hook (Adam's bias correction
@@ -602,28 +604,37 @@ class TensorParallelUpdate(StepHook):
         return {f"tensor_parallel_optimizer_{r}": copy for r, copy in enumerate(self.optimizers)}
 
 
-def _summed_over(context, grad, copies: list[int]):
-    """The sum of `grad` over the replicas `copies` (each replica passes its own).
+def _summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
+    """Each of `grads` summed over the replicas `copies` (each replica passes its own).
 
-    A sparse gradient (an embedding's lookups) stays sparse: its rows are gathered, not
-    added, as Keras's own optimizers take them (Adam squares each looked-up row's gradient
-    apart, so a densified sum would train differently from Keras on one device).
+    The dense ones travel packed in one gather. A sparse gradient (an embedding's lookups)
+    stays sparse: its rows are gathered, not added, as Keras's own optimizers take them
+    (Adam squares each looked-up row's gradient apart, so a densified sum would train
+    differently from Keras on one device).
     """
     if len(copies) == 1:
-        return grad
-    if isinstance(grad, tf.IndexedSlices):
-        counts = context.all_gather(tf.shape(grad.indices)[:1], axis=0)
-        values = context.all_gather(grad.values, axis=0)
-        indices = context.all_gather(grad.indices, axis=0)
-        starts = tf.concat([[0], tf.cumsum(counts)], 0)
-        pick = lambda t, r: t[starts[r] : starts[r + 1]]  # noqa: E731
-        return tf.IndexedSlices(
-            tf.concat([pick(values, r) for r in copies], 0),
-            tf.concat([pick(indices, r) for r in copies], 0),
-            grad.dense_shape,
-        )
-    everyone = context.all_gather(tf.convert_to_tensor(grad)[None], axis=0)  # [replicas, ...]
-    return tf.add_n([everyone[r] for r in copies])
+        return list(grads)
+    out = list(grads)
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    if dense:
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(grads[i]), [-1]) for i in dense], 0)
+        everyone = context.all_gather(flat[None], axis=0)  # [replicas, elements]
+        total = tf.add_n([everyone[r] for r in copies])
+        sizes = [int(np.prod(shapes[i])) for i in dense]
+        for i, piece in zip(dense, tf.split(total, sizes), strict=True):
+            out[i] = tf.reshape(piece, shapes[i])
+    for i, grad in enumerate(grads):
+        if isinstance(grad, tf.IndexedSlices):
+            counts = context.all_gather(tf.shape(grad.indices)[:1], axis=0)
+            values = context.all_gather(grad.values, axis=0)
+            indices = context.all_gather(grad.indices, axis=0)
+            starts = tf.concat([[0], tf.cumsum(counts)], 0)
+            out[i] = tf.IndexedSlices(
+                tf.concat([values[starts[r] : starts[r + 1]] for r in copies], 0),
+                tf.concat([indices[starts[r] : starts[r + 1]] for r in copies], 0),
+                grad.dense_shape,
+            )
+    return out
 
 
 # --- converting a model ------------------------------------------------------------------------
