@@ -36,7 +36,7 @@ def reference():
     """Keras's fit on one device: the weights, history and Adam's state after 5 steps."""
     model = pipeline_cases.mlp()
     history = model.fit(pipeline_cases.data(), epochs=1, verbose=0, shuffle=False)
-    slots = {v.name: v.numpy() for v in model.optimizer.variables}
+    slots = [v.numpy() for v in model.optimizer.variables]
     return model.get_weights(), history.history, slots
 
 
@@ -71,9 +71,9 @@ def test_a_pipeline_trains_the_weights_keras_trains_unsplit(
     for name, values in history.items():
         assert got.history[name] == pytest.approx(values, abs=1e-6), name
     assert int(model.optimizer.iterations.numpy()) == pipeline_cases.STEPS
-    for v in model.optimizer.variables:
-        if v.name in slots and v.name != "learning_rate":
-            assert np.max(np.abs(v.numpy() - slots[v.name])) <= TOLERANCE, v.name
+    assert len(model.optimizer.variables) == len(slots)  # iterations, rate, Adam's slots
+    for v, want in zip(model.optimizer.variables, slots, strict=True):
+        assert np.max(np.abs(v.numpy() - want)) <= TOLERANCE, v.name
 
 
 def test_fit_called_inside_the_strategy_s_scope_trains_the_same(reference):
@@ -166,6 +166,35 @@ def test_chained_stage_models_are_cut_between_them_and_train():
     before = [w.copy() for w in model.get_weights()]
     tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=Pipeline(micro_batches=2))
     assert all(np.any(a != b) for a, b in zip(before, model.get_weights(), strict=True))
+
+
+def test_a_pipeline_resumed_from_step_checkpoints_trains_as_one_uninterrupted_run(tmp_path):
+    """Saves every 2 steps (the stages settled into the model and its optimizer first); a
+    second fit resumes at step 4 of 5 (mid-epoch) and the second epoch: equal to 2 epochs
+    straight, Adam's state included."""
+    pipeline = Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=4)
+    with mirrored().scope():
+        straight = pipeline_cases.mlp()
+    tfdist.fit(straight, pipeline_cases.data(), epochs=2, verbose=0, pipeline=pipeline)
+
+    class StopAt(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 3:  # the 4th step: after the save at step 4
+                self.model.stop_training = True
+
+    for callbacks in ([StopAt()], []):
+        with mirrored().scope():
+            model = pipeline_cases.mlp()
+        checkpoint = tfdist.StepCheckpoint(str(tmp_path), every_n_steps=2)
+        tfdist.fit(
+            model, pipeline_cases.data(), epochs=2, verbose=0, pipeline=pipeline,
+            callbacks=[checkpoint, *callbacks],
+        )  # fmt: skip
+    assert checkpoint.restored_step == 4
+    assert max_diff(straight.get_weights(), model.get_weights()) <= TOLERANCE
+    assert int(model.optimizer.iterations.numpy()) == 2 * pipeline_cases.STEPS
+    for want, got in zip(straight.optimizer.variables, model.optimizer.variables, strict=True):
+        assert np.max(np.abs(want.numpy() - got.numpy())) <= TOLERANCE, got.name
 
 
 # --- worker processes -----------------------------------------------------------------------------
