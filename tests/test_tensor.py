@@ -135,6 +135,34 @@ def test_a_column_row_block_computes_the_dense_mlp_and_its_gradients(degree):
     np.testing.assert_allclose(grads[row.bias.path], row_bias, atol=TOLERANCE)
 
 
+@pytest.mark.parametrize("layer", ["column_gathered", "row_from_whole"])
+def test_a_split_dense_layer_on_its_own_computes_the_dense_layer(layer):
+    """A column layer that gathers its columns, and a row layer that takes each replica's
+    own examples whole, over 2-way tensor x 2-way data."""
+    strategy = mirrored()
+    with strategy.scope():
+        inputs = keras.Input((6,))
+        split = (
+            ColumnParallelDense(4, activation="tanh", gather_output=True, tensor_parallel=2)
+            if layer == "column_gathered"
+            else RowParallelDense(4, activation="tanh", input_is_parallel=False, tensor_parallel=2)
+        )
+        model = keras.Model(inputs, split(inputs))
+    dense_layer = keras.layers.Dense(4, activation="tanh")
+    dense = keras.Sequential([keras.Input((6,)), dense_layer])
+    dense_layer.set_weights(dense_weights(split))
+    rng = np.random.default_rng(3)
+    x, w = rng.normal(size=(12, 6)).astype("float32"), rng.normal(size=(12, 4)).astype("float32")
+    outputs, grads = in_step(strategy, model, x, w)
+    np.testing.assert_allclose(outputs, dense(x), atol=TOLERANCE)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(dense(x) * w)
+    kernel = tape.gradient(loss, dense.trainable_variables)[0]
+    np.testing.assert_allclose(
+        dict(whole_gradients(split, grads))["kernel"], kernel, atol=TOLERANCE
+    )
+
+
 @pytest.mark.parametrize("degree", [2, 4])
 def test_a_parallel_embedding_looks_up_and_differentiates_as_keras_s(degree):
     strategy = mirrored()

@@ -797,23 +797,9 @@ def plot(bubble: list[dict], layouts: list[dict], path: str) -> None:
             r for r in bubble if r["stages"] == stages and r["schedule"] == bubble[0]["schedule"]
         ]
         ms = [r["micro_batches"] for r in mine]
-        left.plot(
-            ms,
-            [r["bubble_measured"] for r in mine],
-            "o-",
-            color=color,
-            label=f"S={stages} measured",
-        )
-        left.plot(
-            ms, [r["bubble_formula"] for r in mine], "--", color=color, label=f"S={stages} formula"
-        )
-        left.plot(
-            ms,
-            [r["bubble_simulated"] for r in mine],
-            ":",
-            color=color,
-            label=f"S={stages} simulated",
-        )
+        for column, style in (("measured", "o-"), ("formula", "--"), ("simulated", ":")):
+            values = [r[f"bubble_{column}"] for r in mine]
+            left.plot(ms, values, style, color=color, label=f"S={stages} {column}")
     left.set_xscale("log", base=2)
     left.set_xlabel("micro-batches M")
     left.set_ylabel("bubble")

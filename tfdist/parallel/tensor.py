@@ -249,7 +249,31 @@ def _initial(initializer, shape, dtype) -> np.ndarray:
     return np.asarray(keras.initializers.get(initializer)(shape, dtype=dtype))
 
 
-class ColumnParallelDense(_Split):
+class _SplitDense(_Split):
+    """What the two split Dense layers share: keras.layers.Dense's arguments. (The output
+    shape is the whole layer's: a step's split outputs are a step's own business.)"""
+
+    def __init__(
+        self, units: int, *, activation=None, use_bias: bool = True,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros",
+        tensor_parallel: int | None = None, **kwargs,
+    ):  # fmt: skip
+        super().__init__(tensor_parallel=tensor_parallel, **kwargs)
+        self.units, self.use_bias = units, use_bias
+        self.activation = keras.activations.get(activation)
+        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+    def get_config(self):
+        return {
+            **super().get_config(), "units": self.units, "use_bias": self.use_bias,
+            "activation": keras.activations.serialize(self.activation),
+        }  # fmt: skip
+
+
+class ColumnParallelDense(_SplitDense):
     """A Dense layer whose kernel (and bias) is split by output columns over T replicas.
 
     Each replica computes its units/T columns for its group's examples (gathered first), so
@@ -264,15 +288,9 @@ class ColumnParallelDense(_Split):
       tensor_parallel: T, the replicas each weight is split over (default: all of them).
     """
 
-    def __init__(
-        self, units: int, *, activation=None, use_bias: bool = True,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros",
-        gather_output: bool = False, tensor_parallel: int | None = None, **kwargs,
-    ):  # fmt: skip
-        super().__init__(tensor_parallel=tensor_parallel, **kwargs)
-        self.units, self.use_bias, self.gather_output = units, use_bias, gather_output
-        self.activation = keras.activations.get(activation)
-        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
+    def __init__(self, units: int, *, gather_output: bool = False, **kwargs):
+        super().__init__(units, **kwargs)
+        self.gather_output = gather_output
 
     def build(self, input_shape):
         shape = (input_shape[-1], self.units)
@@ -292,7 +310,7 @@ class ColumnParallelDense(_Split):
         everyone = context.all_gather(columns[None], axis=0)  # [replicas, rows, units/T]
         group = replica // self.tensor_parallel
         members = everyone[group * self.tensor_parallel : (group + 1) * self.tensor_parallel]
-        whole = tf.concat(tf.unstack(members), axis=-1)
+        whole = tf.concat(tf.unstack(members, num=self.tensor_parallel), axis=-1)
         rank = replica % self.tensor_parallel
         offset = tf.reduce_sum(
             sizes[group * self.tensor_parallel : group * self.tensor_parallel + rank]
@@ -300,26 +318,14 @@ class ColumnParallelDense(_Split):
         return whole[offset : offset + sizes[replica]]
 
     def _dense(self, x):
-        y = (
-            tf.matmul(x, self.part("kernel"))
-            if x.shape.rank == 2
-            else tf.tensordot(x, self.part("kernel"), 1)
-        )
+        y = _matmul(x, self.part("kernel"))
         return y + self.part("bias") if self.use_bias else y
 
-    def compute_output_shape(self, input_shape):
-        units = self.units if self.gather_output else self.units  # whole outside a step
-        return (*input_shape[:-1], units)
-
     def get_config(self):
-        return {
-            **super().get_config(), "units": self.units, "use_bias": self.use_bias,
-            "activation": keras.activations.serialize(self.activation),
-            "gather_output": self.gather_output,
-        }  # fmt: skip
+        return {**super().get_config(), "gather_output": self.gather_output}
 
 
-class RowParallelDense(_Split):
+class RowParallelDense(_SplitDense):
     """A Dense layer whose kernel is split by input rows over T replicas (the bias is whole).
 
     It takes a ColumnParallelDense's split output ([group examples, in/T] per replica),
@@ -328,15 +334,9 @@ class RowParallelDense(_Split):
     examples whole, and gathers and splits them first.
     """
 
-    def __init__(
-        self, units: int, *, activation=None, use_bias: bool = True,
-        kernel_initializer="glorot_uniform", bias_initializer="zeros",
-        input_is_parallel: bool = True, tensor_parallel: int | None = None, **kwargs,
-    ):  # fmt: skip
-        super().__init__(tensor_parallel=tensor_parallel, **kwargs)
-        self.units, self.use_bias, self.input_is_parallel = units, use_bias, input_is_parallel
-        self.activation = keras.activations.get(activation)
-        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
+    def __init__(self, units: int, *, input_is_parallel: bool = True, **kwargs):
+        super().__init__(units, **kwargs)
+        self.input_is_parallel = input_is_parallel
 
     def build(self, input_shape):
         shape = (input_shape[-1], self.units)
@@ -357,22 +357,16 @@ class RowParallelDense(_Split):
                 sizes, x = step_sizes(self.name), inputs
             else:
                 x, sizes = gather_group(inputs, degree)
-                width = x.shape[-1] // degree
+                width = kernel.shape[0]  # this part's rows: its slice of the features
                 x = x[..., (replica % degree) * width : (replica % degree + 1) * width]
+                x = tf.ensure_shape(x, [*x.shape[:-1], width])
             y = reduce_scatter_group(_matmul(x, kernel), sizes, degree)
         if self.use_bias:
             y = y + self.bias
         return self.activation(y)
 
-    def compute_output_shape(self, input_shape):
-        return (*input_shape[:-1], self.units)
-
     def get_config(self):
-        return {
-            **super().get_config(), "units": self.units, "use_bias": self.use_bias,
-            "activation": keras.activations.serialize(self.activation),
-            "input_is_parallel": self.input_is_parallel,
-        }  # fmt: skip
+        return {**super().get_config(), "input_is_parallel": self.input_is_parallel}
 
 
 def _matmul(x, kernel):
