@@ -138,9 +138,7 @@ class PipelineRunner(SyncRunner):
         self.pipelines = 1
         self._state: list[np.ndarray] = []
         self._programs: dict[int, _StepProgram] = {}
-        self._thread = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="tfdist-pipeline"
-        )
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._loaded = False
         self._rings: dict[int, ProcessRing] = {}
         self.last_passes: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
@@ -289,6 +287,10 @@ class PipelineRunner(SyncRunner):
                 program = self._program(micro)
                 # In a thread of its own, outside any strategy's scope (scopes are per
                 # thread): under one, Keras would scale the compiled loss by the replicas.
+                if self._thread is None:
+                    self._thread = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="tfdist-pipeline"
+                    )
                 state, times = self._thread.submit(program.function, batch).result()
                 self._state = [a + np.asarray(b) for a, b in zip(self._state, state, strict=True)]
                 self.last_passes = program.passes(times)
@@ -356,6 +358,9 @@ class PipelineRunner(SyncRunner):
     def settle(self) -> None:
         """Writes the stages' weights, statistics and optimizer state into the user's model
         and optimizer, on every replica (a collective across worker processes)."""
+        if self._thread is not None:  # made again if training goes on
+            self._thread.shutdown()
+            self._thread = None
         if not self._loaded:
             return  # nothing trained since the model was last loaded
         model, user = self.model, self.model.optimizer
