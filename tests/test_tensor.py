@@ -19,6 +19,7 @@ from tfdist.parallel import (
     ParallelEmbedding,
     RowParallelDense,
     TensorParallelError,
+    dense_model,
     split_layers,
     tensor_parallel,
 )
@@ -250,6 +251,29 @@ def test_a_converted_transformer_trains_through_fit_as_keras_trains_it_unsplit(d
         mine = dense_weights(mine) if layer.name in split else mine.get_weights()
         for a, b in zip(layer.get_weights(), mine, strict=True):
             assert np.max(np.abs(a - b)) <= TOLERANCE, layer.name
+
+
+def test_a_trained_split_model_saves_loads_and_converts_back_to_keras_layers(tmp_path):
+    """Saved and loaded under its strategy (compile=False: the parts' optimizer state is
+    tfdist's, resumed by StepCheckpoint) it computes the same; outside one, loading says
+    what to do; dense_model gives plain Keras layers that load without tfdist."""
+    x, y = token_data()
+    strategy = mirrored()
+    with strategy.scope():
+        model = compiled(tensor_parallel(transformer(), degree=2))
+    tfdist.fit(model, x[:32], y[:32], batch_size=16, verbose=0)
+    want = model.predict(x[:8], verbose=0)
+    model.save(tmp_path / "split.keras")
+    with strategy.scope():
+        loaded = keras.models.load_model(tmp_path / "split.keras", compile=False)
+    np.testing.assert_allclose(loaded.predict(x[:8], verbose=0), want, atol=TOLERANCE)
+    with pytest.raises(TensorParallelError, match=r"inside `with strategy.scope\(\):`"):
+        keras.models.load_model(tmp_path / "split.keras", compile=False)
+    dense = dense_model(model)
+    assert not split_layers(dense)
+    dense.save(tmp_path / "dense.keras")
+    plain = keras.models.load_model(tmp_path / "dense.keras")
+    np.testing.assert_allclose(plain.predict(x[:8], verbose=0), want, atol=TOLERANCE)
 
 
 def test_each_device_holds_its_part_of_a_split_weight():

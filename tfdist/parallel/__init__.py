@@ -8,7 +8,8 @@
 - stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
 - pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner).
 - tensor.py: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
-  ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model, and
+  ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model,
+  `dense_model` to convert it back, and
   TensorParallelUpdate, the hook that updates their parts (added when a model has them).
 
 The first two are StepHooks: `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4)`
@@ -32,6 +33,7 @@ from tfdist.parallel.tensor import (
     RowParallelDense,
     TensorParallelError,
     TensorParallelUpdate,
+    dense_model,
     split_layers,
     tensor_parallel,
 )
@@ -113,6 +115,7 @@ __all__ = [
     "TensorParallelError",
     "TensorParallelUpdate",
     "chain",
+    "dense_model",
     "check_batch",
     "check_callbacks",
     "hooks_for",

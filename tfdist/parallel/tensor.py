@@ -30,7 +30,11 @@ the parts); attention splits the heads (Q, K, V by columns, the output projectio
 
 Outside a replica context (model.predict on one device, a plain call) the layers compute
 the whole result from the first group's parts, so a trained model can be used and saved as
-any Keras model; `tfdist.parallel.tensor_parallel` converts back with `dense=True`.
+any Keras model; `tfdist.parallel.dense_model` converts a trained model back to plain Keras
+layers (for one device, or to save for users without tfdist). A saved split model loads
+under the same strategy with `load_model(path, compile=False)` (its parts' optimizer state
+is tfdist's, kept by tfdist.StepCheckpoint; Keras's compile-on-load would build the
+optimizer over every part).
 
 Training: each replica's gradient of its part counts its group's examples, so a part's
 gradient is summed over the replicas holding the same part (the data-parallel groups) and
@@ -164,6 +168,14 @@ class _Split(keras.layers.Layer):
 
     def _placement(self) -> tuple[list[str], int]:
         """(the devices of the strategy's replicas, the degree T), checked."""
+        if not tf.distribute.has_strategy():
+            raise TensorParallelError(
+                f"{type(self).__name__} {self.name!r} splits its weights over a strategy's "
+                "replicas: create (or load) it inside `with strategy.scope():` of a mirrored "
+                "strategy whose replicas the degree divides. For one device, convert a "
+                "trained model with tfdist.parallel.dense_model(model). "
+                f"Received: no strategy (tensor_parallel={self.tensor_parallel})"
+            )
         strategy = tf.distribute.get_strategy()
         if compat.sync_worker_count(strategy) > 1:
             raise TensorParallelError(
@@ -273,6 +285,7 @@ class _SplitDense(_Split):
         }  # fmt: skip
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ColumnParallelDense(_SplitDense):
     """A Dense layer whose kernel (and bias) is split by output columns over T replicas.
 
@@ -325,6 +338,7 @@ class ColumnParallelDense(_SplitDense):
         return {**super().get_config(), "gather_output": self.gather_output}
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class RowParallelDense(_SplitDense):
     """A Dense layer whose kernel is split by input rows over T replicas (the bias is whole).
 
@@ -373,6 +387,7 @@ def _matmul(x, kernel):
     return tf.matmul(x, kernel) if x.shape.rank == 2 else tf.tensordot(x, kernel, 1)
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ParallelEmbedding(_Split):
     """An Embedding whose vocabulary is split over T replicas (Megatron's VocabParallel).
 
@@ -414,6 +429,7 @@ class ParallelEmbedding(_Split):
         return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim}
 
 
+@keras.saving.register_keras_serializable(package="tfdist")
 class ParallelMultiHeadAttention(_Split):
     """keras.layers.MultiHeadAttention (inputs [batch, length, features]) with its heads
     split over T replicas: the query, key and value projections by heads (columns), the
@@ -690,6 +706,45 @@ def tensor_parallel(model: keras.Model, *, degree: int | None = None) -> keras.M
                 copy.get_layer(layer.name).set_weights(layer.get_weights())
             continue
         _load_dense(made[layer.name], layer)
+    return copy
+
+
+def dense_model(model: keras.Model) -> keras.Model:
+    """A copy of `model` with plain Keras layers for its split ones (Dense, Embedding,
+    MultiHeadAttention), the whole weights in them: for one device, or to save a model that
+    loads without tfdist. Call it outside any strategy's scope.
+
+    Raises:
+      TensorParallelError: the model is subclassed (no layer graph to rewrite).
+    """
+    if compat.layer_graph(model) is None:
+        raise TensorParallelError(
+            f"dense_model rewrites a Sequential or functional model's layer graph; "
+            f"{model.name!r} is subclassed. Received: {type(model).__name__}"
+        )
+
+    def clone(layer):
+        if isinstance(layer, _SplitDense):
+            return keras.layers.Dense(
+                layer.units, activation=layer.activation, use_bias=layer.use_bias,
+                name=layer.name,
+            )  # fmt: skip
+        if isinstance(layer, ParallelEmbedding):
+            return keras.layers.Embedding(layer.input_dim, layer.output_dim, name=layer.name)
+        if isinstance(layer, ParallelMultiHeadAttention):
+            return keras.layers.MultiHeadAttention(
+                layer.num_heads, layer.key_dim, value_dim=layer.value_dim,
+                dropout=layer.dropout, use_bias=layer.use_bias,
+                output_shape=layer.output_size, name=layer.name,
+            )  # fmt: skip
+        return layer.__class__.from_config(layer.get_config())
+
+    copy = keras.models.clone_model(model, clone_function=clone)
+    for layer in model.layers:
+        if isinstance(layer, keras.layers.InputLayer) or not layer.weights:
+            continue
+        weights = dense_weights(layer) if isinstance(layer, _Split) else layer.get_weights()
+        copy.get_layer(layer.name).set_weights(weights)
     return copy
 
 
