@@ -2,7 +2,8 @@
 
 - ring.py: the algorithm (chunking, the schedule) over any transport.
 - transport.py: across worker processes: ProcessRing, and GatherBroadcast (the naive
-  gather-to-rank-0 baseline), both from point-to-point collective transfers.
+  gather-to-rank-0 baseline), both from point-to-point collective transfers; and
+  ProcessNeighbours, a buffer sent to and received from chosen peers (gossip).
 - cross_device.py: RingAllReduce, a tf.distribute.CrossDeviceOps over local devices
   (and, given a ProcessRing, across processes), for MirroredStrategy and the trainer.
 - fusion.py: tensor fusion into buckets and float16/bfloat16 wire compression.
@@ -24,13 +25,19 @@ from tfdist.collective.ring import (
     reduce_scatter_schedule,
     ring_all_reduce,
 )
-from tfdist.collective.transport import CollectiveMismatchError, GatherBroadcast, ProcessRing
+from tfdist.collective.transport import (
+    CollectiveMismatchError,
+    GatherBroadcast,
+    ProcessNeighbours,
+    ProcessRing,
+)
 
 __all__ = [
     "COMPRESSIONS",
     "DEFAULT_BUCKET_BYTES",
     "CollectiveMismatchError",
     "GatherBroadcast",
+    "ProcessNeighbours",
     "ProcessRing",
     "RingAllReduce",
     "all_gather_schedule",

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 # Far above the group keys MultiWorkerMirroredStrategy hands out (it counts up from 1).
 GROUP_KEY_BASE = 1_000_000
 NAIVE_GROUP_KEY_BASE = 1_100_000
+# Gossip's directed edges (ranks**2 keys; tfdist.parallel uses 1_200_000-1_499_999).
+NEIGHBOUR_GROUP_KEY_BASE = 1_600_000
 # Instance keys reserved per built program: one per ring step.
 _KEYS_PER_PROGRAM = 1 << 16
 # Programs built so far on each set of group keys, over every ring object of this process.
@@ -52,10 +54,9 @@ class CollectiveMismatchError(TfdistError, ValueError):
     """Ranks called the all-reduce with different shapes or dtypes."""
 
 
-class _PointToPointAllReduce:
-    """What every all-reduce built from point-to-point collective transfers shares: one
-    compiled program per (length, dtype, reduction), instance keys that every rank assigns
-    alike, fusion of many tensors, and a clear error when ranks disagree."""
+class _PointToPoint:
+    """What every exchange built from point-to-point collective transfers shares: programs
+    compiled once per signature, with instance keys that every rank assigns alike."""
 
     def __init__(
         self, *, rank: int, ranks: int, timeout_seconds: float | None, group_key_base: int
@@ -67,8 +68,42 @@ class _PointToPointAllReduce:
         self._group_base = group_key_base
         self._programs: dict[tuple, tf.types.experimental.ConcreteFunction] = {}
         self._next_program = _PROGRAMS_BUILT.setdefault(group_key_base, itertools.count())
-        # Graph being traced -> how many all-reduces of each signature it already holds.
+        # Graph being traced -> how many calls of each signature it already holds.
         self._uses: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _compiled(self, signature: tuple, spec: tf.TensorSpec, build):
+        """The program `build(input, transfers)` for `signature`, compiled once per use.
+
+        Calls in one traced graph run concurrently (a step's gradients, fusion off), and two
+        transfers in flight under the same instance key collide ("BufRendezvous::ProvideBuf
+        already called"): the n-th call of a signature in a graph gets the n-th program of
+        that signature, keys of its own. Eager calls run one after another and share one.
+        """
+        use = 0
+        if not tf.executing_eagerly():
+            # Counted over the outermost graph: a tf.cond branch or a nested tf.function is a
+            # graph of its own whose transfers run beside the enclosing graph's.
+            graph = tf.compat.v1.get_default_graph()
+            while getattr(graph, "outer_graph", None) is not None:
+                graph = graph.outer_graph
+            uses = self._uses.setdefault(graph, collections.Counter())
+            use = uses[signature]
+            uses[signature] += 1
+        key = (*signature, use)
+        if key not in self._programs:
+            # Ranks build programs in the same order, so they agree on each one's keys.
+            first_key = next(self._next_program) * _KEYS_PER_PROGRAM + 1
+            transfers = _Transfers(self, spec.dtype, first_key)
+            self._programs[key] = tf.compat.v1.wrap_function(
+                lambda tensor: transfers.after_sends(build(tensor, transfers)), [spec]
+            )
+        return self._programs[key]
+
+
+class _PointToPointAllReduce(_PointToPoint):
+    """What every all-reduce built from point-to-point transfers shares: one program per
+    (length, dtype, reduction), fusion of many tensors, and a clear error when ranks
+    disagree."""
 
     def all_reduce(self, tensor: tf.Tensor, reduction: str = "sum") -> tf.Tensor:
         """The element-wise sum (or mean) of `tensor` over every rank, on every rank.
@@ -130,34 +165,6 @@ class _PointToPointAllReduce:
             tf.TensorSpec([length], dtype),
             lambda flat, transfers: self._build(flat, reduction, transfers),
         )
-
-    def _compiled(self, signature: tuple, spec: tf.TensorSpec, build):
-        """The program `build(input, transfers)` for `signature`, compiled once per use.
-
-        Calls in one traced graph run concurrently (a step's gradients, fusion off), and two
-        transfers in flight under the same instance key collide ("BufRendezvous::ProvideBuf
-        already called"): the n-th call of a signature in a graph gets the n-th program of
-        that signature, keys of its own. Eager calls run one after another and share one.
-        """
-        use = 0
-        if not tf.executing_eagerly():
-            # Counted over the outermost graph: a tf.cond branch or a nested tf.function is a
-            # graph of its own whose transfers run beside the enclosing graph's.
-            graph = tf.compat.v1.get_default_graph()
-            while getattr(graph, "outer_graph", None) is not None:
-                graph = graph.outer_graph
-            uses = self._uses.setdefault(graph, collections.Counter())
-            use = uses[signature]
-            uses[signature] += 1
-        key = (*signature, use)
-        if key not in self._programs:
-            # Ranks build programs in the same order, so they agree on each one's keys.
-            first_key = next(self._next_program) * _KEYS_PER_PROGRAM + 1
-            transfers = _Transfers(self, spec.dtype, first_key)
-            self._programs[key] = tf.compat.v1.wrap_function(
-                lambda tensor: transfers.after_sends(build(tensor, transfers)), [spec]
-            )
-        return self._programs[key]
 
     def _build(self, flat: tf.Tensor, reduction: str, transfers: _Transfers) -> tf.Tensor:
         raise NotImplementedError
@@ -323,11 +330,84 @@ class GatherBroadcast(_PointToPointAllReduce):
         return transfers.receive(length, everyone, self.ranks, 1)
 
 
+class ProcessNeighbours(_PointToPoint):
+    """Sends a buffer to chosen peer processes and receives theirs: gossip's exchange.
+
+    Each directed edge (sender -> receiver) is a 2-member collective group of its own, so
+    any graph of peers can be used, and a step's sends and receives all run at once.
+
+    Example (a ring: each rank swaps its weights with both neighbours):
+
+        peers = ProcessNeighbours(rank=r, ranks=n)
+        left, right = (r - 1) % n, (r + 1) % n
+        from_left, from_right = peers.exchange(flat, send_to=[left, right],
+                                               receive_from=[left, right])
+
+    Every rank calls `exchange` at the same point with buffers of the same length and
+    dtype, and the edges must match: r sends to s exactly when s receives from r.
+
+    Args:
+      rank: this worker's position among the worker processes.
+      ranks: the number of worker processes.
+      timeout_seconds: how long a transfer may wait for its peer; None waits forever.
+      group_key_base: the first of the ranks**2 group keys its edges use.
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        ranks: int,
+        timeout_seconds: float | None = None,
+        group_key_base: int = NEIGHBOUR_GROUP_KEY_BASE,
+    ):
+        super().__init__(
+            rank=rank, ranks=ranks, timeout_seconds=timeout_seconds, group_key_base=group_key_base
+        )
+
+    def exchange(
+        self, flat: tf.Tensor, *, send_to: Sequence[int], receive_from: Sequence[int]
+    ) -> list[tf.Tensor]:
+        """Sends 1-D `flat` to each rank of `send_to`; returns what each rank of
+        `receive_from` sent, in that order."""
+        send_to, receive_from = tuple(send_to), tuple(receive_from)
+        for peer in (*send_to, *receive_from):
+            if not 0 <= peer < self.ranks or peer == self.rank:
+                raise ValueError(
+                    f"Peers are other ranks in [0, {self.ranks}). Received: {peer} on rank "
+                    f"{self.rank}"
+                )
+        if not receive_from and not send_to:
+            return []
+        length = int(flat.shape[0])
+
+        def build(tensor, transfers):
+            for peer in send_to:
+                transfers.send(tensor, self._edge(self.rank, peer), 2, 0)
+            received = [
+                transfers.receive(length, self._edge(peer, self.rank), 2, 0)
+                for peer in receive_from
+            ]
+            # One output for the program: the received buffers end to end (or nothing).
+            return tf.concat(received, 0) if received else tf.zeros([0], tensor.dtype)
+
+        program = self._compiled(
+            ("exchange", send_to, receive_from, length, flat.dtype),
+            tf.TensorSpec([length], flat.dtype),
+            build,
+        )
+        out = program(flat)
+        return [out[i * length : (i + 1) * length] for i in range(len(receive_from))]
+
+    def _edge(self, sender: int, receiver: int) -> int:
+        return self._group_base + sender * self.ranks + receiver
+
+
 class _Transfers:
     """Builds one program's sends and receives, and remembers the sends: a send's output
     feeds nothing, and a graph function prunes whatever its result does not depend on."""
 
-    def __init__(self, owner: _PointToPointAllReduce, dtype: tf.DType, first_key: int):
+    def __init__(self, owner: _PointToPoint, dtype: tf.DType, first_key: int):
         self.timeout, self.dtype, self.first_key = owner._timeout, dtype, first_key
         # TensorFlow's collectives do not take bfloat16; its bits travel as float16, which a
         # broadcast copies without looking at them.

@@ -220,6 +220,7 @@ class ShardedUpdate(StepHook):
     """
 
     synchronous_only = True
+    keeps_optimizer_state = True
 
     def __init__(
         self,

@@ -48,7 +48,7 @@ _FIT_KEYWORDS = (
     "x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
     "validation_split", "class_weight", "sample_weight", "initial_epoch", "steps_per_epoch",
     "validation_steps", "validation_batch_size", "validation_freq", "strategy", "step_hooks",
-    "shard_optimizer", "accumulate_steps", "pipeline",
+    "shard_optimizer", "accumulate_steps", "pipeline", "average_every", "gossip",
 )  # fmt: skip
 _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
@@ -80,6 +80,8 @@ def fit(
     shard_optimizer: str | None = None,
     accumulate_steps: int = 1,
     pipeline: parallel.Pipeline | None = None,
+    average_every: int | None = None,
+    gossip: str | None = None,
     **unknown: Any,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model under its tf.distribute strategy, as `model.fit` would.
@@ -112,6 +114,10 @@ def fit(
         their gradients into one exchange and update per step (tfdist.parallel.accumulate).
       pipeline: a tfdist.parallel.Pipeline: the model cut into stages over the replicas,
         trained in micro-batches (GPipe or 1F1B); see tfdist.parallel.pipeline.
+      average_every: local SGD: each replica takes this many optimizer steps on its own,
+        then the replicas' weights are averaged (tfdist.parallel.local_sgd).
+      gossip: 'ring' or 'exponential': after each local step, each replica averages its
+        weights with its peers', with no all-reduce (tfdist.parallel.gossip).
       (the rest: as for keras.Model.fit)
 
     Returns:
@@ -153,6 +159,8 @@ def fit(
         _checked_hooks(step_hooks),
         shard_optimizer=shard_optimizer,
         accumulate_steps=accumulate_steps,
+        average_every=average_every,
+        gossip=gossip,
         model=model,
     )
     if data.global_batch is not None:

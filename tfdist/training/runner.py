@@ -83,9 +83,23 @@ class StepHook:
         """Applies one step's gradients; call `apply_next(pairs)` to hand them on."""
         return apply_next(grads_and_vars)
 
+    # True: the hook keeps optimizer state apart from the model's optimizer (a sharded
+    # update's slices, local SGD's per-replica copies), which Keras's BackupAndRestore
+    # does not save.
+    keeps_optimizer_state: ClassVar[bool] = False
+
     def checkpoint_state(self) -> dict[str, Any]:
         """State the hook keeps that a checkpoint must hold to resume exactly (a sharded
         update's optimizer slots), by checkpoint key; the runner adds it to its own."""
+        return {}
+
+    def settle(self) -> None:
+        """Where the runner settles (each epoch end, before a save): a hook whose replicas'
+        weights drift apart (local SGD, gossip) makes them one model again. Every lockstep
+        worker calls it at the same point (it may be collective)."""
+
+    def summary(self) -> dict[str, float | int | None]:
+        """Run-level figures of what the hook did (bytes it sent), for a run's record."""
         return {}
 
 

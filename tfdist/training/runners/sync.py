@@ -324,6 +324,14 @@ class SyncRunner(Runner):
         # Before validation and the callbacks that save: one model, not one per replica.
         with self.explained():
             self.moving_statistics.average()
+            for hook in self.hooks:
+                hook.settle()
+
+    def summary(self) -> dict[str, float | int | None]:
+        figures: dict[str, float | int | None] = {}
+        for hook in self.hooks:
+            figures.update(hook.summary())
+        return figures
 
     def step_times(self) -> dict[str, float] | None:
         return self.times.per_step()
