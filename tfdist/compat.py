@@ -327,6 +327,15 @@ def optimizer_variables_list(optimizer) -> list:
     return list(optimizer._trainable_variables)
 
 
+def momentum_slot(optimizer, variable):
+    """SGD's momentum slot for `variable`.
+
+    Why: Keras 3.15 keeps the slots in `momentums`, by the index `_get_variable_index`
+    gives (no public lookup).
+    """
+    return optimizer.momentums[optimizer._get_variable_index(variable)]
+
+
 def clip_gradients(optimizer, grads: list) -> list:
     """`grads` clipped as `optimizer` clips them in its update (clipnorm per gradient,
     global_clipnorm over all, clipvalue per element; None gradients kept).

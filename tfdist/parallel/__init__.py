@@ -3,6 +3,8 @@
 - zero.py: ShardedUpdate, the optimizer's state (ZeRO stage 1) and the gradients (stage 2)
   sharded over the replicas of a synchronous strategy.
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
+- asynchronous.py: corrections for parameter-server training's stale updates:
+  DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness).
 - local_sgd.py: LocalSGD, k local optimizer steps per replica, then one average of the
   weights (post-local SGD too).
 - gossip.py: Gossip, a local step, then each replica averages with its peers (a ring, or
@@ -29,6 +31,13 @@ from collections.abc import Sequence
 import keras
 
 from tfdist.parallel.accumulate import Accumulate
+from tfdist.parallel.asynchronous import (
+    ASYNC_CORRECTIONS,
+    AsyncCorrectionError,
+    BoundedStaleness,
+    DelayCompensation,
+    MomentumCorrection,
+)
 from tfdist.parallel.gossip import Gossip
 from tfdist.parallel.local_sgd import LocalSGD, LocalUpdateError, LocalUpdates
 from tfdist.parallel.pipeline import Pipeline, PipelineRunner
@@ -57,13 +66,16 @@ def hooks_for(
     accumulate_steps: int = 1,
     average_every: int | None = None,
     gossip: str | None = None,
+    async_correction: str | None = None,
+    max_staleness: int | None = None,
     model: keras.Model | None = None,
 ) -> list[StepHook]:
     """The chain of hooks fit's keywords (and the model's split layers) ask for, around the
     user's own `step_hooks`: accumulation first (the user's hooks then see each step's
     summed gradients once), the split layers' update next to last (it applies their parts'
     gradients and hands the rest on), and last the one hook that applies the update itself
-    (a sharded update, local SGD or gossip)."""
+    (a sharded update, local SGD or gossip). The asynchronous corrections (a delay or
+    momentum correction, then a staleness bound) come after the user's hooks."""
     if shard_optimizer not in (None, *SHARD_CHOICES):
         raise FitError(
             f"shard_optimizer must be None, 'zero1' or 'zero2'. Received: {shard_optimizer!r}"
@@ -72,6 +84,15 @@ def hooks_for(
     if accumulate_steps != 1:
         hooks.append(Accumulate(accumulate_steps))
     hooks.extend(step_hooks)
+    if async_correction is not None:
+        if async_correction not in ASYNC_CORRECTIONS:
+            raise AsyncCorrectionError(
+                f"async_correction takes one of {', '.join(ASYNC_CORRECTIONS)} (or None). "
+                f"Received: async_correction={async_correction!r}"
+            )
+        hooks.append(ASYNC_CORRECTIONS[async_correction]())
+    if max_staleness is not None:
+        hooks.append(BoundedStaleness(max_staleness))
     if model is not None and split_layers(model):
         if shard_optimizer:
             raise FitError(
@@ -132,6 +153,11 @@ def check_batch(hooks: Sequence[StepHook], per_replica_batch: int) -> None:
 
 
 __all__ = [
+    "ASYNC_CORRECTIONS",
+    "AsyncCorrectionError",
+    "BoundedStaleness",
+    "DelayCompensation",
+    "MomentumCorrection",
     "SHARD_CHOICES",
     "Accumulate",
     "ColumnParallelDense",

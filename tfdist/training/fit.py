@@ -49,6 +49,7 @@ _FIT_KEYWORDS = (
     "validation_split", "class_weight", "sample_weight", "initial_epoch", "steps_per_epoch",
     "validation_steps", "validation_batch_size", "validation_freq", "strategy", "step_hooks",
     "shard_optimizer", "accumulate_steps", "pipeline", "average_every", "gossip",
+    "async_correction", "max_staleness",
 )  # fmt: skip
 _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
@@ -82,6 +83,8 @@ def fit(
     pipeline: parallel.Pipeline | None = None,
     average_every: int | None = None,
     gossip: str | None = None,
+    async_correction: str | None = None,
+    max_staleness: int | None = None,
     **unknown: Any,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model under its tf.distribute strategy, as `model.fit` would.
@@ -118,6 +121,10 @@ def fit(
         then the replicas' weights are averaged (tfdist.parallel.local_sgd).
       gossip: 'ring' or 'exponential': after each local step, each replica averages its
         weights with its peers', with no all-reduce (tfdist.parallel.gossip).
+      async_correction: parameter_server: 'dc' (delay-compensated gradients) or
+        'momentum' (SGD's momentum lowered by asynchrony's); tfdist.parallel.asynchronous.
+      max_staleness: parameter_server: no update is applied more than this many updates
+        stale (0: every update to the weights it was computed from).
       (the rest: as for keras.Model.fit)
 
     Returns:
@@ -161,6 +168,8 @@ def fit(
         accumulate_steps=accumulate_steps,
         average_every=average_every,
         gossip=gossip,
+        async_correction=async_correction,
+        max_staleness=max_staleness,
         model=model,
     )
     if data.global_batch is not None:

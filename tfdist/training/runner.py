@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
@@ -17,6 +18,22 @@ import tensorflow as tf
 
 # (gradient, variable) pairs, as the optimizer's `apply_gradients` takes them.
 GradsAndVars = list[tuple[Any, Any]]
+
+
+@dataclasses.dataclass
+class AsyncStep:
+    """What one asynchronous (parameter-server) step knows of itself while it is traced, for
+    hooks that correct for asynchrony.
+
+    Attributes:
+      ticket: the step's place in the run's order of steps (int64, from 0), as the
+        coordinator scheduled it; a closure a lost worker ran is run again with its tickets.
+      staleness: the updates that reached the parameters between this step's read and its
+        own update (float32); set before the update is applied.
+    """
+
+    ticket: tf.Tensor
+    staleness: tf.Tensor | None = None
 
 
 class StepHook:
@@ -51,6 +68,9 @@ class StepHook:
     # each step together (a sharded update, micro-batch accumulation); the central_storage
     # and parameter_server runners refuse it.
     synchronous_only: ClassVar[bool] = False
+    # True: the hook corrects for asynchronous updates (begin_step / before_update), which
+    # only the parameter_server runner makes; the others refuse it.
+    asynchronous_only: ClassVar[bool] = False
 
     @property
     def name(self) -> str:
@@ -82,6 +102,19 @@ class StepHook:
     def apply(self, grads_and_vars: GradsAndVars, apply_next: Callable[[GradsAndVars], Any]):
         """Applies one step's gradients; call `apply_next(pairs)` to hand them on."""
         return apply_next(grads_and_vars)
+
+    def begin_step(self, step: AsyncStep) -> list[tf.Tensor]:
+        """An asynchronous step's start, before it reads the weights (in its traced graph):
+        a hook may wait here (bounded staleness) or remember what the step reads (a delay
+        correction). Returns tensors the step's read of the weights must wait for."""
+        del step
+        return []
+
+    def before_update(self, step: AsyncStep) -> list[tf.Tensor]:
+        """An asynchronous step's gradients are ready and its update not yet counted or
+        applied: a hook may wait here. Returns tensors the update must wait for."""
+        del step
+        return []
 
     # True: the hook keeps optimizer state apart from the model's optimizer (a sharded
     # update's slices, local SGD's per-replica copies), which Keras's BackupAndRestore

@@ -87,3 +87,16 @@ def refuse_staleness_scaling(model: keras.Model, strategy: tf.distribute.Strateg
             "from (staleness 0). Use the parameter_server strategy or drop the option. "
             f"Received: a StalenessAwareSchedule under {strategy_kind(strategy)}"
         )
+
+
+def refuse_asynchronous_hooks(hooks, strategy: tf.distribute.Strategy) -> None:
+    """A runner whose updates are not asynchronous refuses hooks that correct for
+    asynchrony (a delay correction, a staleness bound): there is nothing to correct."""
+    for hook in hooks:
+        if hook.asynchronous_only:
+            raise FitError(
+                f"{hook.name} corrects for asynchronous updates, which only parameter_server "
+                f"training makes; {strategy_kind(strategy)} applies every update to the "
+                "parameters it was computed from. Use the parameter_server strategy or drop "
+                f"the option. Received: {hook.name} under {strategy_kind(strategy)}"
+            )

@@ -29,7 +29,7 @@ from tfdist.training import fit_callbacks
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData
 from tfdist.training.ps_shards import ShardedTraining
-from tfdist.training.runner import StepHook
+from tfdist.training.runner import AsyncStep, StepHook
 from tfdist.training.runners.stateless import StatelessMetricsRunner, StepMarks
 from tfdist.training.staleness import (
     STALENESS_STATS,
@@ -67,19 +67,21 @@ class ParameterServerRunner(StatelessMetricsRunner):
         with strategy.scope():  # on a ps, beside the variables whose updates it counts
             self.counter = UpdateCounter()
         self.staleness = self.counter.stats
-        self.scheduled_steps = 0
+        self.scheduled_steps = self._first_step = 0
         self._landed = 0
         self.total_steps: int | None = None
         self.checkpoint_status = None
 
-    def _step_with_staleness(self, batch, asked, state):
+    def _step_with_staleness(self, batch, asked, state, ticket):
         marks = StepMarks(asked, batch)
+        step = AsyncStep(ticket)
         # The counter is read before the step reads the weights, and claimed once its
-        # gradients exist: the updates that landed in between are its staleness.
-        read = self.counter.read()
+        # gradients exist: the updates that landed in between are its staleness. Hooks
+        # may wait before either (bounded staleness) and remember what was read.
+        read = self._read(step)
         with tf.control_dependencies([read]):
             gradients, state = self._stateless_gradients(batch, state)
-        staleness = self.counter.claim(read, after=[g for g, _ in gradients])
+        staleness = self._claim(step, read, after=[g for g, _ in gradients])
         schedule = compat.learning_rate_schedule(self.model.optimizer)
         scaled = (
             schedule.scaled(staleness)
@@ -90,15 +92,28 @@ class ParameterServerRunner(StatelessMetricsRunner):
             self.model.optimizer.apply_gradients(gradients)
         return state, staleness, marks.end(after=[state, staleness])
 
-    def _user_step_with_staleness(self, batch, asked, state):
+    def _user_step_with_staleness(self, batch, asked, state, ticket):
         marks = StepMarks(asked, batch)
         # The model's own train_step applies its gradients itself: its update is claimed
         # once the step has run, which counts the updates that landed while it ran.
-        read = self.counter.read()
+        read = self._read(AsyncStep(ticket))
         with tf.control_dependencies([read]):
             outputs, state = self._user_step(self.model.train_step, batch, state, clock=marks.clock)
         staleness = self.counter.claim(read, after=[*state, *tf.nest.flatten(outputs)])
         return outputs, state, staleness, marks.end(after=[outputs, state, staleness])
+
+    def _read(self, step: AsyncStep) -> tf.Tensor:
+        """The update counter, read once the hooks' begin_step (a wait, a snapshot) is done."""
+        begun = [t for hook in self.hooks for t in hook.begin_step(step)]
+        with tf.control_dependencies(begun):
+            return self.counter.read()
+
+    def _claim(self, step: AsyncStep, read, *, after) -> tf.Tensor:
+        """The step's staleness, claimed once the hooks' before_update (a wait) is done."""
+        with tf.control_dependencies(after):
+            ready = [t for hook in self.hooks for t in hook.before_update(step)]
+        step.staleness = self.counter.claim(read, after=[*after, *ready])
+        return step.staleness
 
     def _closure(self, n: int):
         if n not in self._closures:
@@ -110,32 +125,35 @@ class ParameterServerRunner(StatelessMetricsRunner):
             # A closure returns (metric state, staleness stats, its steps' summed times, and
             # for the model's own step what its last step returned); a None among these
             # would fail the fetch.
+            # `first` is the ticket (AsyncStep) of the closure's first step.
             @tf.function
-            def steps(iterator):
+            def steps(iterator, first):
                 state = self._zero_tensors()
                 stats = tf.zeros([STALENESS_STATS])
                 total = tf.zeros([len(PHASES)], tf.float64)
-                for _ in tf.range(n):
+                for i in tf.range(tf.cast(n, tf.int64)):
                     state, tau, times = strategy.run(
-                        self._step_with_staleness, args=(*_next(iterator), state)
+                        self._step_with_staleness, args=(*_next(iterator), state, first + i)
                     )
                     stats, total = count(stats, tau), total + times
                 return state, stats, total
 
             @tf.function
-            def user_steps(iterator, start):
+            def user_steps(iterator, first, start):
                 # The model's own step starts from the epoch's metric state as the
                 # coordinator knew it, so what it returns covers the epoch so far; the
                 # closure hands back only what its own steps added.
                 state, stats = start, tf.zeros([STALENESS_STATS])
                 total = tf.zeros([len(PHASES)], tf.float64)
-                for _ in tf.range(n - 1):
+                for i in tf.range(tf.cast(n - 1, tf.int64)):
                     _, state, tau, times = strategy.run(
-                        self._user_step_with_staleness, args=(*_next(iterator), state)
+                        self._user_step_with_staleness,
+                        args=(*_next(iterator), state, first + i),
                     )
                     stats, total = count(stats, tau), total + times
                 outputs, state, tau, times = strategy.run(
-                    self._user_step_with_staleness, args=(*_next(iterator), state)
+                    self._user_step_with_staleness,
+                    args=(*_next(iterator), state, first + (n - 1)),
                 )
                 added = [end - begin for end, begin in zip(state, start, strict=True)]
                 return added, count(stats, tau), total + times, outputs
@@ -162,7 +180,11 @@ class ParameterServerRunner(StatelessMetricsRunner):
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         # A partitioner may have split variables across the ps tasks: the optimizer is then
         # built over their shards (ps_shards.py).
-        self._prepare(ShardedTraining.attach(self.model, self.strategy, sample_batch), step_hooks)
+        self._prepare(
+            ShardedTraining.attach(self.model, self.strategy, sample_batch),
+            step_hooks,
+            asynchronous=True,
+        )
 
     @property
     def iterator_is_shared(self) -> bool:
@@ -179,7 +201,8 @@ class ParameterServerRunner(StatelessMetricsRunner):
         del bounded  # per-worker data repeats without end
         with_logs = logs is not None
         with self.explained():
-            args = (iterator, self._state) if self.custom_train else (iterator,)
+            first = tf.constant(self.scheduled_steps - self._first_step, tf.int64)
+            args = (iterator, first, self._state) if self.custom_train else (iterator, first)
             self._pending.append((n, self.coordinator.schedule(self._closure(n), args=args)))
             self.scheduled_steps += n
             while len(self._pending) > self._lag or (with_logs and not self._landed):
@@ -218,7 +241,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
           checkpoint_status: returns (step, directory) of the newest checkpoint, where a
             restart would resume; None if nothing saves checkpoints.
         """
-        self.scheduled_steps = global_step
+        self.scheduled_steps = self._first_step = global_step
         self.total_steps = total_steps
         self.checkpoint_status = checkpoint_status
 
@@ -237,6 +260,8 @@ class ParameterServerRunner(StatelessMetricsRunner):
             self.coordinator.join()  # the epoch ends when every scheduled step has run
             while self._pending:
                 self._add(*self._pending.popleft())
+            for hook in self.hooks:
+                hook.settle()
             # Keras's iteration counter loses increments under asynchronous updates; the
             # coordinator's count is exact, and drives the learning-rate schedule.
             self.model.optimizer.iterations.assign(self.scheduled_steps)
@@ -255,7 +280,10 @@ class ParameterServerRunner(StatelessMetricsRunner):
                 "and the coordinator ran its closure again elsewhere (%d updates for %d steps)",
                 applied - steps, applied, steps,
             )  # fmt: skip
-        return {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
+        figures = {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
+        for hook in self.hooks:
+            figures.update(hook.summary())
+        return figures
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
         # On the coordinator, reading the variables from the ps tasks: every example once.

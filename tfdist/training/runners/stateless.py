@@ -24,7 +24,12 @@ from tfdist.strategies import strategy_kind
 from tfdist.training.fit_data import FitError, unpack
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import Runner, StepHook
-from tfdist.training.runners.common import batch_size, logs_from_state, metric_names
+from tfdist.training.runners.common import (
+    batch_size,
+    logs_from_state,
+    metric_names,
+    refuse_asynchronous_hooks,
+)
 from tfdist.training.step_times import StepTimes
 from tfdist.training.steps import (
     MetricState,
@@ -104,9 +109,22 @@ class StatelessMetricsRunner(Runner):
         self._names: list[str] | None = None
         self.times = StepTimes()  # the epoch's timed steps
 
-    def _prepare(self, sharded: ShardedTraining | None, step_hooks: Sequence[StepHook]) -> None:
-        """Once the model is built: checks what the stateless steps need, and sets up."""
+    def _prepare(
+        self,
+        sharded: ShardedTraining | None,
+        step_hooks: Sequence[StepHook],
+        *,
+        asynchronous: bool = False,
+    ) -> None:
+        """Once the model is built: checks what the stateless steps need, and sets up.
+
+        Args:
+          asynchronous: the steps are asynchronous (parameter_server): hooks that correct
+            for asynchrony are taken.
+        """
         model, strategy = self.model, self.strategy
+        if not asynchronous:
+            refuse_asynchronous_hooks(step_hooks, strategy)
         for hook in step_hooks:
             if hook.synchronous_only:
                 raise FitError(

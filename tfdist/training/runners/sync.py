@@ -33,6 +33,7 @@ from tfdist.training.runners.common import (
     each_batch,
     logs_from_state,
     metric_names,
+    refuse_asynchronous_hooks,
     refuse_staleness_scaling,
     run_until_end,
 )
@@ -100,6 +101,7 @@ class SyncRunner(Runner):
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         refuse_staleness_scaling(self.model, self.strategy)
+        refuse_asynchronous_hooks(step_hooks, self.strategy)
         optimizer = self.model.optimizer
         with self.strategy.scope():
             # A hook may keep the optimizer's state itself (a sharded update builds the

@@ -1,0 +1,61 @@
+"""A user's script with asynchronous corrections, run by every task of a parameter-server job.
+
+  python -m tools.launch --chief --workers 1 --ps 1 -- python -m tests.workers.async_worker OUT
+  python -m tools.launch --chief --workers 2 --ps 2 -- python -m tests.workers.async_worker OUT
+
+The chief trains the SGD-with-momentum MLP of tests/zero_cases.py plain and with each
+correction (one epoch, the data in order), and writes each run's weights to OUT/<case>.npz and
+its record (staleness, the corrections' figures) to OUT/<case>.json, for
+tests/test_asynchronous.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+import tfdist  # noqa: E402
+from tests import zero_cases  # noqa: E402
+from tfdist.parallel import BoundedStaleness, MomentumCorrection  # noqa: E402
+
+# name -> (fit keywords, the hook whose summary is kept), made fresh for each run
+CASES = {
+    "plain": lambda: ({}, None),
+    "dc": lambda: ({"async_correction": "dc"}, None),
+    "momentum": lambda: _hooked(MomentumCorrection()),
+    "max_staleness_0": lambda: _hooked(BoundedStaleness(0)),
+    "max_staleness_1": lambda: _hooked(BoundedStaleness(1)),
+    "dc_max_staleness_1": lambda: ({"async_correction": "dc", "max_staleness": 1}, None),
+}
+
+
+def _hooked(hook):
+    return {"step_hooks": [hook]}, hook
+
+
+def main(out: str) -> None:
+    if tfdist.serve_if_needed():
+        return  # a worker or ps: served until the chief finished
+    strategy = tfdist.build_strategy("parameter_server")
+    x, y = zero_cases.data()
+    os.makedirs(out, exist_ok=True)
+    for name, case in CASES.items():
+        keywords, hook = case()
+        with strategy.scope():
+            model = zero_cases.mlp("sgd_momentum")
+        history = tfdist.fit(
+            model, x, y, batch_size=zero_cases.GLOBAL_BATCH, shuffle=False, verbose=0,
+            steps_per_epoch=zero_cases.STEPS, **keywords,
+        )  # fmt: skip
+        np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({"history": history.history, "hook": hook.summary() if hook else {}}, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
