@@ -48,6 +48,8 @@ from tfdist.training.auto import (  # noqa: E402
     auto_steps_per_execution,
 )
 from tfdist.training.config import (  # noqa: E402
+    ASYNC_CORRECTION_CHOICES,
+    GOSSIP_CHOICES,
     LR_SCALING,
     LR_SCHEDULES,
     MIXED_PRECISION,
@@ -183,6 +185,38 @@ flags.DEFINE_integer(
     "one exchange and update per step (must divide the per-replica batch).",
     lower_bound=1,
 )
+# How much the workers exchange (README "Which exchange for which cluster").
+flags.DEFINE_enum(
+    "async_correction",
+    "none",
+    ["none", *ASYNC_CORRECTION_CHOICES],
+    "parameter_server only: correct stale updates. dc: delay compensation, g + lambda g*g "
+    "(w_now - w_read) on the ps (Zheng et al., 2017); momentum: SGD's momentum lowered by "
+    "the momentum asynchrony adds, 1 - 1/(1 + mean staleness) (Mitliagkas et al., 2016).",
+)
+flags.DEFINE_integer(
+    "max_staleness",
+    None,
+    "parameter_server only: no update more than this many updates stale (a step waits for "
+    "the steps before it; 0: every update applies to the weights it was computed from). "
+    "Default: unbounded.",
+    lower_bound=0,
+)
+flags.DEFINE_integer(
+    "average_every",
+    None,
+    "Synchronous strategies: local SGD, each replica takes this many optimizer steps on its "
+    "own, then the weights are averaged in one all-reduce. Default: all-reduce every step.",
+    lower_bound=1,
+)
+flags.DEFINE_enum(
+    "gossip",
+    "none",
+    ["none", *GOSSIP_CHOICES],
+    "Synchronous strategies: gossip SGD, each replica averages its weights with its peers "
+    "after every local step (ring: both neighbours; exponential: one peer, 2^k away in turn), "
+    "with no all-reduce.",
+)
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
 flags.DEFINE_integer(
     "shuffle_buffer",
@@ -239,7 +273,7 @@ _CONFIG_FLAGS = [
     "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
     "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
     "checkpoint_every", "staleness_aware_lr", "skip_corrupt", "shard_optimizer",
-    "accumulate_steps",
+    "accumulate_steps", "async_correction", "max_staleness", "average_every", "gossip",
 ]  # fmt: skip
 
 
@@ -256,7 +290,7 @@ def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
     for name, resolve in _AUTO_RESOLVERS.items():
         if values[name] == AUTO:
             values[name] = getattr(_DEFAULTS, name) if strategy is None else resolve(strategy)
-    for name in ("mixed_precision", "shard_optimizer"):
+    for name in ("mixed_precision", "shard_optimizer", "async_correction", "gossip"):
         if values[name] == "none":
             values[name] = None
     values["steps_per_execution"] = int(values["steps_per_execution"])

@@ -90,6 +90,7 @@ from tfdist.launch.rendezvous import (
     my_tasks,
     parse_master,
 )
+from tfdist.launch.straggler import StragglerError, parse_pause, parse_slow
 from tfdist.launch.supervisor import (
     EXAMPLE,
     EXIT_USAGE,
@@ -192,6 +193,22 @@ def _build_parser() -> argparse.ArgumentParser:
         f"place (default: {WORKER_RESTARTS})",
     )
     add(
+        "--slow",
+        action="append",
+        default=[],
+        metavar="TASK=FACTOR",
+        help="for benchmarks: run TASK FACTOR times slower (stopped for part of every 100 ms), "
+        "e.g. --slow worker:1=2",
+    )
+    add(
+        "--pause",
+        action="append",
+        default=[],
+        metavar="TASK=AT+SECONDS",
+        help="for benchmarks: stop TASK for SECONDS, AT seconds after it starts, e.g. "
+        "--pause worker:1=20+5",
+    )
+    add(
         "--dry_run",
         action="store_true",
         help="print each task's TF_CONFIG and command line, to run by hand or on other hosts, "
@@ -243,8 +260,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             on_worker_failure=args.on_worker_failure,
             worker_restarts=args.worker_restarts,
             cluster=cluster,
+            stragglers=[
+                *(parse_slow(text) for text in args.slow),
+                *(parse_pause(text) for text in args.pause),
+            ],
         )
-    except UsageError as error:
+    except (UsageError, StragglerError) as error:
         print(f"tfdist-launch: error: {error}", file=sys.stderr)
         return EXIT_USAGE
     if args.dry_run:

@@ -22,6 +22,7 @@ from tfdist.launch.plan import (
     serving_tasks,
     tf_config_for,
 )
+from tfdist.launch.straggler import Straggle, Straggler
 
 EXIT_TIMEOUT = 124  # what coreutils `timeout` returns, so scripts can tell the two apart
 EXIT_NO_EXEC, EXIT_NOT_FOUND = 126, 127  # the shell's codes for a command it cannot run / find
@@ -117,6 +118,7 @@ class Launcher:
         restarted in place before its death is left as it is.
       cluster: the whole job's cluster, when `tasks` are only this host's share of it
         (tfdist-launch --nnodes); by default the cluster of `tasks`.
+      stragglers: tasks to slow down or pause on purpose, for benchmarks (straggler.py).
 
     Raises:
       UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0,
@@ -135,6 +137,7 @@ class Launcher:
         on_worker_failure: str | None = None,
         worker_restarts: int = WORKER_RESTARTS,
         cluster: dict[str, list[str]] | None = None,
+        stragglers: Sequence[Straggle] = (),
     ) -> None:
         if not command:
             raise UsageError(f"no command to run: put it after `--`, e.g. `{EXAMPLE}`")
@@ -154,6 +157,15 @@ class Launcher:
                 f"--worker_restarts={worker_restarts}"
             )
         self._worker_restarts_allowed = worker_restarts
+        names = {task.name for task in tasks}
+        for straggle in stragglers:
+            if straggle.task not in names:
+                raise UsageError(
+                    f"--slow and --pause name a task of this job ({', '.join(sorted(names))}). "
+                    f"Received: {straggle.task}"
+                )
+        self._straggles = list(stragglers)
+        self._stragglers: list[Straggler] = []
         self._command, self._tasks = list(command), list(tasks)
         # The whole job's cluster when this host runs only some of its tasks (--nnodes).
         self._cluster = cluster
@@ -199,8 +211,12 @@ class Launcher:
         try:
             code = self._start_all()
             if code is None:
+                self._hold_up()
                 code, failed = self._supervise(deadline)
         finally:
+            for straggler in self._stragglers:
+                straggler.stop()  # before SIGTERM: a stopped task could not take it
+            self._stragglers = []
             self._stop_all()
             for reader in self._readers.values():
                 reader.join(_DRAIN_SECONDS)
@@ -262,6 +278,17 @@ class Launcher:
                 self._say(f"cannot start {task.name}: {error}{stopping}")
                 return EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_NO_EXEC
         return None
+
+    def _hold_up(self) -> None:
+        # The stragglers asked for (--slow, --pause), each on its task's current process.
+        by_name = {task.name: task for task in self._tasks}
+        for straggle in self._straggles:
+            task = by_name[straggle.task]
+            straggler = Straggler(
+                straggle, pid=lambda task=task: self._procs[task].pid, say=self._say
+            )
+            straggler.start()
+            self._stragglers.append(straggler)
 
     def _start(self, task: Task) -> None:
         # Starts (or restarts in place) one task with its TF_CONFIG; raises OSError if it cannot.

@@ -13,6 +13,8 @@ LR_SCALING = ("none", "linear")
 LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
 SHARD_CHOICES = ("zero1", "zero2")
+ASYNC_CORRECTION_CHOICES = ("dc", "momentum")
+GOSSIP_CHOICES = ("ring", "exponential")
 
 
 class ConfigError(TfdistError, ValueError):
@@ -57,6 +59,13 @@ class TrainConfig:
         zero2 the gradients) over the replicas (tfdist.parallel.zero).
       accumulate_steps: split each replica's batch into this many micro-batches, one
         exchange per step (tfdist.parallel.accumulate).
+      async_correction: parameter-server training only: None, 'dc' (delay-compensated
+        gradients) or 'momentum' (SGD's momentum lowered by asynchrony's own).
+      max_staleness: parameter-server training only: no update more than this many updates
+        stale (None: unbounded).
+      average_every: synchronous strategies: local SGD, the replicas' weights averaged
+        every this many local steps (None: every step's gradients are all-reduced).
+      gossip: synchronous strategies: None, 'ring' or 'exponential': gossip SGD.
     """
 
     model: str = "cnn"
@@ -86,6 +95,10 @@ class TrainConfig:
     staleness_aware_lr: bool = False
     shard_optimizer: str | None = None
     accumulate_steps: int = 1
+    async_correction: str | None = None
+    max_staleness: int | None = None
+    average_every: int | None = None
+    gossip: str | None = None
 
     def __post_init__(self):
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -93,8 +106,21 @@ class TrainConfig:
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.mixed_precision is not None:
             _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
-        if self.shard_optimizer is not None:
-            _choice("shard_optimizer", self.shard_optimizer, SHARD_CHOICES)
+        for name, choices in (
+            ("shard_optimizer", SHARD_CHOICES),
+            ("async_correction", ASYNC_CORRECTION_CHOICES),
+            ("gossip", GOSSIP_CHOICES),
+        ):
+            if getattr(self, name) is not None:
+                _choice(name, getattr(self, name), choices)
+        if self.average_every is not None:
+            _positive_int("average_every", self.average_every)
+        if self.max_staleness is not None and (
+            not isinstance(self.max_staleness, int) or self.max_staleness < 0
+        ):
+            raise ConfigError(
+                f"max_staleness must be a whole number >= 0. Received: {self.max_staleness!r}"
+            )
         for name in (
             "global_batch_size",
             "epochs",

@@ -105,6 +105,9 @@ def read_run_history(lines: list[dict]) -> RunHistory:
     )
 
 
+_STALENESS_FIELDS = ("staleness_mean", "staleness_max", "applied_updates")
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainResult:
     """The outcome of a training run, as the chief writes it to summary.json.
@@ -135,6 +138,10 @@ class TrainResult:
     staleness_mean: float | None = None
     staleness_max: int | None = None
     applied_updates: int | None = None
+    # What the options that change the exchange measured (tfdist.StepHook.summary): the
+    # bytes this worker sent under local SGD or gossip, the replicas' distance at the last
+    # average, a staleness bound's timeouts, the momentum applied; empty without them.
+    exchange: dict = dataclasses.field(default_factory=dict)
     # One dict per epoch of the run, across resumes: the epoch's metrics as logged
     # (train_loss, train_accuracy, eval_* when evaluated, ...) with its "epoch" number (from
     # 1) and the "step" it ended on; e.g. a learning curve.
@@ -337,6 +344,8 @@ class RunRecord(keras.callbacks.Callback):
         )
         strategy = self._runner.strategy if self._runner else tf.distribute.get_strategy()
         replicas = strategy.num_replicas_in_sync
+        figures = dict(self._runner.summary()) if self._runner else {}
+        staleness = {key: figures.pop(key) for key in _STALENESS_FIELDS if key in figures}
         resumed = self._resumed_from_step
         if resumed is None:  # nothing trained now: the run stands where it was restored
             resumed = max(step or 0, last.get("step", 0))
@@ -354,7 +363,8 @@ class RunRecord(keras.callbacks.Callback):
             eval_accuracy=evaluated.get("eval_accuracy"),
             examples_per_second=record.examples_per_second(self.global_batch_size),
             wall_seconds=time.perf_counter() - self._begin,
-            **(self._runner.summary() if self._runner else {}),
+            **staleness,
+            exchange=figures,
             history=history,
             steps_trained=record.steps_trained,
             train_seconds=record.train_seconds,

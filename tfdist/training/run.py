@@ -280,6 +280,10 @@ class Trainer:
             strategy=self.strategy,
             shard_optimizer=self.config.shard_optimizer,
             accumulate_steps=self.config.accumulate_steps,
+            average_every=self.config.average_every,
+            gossip=self.config.gossip,
+            async_correction=self.config.async_correction,
+            max_staleness=self.config.max_staleness,
         )
         if self.record.trained:
             return self.record.result
