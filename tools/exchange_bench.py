@@ -20,8 +20,9 @@ interleaved (repeat 1 of every variant, then repeat 2, ...) so the machine's dri
 all alike. Reported, medians over the repeats:
 
   test acc       test accuracy after the same number of examples
-  ex/s           training examples per second (the binary's own figure)
-  train s        training seconds (the sum of the epochs' times, without evaluation)
+  ex/s           training examples per second (the binary's own figure, over the run)
+  train s        training seconds (the sum of the epochs' times, without evaluation; the
+                 first epoch at the second's rate, leaving out the one-off tracing)
   KiB/step       bytes one worker sends per step: measured (local SGD, gossip: tfdist counts
                  its sends) or by formula (sync: a ring all-reduce, 2 (N-1)/N of the
                  weights; ps: the weights read and the gradients sent, 2x the weights)
@@ -111,9 +112,13 @@ def run_job(args, *, variant: str, optimizer: str, slow: float, scratch: str) ->
 def row_of(args, summary: dict, *, variant: str, optimizer: str, slow: float, repeat: int):
     """The table's row for one job: its figures, and its learning curve (seconds, accuracy)."""
     elapsed, curve = 0.0, []
-    for epoch in summary["history"]:
+    history = summary["history"]
+    for i, epoch in enumerate(history):
         steps = epoch["step"] - (curve[-1][2] if curve else 0)
-        elapsed += steps * summary["global_batch_size"] / epoch["examples_per_second"]
+        # The first epoch is timed at the second's rate: the tracing and compiling every
+        # job does once would otherwise weigh on a short run's figures.
+        rate = history[min(i if i else 1, len(history) - 1)]["examples_per_second"]
+        elapsed += steps * summary["global_batch_size"] / rate
         curve.append((elapsed, epoch.get("eval_accuracy"), epoch["step"]))
     exchange = summary.get("exchange") or {}
     weights = summary["exchange_weights"]
