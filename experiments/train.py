@@ -43,7 +43,9 @@ from tfdist.models import model_names  # noqa: E402
 from tfdist.training import TrainConfig, Trainer  # noqa: E402
 from tfdist.training.auto import (  # noqa: E402
     AUTO,
+    PS_MAX_STALENESS,
     TPU_STEPS_PER_EXECUTION,
+    auto_max_staleness,
     auto_mixed_precision,
     auto_steps_per_execution,
 )
@@ -194,13 +196,18 @@ flags.DEFINE_enum(
     "(w_now - w_read) on the ps (Zheng et al., 2017); momentum: SGD's momentum lowered by "
     "the momentum asynchrony adds, 1 - 1/(1 + mean staleness) (Mitliagkas et al., 2016).",
 )
-flags.DEFINE_integer(
+flags.DEFINE_string(
     "max_staleness",
-    None,
+    AUTO,
     "parameter_server only: no update more than this many updates stale (a step waits for "
-    "the steps before it; 0: every update applies to the weights it was computed from). "
-    "Default: unbounded.",
-    lower_bound=0,
+    "the steps before it; 0: every update applies to the weights it was computed from); "
+    "'none': unbounded. 'auto': "
+    f"{PS_MAX_STALENESS} under parameter_server, where it measured best: BENCH_FIGURE.",
+)
+flags.register_validator(
+    "max_staleness",
+    lambda value: value in (AUTO, "none") or value.isdigit(),
+    message="--max_staleness must be 'auto', 'none' or a whole number >= 0.",
 )
 flags.DEFINE_integer(
     "average_every",
@@ -265,6 +272,7 @@ FLAGS = flags.FLAGS
 # Flags whose 'auto' depends on the strategy, resolved once it is built.
 _AUTO_RESOLVERS = {
     "steps_per_execution": auto_steps_per_execution,
+    "max_staleness": auto_max_staleness,
     "mixed_precision": auto_mixed_precision,
 }
 # Flags that map one to one onto TrainConfig fields.
@@ -294,6 +302,9 @@ def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
         if values[name] == "none":
             values[name] = None
     values["steps_per_execution"] = int(values["steps_per_execution"])
+    if isinstance(values["max_staleness"], str):
+        staleness = values["max_staleness"]
+        values["max_staleness"] = None if staleness == "none" else int(staleness)
     if values["model"] == "resnet":
         values.setdefault("model_options", {"depth": FLAGS.resnet_depth})
     if values["dataset"] == "synthetic":

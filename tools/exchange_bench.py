@@ -5,11 +5,11 @@ the slowest) against its alternatives, each a real job through tfdist-launch and
 binary on the digits cnn, with the same examples (--epochs of 22 steps of 64), seed and data:
 
   sync           multi_worker_mirrored
-  ps             parameter_server, plain asynchronous updates
+  ps             parameter_server, plain asynchronous updates (--max_staleness=none)
   ps_aware       + the staleness-aware learning rate (Zhang et al., 2016)
   ps_dc          + delay compensation (--async_correction=dc; Zheng et al., 2017)
   ps_momentum    + momentum lowered by asynchrony's own (SGD only; Mitliagkas et al., 2016)
-  ps_stale1/4    + --max_staleness=1 / 4 (bounded delay)
+  ps_stale0/1/4  + --max_staleness=0 / 1 / 4 (bounded delay; 0: the workers take turns)
   local4/16      local SGD, weights averaged every 4 / 16 steps (--average_every)
   gossip_ring    gossip SGD on a ring of the workers (--gossip=ring)
   gossip_exp     gossip SGD on the one-peer exponential graph (--gossip=exponential)
@@ -57,12 +57,15 @@ REPO = Path(__file__).resolve().parents[1]
 # one device in the same 220 steps.
 OPTIMIZERS = {"adam": (0.003, 0.0), "sgd": (0.05, 0.9)}
 # name -> (strategy, binary flags)
+# Parameter-server variants name their bound: the binary's default bounds the staleness.
+UNBOUNDED = "--max_staleness=none"
 VARIANTS = {
     "sync": ("multi_worker_mirrored", []),
-    "ps": ("parameter_server", []),
-    "ps_aware": ("parameter_server", ["--staleness_aware_lr"]),
-    "ps_dc": ("parameter_server", ["--async_correction=dc"]),
-    "ps_momentum": ("parameter_server", ["--async_correction=momentum"]),
+    "ps": ("parameter_server", [UNBOUNDED]),
+    "ps_aware": ("parameter_server", [UNBOUNDED, "--staleness_aware_lr"]),
+    "ps_dc": ("parameter_server", [UNBOUNDED, "--async_correction=dc"]),
+    "ps_momentum": ("parameter_server", [UNBOUNDED, "--async_correction=momentum"]),
+    "ps_stale0": ("parameter_server", ["--max_staleness=0"]),
     "ps_stale1": ("parameter_server", ["--max_staleness=1"]),
     "ps_stale4": ("parameter_server", ["--max_staleness=4"]),
     "local4": ("multi_worker_mirrored", ["--average_every=4"]),

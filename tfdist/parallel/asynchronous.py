@@ -251,15 +251,15 @@ class BoundedStaleness(StepHook):
     Args:
       max_staleness: s >= 0; 0 makes every update apply to the weights it was computed from.
       timeout_seconds: how long a step waits for the steps before it; after that it goes on
-        (a lost worker's steps are run again elsewhere, but only once a worker is free), and
-        the summary counts it.
+        and the summary counts it. A lost worker's steps run again elsewhere once a worker
+        is free, so a failure holds the others up for about this long.
       poll_microseconds: how often a waiting step looks again.
     """
 
     asynchronous_only = True
 
     def __init__(
-        self, max_staleness: int, *, timeout_seconds: float = 60.0, poll_microseconds: int = 200
+        self, max_staleness: int, *, timeout_seconds: float = 10.0, poll_microseconds: int = 200
     ):
         if (
             not isinstance(max_staleness, int)

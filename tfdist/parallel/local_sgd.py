@@ -125,7 +125,6 @@ class LocalUpdates(StepHook):
             lambda: [_Replica(optimizer, self.variables, device) for device in devices]
         )
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
-        self.slot_sizes = self.replicas[0].slot_sizes()
         self.processes = joins_worker_processes(strategy) and workers > 1
         self.sent = updates.outside_strategy(
             lambda: tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
@@ -174,7 +173,7 @@ class LocalUpdates(StepHook):
                         learning_rate=optimizer.learning_rate,
                         weight_decay=optimizer.weight_decay or 0.0,
                         with_slots=self.average_optimizer_state,
-                    )  # fmt: skip
+                    )
                 )
         mixed = self._mix(step, flats)
         writes = []
@@ -186,7 +185,7 @@ class LocalUpdates(StepHook):
                         self._components(strategy, d),
                         self.sizes,
                         with_slots=self.average_optimizer_state,
-                    )  # fmt: skip
+                    )
                 )
         with tf.control_dependencies(writes):
             optimizer.iterations.assign_add(1)
@@ -273,7 +272,7 @@ class LocalUpdates(StepHook):
                         self._components(strategy, d),
                         self.sizes,
                         with_slots=self.average_optimizer_state,
-                    )  # fmt: skip
+                    )
                 )
         with tf.control_dependencies(writes):
             return tf.stack([distance, tf.math.divide_no_nan(distance, norm)])

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.strategies import runs_on_tpu
+from tfdist.strategies import runs_on_tpu, strategy_kind
 
 AUTO = "auto"
 # Every tf.function call costs the TPU a round trip to its host, long against a small model's
@@ -46,4 +46,24 @@ def auto_mixed_precision(strategy: tf.distribute.Strategy | str) -> str | None:
     return "mixed_bfloat16" if runs_on_tpu(strategy) else None
 
 
-__all__ = ["AUTO", "TPU_STEPS_PER_EXECUTION", "auto_mixed_precision", "auto_steps_per_execution"]
+# Parameter-server training's staleness bound when none is asked for: the asynchronous
+# option that learned best in tools/exchange_bench.py (README "Which exchange for which
+# cluster"; the figures are in --max_staleness's help).
+PS_MAX_STALENESS = 1
+
+
+def auto_max_staleness(strategy: tf.distribute.Strategy | str) -> int | None:
+    """PS_MAX_STALENESS under parameter_server; None (no bound) elsewhere, where nothing is
+    stale. `strategy` as above."""
+    kind = strategy if isinstance(strategy, str) else strategy_kind(strategy)
+    return PS_MAX_STALENESS if kind == "parameter_server" else None
+
+
+__all__ = [
+    "AUTO",
+    "PS_MAX_STALENESS",
+    "TPU_STEPS_PER_EXECUTION",
+    "auto_max_staleness",
+    "auto_mixed_precision",
+    "auto_steps_per_execution",
+]
