@@ -8,7 +8,9 @@ from absl import flags
 import tfdist
 from experiments import train as train_binary
 from tfdist.training.auto import (
+    PS_MAX_STALENESS,
     TPU_STEPS_PER_EXECUTION,
+    auto_max_staleness,
     auto_mixed_precision,
     auto_steps_per_execution,
 )
@@ -27,6 +29,24 @@ from tfdist.training.auto import (
 def test_auto_settings_by_strategy_kind(kind, steps, precision):
     assert auto_steps_per_execution(kind) == steps
     assert auto_mixed_precision(kind) == precision
+    # Only parameter-server updates are stale: the bound that measured best, else none.
+    bound = PS_MAX_STALENESS if kind == "parameter_server" else None
+    assert auto_max_staleness(kind) == bound
+
+
+@pytest.mark.parametrize(
+    "args, bound",
+    [((), None), (("--max_staleness=0",), 0), (("--max_staleness=none",), None)],
+)
+def test_binary_takes_a_staleness_bound(parse_flags, args, bound):
+    parse_flags(*args)
+    config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
+    assert config.max_staleness == bound
+
+
+def test_binary_rejects_a_bad_staleness_bound(parse_flags):
+    with pytest.raises(flags.IllegalFlagValueError, match="'auto', 'none' or a whole number"):
+        parse_flags("--max_staleness=-1")
 
 
 def test_auto_settings_of_a_strategy_object():
