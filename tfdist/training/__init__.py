@@ -53,6 +53,14 @@ built so (tfdist/parallel/):
     tfdist.fit(model, data, step_hooks=[Accumulate(4), ShardedUpdate(2)])
     # = tfdist.fit(model, data, accumulate_steps=4, shard_optimizer="zero2")
 
+Local SGD and gossip (local_sgd.py, gossip.py) apply each replica's gradients with its own
+optimizer copy and mix the weights after; their `settle()` (each epoch end, before a save)
+makes the replicas one model. The parameter-server runner also calls a hook's
+`begin_step(AsyncStep)` before a step reads the weights and `before_update(AsyncStep)`
+before it counts and applies its update, with the step's ticket (its place in the
+coordinator's order) and, for `apply`, its staleness: delay compensation remembers what was
+read there, a staleness bound waits there (asynchronous.py; `asynchronous_only = True`).
+
 A mode that changes the whole step rather than its update (pipeline stages with
 micro-batches) is a Runner of its own, registered beside the others; the Controller runs it
 unchanged.
