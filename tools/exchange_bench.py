@@ -28,10 +28,13 @@ all alike. Reported, medians over the repeats:
                  weights; ps: the weights read and the gradients sent, 2x the weights)
   acc@sync s     test accuracy when the sync run of the same setting had finished training
                  (interpolated along the epochs' curve): accuracy per wall-clock second
+  s to 95%       training seconds until the test accuracy first reached 95% of sync's
+                 final one (nan: never), the time-to-accuracy of DAWNBench
 
   python -m tools.exchange_bench --quick            # 1 repeat, 4 epochs, fewer variants
   python -m tools.exchange_bench                    # the full table (~2 h on 2 cores)
   python -m tools.exchange_bench --variants sync,local4 --optimizers sgd --stragglers 1
+  python -m tools.exchange_bench --table A/results.csv B/results.csv   # one table of runs
 
 Each invocation writes into a new directory under --out (results.csv, table.txt,
 accuracy_vs_time.png): nothing an earlier run wrote is replaced. It is a benchmark, not a
@@ -156,11 +159,23 @@ def accuracy_at(curve: list, seconds: float) -> float:
     return points[-1][1]
 
 
+def seconds_to(curve: list, accuracy: float) -> float:
+    """When a run's curve first reached `accuracy` (linear between epochs; nan: never)."""
+    points = [(t, a) for t, a in curve if a is not None]
+    previous = (0.0, 0.0)
+    for t, a in points:
+        if a >= accuracy:
+            t0, a0 = previous
+            return t0 + (t - t0) * (accuracy - a0) / (a - a0) if a > a0 else t
+        previous = (t, a)
+    return float("nan")
+
+
 def table(rows: list[dict]) -> str:
     header = (
         f"{'optimizer':9s} {'straggler':9s} {'variant':12s} {'runs':>4s} {'test acc':>8s} "
         f"{'vs sync':>7s} {'ex/s':>6s} {'train s':>7s} {'KiB/step':>8s} {'how':8s} "
-        f"{'stale':>5s} {'acc@sync s':>10s}"
+        f"{'stale':>5s} {'acc@sync s':>10s} {'s to 95%':>8s}"
     )
     lines = [header + "   (medians)", "-" * len(header)]
     groups: dict[tuple, list[dict]] = {}
@@ -170,19 +185,22 @@ def table(rows: list[dict]) -> str:
         sync = groups.get((optimizer, straggler, "sync"), [])
         accuracy = _median(mine, "eval_accuracy")
         versus = accuracy - _median(sync, "eval_accuracy") if sync else float("nan")
-        at_sync = float("nan")
+        at_sync = to_target = float("nan")
         if sync:
             sync_seconds = _median(sync, "train_seconds")
             at_sync = statistics.median(
                 accuracy_at(json.loads(r["curve"]), sync_seconds) for r in mine
             )
+            target = 0.95 * _median(sync, "eval_accuracy")
+            to_target = statistics.median(seconds_to(json.loads(r["curve"]), target) for r in mine)
         stale = [r["staleness_mean"] for r in mine if r["staleness_mean"] is not None]
         lines.append(
             f"{optimizer:9s} {straggler:9s} {variant:12s} {len(mine):4d} {accuracy:8.4f} "
             f"{versus:+7.4f} {_median(mine, 'examples_per_second'):6.0f} "
             f"{_median(mine, 'train_seconds'):7.1f} {_median(mine, 'bytes_per_step') / 1024:8.1f} "
             f"{mine[0]['bytes_how']:8s} "
-            f"{(statistics.median(stale) if stale else float('nan')):5.2f} {at_sync:10.4f}"
+            f"{(statistics.median(stale) if stale else float('nan')):5.2f} {at_sync:10.4f} "
+            f"{to_target:8.1f}"
         )
     return "\n".join(lines)
 
@@ -243,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per job")
     parser.add_argument("--out", default="exchange_bench", help="a new directory goes in here")
     parser.add_argument("--quick", action="store_true", help="1 repeat, 4 epochs, 6 variants")
+    parser.add_argument(
+        "--table", nargs="+", metavar="CSV", help="print the table of earlier runs' results.csv"
+    )
     args = parser.parse_args(argv)
+    if args.table:
+        print(table([row for path in args.table for row in read_rows(path)]))
+        return 0
     if args.quick:
         args.repeats, args.epochs = 1, 4
         args.variants = args.variants or ",".join(QUICK_VARIANTS)
@@ -297,6 +321,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nwrote {out / 'accuracy_vs_time.png'}")
     print(f"wrote {out / 'results.csv'} and {out / 'table.txt'}")
     return 0
+
+
+def read_rows(path: str) -> list[dict]:
+    """The rows of a results.csv, their figures as numbers."""
+    rows = []
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            for key in ("eval_accuracy", "eval_loss", "examples_per_second", "train_seconds",
+                        "bytes_per_step", "job_seconds"):  # fmt: skip
+                row[key] = float(row[key])
+            for key in ("staleness_mean", "replica_distance_relative"):
+                row[key] = float(row[key]) if row[key] else None
+            rows.append(row)
+    return rows
 
 
 def _listed(parser, flag: str, text: str, known) -> list[str]:
