@@ -202,7 +202,10 @@ flags.DEFINE_string(
     "parameter_server only: no update more than this many updates stale (a step waits for "
     "the steps before it; 0: every update applies to the weights it was computed from); "
     "'none': unbounded. 'auto': "
-    f"{PS_MAX_STALENESS} under parameter_server, where it measured best: BENCH_FIGURE.",
+    f"{PS_MAX_STALENESS} under parameter_server, the bound that measured best "
+    "(tools/exchange_bench, 4 workers, digits cnn, 220 steps, medians of 3): Adam 0.955 test "
+    "accuracy against 0.861 unbounded (sync: 0.981), SGD with momentum 0.345 against 0.106; "
+    "elsewhere none.",
 )
 flags.register_validator(
     "max_staleness",
