@@ -182,6 +182,9 @@ def test_a_staleness_bound_holds_over_three_workers_and_two_ps(tmp_path):
         assert record["history"]["staleness_max"][0] <= bound, (case, record)
     _, bounded = run(tmp_path, "max_staleness_0")
     assert bounded["hook"]["staleness_timeouts"] == 0
+    # A model's own train_step applies its update itself: the bound holds there too.
+    custom = json.loads((tmp_path / "custom_max_staleness_0.json").read_text())
+    assert custom["history"]["staleness_max"] == [0.0], custom
     for case in CASES:  # every run trained
         _, record = run(tmp_path, case)
         assert np.isfinite(record["history"]["loss"][0]), case

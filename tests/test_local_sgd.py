@@ -156,7 +156,7 @@ def test_gossip_keeps_four_replicas_close_and_reports_how_close(topology):
     replicas = replica_weights(model, strategy)
     assert all(zero_cases.max_diff(replicas[0], r) == 0.0 for r in replicas[1:])
     summary = hook.summary()
-    assert summary["replica_distance"] == hook.spreads[-1][0]
+    assert summary["replica_distance"] == max(distance for distance, _ in hook.spreads)
 
 
 def test_a_local_sgd_run_resumes_from_its_step_checkpoint_exactly(tmp_path):
@@ -267,7 +267,7 @@ def test_four_worker_processes_train_as_four_local_replicas(tmp_path):
     ):
         local = make()
         want = train(mirrored(4), "sgd_momentum", local, epochs=2).get_weights()
-        distance = local.spreads[-1][0]
+        distance = max(local.spreads)[0]
         assert distance > 0
         for rank in range(4):
             here = tmp_path / f"worker_{rank}"

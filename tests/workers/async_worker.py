@@ -20,7 +20,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import zero_cases  # noqa: E402
+from tests import custom_step_models, zero_cases  # noqa: E402
 from tfdist.parallel import BoundedStaleness, MomentumCorrection  # noqa: E402
 
 # name -> (fit keywords, the hook whose summary is kept), made fresh for each run
@@ -55,6 +55,15 @@ def main(out: str) -> None:
         np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(out, f"{name}.json"), "w") as f:
             json.dump({"history": history.history, "hook": hook.summary() if hook else {}}, f)
+    # The keras.io model with its own train_step, which applies its update itself.
+    with strategy.scope():
+        model, data = custom_step_models.keras_io()
+    history = tfdist.fit(
+        model, data, verbose=0, max_staleness=0,
+        steps_per_epoch=custom_step_models.EXAMPLES // custom_step_models.GLOBAL_BATCH,
+    )  # fmt: skip
+    with open(os.path.join(out, "custom_max_staleness_0.json"), "w") as f:
+        json.dump({"history": history.history}, f)
 
 
 if __name__ == "__main__":

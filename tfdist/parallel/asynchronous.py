@@ -291,13 +291,22 @@ class BoundedStaleness(StepHook):
             )  # fmt: skip
 
     def begin_step(self, step: AsyncStep) -> list[tf.Tensor]:
-        self._step = step
+        self._step, self._in_turn = step, False
         return [self._wait_for(step.ticket - self.max_staleness)]
 
     def before_update(self, step: AsyncStep) -> list[tf.Tensor]:
+        self._in_turn = True
         return [self._wait_for(step.ticket)]
 
     def apply(self, grads_and_vars, apply_next):
+        if not self._in_turn:
+            # A model's own train_step applies its update inside the step, where the runner
+            # has no before_update to call: the update waits for its turn here.
+            with tf.control_dependencies([self._wait_for(self._step.ticket)]):
+                grads_and_vars = [
+                    (tf.nest.map_structure(tf.identity, g, expand_composites=True), v)
+                    for g, v in grads_and_vars
+                ]
         result = apply_next(list(grads_and_vars))
         # Written once every variable's update has run (ops on one variable run in order).
         done = [

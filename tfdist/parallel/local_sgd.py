@@ -80,7 +80,8 @@ class LocalUpdates(StepHook):
         self.timeout_seconds = timeout_seconds
         self.replicas: list[_Replica] = []
         # At each settle: the largest distance (L2) of a replica's weights from the mean of
-        # all replicas', and that distance over the mean's norm, before they were averaged.
+        # all replicas', and that distance over the mean's norm, before they were averaged
+        # (the summary reports the largest).
         self.spreads: list[tuple[float, float]] = []
         self._settle_fn = None
 
@@ -285,7 +286,9 @@ class LocalUpdates(StepHook):
         return {f"local_optimizer_{d}": r.optimizer for d, r in enumerate(self.replicas)}
 
     def summary(self) -> dict[str, float | int | None]:
-        spread = self.spreads[-1] if self.spreads else (None, None)
+        # The farthest the replicas were apart at any settle (a settle right after another,
+        # as before a save at an epoch's end, finds them together).
+        spread = max(self.spreads) if self.spreads else (None, None)
         return {
             "bytes_sent": int(self.sent.numpy()),
             "replica_distance": spread[0],
