@@ -47,7 +47,7 @@ from tfdist import compat
 from tfdist.collective.ring import local_ring_all_reduce
 from tfdist.collective.transport import ProcessRing
 from tfdist.parallel import updates
-from tfdist.strategies import joins_worker_processes, runs_on_tpu, worker_rank
+from tfdist.strategies import joins_worker_processes, worker_rank
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
 
@@ -91,20 +91,9 @@ class LocalUpdates(StepHook):
         self.model, self.strategy = model, strategy
         optimizer = model.optimizer
         updates.check_copyable(optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError)
-        if runs_on_tpu(strategy):
-            raise LocalUpdateError(
-                f"{self.name} is not built for TPUs (their replicas are one XLA program). "
-                "Drop the option on TPU. Received: a TPU strategy"
-            )
-        devices = list(strategy.extended.worker_devices)
-        workers = compat.sync_worker_count(strategy)
-        if workers > 1 and len(devices) > 1:
-            raise LocalUpdateError(
-                f"{self.name} across worker processes runs one replica per process; this "
-                f"job has {len(devices)} devices in each of {workers} processes. Start one "
-                "process per device (tfdist-launch --workers N), or use mirrored in one "
-                f"process. Received: {workers} workers x {len(devices)} devices"
-            )
+        devices, workers = updates.one_replica_per_process(
+            strategy, who=self.name, error=LocalUpdateError
+        )
         self.variables = list(model.trainable_variables)
         dtypes = {tf.as_dtype(v.dtype) for v in self.variables}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating:
@@ -177,20 +166,25 @@ class LocalUpdates(StepHook):
                     )
                 )
         mixed = self._mix(step, flats)
+        writes = self._write_all(strategy, mixed)
+        with tf.control_dependencies(writes):
+            optimizer.iterations.assign_add(1)
+        return None
+
+    def _write_all(self, strategy, flats: list[tf.Tensor]) -> list:
+        """Writes each local replica's packed buffer back (weights, and slots if averaged)."""
         writes = []
         for d, replica in enumerate(self.replicas):
             with tf.device(replica.device):
                 writes.extend(
                     replica.write(
-                        mixed[d],
+                        flats[d],
                         self._components(strategy, d),
                         self.sizes,
                         with_slots=self.average_optimizer_state,
                     )
                 )
-        with tf.control_dependencies(writes):
-            optimizer.iterations.assign_add(1)
-        return None
+        return writes
 
     def _components(self, strategy, d: int) -> list:
         return [strategy.experimental_local_results(v.value)[d] for v in self.variables]
@@ -264,17 +258,7 @@ class LocalUpdates(StepHook):
         every = self.ring.all_reduce(local) if self.ring is not None else local
         distance = tf.reduce_max(every)
         norm = tf.norm(means[0][:weights_length])
-        writes = []
-        for d, replica in enumerate(self.replicas):
-            with tf.device(replica.device):
-                writes.extend(
-                    replica.write(
-                        means[d],
-                        self._components(strategy, d),
-                        self.sizes,
-                        with_slots=self.average_optimizer_state,
-                    )
-                )
+        writes = self._write_all(strategy, means)
         with tf.control_dependencies(writes):
             return tf.stack([distance, tf.math.divide_no_nan(distance, norm)])
 

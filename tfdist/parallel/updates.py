@@ -17,6 +17,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.strategies import runs_on_tpu
 from tfdist.training.fit_data import FitError
 
 
@@ -96,3 +97,26 @@ def update_step(optimizer, grads, variables, *, learning_rate, weight_decay) -> 
         if weight_decay and compat.uses_weight_decay(optimizer, variable):
             variable.assign(variable - variable * tf.cast(weight_decay, variable.dtype) * lr)
         optimizer.update_step(grad, variable, lr)
+
+
+def one_replica_per_process(
+    strategy, *, who: str, error: type[FitError] = FitError
+) -> tuple[list[str], int]:
+    """(this process's devices, the worker processes) of a layout a mode that exchanges its
+    own buffers can run on: not a TPU (one XLA program), and across processes one device
+    each. Raises `error`, naming `who`, otherwise."""
+    if runs_on_tpu(strategy):
+        raise error(
+            f"{who} is not built for TPUs (their replicas are one XLA program). "
+            "Drop the option on TPU. Received: a TPU strategy"
+        )
+    devices = list(strategy.extended.worker_devices)
+    workers = compat.sync_worker_count(strategy)
+    if workers > 1 and len(devices) > 1:
+        raise error(
+            f"{who} across worker processes runs one replica per process; this job has "
+            f"{len(devices)} devices in each of {workers} processes. Start one process per "
+            "device (tfdist-launch --workers N), or use mirrored in one process. "
+            f"Received: {workers} workers x {len(devices)} devices"
+        )
+    return devices, workers

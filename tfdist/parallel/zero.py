@@ -75,7 +75,7 @@ from tfdist.collective.ring import (
 )
 from tfdist.collective.transport import ProcessRing
 from tfdist.parallel import updates
-from tfdist.strategies import joins_worker_processes, runs_on_tpu, worker_rank
+from tfdist.strategies import joins_worker_processes, worker_rank
 from tfdist.training.fit_data import FitError
 from tfdist.training.runner import StepHook
 
@@ -257,26 +257,15 @@ class ShardedUpdate(StepHook):
         optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
         self.optimizer = optimizer
         variables = list(model.trainable_variables)
-        if runs_on_tpu(strategy):
-            raise ShardingError(
-                f"{self.name} is not built for TPUs (their replicas are one XLA program). "
-                "Drop shard_optimizer on TPU. Received: a TPU strategy"
-            )
-        devices = list(strategy.extended.worker_devices)
-        workers = compat.sync_worker_count(strategy)
+        devices, workers = updates.one_replica_per_process(
+            strategy, who=self.name, error=ShardingError
+        )
         ranks = workers * len(devices)
         if ranks < 2:
             raise ShardingError(
                 f"{self.name} needs at least 2 replicas to shard over; this strategy has "
                 f"{ranks}. Use 2 or more devices (tfdist.configure_cpu_devices(2) for logical "
                 "CPUs) or worker processes, or drop shard_optimizer. Received: 1 replica"
-            )
-        if workers > 1 and len(devices) > 1:
-            raise ShardingError(
-                f"{self.name} across worker processes runs one replica per process; this "
-                f"job has {len(devices)} devices in each of {workers} processes. Start one "
-                "process per device (tfdist-launch --workers N), or use mirrored in one "
-                f"process. Received: {workers} workers x {len(devices)} devices"
             )
         dtypes = {v.dtype for v in variables}
         if len(dtypes) != 1 or not tf.as_dtype(next(iter(dtypes))).is_floating:
