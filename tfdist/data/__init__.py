@@ -11,6 +11,7 @@ from tfdist.data.datasets import (
 from tfdist.data.distribute import BatchPlan, distribute_dataset, plan_batches
 from tfdist.data.pipeline import PipelineOptions, tfrecord_dataset
 from tfdist.data.records import DataError, Metadata, find_records, write_tfrecords
+from tfdist.data.streams import worker_shuffle
 
 __all__ = [
     "BatchPlan",
@@ -28,5 +29,6 @@ __all__ = [
     "prepare_digits",
     "prepare_synthetic",
     "tfrecord_dataset",
+    "worker_shuffle",
     "write_tfrecords",
 ]

@@ -32,6 +32,7 @@ from tfdist.data.records import (
     check_first_record,
     find_records,
 )
+from tfdist.data.streams import worker_shuffle
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class PipelineOptions:
     Args:
       shuffle_buffer: examples in the shuffle buffer; 0 disables shuffling (and the file
         order shuffle), which together with `deterministic` gives a fully fixed order.
-      seed: seed of the file and example shuffles; None draws a fresh one per run.
+      seed: seed of the file and example shuffles; None draws a fresh one per run. Each
+        parameter-server worker shuffles with its own offset of it (streams.worker_shuffle).
       cache: keep the (serialized) examples in memory after the first epoch.
       repeat: repeat forever (training); False gives exactly one epoch (evaluation).
       drop_remainder: drop a last, partial batch, so every batch has the same static shape
@@ -113,7 +115,7 @@ def tfrecord_dataset(
     compression = files.metadata.compression or ""
     file_list = tf.data.Dataset.from_tensor_slices((list(paths), tf.constant(counts, tf.int64)))
     if options.shuffle_buffer:
-        file_list = file_list.shuffle(len(paths), seed=options.seed, reshuffle_each_iteration=True)
+        file_list = worker_shuffle(file_list, len(paths), options.seed)
 
     def read_file(path, expected):
         records = _checked_records(path, expected, compression, skip=options.skip_corrupt)
@@ -148,9 +150,7 @@ def finish(
     if options.cache:
         dataset = dataset.cache()
     if options.shuffle_buffer:
-        dataset = dataset.shuffle(
-            options.shuffle_buffer, seed=options.seed, reshuffle_each_iteration=True
-        )
+        dataset = worker_shuffle(dataset, options.shuffle_buffer, options.seed)
     if options.repeat:
         dataset = dataset.repeat()
     dataset = dataset.batch(batch_size, drop_remainder=options.drop_remainder)

@@ -24,13 +24,14 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist.data.streams import numbered_streams, worker_shuffle
 from tfdist.errors import TfdistError
 
 log = logging.getLogger(__name__)
 
 # Keras's own default, for arrays given without a batch size.
 DEFAULT_BATCH_SIZE = 32
-# The seed of the shuffle of arrays: the same order on every worker (see _from_arrays).
+# The seed of the shuffle of arrays: the same order on every synchronous worker (_from_arrays).
 ARRAY_SHUFFLE_SEED = 20_240_601
 
 
@@ -48,6 +49,8 @@ class FitData:
       num_batches: batches in one pass over the data, when tf.data can tell; else None.
       infinite: the data repeats without end.
       sample_batch: the first batch, for building the model and checking its shape.
+      rebuild: builds `dataset` again inside a per-worker dataset function, where its shuffle
+        takes the worker's own seed (arrays); None sends `dataset` to every worker as it is.
     """
 
     dataset: tf.data.Dataset | None
@@ -56,6 +59,7 @@ class FitData:
     sample_batch: Any
     infinite: bool = False
     global_batch: int | None = None
+    rebuild: Callable[[], tf.data.Dataset] | None = None
 
     @property
     def form(self) -> str:
@@ -84,18 +88,30 @@ class FitData:
     def per_worker(self, coordinator) -> Any:
         """Per-worker datasets for parameter-server training: each worker streams its own copy.
 
-        Every worker reads the whole data, repeated; shuffle it (with a different order per
-        worker, i.e. no fixed seed) unless the workers should see the same order.
+        Every worker reads the whole data, repeated, and should read it in an order of its
+        own: else the workers apply the same batch one after another. Arrays are shuffled
+        with each worker's own seed, as is every tfdist pipeline; a `dataset_fn` gets it from
+        `tfdist.data.worker_shuffle`. A Dataset built beforehand goes to every worker as
+        it is: shuffled with a seed (or under a global seed) it reads the same order on all.
         """
+        strategy = coordinator.strategy
+        if self.dataset is not None and self.rebuild is None:
+            return coordinator.create_per_worker_dataset(self.dataset.repeat())
         if self.dataset is not None:
-            dataset = self.dataset.repeat()
-            return coordinator.create_per_worker_dataset(dataset)
-        user_fn, strategy = self.dataset_fn, coordinator.strategy
-        return coordinator.create_per_worker_dataset(
-            lambda: strategy.distribute_datasets_from_function(
-                lambda context: user_fn(context).repeat()
-            )
-        )
+            rebuild = self.rebuild
+
+            def per_worker_fn():
+                return rebuild().repeat()
+        else:
+            user_fn = self.dataset_fn
+
+            def per_worker_fn():
+                return strategy.distribute_datasets_from_function(
+                    lambda context: user_fn(context).repeat()
+                )
+
+        with numbered_streams(strategy):  # the function is traced here, once
+            return coordinator.create_per_worker_dataset(per_worker_fn)
 
     def class_weighted(self, class_weight: dict[int, float]) -> FitData:
         """This data with each example weighted by its class, as Keras's `class_weight`.
@@ -132,10 +148,12 @@ class FitData:
             return x, y, tf.gather(padded, index)
 
         if self.dataset is not None:
+            rebuild = self.rebuild
             return dataclasses.replace(
                 self,
                 dataset=self.dataset.map(weighted, num_parallel_calls=tf.data.AUTOTUNE),
                 sample_batch=weighted(*self.sample_batch),
+                rebuild=rebuild and (lambda: rebuild().map(weighted)),
             )
         user_fn = self.dataset_fn
         return dataclasses.replace(
@@ -317,12 +335,17 @@ def _from_arrays(
             f"Received: first dimensions {sorted(sizes)}"
         )
     (examples,) = sizes
-    dataset = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
-    if shuffle:
-        # Every worker splits the same global batch, so every worker must shuffle alike: a
-        # fixed seed gives each epoch a new order that is the same on all of them.
-        dataset = dataset.shuffle(examples, seed=ARRAY_SHUFFLE_SEED, reshuffle_each_iteration=True)
-    dataset = dataset.batch(batch_size)
+
+    def build():
+        dataset = tf.data.Dataset.from_tensor_slices(parts if len(parts) > 1 else parts[0])
+        if shuffle:
+            # Synchronous workers split the same global batch, so they must shuffle alike: a
+            # fixed seed gives each epoch a new order that is the same on all of them. (A
+            # parameter-server worker's own copy takes its own offset of the seed.)
+            dataset = worker_shuffle(dataset, examples, ARRAY_SHUFFLE_SEED)
+        return dataset.batch(batch_size)
+
+    dataset = build()
     last = examples % batch_size
     if last % replicas and for_training:
         log.warning(
@@ -333,7 +356,13 @@ def _from_arrays(
             what, last, examples, replicas, replicas,
         )  # fmt: skip
     return FitData(
-        dataset, None, _known_batches(dataset), _first_batch(dataset, what), False, batch_size
+        dataset,
+        None,
+        _known_batches(dataset),
+        _first_batch(dataset, what),
+        False,
+        batch_size,
+        rebuild=build if shuffle and for_training else None,
     )
 
 
