@@ -11,7 +11,9 @@ the median of the per-repeat differences (aware - plain).
   python -m tools.staleness_bench                          # ~6 minutes on 2 cores
   python -m tools.staleness_bench --optimizers sgd --repeats 3 --out_csv /tmp/stale.csv
 
-Measured on 2 shared CPU cores (4 workers, 1 ps, cnn, 220 steps of 64, 3 repeats, medians):
+Measured on 2 shared CPU cores (4 workers, 1 ps, cnn, 220 steps of 64, 3 repeats, medians),
+while every worker still read the data in the same order (since fixed; the exchange_bench
+table in the README has the figures after the fix):
 staleness mean ~0.9-1.0, max 5-11, for both variants. Adam: test accuracy 0.886 plain vs
 0.866 staleness-aware (median paired difference -0.003, test loss -0.05): no clear effect.
 SGD with momentum 0.9: neither variant learns much in 220 steps (0.16 vs 0.23; median paired

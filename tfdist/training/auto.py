@@ -46,10 +46,10 @@ def auto_mixed_precision(strategy: tf.distribute.Strategy | str) -> str | None:
     return "mixed_bfloat16" if runs_on_tpu(strategy) else None
 
 
-# Parameter-server training's staleness bound when none is asked for: the asynchronous
-# option that learned best in tools/exchange_bench.py (README "Which exchange for which
-# cluster"; the figures are in --max_staleness's help).
-PS_MAX_STALENESS = 1
+# Parameter-server training's staleness bound when none is asked for: the option that learned
+# best in tools/exchange_bench.py, for Adam and for SGD with momentum (README "Which exchange
+# for which cluster"; the figures are in --max_staleness's help).
+PS_MAX_STALENESS = 0
 
 
 def auto_max_staleness(strategy: tf.distribute.Strategy | str) -> int | None:

@@ -93,8 +93,10 @@ def fit(
     of data: a tf.data.Dataset batched with the GLOBAL batch (tfdist splits each batch over
     the replicas and shards the data over the workers); a `dataset_fn(input_context)` that
     returns PER-REPLICA batches; or arrays (dicts, lists) with `batch_size`, the global
-    batch. Under parameter_server every worker streams its own copy of the data (shuffle it)
-    and `steps_per_epoch` is required unless the data's length is known.
+    batch. Under parameter_server every worker streams its own copy of the data, in an order
+    of its own (arrays: fit's shuffle; a dataset_fn: shuffle with
+    `tfdist.data.worker_shuffle`), and `steps_per_epoch` is required unless the data's length
+    is known.
 
     A BackupAndRestore callback resumes exactly where its last backup was taken, mid-epoch
     too: tfdist skips the batches already trained (keep the data order deterministic).
