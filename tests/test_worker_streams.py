@@ -37,7 +37,7 @@ def test_each_worker_streams_its_own_order(tmp_path):
         "--", sys.executable, "-m", "tests.workers.streams_worker", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    for form in ("arrays", "dataset_fn"):
+    for form in ("arrays", "arrays_class_weight", "dataset_fn"):
         record = json.loads((tmp_path / f"{form}.json").read_text())
         orders = record["orders"]
         assert len({tuple(order) for order in orders}) == WORKERS, form  # the seeds differ

@@ -3,7 +3,7 @@
   python -m tools.launch --chief --workers 3 --ps 2 -- python -m tests.workers.streams_worker OUT
 
 The chief builds per-worker datasets of the example ids 0..N-1 (batches of one) the two ways
-fit takes them: arrays shuffled by fit, and a dataset_fn that shuffles with
+fit takes them: arrays shuffled by fit (also weighted by class), and a dataset_fn that shuffles with
 `tfdist.data.worker_shuffle` (as tfdist's own pipelines do). It draws ids from them in closures that
 any worker may run, and writes the ids in scheduling order to OUT/<form>.json beside the
 orders seed + n gives one process, for tests/test_worker_streams.py.
@@ -56,13 +56,16 @@ def main(out: str) -> None:
     strategy = tfdist.build_strategy("parameter_server")
     coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
     ids = np.arange(EXAMPLES, dtype=np.int64)
+    arrays = make_fit_data(
+        ids, ids, batch_size=1, shuffle=True, strategy=strategy, for_training=True
+    )
     forms = {
-        "arrays": make_fit_data(
-            ids, ids, batch_size=1, shuffle=True, strategy=strategy, for_training=True
-        ),
+        "arrays": arrays,
+        "arrays_class_weight": arrays.class_weighted({0: 2.0}),
         "dataset_fn": make_fit_data(ids_dataset_fn, strategy=strategy, for_training=True),
     }
-    seeds = {"arrays": ARRAY_SHUFFLE_SEED, "dataset_fn": SEED}
+    seeds = {"arrays": ARRAY_SHUFFLE_SEED, "arrays_class_weight": ARRAY_SHUFFLE_SEED}
+    seeds["dataset_fn"] = SEED
     os.makedirs(out, exist_ok=True)
     for form, data in forms.items():
         drawn = draw(coordinator, data)

@@ -37,7 +37,7 @@ def numbered_streams(strategy: tf.distribute.Strategy):
     try:
         yield
     finally:
-        _local.counter = _local.claims = None
+        _local.counter = _local.claims = _local.streams = None
 
 
 def stream_number() -> tf.Tensor | None:

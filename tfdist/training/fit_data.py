@@ -94,21 +94,16 @@ class FitData:
         `tfdist.data.worker_shuffle`. A Dataset built beforehand goes to every worker as
         it is: shuffled with a seed (or under a global seed) it reads the same order on all.
         """
-        strategy = coordinator.strategy
         if self.dataset is not None and self.rebuild is None:
             return coordinator.create_per_worker_dataset(self.dataset.repeat())
-        if self.dataset is not None:
-            rebuild = self.rebuild
+        strategy, rebuild, user_fn = coordinator.strategy, self.rebuild, self.dataset_fn
 
-            def per_worker_fn():
+        def per_worker_fn():
+            if rebuild is not None:
                 return rebuild().repeat()
-        else:
-            user_fn = self.dataset_fn
-
-            def per_worker_fn():
-                return strategy.distribute_datasets_from_function(
-                    lambda context: user_fn(context).repeat()
-                )
+            return strategy.distribute_datasets_from_function(
+                lambda context: user_fn(context).repeat()
+            )
 
         with numbered_streams(strategy):  # the function is traced here, once
             return coordinator.create_per_worker_dataset(per_worker_fn)
@@ -153,7 +148,7 @@ class FitData:
                 self,
                 dataset=self.dataset.map(weighted, num_parallel_calls=tf.data.AUTOTUNE),
                 sample_batch=weighted(*self.sample_batch),
-                rebuild=rebuild and (lambda: rebuild().map(weighted)),
+                rebuild=None if rebuild is None else lambda: rebuild().map(weighted),
             )
         user_fn = self.dataset_fn
         return dataclasses.replace(
