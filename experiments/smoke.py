@@ -25,7 +25,7 @@ import json  # noqa: E402
 from absl import flags  # noqa: E402
 
 from experiments import common  # noqa: E402
-from tfdist.training import run_smoke_steps  # noqa: E402
+from tfdist.strategies.smoke import run_smoke_steps  # noqa: E402
 
 _STEPS = flags.DEFINE_integer("steps", 3, "Training steps to run.", lower_bound=1)
 _GLOBAL_BATCH_SIZE = flags.DEFINE_integer(

@@ -38,27 +38,24 @@ from absl import app, flags  # noqa: E402
 import tfdist  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.configs import CONFIGS  # noqa: E402
-from tfdist.data import dataset_names  # noqa: E402
-from tfdist.models import model_names  # noqa: E402
-from tfdist.training import TrainConfig, Trainer  # noqa: E402
-from tfdist.training.auto import (  # noqa: E402
-    AUTO,
-    PS_MAX_STALENESS,
-    TPU_STEPS_PER_EXECUTION,
-    auto_max_staleness,
-    auto_mixed_precision,
-    auto_steps_per_execution,
-)
-from tfdist.training.config import (  # noqa: E402
-    ASYNC_CORRECTION_CHOICES,
-    GOSSIP_CHOICES,
+from tfdist.app import TrainConfig, Trainer  # noqa: E402
+from tfdist.app.config import (  # noqa: E402
     LR_SCALING,
     LR_SCHEDULES,
     MIXED_PRECISION,
     OPTIMIZERS,
-    SHARD_CHOICES,
 )
-from tfdist.training.evaluator import EvaluatorTimeoutError, evaluate_checkpoints  # noqa: E402
+from tfdist.app.evaluator import EvaluatorTimeoutError, evaluate_checkpoints  # noqa: E402
+from tfdist.data import dataset_names  # noqa: E402
+from tfdist.models import model_names  # noqa: E402
+from tfdist.parallel import registry  # noqa: E402
+from tfdist.strategies.defaults import (  # noqa: E402
+    AUTO,
+    TPU_STEPS_PER_EXECUTION,
+    auto_mixed_precision,
+    auto_steps_per_execution,
+)
+from tfdist.training.runners import describe_mode_default, mode_defaults  # noqa: E402
 
 log = logging.getLogger("tfdist.train")
 _STRATEGY_NAMES = [
@@ -172,63 +169,44 @@ flags.DEFINE_bool(
     "updates that reached the parameters between the worker's read and its write (Zhang et "
     "al., 2016). Staleness is reported either way (summary.json, TensorBoard).",
 )
-flags.DEFINE_enum(
-    "shard_optimizer",
-    "none",
-    ["none", *SHARD_CHOICES],
-    "Synchronous strategies: shard the optimizer's state over the replicas (zero1: 1/N of the "
-    "slots per replica), and with zero2 the gradients too (reduce-scatter, then all-gather). "
-    "Same result as unsharded; see README 'Sharded optimizer state'.",
-)
-flags.DEFINE_integer(
-    "accumulate_steps",
-    _DEFAULTS.accumulate_steps,
-    "Split each replica's batch into this many micro-batches, summing their gradients into "
-    "one exchange and update per step (must divide the per-replica batch).",
-    lower_bound=1,
-)
-# How much the workers exchange (README "Which exchange for which cluster").
-flags.DEFINE_enum(
-    "async_correction",
-    "none",
-    ["none", *ASYNC_CORRECTION_CHOICES],
-    "parameter_server only: correct stale updates. dc: delay compensation, g + lambda g*g "
-    "(w_now - w_read) on the ps (Zheng et al., 2017); momentum: SGD's momentum lowered by "
-    "the momentum asynchrony adds, 1 - 1/(1 + mean staleness) (Mitliagkas et al., 2016).",
-)
-flags.DEFINE_string(
-    "max_staleness",
-    AUTO,
-    "parameter_server only: no update more than this many updates stale (a step waits for "
-    "the steps before it; 0: every update applies to the weights it was computed from); "
-    "'none': unbounded. 'auto': "
-    f"{PS_MAX_STALENESS} under parameter_server, the bound that measured best "
-    "(tools/exchange_bench, 4 workers, digits cnn, 220 steps, medians of 3): test accuracy "
-    "with Adam 0.967 against 0.958 at 1 and 0.911 unbounded (sync: 0.981); with SGD and "
-    "momentum 0.802 against 0.089 at 1 and 0.092 unbounded (sync: 0.889). At 0 the workers "
-    "take turns; 1 lets two steps compute at once (Adam: 1764 examples/s against 1313). "
-    "Elsewhere none.",
-)
-flags.register_validator(
-    "max_staleness",
-    lambda value: value in (AUTO, "none") or value.isdigit(),
-    message="--max_staleness must be 'auto', 'none' or a whole number >= 0.",
-)
-flags.DEFINE_integer(
-    "average_every",
-    None,
-    "Synchronous strategies: local SGD, each replica takes this many optimizer steps on its "
-    "own, then the weights are averaged in one all-reduce. Default: all-reduce every step.",
-    lower_bound=1,
-)
-flags.DEFINE_enum(
-    "gossip",
-    "none",
-    ["none", *GOSSIP_CHOICES],
-    "Synchronous strategies: gossip SGD, each replica averages its weights with its peers "
-    "after every local step (ring: both neighbours; exponential: one peer, 2^k away in turn), "
-    "with no all-reduce.",
-)
+
+
+# The parallel modes, one flag per entry of tfdist/parallel/registry.py ("Which exchange for
+# which cluster" in the README compares them).
+def _define_mode_flags() -> None:
+    for mode in registry.flagged():
+        name, value = mode.keyword, mode.value
+        text = (mode.help or mode.summary).replace("{auto}", describe_mode_default(name))
+        if isinstance(value, registry.Choice):
+            words = ["none", *value.choices, *([AUTO] if mode.auto else [])]
+            default = AUTO if mode.auto else (mode.default or "none")
+            flags.DEFINE_enum(name, default, words, text)
+        elif mode.auto:  # a number, 'none' or 'auto': resolved once the strategy is built
+            flags.DEFINE_string(name, AUTO, text)
+            flags.register_validator(
+                name,
+                lambda raw, mode=mode: (
+                    raw in (AUTO, "none") or mode.value.problem(mode.keyword, _number(raw)) is None
+                ),
+                message=f"--{name} must be 'auto', 'none' or {value.describe()}.",
+            )
+        elif isinstance(value, registry.Whole):
+            flags.DEFINE_integer(name, mode.default, text, lower_bound=value.minimum)
+        else:
+            flags.DEFINE_float(name, mode.default, text, lower_bound=value.minimum)
+
+
+def _number(raw: str) -> int | float | str:
+    """A flag's text as the number it spells (the text itself if none)."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+_define_mode_flags()
 flags.DEFINE_integer("seed", _DEFAULTS.seed, "Seed of the initial weights and the data order.")
 flags.DEFINE_integer(
     "shuffle_buffer",
@@ -274,10 +252,10 @@ flags.DEFINE_string(
 )
 
 FLAGS = flags.FLAGS
-# Flags whose 'auto' depends on the strategy, resolved once it is built.
+# Flags whose 'auto' depends on the hardware, resolved once the strategy is built (a mode's
+# 'auto' is its runner's default: mode_defaults).
 _AUTO_RESOLVERS = {
     "steps_per_execution": auto_steps_per_execution,
-    "max_staleness": auto_max_staleness,
     "mixed_precision": auto_mixed_precision,
 }
 # Flags that map one to one onto TrainConfig fields.
@@ -285,8 +263,8 @@ _CONFIG_FLAGS = [
     "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
     "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
     "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
-    "checkpoint_every", "staleness_aware_lr", "skip_corrupt", "shard_optimizer",
-    "accumulate_steps", "async_correction", "max_staleness", "average_every", "gossip",
+    "checkpoint_every", "staleness_aware_lr", "skip_corrupt",
+    *(mode.keyword for mode in registry.flagged()),
 ]  # fmt: skip
 
 
@@ -303,13 +281,18 @@ def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
     for name, resolve in _AUTO_RESOLVERS.items():
         if values[name] == AUTO:
             values[name] = getattr(_DEFAULTS, name) if strategy is None else resolve(strategy)
-    for name in ("mixed_precision", "shard_optimizer", "async_correction", "gossip"):
-        if values[name] == "none":
-            values[name] = None
+    if values["mixed_precision"] == "none":
+        values["mixed_precision"] = None
     values["steps_per_execution"] = int(values["steps_per_execution"])
-    if isinstance(values["max_staleness"], str):
-        staleness = values["max_staleness"]
-        values["max_staleness"] = None if staleness == "none" else int(staleness)
+    defaults = {} if strategy is None else mode_defaults(strategy)
+    for mode in registry.flagged():
+        raw = values[mode.keyword]
+        if raw == AUTO:
+            values[mode.keyword] = defaults.get(mode.keyword, mode.default)
+        elif raw == "none":
+            values[mode.keyword] = None
+        elif isinstance(raw, str) and not isinstance(mode.value, registry.Choice):
+            values[mode.keyword] = _number(raw)
     if values["model"] == "resnet":
         values.setdefault("model_options", {"depth": FLAGS.resnet_depth})
     if values["dataset"] == "synthetic":

@@ -1,4 +1,13 @@
-"""Shared test set-up: quiet TensorFlow, four logical CPUs, and helpers to run binaries."""
+"""Shared test set-up: quiet TensorFlow, four logical CPUs, helpers to run binaries, and the
+fast tier.
+
+The fast tier (`pytest --fast`, under 3 minutes on 2 cores) runs the tests of modules marked
+`pytestmark = pytest.mark.fast` (the logic, cluster, launcher, Kubernetes, schedule, registry
+and error-message tests), less those marked `multiprocess`: no TensorFlow process is
+launched, no wheel built, no model trained. A test in an unmarked module runs in the whole
+suite (`pytest`) only; a new test in a fast module is in the fast tier unless marked
+`multiprocess`.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +26,25 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 REPO = Path(__file__).resolve().parents[1]
 NUM_CPU_DEVICES = 4
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--fast",
+        action="store_true",
+        help="the fast tier: tests of modules marked fast, less those marked multiprocess",
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption("--fast"):
+        return
+    kept, left = [], []
+    for item in items:
+        fast = item.get_closest_marker("fast") and not item.get_closest_marker("multiprocess")
+        (kept if fast else left).append(item)
+    config.hook.pytest_deselected(items=left)
+    items[:] = kept
 
 
 def pytest_configure(config):

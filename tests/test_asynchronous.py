@@ -16,9 +16,10 @@ import tensorflow as tf
 import tfdist
 from tests import zero_cases
 from tests.conftest import run_module
+from tfdist.errors import FitError
 from tfdist.parallel import BoundedStaleness, DelayCompensation, MomentumCorrection
-from tfdist.training.fit_data import FitError
 from tfdist.training.runner import AsyncStep
+from tfdist.training.runners import runner_for
 
 TOLERANCE = 1e-5
 
@@ -33,7 +34,7 @@ def one_dense(optimizer) -> keras.Model:
 def corrected_by(hook, model, grad, moved_to, ticket=0) -> np.ndarray:
     """The gradient `hook` hands on for `grad`, after the kernel moved to `moved_to`
     between the step's read (begin_step) and its update, as another worker's update would."""
-    hook.build(model, tf.distribute.get_strategy())
+    hook.build(model, runner_for(model, tf.distribute.get_strategy()))
     kernel = model.trainable_variables[0]
     handed = []
 
@@ -79,7 +80,7 @@ def test_momentum_correction_lowers_sgd_momentum_by_the_measured_implicit_moment
     model = one_dense(keras.optimizers.SGD(0.1, momentum=0.9))
     model.optimizer.build(model.trainable_variables)
     hook = MomentumCorrection()
-    hook.build(model, tf.distribute.get_strategy())
+    hook.build(model, runner_for(model, tf.distribute.get_strategy()))
     kernel = model.trainable_variables[0]
     slot = model.optimizer.momentums[0]
     slot.assign([[1.0], [-1.0]])
@@ -106,7 +107,7 @@ def test_momentum_correction_lowers_sgd_momentum_by_the_measured_implicit_moment
         (
             {"async_correction": "fast"},
             "sgd_momentum",
-            "async_correction takes one of dc, momentum",
+            "async_correction must be None or one of 'dc', 'momentum'",
         ),
         ({"max_staleness": -1}, "sgd_momentum", "max_staleness must be a whole number >= 0"),
         ({"async_correction": "dc"}, "sgd_momentum", "only parameter_server training makes"),
@@ -132,7 +133,8 @@ def test_bad_asynchronous_options_get_one_clear_line(keywords, optimizer, messag
 )
 def test_momentum_correction_needs_sgd_with_plain_momentum(optimizer, message):
     with pytest.raises(FitError, match=message):
-        MomentumCorrection().build(one_dense(optimizer), tf.distribute.get_strategy())
+        model = one_dense(optimizer)
+        MomentumCorrection().build(model, runner_for(model, tf.distribute.get_strategy()))
 
 
 def test_a_staleness_bound_is_a_whole_number():

@@ -10,6 +10,8 @@ import pytest
 from tests.conftest import run_module
 from tfdist.cluster import ClusterInfo, TFConfigError, parse_tf_config
 
+pytestmark = pytest.mark.fast
+
 W2 = {"worker": ["host0:2222", "host1:2222"]}
 
 

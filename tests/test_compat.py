@@ -15,6 +15,8 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.collective import RingAllReduce
 
+pytestmark = pytest.mark.fast
+
 CPUS = ["/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3"]  # tests/conftest.py makes four
 # Key ranges far above those tfdist.build_strategy hands out (from 0 up, 100,000 apart), so
 # these strategies never share a collective group with another test's.

@@ -10,6 +10,8 @@ import tensorflow as tf
 
 from tfdist.data import DataError, PipelineOptions, find_records, prepare_dataset
 
+pytestmark = pytest.mark.fast
+
 ONE_EPOCH = PipelineOptions(
     repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
 )

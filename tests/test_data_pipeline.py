@@ -9,6 +9,8 @@ import tensorflow as tf
 from tfdist.data import DataError, PipelineOptions, tfrecord_dataset, write_tfrecords
 from tfdist.data.pipeline import explain_data_error
 
+pytestmark = pytest.mark.fast
+
 ONE_EPOCH = PipelineOptions(
     repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
 )

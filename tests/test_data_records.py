@@ -13,6 +13,8 @@ from tfdist.data import DataError, find_records, tfrecord_dataset, write_tfrecor
 from tfdist.data.pipeline import PipelineOptions
 from tfdist.data.records import check_first_record
 
+pytestmark = pytest.mark.fast
+
 ONE_EPOCH = PipelineOptions(
     repeat=False, shuffle_buffer=0, drop_remainder=False, deterministic=True
 )

@@ -15,6 +15,8 @@ import tensorflow_datasets as tfds
 
 from tfdist.data import DataError, PipelineOptions, prepare_dataset
 
+pytestmark = pytest.mark.fast
+
 NUM_TRAIN, NUM_TEST = 150, 40
 TRAIN_FILES = 2  # fewer than 3 pipelines, so 3 pipelines must shard by example
 ONE_EPOCH = PipelineOptions(shuffle_buffer=0, repeat=False, drop_remainder=False)

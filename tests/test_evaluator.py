@@ -18,8 +18,8 @@ import pytest
 
 import tfdist
 from tests.conftest import run_module
-from tfdist.training import TrainConfig, Trainer
-from tfdist.training.evaluator import (
+from tfdist.app import TrainConfig, Trainer
+from tfdist.app.evaluator import (
     EvaluatorError,
     EvaluatorTimeoutError,
     evaluate_checkpoints,

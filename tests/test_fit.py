@@ -15,7 +15,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import fit_models
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
 
 WEIGHTS_TOLERANCE = 1e-5
 LOGS_TOLERANCE = 1e-4

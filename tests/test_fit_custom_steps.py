@@ -22,7 +22,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import custom_step_models as models
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
 
 TOLERANCE = 1e-5
 TWO_CPUS = ["/cpu:0", "/cpu:1"]

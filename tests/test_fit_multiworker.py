@@ -1,7 +1,10 @@
 """tfdist.fit with real processes: multi_worker_mirrored and parameter_server jobs.
 
-Each test launches tests/workers/fit_worker.py — a user's own script — through tools.launch,
-then checks what every task wrote against Keras's own model.fit on one device.
+The tests launch tests/workers/fit_worker.py — a user's own script — through tools.launch,
+then check what every task wrote against Keras's own model.fit on one device. Starting a
+job costs more than most of what it trains, so the checks that need the same layout and no
+fault share one job (the `two_workers` and `parameter_servers` fixtures), which runs their
+modes one after another.
 """
 
 from __future__ import annotations
@@ -52,8 +55,28 @@ def references():
     return fit_models.keras_references()
 
 
-def test_two_workers_match_keras_on_one_device(references, tmp_path):
-    launch("equivalence", tmp_path, "--workers", "2")
+@pytest.fixture(scope="module")
+def two_workers(tmp_path_factory):
+    """One job of 2 workers (multi_worker_mirrored) running the modes these tests check:
+    (the directory each mode wrote to, by mode; the job's output)."""
+    out = tmp_path_factory.mktemp("two_workers")
+    modes = ("equivalence", "callbacks", "custom", "batch_norm")
+    output = launch(",".join(modes), out, "--workers", "2")
+    return {mode: out / mode for mode in modes}, output
+
+
+@pytest.fixture(scope="module")
+def parameter_servers(tmp_path_factory):
+    """One parameter-server job (a chief, 3 workers, 2 ps) running the user model and the
+    custom steps: (the directory each mode wrote to, by mode; the job's output)."""
+    out = tmp_path_factory.mktemp("parameter_servers")
+    modes = ("ps", "custom_ps")
+    output = launch(",".join(modes), out, "--chief", "--workers", "3", "--ps", "2")
+    return {mode: out / mode for mode in modes}, output
+
+
+def test_two_workers_match_keras_on_one_device(references, two_workers):
+    tmp_path = two_workers[0]["equivalence"]
     for name, (weights, history, evaluation) in references.items():
         for task in ("worker_0", "worker_1"):
             got, logs = written(tmp_path, task, name)
@@ -64,8 +87,8 @@ def test_two_workers_match_keras_on_one_device(references, tmp_path):
                 assert logs["evaluate"][key] == pytest.approx(value, abs=LOGS_TOLERANCE)
 
 
-def test_callbacks_stop_together_and_only_the_chief_writes(tmp_path):
-    launch("callbacks", tmp_path, "--workers", "2")
+def test_callbacks_stop_together_and_only_the_chief_writes(two_workers):
+    tmp_path = two_workers[0]["callbacks"]
     (_, chief), (_, other) = (written(tmp_path, t, "cnn") for t in ("worker_0", "worker_1"))
     epochs = len(chief["history"]["loss"])
     assert 1 < epochs < 20  # EarlyStopping ended it, on both workers at the same epoch
@@ -93,10 +116,10 @@ def test_backup_and_restore_survives_a_killed_worker(references, tmp_path):
         assert max_diff(got, references["cnn"][0]) <= WEIGHTS_TOLERANCE
 
 
-def test_parameter_server_trains_a_user_model(tmp_path):
+def test_parameter_server_trains_a_user_model(parameter_servers):
     # 3 workers and 2 ps: the model's variables are whole (below ps_min_shard_bytes), placed
     # round-robin on the two ps tasks.
-    output = launch("ps", tmp_path, "--chief", "--workers", "3", "--ps", "2")
+    tmp_path, output = parameter_servers[0]["ps"], parameter_servers[1]
     _, logs = written(tmp_path, "chief_0", "mlp")
     assert logs["evaluate"]["accuracy"] > 0.6  # ten classes: chance is 0.1
     # tfdist.predict reads the weights from the ps: its argmax gives evaluate's accuracy.
@@ -129,10 +152,10 @@ def test_variables_split_across_ps_tasks_train_and_back_up(tmp_path):
     assert "Traceback" not in result.stdout
 
 
-def test_custom_steps_on_two_workers_match_keras_under_mirrored(tmp_path):
+def test_custom_steps_on_two_workers_match_keras_under_mirrored(two_workers):
     """The keras.io custom-step model and a step with its own keys, on 2 worker processes,
     against Keras's own fit under mirrored over 2 replicas (the same batches)."""
-    launch("custom", tmp_path, "--workers", "2")
+    tmp_path = two_workers[0]["custom"]
     for name in custom_step_models.CASES:
         strategy = tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"])
         with strategy.scope():
@@ -154,10 +177,10 @@ def test_custom_steps_on_two_workers_match_keras_under_mirrored(tmp_path):
                 assert logs["evaluate"][key] == pytest.approx(value, abs=WEIGHTS_TOLERANCE)
 
 
-def test_custom_steps_run_under_parameter_server(tmp_path):
-    """2 workers and 2 ps: the model's own train_step runs on the workers (its tracker and
+def test_custom_steps_run_under_parameter_server(parameter_servers):
+    """3 workers and 2 ps: the model's own train_step runs on the workers (its tracker and
     its step counter move), its own keys reach the history and the batch logs."""
-    launch("custom_ps", tmp_path, "--chief", "--workers", "2", "--ps", "2")
+    tmp_path = parameter_servers[0]["custom_ps"]
     _, keras_io = written(tmp_path, "chief_0", "keras_io")
     assert set(keras_io["history"]) >= {"loss", "mae"}
     assert keras_io["history"]["loss"][-1] < keras_io["history"]["loss"][0]
@@ -192,10 +215,10 @@ def test_a_model_made_outside_the_scope_is_one_line_and_not_restarted(tmp_path):
     assert "restarting" not in output.lower().replace("not restarting", "")
 
 
-def test_batch_norm_moving_statistics_are_one_model_on_every_worker(tmp_path):
+def test_batch_norm_moving_statistics_are_one_model_on_every_worker(two_workers):
     """Unsynchronised BatchNormalization keeps a copy per replica; tfdist warns once and
     averages them at every epoch end, so both workers save and evaluate the same model."""
-    output = launch("batch_norm", tmp_path, "--workers", "2")
+    tmp_path, output = two_workers[0]["batch_norm"], two_workers[1]
     (chief, chief_logs), (other, other_logs) = (
         written(tmp_path, task, "batch_norm") for task in ("worker_0", "worker_1")
     )

@@ -1,11 +1,16 @@
-"""tfdist's modules import one another without circles.
+"""tfdist's modules import one another without circles, and its layers import downwards only.
 
 A circle works only while every module in it imports the others lazily or late enough, and
 breaks as soon as one of them moves an import to the top; it also means the modules cannot
 be understood apart. The walk reads the source (no TensorFlow import): every `import tfdist...`
 and `from tfdist... import` anywhere in a module counts, at module level, inside functions and
-under `if TYPE_CHECKING:` alike. tfdist/__init__.py's public-API table names modules as strings
-and imports them on first use, so it is no import.
+under `if TYPE_CHECKING:` alike. Importing `tfdist.a.b` also runs the package `tfdist.a`'s
+`__init__`, so that counts as an import of `tfdist.a` too (unless the importer is inside it).
+The packages' public-API tables name modules as strings and import them on first use, so
+they are no import.
+
+The layers, top down: the binary's application (tfdist.app), the facade (tfdist.api), the
+parallel modes (tfdist.parallel), the engine (tfdist.training), and the rest of tfdist.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import pytest
+
+pytestmark = pytest.mark.fast
 
 PACKAGE = "tfdist"
 ROOT = Path(__file__).resolve().parents[1] / PACKAGE
@@ -50,8 +57,16 @@ def imported_modules(name: str, path: Path, known: Iterable[str]) -> set[str]:
                 submodule = f"{base}.{alias.name}"
                 found.add(submodule if submodule in known else _nearest_module(base, known))
     found.discard(None)
+    # Importing a module runs its packages' __init__ first: those the importer is not inside.
+    found |= {package for module in found for package in _packages(module)} - _packages(name)
     found.discard(name)
     return found
+
+
+def _packages(module: str) -> set[str]:
+    """The packages above `module` ("tfdist.a.b" -> {"tfdist", "tfdist.a"}), and itself."""
+    parts = module.split(".")
+    return {".".join(parts[:end]) for end in range(1, len(parts) + 1)}
 
 
 def _absolute(module: str | None, level: int, importer: str, *, is_package: bool) -> str:
@@ -163,6 +178,43 @@ def test_tfdist_has_no_import_circles():
     )
 
 
+# Each layer imports only layers below it (lower number). A module not listed is in the
+# base layer (0): cluster, strategies, data, collective, compat, ... A package and its
+# modules share a layer.
+LAYERS = {
+    "tfdist.training": 1,
+    "tfdist.parallel": 2,
+    "tfdist.api": 3,
+    "tfdist.app": 4,
+    "tfdist.ray": 4,  # an engine users scale out on: a client of tfdist.fit, like the binary
+}
+
+
+def layer_of(module: str) -> int:
+    found = [LAYERS[p] for p in sorted(_packages(module)) if p in LAYERS]
+    return found[-1] if found else 0
+
+
+def test_layers_import_downwards_only():
+    graph = import_graph(ROOT, PACKAGE)
+    upwards = sorted(
+        f"{module} (layer {layer_of(module)}) imports {imported} (layer {layer_of(imported)})"
+        for module, imported_set in graph.items()
+        for imported in imported_set
+        if module != PACKAGE and layer_of(imported) > layer_of(module)
+    )
+    assert {layer_of(m) for m in graph} == {0, 1, 2, 3, 4}, "a layer has no modules"
+    assert not upwards, "imports run back up the layers:\n" + "\n".join(upwards)
+
+
+def test_the_engine_package_imports_nothing_eagerly():
+    # Importing any tfdist.training.X runs tfdist/training/__init__.py first: it must not
+    # pull the engine (let alone what sits above it) in with it.
+    graph = import_graph(ROOT, PACKAGE)
+    for package in ("tfdist.training", "tfdist.parallel", "tfdist.app"):
+        assert graph[package] <= {"tfdist"}, f"{package}/__init__.py imports {graph[package]}"
+
+
 def _write_package(root: Path, files: Mapping[str, str]) -> Path:
     for relative, text in files.items():
         path = root / "pkg" / relative
@@ -200,8 +252,18 @@ def _write_package(root: Path, files: Mapping[str, str]) -> Path:
             },
             [],
         ),
+        (  # importing pkg.sub.c runs pkg/sub/__init__.py, which imports back
+            {
+                "__init__.py": "",
+                "a.py": "from pkg.sub.c import C\n",
+                "sub/__init__.py": "from pkg.sub.d import D\n",
+                "sub/c.py": "C = 1\n",
+                "sub/d.py": "from pkg.a import thing\n",
+            },
+            [["pkg.a", "pkg.sub", "pkg.sub.d", "pkg.a"]],
+        ),
     ],
-    ids=["function_level", "type_checking_relative", "no_circle"],
+    ids=["function_level", "type_checking_relative", "no_circle", "through_a_package_init"],
 )
 def test_the_walk_finds_circles(tmp_path, files, expected):
     package = _write_package(tmp_path, files)

@@ -30,6 +30,8 @@ from tfdist.k8s import cli as k8s_cli
 from tfdist.layout import Layout
 from tfdist.roles import is_server_role
 
+pytestmark = pytest.mark.fast
+
 IMAGE = "example.com/tfdist:1"
 COMMAND = ["python", "my_train.py", "--model_dir=gs://bucket/runs"]
 CRD = yaml.safe_load((REPO / "tests" / "fixtures" / "jobset_crd.yaml").read_text())

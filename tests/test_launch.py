@@ -26,6 +26,8 @@ from tfdist import exit_codes
 from tfdist.cluster import parse_tf_config
 from tools import launch
 
+pytestmark = pytest.mark.fast
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # One program plays every task. It records its pid in "<task>.<attempt>.pid" (so a test can

@@ -18,8 +18,9 @@ import tensorflow as tf
 import tfdist
 from tests import zero_cases
 from tests.conftest import run_module
+from tfdist.errors import FitError
 from tfdist.parallel import Gossip, LocalSGD
-from tfdist.training.fit_data import FitError
+from tfdist.training.runners import runner_for
 
 TOLERANCE = 1e-5
 
@@ -131,7 +132,7 @@ def test_gossip_mixes_by_its_topology():
     flats = [tf.constant([float(r), 10.0 * r]) for r in range(4)]
     ring, exponential = Gossip("ring"), Gossip("exponential")
     for hook in (ring, exponential):
-        hook.build(model, strategy)
+        hook.build(model, runner_for(model, strategy))
 
     mixed = [t.numpy() for t in ring._mix(tf.constant(0, tf.int64), flats)]
     for r in range(4):
@@ -196,7 +197,11 @@ def test_a_model_with_an_embedding_trains_under_gossip():
     ("strategy", "keywords", "message"),
     [
         (lambda: mirrored(2), {"average_every": 0}, "average_every must be a whole number >= 1"),
-        (lambda: mirrored(2), {"gossip": "star"}, "gossip takes a topology: ring, exponential"),
+        (
+            lambda: mirrored(2),
+            {"gossip": "star"},
+            "gossip must be None or one of 'ring', 'exponential'",
+        ),
         (
             lambda: mirrored(2),
             {"average_every": 2, "shard_optimizer": "zero2"},

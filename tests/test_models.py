@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import tfdist
+from tfdist.app import TrainConfig, Trainer
 from tfdist.models import ModelError, build_model
-from tfdist.training import TrainConfig, Trainer
 
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "resnet"])

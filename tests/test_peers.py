@@ -26,9 +26,9 @@ import tensorflow as tf
 
 import tfdist
 from tests.conftest import REPO, free_ports, task_pid
+from tfdist.app import TrainConfig, Trainer
 from tfdist.cluster import parse_tf_config
 from tfdist.peers import PeerError, explain_peer_error, wait_for_peers, wait_for_servers
-from tfdist.training import TrainConfig, Trainer
 
 TWO_WORKERS = {"cluster": {"worker": ["localhost:2001", "localhost:2002"]}}
 WITH_CHIEF = {"cluster": {"chief": ["h0:2000"], "worker": ["h1:2001", "h2:2002"]}}

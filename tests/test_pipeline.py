@@ -18,9 +18,10 @@ import tensorflow as tf
 import tfdist
 from tests import pipeline_cases
 from tests.conftest import run_module
+from tfdist.errors import FitError
 from tfdist.parallel import Pipeline, StageError, chain, split
 from tfdist.parallel.schedules import schedule
-from tfdist.training.fit_data import FitError, make_fit_data
+from tfdist.training.fit_data import make_fit_data
 
 TOLERANCE = 1e-5
 
@@ -200,27 +201,66 @@ def test_a_pipeline_resumed_from_step_checkpoints_trains_as_one_uninterrupted_ru
 # --- worker processes -----------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory):
+    """One job of 4 worker processes training both layouts, one after the other: 4 stages,
+    and 2 pipelines x 2 stages, each schedule with M = 1 and 4. Returns where it wrote."""
+    out = tmp_path_factory.mktemp("four_processes")
+    result = run_module(
+        "tools.launch", "--workers", "4", "--timeout", "400", "--",
+        sys.executable, "-m", "tests.workers.pipeline_worker", str(out), "4,2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return out
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stages", [4, 2])
 def test_a_pipeline_across_four_worker_processes_trains_the_weights_keras_trains_unsplit(
-    reference, stages, tmp_path
+    reference, stages, four_processes
 ):
     """4 stages on 4 processes, or 2 pipelines x 2 stages: each schedule, M = 1 and 4."""
-    result = run_module(
-        "tools.launch", "--workers", "4", "--timeout", "280", "--",
-        sys.executable, "-m", "tests.workers.pipeline_worker", str(tmp_path), str(stages),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     want, history, _ = reference
     for task in [f"worker_{i}" for i in range(4)]:
         for order in ("gpipe", "1f1b"):
             for micro_batches in (1, 4):
                 name = f"{order}_m{micro_batches}"
-                arrays = np.load(tmp_path / task / f"{name}.npz")
+                here = four_processes / str(stages) / task
+                arrays = np.load(here / f"{name}.npz")
                 got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
                 assert max_diff(want, got) <= TOLERANCE, (task, name)
-                logs = json.loads((tmp_path / task / f"{name}.json").read_text())
+                logs = json.loads((here / f"{name}.json").read_text())
                 assert logs["loss"] == pytest.approx(history["loss"], abs=1e-6), (task, name)
+
+
+@pytest.mark.multiprocess
+def test_a_pipeline_across_two_processes_trains_in_mixed_bfloat16(tmp_path):
+    """Activations and their gradients cross between the processes in bfloat16, which
+    TensorFlow's collectives do not take (the transport sends its bits as float16): the two
+    processes train what the same pipeline trains over two local devices, where the stages
+    hand each other copies."""
+    result = run_module(
+        "tools.launch", "--workers", "2", "--timeout", "200", "--",
+        sys.executable, "-m", "tests.workers.pipeline_worker", str(tmp_path), "2",
+        "mixed_bfloat16",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    previous = keras.mixed_precision.dtype_policy()
+    keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
+    try:
+        with mirrored(2).scope():
+            model = pipeline_cases.mlp()
+        assert model.layers[0].compute_dtype == "bfloat16"
+        pipeline = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2, schedule="1f1b")
+        history = tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
+    finally:
+        keras.mixed_precision.set_dtype_policy(previous)
+    for task in ("worker_0", "worker_1"):
+        arrays = np.load(tmp_path / "2" / task / "1f1b_m2.npz")
+        got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+        assert max_diff(model.get_weights(), got) <= TOLERANCE, task
+        logs = json.loads((tmp_path / "2" / task / "1f1b_m2.json").read_text())
+        assert logs["loss"] == pytest.approx(history.history["loss"], abs=1e-6), task
 
 
 # --- bad splits: one clear error each -------------------------------------------------------------

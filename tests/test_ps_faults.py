@@ -22,8 +22,8 @@ import tensorflow as tf
 from tests.conftest import REPO, task_pid
 from tfdist.training.faults import ClusterTaskFailed, explain_cluster_error, lost_worker
 
-STEPS = 600  # ~10 s of mlp steps on 2 workers: long enough to kill something mid-way
-CHECKPOINT_EVERY = 50
+STEPS = 360  # ~6 s of mlp steps on 2 workers: long enough to kill something mid-way
+CHECKPOINT_EVERY = 40
 
 
 def train_argv(model_dir: Path, data_dir: str, *launch_flags: str) -> list[str]:

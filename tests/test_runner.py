@@ -20,7 +20,7 @@ import tensorflow as tf
 import tfdist
 from tests import custom_step_models
 from tests.conftest import REPO, free_ports
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
 from tfdist.training.runners import RUNNERS
 
 STRATEGIES = {

@@ -9,6 +9,8 @@ import pytest
 from tfdist.parallel import schedules
 from tfdist.parallel.schedules import Pass, bubble_formula, schedule, simulate
 
+pytestmark = pytest.mark.fast
+
 
 @pytest.mark.parametrize("name", schedules.SCHEDULES)
 @pytest.mark.parametrize("stages", [1, 2, 4])

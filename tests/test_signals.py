@@ -41,10 +41,13 @@ def start(log: Path, tf_config_value: str, *flags: str, env=None) -> subprocess.
 
 @pytest.mark.multiprocess
 def test_a_stop_signal_before_training_ends_each_role_at_once(tmp_path):
-    w = free_ports(4)
+    # One call for every port: two calls may hand out a port twice (each was free then), and
+    # a task would find its missing peer answering on another role's port.
+    ports = free_ports(8)
+    w = ports[:4]
     mwms = {"worker": [f"localhost:{w[0]}", f"localhost:{w[1]}"]}
     leaderless = {"worker": [f"localhost:{w[2]}", f"localhost:{w[3]}"]}
-    p = free_ports(4)
+    p = ports[4:]
     ps_job = {
         "chief": [f"localhost:{p[0]}"],
         "worker": [f"localhost:{p[1]}"],

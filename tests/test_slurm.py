@@ -9,6 +9,8 @@ import pytest
 import tfdist
 from tfdist.slurm import SlurmEnvError, expand_hostlist, expand_tasks_per_node
 
+pytestmark = pytest.mark.fast
+
 
 def srun_env(rank: int, *, nodes="node[01-02]", per_node="2(x2)", ntasks=4, **extra) -> dict:
     """What srun sets in task `rank` of a step of 2 nodes x 2 tasks (block distribution)."""

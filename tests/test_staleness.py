@@ -8,9 +8,11 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tfdist.training import ConfigError, TrainConfig, Trainer
-from tfdist.training.optim import WarmupSchedule
+from tfdist.app import ConfigError, TrainConfig, Trainer
+from tfdist.training.callbacks import WarmupSchedule
 from tfdist.training.staleness import StalenessAwareSchedule, StalenessStats, UpdateCounter
+
+pytestmark = pytest.mark.fast
 
 
 def test_the_counter_measures_the_updates_between_a_read_and_a_claim():

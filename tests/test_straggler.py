@@ -11,6 +11,8 @@ import pytest
 from tests.conftest import run_module
 from tfdist.launch.straggler import Straggle, Straggler, StragglerError, parse_pause, parse_slow
 
+pytestmark = pytest.mark.fast
+
 # Counts as fast as it can and prints the count every 10 ms.
 COUNTER = (
     "import time\n"

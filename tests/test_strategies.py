@@ -24,8 +24,10 @@ from tfdist.strategies import (
     tpu_node_address,
 )
 from tfdist.strategies.parameter_server import PresentWorkersResolver
-from tfdist.training import run_smoke_steps
+from tfdist.strategies.smoke import run_smoke_steps
 from tools.smoke import parse_results
+
+pytestmark = pytest.mark.fast
 
 TOLERANCE = 1e-5
 STEPS = 3

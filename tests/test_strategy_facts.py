@@ -25,6 +25,8 @@ from tfdist.strategies import (
     strategy_names,
 )
 
+pytestmark = pytest.mark.fast
+
 # kind -> a stand-in of TensorFlow's class for it.
 STAND_INS = {
     "tpu": tf.distribute.TPUStrategy,
@@ -73,7 +75,7 @@ def test_strategy_name_groups_are_strategy_names():
 def test_ray_train_workers_refuse_a_strategy_that_trains_each_alone(monkeypatch, kind):
     pytest.importorskip("ray.train", reason='tfdist.ray needs Ray Train: pip install "tfdist[ray]"')
     import tfdist.ray
-    from tfdist.training.fit_data import FitError
+    from tfdist.errors import FitError
 
     context = mock.Mock(get_world_size=mock.Mock(return_value=2))
     monkeypatch.setattr(tfdist.ray.ray.train, "get_context", lambda: context)

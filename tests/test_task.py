@@ -11,6 +11,8 @@ import pytest
 import tfdist
 from tests.conftest import REPO
 
+pytestmark = pytest.mark.fast
+
 SYNC = {"chief": ["h:1"], "worker": ["h:2", "h:3"]}
 PS = {"chief": ["h:1"], "worker": ["h:2", "h:3"], "ps": ["h:4", "h:5"]}
 

@@ -31,6 +31,8 @@ from tfdist.layout import Layout, LayoutError
 from tfdist.roles import is_server_role
 from tools import tfjob
 
+pytestmark = pytest.mark.fast
+
 IMAGE = "example.com/tfdist:1"
 
 # layout name -> (tool flags, {pod: what that pod does}); "serve" marks a worker or ps server of

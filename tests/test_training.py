@@ -22,10 +22,10 @@ import pytest
 
 import tfdist
 from tests.conftest import REPO, run_module
+from tfdist.app import ConfigError, TrainConfig, Trainer
 from tfdist.exit_codes import EXIT_PREEMPTED
-from tfdist.training import ConfigError, TrainConfig, Trainer
+from tfdist.training.callbacks import WarmupSchedule
 from tfdist.training.checkpoints import CheckpointMismatchError
-from tfdist.training.optim import WarmupSchedule
 from tfdist.training.preemption import Preempted
 
 # Plain SGD, no shuffle: the same global batches in the same order on every strategy.
@@ -208,20 +208,34 @@ def train_command(model_dir, data_dir, weights_dir, *extra):
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["crash", "preemption"])
-def test_a_stopped_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path, stop):
+def _binary_env() -> dict[str, str]:
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
     env.pop("TF_CONFIG", None)
+    return env
 
-    def run_to_the_end(model_dir, weights_dir):
-        command = train_command(model_dir, data_dir, weights_dir)
-        return subprocess.run(
-            command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-        )
 
-    whole = run_to_the_end(tmp_path / "whole", tmp_path / "w1")
+def _run_to_the_end(model_dir, data_dir, weights_dir):
+    return subprocess.run(
+        train_command(model_dir, data_dir, weights_dir), cwd=REPO, env=_binary_env(),
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_run(data_dir, tmp_path_factory):
+    """The binary's run that nothing stops: (its model_dir, the directory of its weights)."""
+    here = tmp_path_factory.mktemp("uninterrupted")
+    whole = _run_to_the_end(here / "whole", data_dir, here / "w1")
     assert whole.returncode == 0, whole.stderr[-2000:]
+    return here / "whole", here / "w1"
 
+
+@pytest.mark.parametrize("stop", [signal.SIGKILL, signal.SIGTERM], ids=["crash", "preemption"])
+def test_a_stopped_run_resumes_to_the_same_step_and_weights(
+    data_dir, tmp_path, stop, uninterrupted_run
+):
+    env = _binary_env()
+    whole, whole_weights = uninterrupted_run
     interrupted = tmp_path / "interrupted"
     proc = subprocess.Popen(
         train_command(interrupted, data_dir, tmp_path / "w2"),
@@ -245,15 +259,15 @@ def test_a_stopped_run_resumes_to_the_same_step_and_weights(data_dir, tmp_path, 
         assert proc.returncode == EXIT_PREEMPTED, stderr[-2000:]
         assert re.search(r"preempted: SIGTERM at step \d+; checkpoint saved", stderr)
     assert not (interrupted / "summary.json").exists()
-    resumed = run_to_the_end(interrupted, tmp_path / "w2")
+    resumed = _run_to_the_end(interrupted, data_dir, tmp_path / "w2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
-    first, second = read_summary(tmp_path / "whole"), read_summary(interrupted)
+    first, second = read_summary(whole), read_summary(interrupted)
     assert second["resumed_from_step"] > 0 and second["steps"] == first["steps"] == 66
     # The history holds every epoch, those the stopped session ended too.
     assert [(h["epoch"], h["step"]) for h in second["history"]] == [(1, 22), (2, 44), (3, 66)]
     assert second["resume_points"] == [second["resumed_from_step"]]
-    a, b = np.load(tmp_path / "w1" / "local.npz"), np.load(tmp_path / "w2" / "local.npz")
+    a, b = np.load(whole_weights / "local.npz"), np.load(tmp_path / "w2" / "local.npz")
     # Same data position after the restart: the weights agree to float rounding.
     assert max_diff([a[k] for k in a.files], [b[k] for k in b.files]) <= TOLERANCE
 
@@ -272,92 +286,147 @@ def error_lines(stderr):
     return [line for line in stderr.splitlines() if line.startswith(("error:", "FATAL"))]
 
 
+# How each binary mistake below is run: as a process of its own (the flags, the exit code and
+# the error line end to end), or in this process through the same path (common.parse_flags,
+# then common.friendly_errors around the binary's main), where the mistake is caught before
+# anything changes the process (a process start costs seconds of TensorFlow start-up).
+PROCESS, IN_PROCESS = "process", "in-process"
+
+
 @pytest.mark.parametrize(
-    "args, env, message",
+    "args, env, message, how",
     [
         (
             ["--strategy=bogus"],
             {},
             "error: flag --strategy=bogus: value should be one of",
+            PROCESS,
         ),
         (
+            # A process of its own: the CPU is split into 2 devices before the mistake shows.
             ["--strategy=mirrored", "--num_cpu_devices=2", "--global_batch_size=33"],
             {},
             "error: The global batch size 33 does not split evenly over the 2 replicas",
+            PROCESS,
         ),
-        (["--strategy=tpu"], {}, "error: No TPU found"),
-        (["--model_dir=/dev/null"], {}, "error: model_dir /dev/null is a file, not a directory."),
+        (["--strategy=tpu"], {}, "error: No TPU found", IN_PROCESS),
+        (
+            ["--model_dir=/dev/null"],
+            {},
+            "error: model_dir /dev/null is a file, not a directory.",
+            IN_PROCESS,
+        ),
         # /sys is not writable, even by root: PermissionDenied or a read-only filesystem.
         (
             ["--model_dir=/sys/tfdist-run"],
             {},
             "error: model_dir /sys/tfdist-run cannot be written (",
+            IN_PROCESS,
         ),
-        (["extra_arg"], {}, "error: Unexpected arguments: extra_arg."),
+        (["extra_arg"], {}, "error: Unexpected arguments: extra_arg.", PROCESS),
         (
             ["--data_dir=/dev/null/data"],
             {},
             "error: data_dir /dev/null/data/digits cannot be written (FailedPreconditionError: "
             "/dev/null is not a directory)",
+            IN_PROCESS,
         ),
         (
             ["--data_dir=s3://bucket/data"],
             {},
             "error: The dataset 'digits' cannot be read from s3://bucket/data (UnimplementedError",
+            IN_PROCESS,
         ),
         (
             ["--all_reduce=ring", "--compression=bfloat16"],
             {},
             "error: Option all_reduce does not apply to 'one_device', the strategy 'auto' chose",
+            IN_PROCESS,
         ),
         (
             ["--strategy=mirrored"],
             {"TF_CONFIG": TWO_WORKERS},
             "error: 'mirrored' trains within one process, but TF_CONFIG describes 2 training tasks",
+            IN_PROCESS,
         ),
         (
             ["--num_cpu_devices=2"],
             {"TF_CONFIG": TWO_WORKERS},
             "error: --num_cpu_devices=2 splits this host's CPU into replicas for mirrored and "
             "central_storage, but this job runs multi_worker_mirrored ('auto' asked)",
+            IN_PROCESS,
         ),
         (
             ["--strategy=parameter_server", "--num_cpu_devices=2"],
             {"TF_CONFIG": PS_CHIEF},
             "error: --num_cpu_devices=2 splits this host's CPU into replicas for mirrored and "
             "central_storage, but this job runs parameter_server",
+            IN_PROCESS,
         ),
         (
             ["--strategy=multi_worker_mirrored", "--collective=nccl"],
             {"TF_CONFIG": TWO_WORKERS},
             "error: collective='nccl' runs the all-reduce on GPUs with NCCL, and this host has "
             "none.",
+            PROCESS,
         ),
         (
             ["--model_dir=s3://bucket/run"],
             {},
             "error: model_dir s3://bucket/run cannot be written (UnimplementedError: File "
             "system scheme 's3' not implemented",
+            IN_PROCESS,
         ),
         (
             ["--strategy=parameter_server"],
             {},
             "error: The 'parameter_server' strategy needs a cluster",
+            IN_PROCESS,
         ),
     ],
 )
-def test_bad_flags_end_with_one_error_line(args, env, message, data_dir):
-    result = run_module(
-        "experiments.train",
-        f"--data_dir={data_dir}",
-        *args,
-        env={"TPU_NAME": "", "COLAB_TPU_ADDR": "", **env},
-        timeout=120,
-    )
-    assert result.returncode == 2  # a usage mistake
-    assert "Traceback" not in result.stderr
-    lines = error_lines(result.stderr)
-    assert len(lines) == 1 and lines[0].startswith(message), result.stderr[-2000:]
+def test_bad_flags_end_with_one_error_line(args, env, message, how, data_dir, in_process_binary):
+    env = {"TPU_NAME": "", "COLAB_TPU_ADDR": "", **env}
+    if how == PROCESS:
+        result = run_module(
+            "experiments.train", f"--data_dir={data_dir}", *args, env=env, timeout=120
+        )
+        code, stderr = result.returncode, result.stderr
+    else:
+        code, stderr = in_process_binary(f"--data_dir={data_dir}", *args, env=env)
+    assert code == 2, stderr[-2000:]  # a usage mistake
+    assert "Traceback" not in stderr
+    lines = error_lines(stderr)
+    assert len(lines) == 1 and lines[0].startswith(message), stderr[-2000:]
+
+
+@pytest.fixture
+def in_process_binary(monkeypatch, capsys):
+    """Runs experiments.train's flags and main in this process, as common.run does:
+    returns (exit code, stderr). The flags, the environment and the loggers' levels are
+    put back afterwards."""
+    from experiments import common
+    from experiments import train as train_binary
+
+    loggers = {name: logging.getLogger(name).level for name in ("tfdist", "tensorflow")}
+
+    def run(*args: str, env: dict[str, str]) -> tuple[int, str]:
+        monkeypatch.delenv("TF_CONFIG", raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        capsys.readouterr()
+        try:
+            argv = common.parse_flags(["train", *args])
+            common.friendly_errors(train_binary.main)(argv)
+            code = 0
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err
+
+    yield run
+    train_binary.FLAGS.unparse_flags()
+    for name, level in loggers.items():
+        logging.getLogger(name).setLevel(level)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "bytes flipped"])

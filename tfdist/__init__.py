@@ -17,8 +17,11 @@ The public API, listed explicitly:
   TfdistError                                     base of every error tfdist explains
 
 Subpackages: tfdist.data (TFRecord and TFDS pipelines), tfdist.collective (the ring
-all-reduce), tfdist.parallel (sharded optimizer state, gradient accumulation), tfdist.launch (the tfdist-launch command), tfdist.k8s (tfdist-k8s: JobSet and
-TFJob manifests), tfdist.ray (Ray Train; the optional extra tfdist[ray]).
+all-reduce and the one point-to-point transport), tfdist.parallel (the parallel modes and
+their registry: ZeRO, accumulation, pipeline and tensor parallelism, local SGD, gossip, the
+asynchronous corrections), tfdist.training (the engine behind fit), tfdist.app (the training
+binary's application), tfdist.launch (the tfdist-launch command), tfdist.k8s (tfdist-k8s:
+JobSet and TFJob manifests), tfdist.ray (Ray Train; the optional extra tfdist[ray]).
 
 Names are imported on first use, so tools that only read TF_CONFIG (the launcher, the
 TF_CONFIG checker) start without paying for a TensorFlow import.
@@ -45,15 +48,15 @@ _EXPORTS = {
     "DeviceConfigurationError": "tfdist.devices",
     "configure_cpu_devices": "tfdist.devices",
     "TfdistError": "tfdist.errors",
-    "FitError": "tfdist.training.fit_data",
-    "evaluate": "tfdist.training.fit",
-    "fit": "tfdist.training.fit",
+    "FitError": "tfdist.errors",
+    "evaluate": "tfdist.api.fit",
+    "fit": "tfdist.api.fit",
     "StepHook": "tfdist.training.runner",
-    "predict": "tfdist.training.predict",
+    "predict": "tfdist.api.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",
     "StepCheckpoint": "tfdist.training.checkpoints",
     "RunRecord": "tfdist.training.report",
-    "WarmupSchedule": "tfdist.training.optim",
+    "WarmupSchedule": "tfdist.training.callbacks",
     "TaskInfo": "tfdist.task",
     "this_task": "tfdist.task",
     "is_chief": "tfdist.task",
@@ -71,7 +74,7 @@ _EXPORTS = {
 }
 
 # Subpackages, imported on first use too: `import tfdist` then `tfdist.data.tfrecord_dataset`.
-_SUBPACKAGES = ("collective", "data", "k8s", "launch", "parallel", "ray", "training")
+_SUBPACKAGES = ("app", "collective", "data", "k8s", "launch", "parallel", "ray", "training")
 
 __all__ = sorted(_EXPORTS)
 

@@ -58,8 +58,8 @@ import keras
 import tensorflow as tf
 
 import tfdist
-from tfdist.strategies import joins_worker_processes
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
+from tfdist.strategies.registry import check_joins_processes
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,9 @@ def fit(
         log.info("Not in a Ray Train worker: training with tfdist.fit, reporting nothing")
         return tfdist.fit(model, x, y, strategy=strategy, **fit_kwargs)
 
-    reporter = _Reporter(
-        is_chief=strategy.extended.should_checkpoint, checkpoint_every=checkpoint_every
-    )
+    # The chief of the job Ray Train's TF_CONFIG describes (worker 0): the one that reports
+    # checkpoints for the run.
+    reporter = _Reporter(is_chief=tfdist.is_chief(), checkpoint_every=checkpoint_every)
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         reporter.restore_from(checkpoint)
@@ -382,11 +382,9 @@ def _check_builder(build_model) -> None:
 
 
 def _check_spans_workers(strategy: tf.distribute.Strategy) -> None:
-    workers = ray.train.get_context().get_world_size()
-    if workers > 1 and not joins_worker_processes(strategy):
-        kind = tfdist.strategy_kind(strategy)
-        raise FitError(
-            f"Ray Train started {workers} workers, but a {kind} strategy trains each of them "
-            "alone. Use strategy='auto' (or 'multi_worker_mirrored'), which joins the workers "
-            f"through the TF_CONFIG Ray Train set. Received: strategy of kind {kind!r}"
-        )
+    check_joins_processes(
+        strategy,
+        processes=ray.train.get_context().get_world_size(),
+        started_by="Ray Train",
+        error=FitError,
+    )

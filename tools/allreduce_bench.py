@@ -27,16 +27,15 @@ A benchmark, not a test: it reports figures, and checks only that implementation
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
+from tools import harness
+
 RESULT = "BENCH_ROW "
-BUILTIN_GROUP_KEY = 2_000_000
 BASELINE = {"process": "tf builtin ring", "local": "ReductionToOneDevice"}
 
 
@@ -71,7 +70,7 @@ def process_worker(args: argparse.Namespace) -> None:
     import tensorflow as tf
 
     import tfdist
-    from tfdist.collective import GatherBroadcast, ProcessRing
+    from tfdist.collective import GatherBroadcast, ProcessRing, group_key_base
 
     cluster = tfdist.parse_tf_config()
     tfdist.build_strategy("multi_worker_mirrored", cluster=cluster, collective_timeout=300)
@@ -89,7 +88,7 @@ def process_worker(args: argparse.Namespace) -> None:
         @tf.function(input_signature=[tf.TensorSpec([length], tf.float32)])
         def builtin(x):
             return tf.raw_ops.CollectiveReduceV2(
-                input=x, group_size=ranks, group_key=BUILTIN_GROUP_KEY, instance_key=key,
+                input=x, group_size=ranks, group_key=group_key_base("benchmarks"), instance_key=key,
                 ordering_token=[], merge_op="Add", final_op="Id", communication_hint="ring",
                 timeout_seconds=300.0,
             )  # fmt: skip
@@ -270,24 +269,20 @@ def main(argv=None) -> int:
             f"--{k}={getattr(args, k)}"
             for k in ("min_bytes", "max_bytes", "iters", "max_pieces", "min_piece_bytes")
         ]
-        command = [sys.executable, "-m", "tfdist.launch", "--workers", str(args.workers), "--",
-                   sys.executable, "-m", "tools.allreduce_bench", "--worker", *forwarded,
-                   *(["--compression"] if args.compression else [])]  # fmt: skip
-        done = subprocess.run(command, capture_output=True, text=True)
+        task = [sys.executable, "-m", "tools.allreduce_bench", "--worker", *forwarded,
+                *(["--compression"] if args.compression else [])]  # fmt: skip
+        job = harness.launch(task, layout=["--workers", str(args.workers)])
         rows = [
             json.loads(line.split(RESULT, 1)[1])
-            for line in done.stdout.splitlines()
+            for line in job.output.splitlines()
             if RESULT in line
         ]
-        if done.returncode or not rows:
-            print(done.stdout[-4000:], file=sys.stderr)
-            return done.returncode or 1
+        if not rows:
+            print(job.output[-4000:], file=sys.stderr)
+            return 1
     print_table(rows, args.mode)
     out_csv = args.out_csv or f"allreduce_{args.mode}.csv"
-    with open(out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(out_csv, rows)
     where = (
         "worker processes on loopback" if args.mode == "process" else "logical CPUs in one process"
     )

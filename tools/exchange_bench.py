@@ -49,13 +49,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools import harness
+
 # (learning rate, momentum): the digits_cnn recipe's Adam, and an SGD that reaches ~0.90 on
 # one device in the same 220 steps.
 OPTIMIZERS = {"adam": (0.003, 0.0), "sgd": (0.05, 0.9)}
@@ -87,32 +86,21 @@ COLUMNS = [
 def run_job(args, *, variant: str, optimizer: str, slow: float, scratch: str) -> dict:
     """Trains once through the launcher; returns summary.json with the job's wall time."""
     strategy, extra = VARIANTS[variant]
-    model_dir = tempfile.mkdtemp(prefix=f"{variant}-", dir=scratch)
     rate, momentum = OPTIMIZERS[optimizer]
-    train = [
-        sys.executable, "-m", "experiments.train", f"--strategy={strategy}", "--model=cnn",
-        f"--epochs={args.epochs}", f"--seed={args.seed}", f"--optimizer={optimizer}",
-        f"--learning_rate={rate}", f"--momentum={momentum}", "--eval_every=1",
-        f"--data_dir={os.path.join(scratch, 'data')}", f"--model_dir={model_dir}", *extra,
+    flags = [
+        f"--strategy={strategy}", "--model=cnn", f"--epochs={args.epochs}", f"--seed={args.seed}",
+        f"--optimizer={optimizer}", f"--learning_rate={rate}", f"--momentum={momentum}",
+        "--eval_every=1", f"--data_dir={os.path.join(scratch, 'data')}", *extra,
     ]  # fmt: skip
     layout = ["--workers", str(args.workers)]
     if strategy == "parameter_server":
         layout = ["--chief", *layout, "--ps", str(args.ps)]
     if slow > 1:
         layout += ["--slow", f"worker:1={slow:g}"]
-    command = [sys.executable, "-m", "tfdist.launch", *layout, f"--timeout={args.timeout}", "--"]
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    start = time.perf_counter()
-    result = subprocess.run(
-        [*command, *train], cwd=REPO, env=env, capture_output=True, text=True,
-        timeout=args.timeout + 60,
+    return harness.train(
+        flags, layout=layout, model_dir=tempfile.mkdtemp(prefix=f"{variant}-", dir=scratch),
+        timeout=args.timeout, what=variant,
     )  # fmt: skip
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(f"{variant} failed ({result.returncode}):\n{result.stdout[-3000:]}")
-    summary = json.loads((Path(model_dir) / "summary.json").read_text())
-    return {**summary, "job_seconds": seconds}
 
 
 def row_of(args, summary: dict, *, variant: str, optimizer: str, slow: float, repeat: int):
@@ -183,30 +171,26 @@ def table(rows: list[dict]) -> str:
         groups.setdefault((row["optimizer"], row["straggler"], row["variant"]), []).append(row)
     for (optimizer, straggler, variant), mine in groups.items():
         sync = groups.get((optimizer, straggler, "sync"), [])
-        accuracy = _median(mine, "eval_accuracy")
-        versus = accuracy - _median(sync, "eval_accuracy") if sync else float("nan")
+        accuracy = harness.median(mine, "eval_accuracy")
+        versus = accuracy - harness.median(sync, "eval_accuracy") if sync else float("nan")
         at_sync = to_target = float("nan")
         if sync:
-            sync_seconds = _median(sync, "train_seconds")
+            sync_seconds = harness.median(sync, "train_seconds")
             at_sync = statistics.median(
                 accuracy_at(json.loads(r["curve"]), sync_seconds) for r in mine
             )
-            target = 0.95 * _median(sync, "eval_accuracy")
+            target = 0.95 * harness.median(sync, "eval_accuracy")
             to_target = statistics.median(seconds_to(json.loads(r["curve"]), target) for r in mine)
         stale = [r["staleness_mean"] for r in mine if r["staleness_mean"] is not None]
         lines.append(
             f"{optimizer:9s} {straggler:9s} {variant:12s} {len(mine):4d} {accuracy:8.4f} "
-            f"{versus:+7.4f} {_median(mine, 'examples_per_second'):6.0f} "
-            f"{_median(mine, 'train_seconds'):7.1f} {_median(mine, 'bytes_per_step') / 1024:8.1f} "
+            f"{versus:+7.4f} {harness.median(mine, 'examples_per_second'):6.0f} "
+            f"{harness.median(mine, 'train_seconds'):7.1f} {harness.median(mine, 'bytes_per_step') / 1024:8.1f} "
             f"{mine[0]['bytes_how']:8s} "
             f"{(statistics.median(stale) if stale else float('nan')):5.2f} {at_sync:10.4f} "
             f"{to_target:8.1f}"
         )
     return "\n".join(lines)
-
-
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(row[key] for row in rows)
 
 
 def plot(rows: list[dict], path: Path) -> bool:
@@ -283,12 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=False)
     weights = _cnn_weights()
     rows: list[dict] = []
-    with (
-        tempfile.TemporaryDirectory(prefix="exchange-bench-") as scratch,
-        open(out / "results.csv", "w", newline="") as f,
-    ):
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
+    with tempfile.TemporaryDirectory(prefix="exchange-bench-") as scratch:
         for repeat in range(args.repeats):
             for slow in stragglers:
                 for optimizer in optimizers:
@@ -305,8 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                             repeat=repeat,
                         )  # fmt: skip
                         rows.append(row)
-                        writer.writerow(row)
-                        f.flush()  # a stopped run keeps what it measured
+                        # Rewritten after every job: a stopped run keeps what it measured.
+                        harness.write_csv(out / "results.csv", rows, COLUMNS)
                         print(
                             f"#{repeat} {optimizer:4s} {slow:g}x {variant:12s} "
                             f"acc {row['eval_accuracy']:.4f} {row['examples_per_second']:6.0f} ex/s "

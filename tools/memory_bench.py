@@ -30,13 +30,13 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import json  # noqa: E402
 import statistics  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
+
+from tools import harness  # noqa: E402
 
 MODES = ("plain", "zero1", "zero2")
 # Hidden layers (width, count) of the MLPs, 512 inputs and 10 outputs: ~10M and ~50M weights.
@@ -150,19 +150,16 @@ def worker(args) -> None:
 
 def run(size: int, workers: int, mode: str, steps: int, batch: int) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        command = [
+        task = [
             sys.executable, "-m", "tools.memory_bench", "--worker", "--size", str(size),
             "--mode", mode, "--workers", str(workers), "--steps", str(steps),
             "--global_batch_size", str(batch), "--out_dir", out,
         ]  # fmt: skip
+        what = f"{size}M {mode} x{workers}"
         if workers > 1:
-            command = [
-                sys.executable, "-m", "tools.launch", "--workers", str(workers), "--",
-                *command,
-            ]  # fmt: skip
-        result = subprocess.run(command, capture_output=True, text=True)
-        if result.returncode:
-            raise SystemExit(f"{size}M {mode} x{workers} failed:\n{result.stdout[-3000:]}")
+            harness.launch(task, layout=["--workers", str(workers)], what=what)
+        else:
+            harness.run(task, what=what)
         tasks = []
         for i in range(workers):
             with open(os.path.join(out, f"task{i}.json")) as f:
@@ -214,10 +211,7 @@ def main(argv=None) -> int:
                     f"  step {row['step_seconds'] * 1e3:7.0f} ms",
                     flush=True,
                 )
-    with open(args.out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(args.out_csv, rows)
     print_table(rows)
     print_budget(rows, args.budget_gib)
     plot(rows, args.out_png)

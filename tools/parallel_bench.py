@@ -44,11 +44,12 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable  # noqa: E402
+
+from tools import harness  # noqa: E402
 
 DEVICES = 4
 BLOCKS = 4  # the MLP's blocks: S = 2 puts two in a stage, S = 4 one
@@ -828,16 +829,6 @@ def plot(bubble: list[dict], layouts: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def write_csv(rows: list[dict], path: str) -> None:
-    fields: list[str] = []
-    for row in rows:
-        fields += [k for k in row if k not in fields]
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.parallel_bench", description=__doc__.split("\n\n")[0]
@@ -877,7 +868,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "parallel_bench.csv")
     png_path = os.path.join(args.out, "parallel_bench.png")
-    write_csv([*bubble, *held, *tensor_bytes, *calibration, *layouts], csv_path)
+    harness.write_csv(csv_path, [*bubble, *held, *tensor_bytes, *calibration, *layouts])
     plot(bubble, layouts, png_path)
     print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - began:.0f} s)")
     return 0

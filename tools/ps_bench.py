@@ -40,7 +40,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools import harness
+
 WIDTH = 64
 MEDIAN_COLUMNS = [
     "examples_per_s", "worker_rx_kb_per_step", "from_ps_kb_per_step", "ps_peak_mb",
@@ -178,19 +179,11 @@ def run_job(args, layout: str, ps: int, rows: int, result: str) -> dict:
         f"--steps={args.steps}", f"--batch={args.batch}",
         f"--ids_per_example={args.ids_per_example}", f"--result={result}",
     ]  # fmt: skip
-    command = [
-        sys.executable, "-m", "tfdist.launch", "--chief", "--workers=1", f"--ps={ps}",
-        f"--timeout={args.timeout}", "--", *task,
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    start = time.perf_counter()
-    done = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout + 60
-    )
-    if done.returncode != 0 or not os.path.exists(result):
-        raise RuntimeError(f"the job failed ({done.returncode}):\n{done.stdout[-3000:]}")
-    return {**json.loads(Path(result).read_text()), "job_seconds": time.perf_counter() - start}
+    job = harness.launch(
+        task, layout=["--chief", "--workers=1", f"--ps={ps}"], timeout=args.timeout,
+        what=f"{layout} over {ps} ps",
+    )  # fmt: skip
+    return {**json.loads(Path(result).read_text()), "job_seconds": job.seconds}
 
 
 EMPTY_ROWS = 1000  # a 250 KB table: what a ps holds for the job besides a large table

@@ -27,17 +27,13 @@ This is a benchmark, not a test: it reports figures and never fails on them.
 from __future__ import annotations
 
 import argparse
-import csv
-import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tools import harness
+
 # (learning rate, momentum): the digits_cnn recipe's Adam, and an SGD that reaches ~0.90 on
 # one device in the same 220 steps (without momentum, 0.05 does not learn at all in them).
 OPTIMIZERS = {"adam": (0.003, 0.0), "sgd": (0.05, 0.9)}
@@ -50,30 +46,15 @@ COLUMNS = [
 
 def run_job(args, *, optimizer: str, aware: bool, data_dir: str, model_dir: str) -> dict:
     """Trains once through the launcher; returns summary.json plus the job's wall time."""
-    train = [
-        "python", "-m", "experiments.train", "--strategy=parameter_server",
-        f"--model={args.model}", f"--epochs={args.epochs}", f"--seed={args.seed}",
-        f"--optimizer={optimizer}", f"--learning_rate={OPTIMIZERS[optimizer][0]}",
-        f"--momentum={OPTIMIZERS[optimizer][1]}",
+    flags = [
+        "--strategy=parameter_server", f"--model={args.model}", f"--epochs={args.epochs}",
+        f"--seed={args.seed}", f"--optimizer={optimizer}",
+        f"--learning_rate={OPTIMIZERS[optimizer][0]}", f"--momentum={OPTIMIZERS[optimizer][1]}",
         f"--steps_per_execution={args.steps_per_execution}", "--eval_every=0",
-        f"--data_dir={data_dir}", f"--model_dir={model_dir}",
-        f"--staleness_aware_lr={str(aware).lower()}",
+        f"--data_dir={data_dir}", f"--staleness_aware_lr={str(aware).lower()}",
     ]  # fmt: skip
-    command = [
-        sys.executable, "-m", "tfdist.launch", "--chief", f"--workers={args.workers}",
-        f"--ps={args.ps}", f"--timeout={args.timeout}", "--", *train,
-    ]  # fmt: skip
-    env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
-    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    start = time.perf_counter()
-    result = subprocess.run(
-        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout + 60
-    )
-    seconds = time.perf_counter() - start
-    if result.returncode != 0:
-        raise RuntimeError(f"the job failed ({result.returncode}):\n{result.stdout[-3000:]}")
-    summary = json.loads((Path(model_dir) / "summary.json").read_text())
-    return {**summary, "job_seconds": seconds}
+    layout = ["--chief", f"--workers={args.workers}", f"--ps={args.ps}"]
+    return harness.train(flags, layout=layout, model_dir=model_dir, timeout=args.timeout)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,10 +103,7 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append(row)
                     print(_format_row(row), flush=True)
 
-    with open(args.out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(args.out_csv, rows, COLUMNS)
     print()
     print(_table(rows))
     print(f"\nwrote {args.out_csv}")
@@ -154,8 +132,8 @@ def _table(rows: list[dict]) -> str:
             ]
             lines.append(
                 f"{optimizer:9s} {'staleness-aware' if aware else 'plain':15s} {len(mine):4d} "
-                f"{_median(mine, 'staleness_mean'):10.2f} {_median(mine, 'staleness_max'):9.0f} "
-                f"{_median(mine, 'eval_accuracy'):8.4f} {_median(mine, 'eval_loss'):9.4f}"
+                f"{harness.median(mine, 'staleness_mean'):10.2f} {harness.median(mine, 'staleness_max'):9.0f} "
+                f"{harness.median(mine, 'eval_accuracy'):8.4f} {harness.median(mine, 'eval_loss'):9.4f}"
             )
         pairs = {}
         for r in rows:
@@ -168,10 +146,6 @@ def _table(rows: list[dict]) -> str:
             f"{statistics.median(deltas):+8.4f} {statistics.median(loss):+9.4f}"
         )
     return "\n".join(lines)
-
-
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(row[key] for row in rows)
 
 
 if __name__ == "__main__":

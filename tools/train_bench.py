@@ -22,7 +22,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -32,6 +31,7 @@ import keras  # noqa: E402
 import tfdist  # noqa: E402
 from tfdist.data import PipelineOptions, prepare_digits  # noqa: E402
 from tfdist.models import build_model  # noqa: E402
+from tools import harness  # noqa: E402
 
 
 class _EpochClock(keras.callbacks.Callback):
@@ -122,10 +122,7 @@ def main(argv=None) -> int:
                         f"  repeat {repeat}  {strategy_name:<12} {loop_name:<10} {rate:8.0f} examples/s",
                         flush=True,
                     )
-    with open(args.out_csv, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    harness.write_csv(args.out_csv, rows)
 
     print(
         f"\n{'strategy':<12} {'loop':<10} {'median ex/s':>12} {'min':>8} {'max':>8} {'ratio tfdist.fit/keras (median of pairs)':>38}"

@@ -1,13 +1,16 @@
 """A user's own training script, run by every task of a launched job: tfdist.fit at work.
 
   python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker equivalence OUT
-  python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker callbacks OUT
+  python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker equivalence,custom OUT
   python -m tools.launch --workers 2 --max_restarts 1 -- python -m tests.workers.fit_worker backup OUT
-  python -m tools.launch --chief --workers 2 --ps 1 -- python -m tests.workers.fit_worker ps OUT
-  python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker custom OUT
-  python -m tools.launch --chief --workers 2 --ps 2 -- python -m tests.workers.fit_worker custom_ps OUT
+  python -m tools.launch --chief --workers 3 --ps 2 -- python -m tests.workers.fit_worker ps,custom_ps OUT
 
-Each task writes what it trained to OUT/<task>/ for tests/test_fit_multiworker.py to check.
+MODES is one mode or several, comma-separated, run one after another on one strategy (a
+job's start costs more than most of its modes): the multi-worker ones (equivalence,
+callbacks, backup, custom, cnn, batch_norm, outside_scope) on a multi_worker_mirrored
+strategy, the parameter-server ones (ps, custom_ps) on a parameter_server one. Each task
+writes what a mode trained to OUT/<task>/ (one mode) or OUT/<mode>/<task>/ (several) for
+tests/test_fit_multiworker.py to check.
 """
 
 from __future__ import annotations
@@ -40,8 +43,7 @@ def save(out: str, name: str, model: keras.Model, history: dict) -> None:
         json.dump(history, f)
 
 
-def equivalence(out: str) -> None:
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
+def equivalence(out: str, strategy) -> None:
     for name, case in fit_models.CASES.items():
         with strategy.scope():
             model, data = case()
@@ -50,11 +52,9 @@ def equivalence(out: str) -> None:
         save(out, name, model, {"history": history.history, "evaluate": evaluation})
 
 
-def custom_steps(out: str, strategy_name: str) -> None:
+def custom_steps(out: str, strategy) -> None:
     """The models with their own train_step / test_step (tests/custom_step_models.py)."""
-    if tfdist.serve_if_needed():
-        return  # a parameter-server cluster's worker or ps
-    strategy = tfdist.build_strategy(strategy_name)
+    parameter_server = tfdist.strategy_kind(strategy) == "parameter_server"
     for name, case in custom_step_models.CASES.items():
         with strategy.scope():
             model, data = case()
@@ -62,7 +62,7 @@ def custom_steps(out: str, strategy_name: str) -> None:
         steps = custom_step_models.EXAMPLES // custom_step_models.GLOBAL_BATCH
         history = tfdist.fit(
             model, data, epochs=custom_step_models.EPOCHS, verbose=0, callbacks=[batches],
-            steps_per_epoch=steps if strategy_name == "parameter_server" else None,
+            steps_per_epoch=steps if parameter_server else None,
         )  # fmt: skip
         evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
         save(
@@ -73,17 +73,15 @@ def custom_steps(out: str, strategy_name: str) -> None:
         )
 
 
-def cnn(out: str) -> None:
+def cnn(out: str, strategy) -> None:
     """The cnn case alone, under multi_worker_mirrored (for layouts of several hosts)."""
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
     with strategy.scope():
         model, data = fit_models.cnn()
     history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
     save(out, "cnn", model, {"history": history.history})
 
 
-def batch_norm(out: str) -> None:
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
+def batch_norm(out: str, strategy) -> None:
     with strategy.scope():
         model, data = fit_models.batch_norm()
     history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
@@ -92,15 +90,15 @@ def batch_norm(out: str) -> None:
     np.save(os.path.join(out, "predictions.npy"), tfdist.predict(model, data, verbose=0))
 
 
-def outside_scope() -> None:
+def outside_scope(out: str, strategy) -> None:
     """A common mistake: the strategy is built, but the model is made outside its scope."""
-    tfdist.build_strategy("multi_worker_mirrored")
+    del out, strategy
     model, data = fit_models.cnn()
     tfdist.fit(model, data, epochs=1, verbose=0)
 
 
-def callbacks(out: str, shared: str) -> None:
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
+def callbacks(out: str, strategy) -> None:
+    shared = os.path.join(os.path.dirname(out), "shared")
     with strategy.scope():
         model, data = fit_models.cnn()
     stop = keras.callbacks.EarlyStopping(monitor="loss", min_delta=0.05, patience=0)
@@ -138,8 +136,8 @@ class KillOnce(keras.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def backup(out: str, shared: str) -> None:
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
+def backup(out: str, strategy) -> None:
+    shared = os.path.join(os.path.dirname(out), "shared")
     with strategy.scope():
         model, data = fit_models.cnn()
     callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), save_freq=1)]
@@ -149,15 +147,12 @@ def backup(out: str, shared: str) -> None:
     save(out, "cnn", model, {"history": history.history})
 
 
-def parameter_server(out: str) -> None:
-    if tfdist.serve_if_needed():
-        return  # a worker or ps: served until the chief finished
+def parameter_server(out: str, strategy) -> None:
     from sklearn.datasets import load_digits
 
     digits = load_digits()
     x = (digits.images[..., None] / 16.0).astype("float32")
     y = digits.target.astype("int64")
-    strategy = tfdist.build_strategy("parameter_server")
     with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
@@ -191,30 +186,36 @@ def parameter_server(out: str) -> None:
     save(out, "mlp", model, {"history": history.history, "evaluate": evaluation})
 
 
+MODES = {
+    "equivalence": equivalence,
+    "callbacks": callbacks,
+    "backup": backup,
+    "custom": custom_steps,
+    "cnn": cnn,
+    "batch_norm": batch_norm,
+    "outside_scope": outside_scope,
+    "ps": parameter_server,
+    "custom_ps": custom_steps,
+}
+PARAMETER_SERVER_MODES = {"ps", "custom_ps"}
+
+
+def main(modes: list[str], out: str) -> None:
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        sys.exit(f"unknown mode(s) {unknown}: {', '.join(MODES)}")
+    if set(modes) & PARAMETER_SERVER_MODES:
+        if tfdist.serve_if_needed():
+            return  # a worker or ps: served until the chief finished
+        strategy = tfdist.build_strategy("parameter_server")
+    else:
+        strategy = tfdist.build_strategy("multi_worker_mirrored")
+    for mode in modes:
+        where = out if len(modes) == 1 else os.path.join(out, mode)
+        MODES[mode](os.path.join(where, task_name()), strategy)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tfdist").setLevel(logging.INFO)
-    mode, out = sys.argv[1], sys.argv[2]
-    here = os.path.join(out, task_name())
-    if mode == "equivalence":
-        equivalence(here)
-    elif mode == "callbacks":
-        callbacks(here, os.path.join(out, "shared"))
-    elif mode == "backup":
-        backup(here, os.path.join(out, "shared"))
-    elif mode == "ps":
-        parameter_server(here)
-    elif mode == "cnn":
-        cnn(here)
-    elif mode == "batch_norm":
-        batch_norm(here)
-    elif mode == "outside_scope":
-        outside_scope()
-    elif mode == "custom":
-        custom_steps(here, "multi_worker_mirrored")
-    elif mode == "custom_ps":
-        custom_steps(here, "parameter_server")
-    else:
-        sys.exit(
-            f"unknown mode {mode!r}: equivalence, callbacks, backup, ps, custom, custom_ps, cnn, batch_norm or outside_scope"
-        )
+    main(sys.argv[1].split(","), sys.argv[2])

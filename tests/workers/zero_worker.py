@@ -1,11 +1,14 @@
 """A user's script with sharded optimizer state, run by every worker of a launched job.
 
-  python -m tools.launch --workers 3 -- python -m tests.workers.zero_worker OUT
+  python -m tools.launch --workers 3 -- python -m tests.workers.zero_worker OUT matrix
   python -m tools.launch --workers 4 -- python -m tests.workers.zero_worker OUT resume EPOCHS
+  python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT resume EPOCHS matrix
 
-Each worker trains every case of tests/zero_cases.py unsharded, then sharded (zero1, zero2,
-with accumulation), under multi_worker_mirrored, and writes the weights to OUT/<task>/ for
-tests/test_zero.py to compare.
+`matrix`: each worker trains every case of tests/zero_cases.py unsharded, then sharded
+(zero1, zero2, with accumulation), and writes the weights to OUT/matrix_<N workers>/<task>/.
+`resume EPOCHS`: Adam unsharded and with zero2 to EPOCHS, each resuming from its own
+StepCheckpoint under OUT (see `resume`). Both run under one multi_worker_mirrored strategy;
+tests/test_zero.py compares what they wrote.
 """
 
 from __future__ import annotations
@@ -33,10 +36,10 @@ RUNS = [
 ]
 
 
-def main(out: str) -> None:
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
+def matrix(out: str, strategy) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
-    here = os.path.join(out, f"{task['type']}_{task['index']}")
+    workers = strategy.num_replicas_in_sync
+    here = os.path.join(out, f"matrix_{workers}", f"{task['type']}_{task['index']}")
     os.makedirs(here, exist_ok=True)
     x, y = zero_cases.data()
     batch = zero_cases.GLOBAL_BATCH
@@ -61,11 +64,10 @@ def main(out: str) -> None:
             json.dump(history.history, f)
 
 
-def resume(out: str, epochs: int) -> None:
+def resume(out: str, strategy, epochs: int) -> None:
     """Trains Adam unsharded and with zero2 to `epochs`, each resuming from its own
     StepCheckpoint directory under OUT (written by an earlier launch, with any number of
     workers), and writes the weights to OUT/epoch<E>/<task>/."""
-    strategy = tfdist.build_strategy("multi_worker_mirrored")
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     here = os.path.join(out, f"epoch{epochs}", f"{task['type']}_{task['index']}")
     os.makedirs(here, exist_ok=True)
@@ -83,8 +85,16 @@ def resume(out: str, epochs: int) -> None:
             json.dump({"iterations": int(model.optimizer.iterations.numpy())}, f)
 
 
+def main(out: str, jobs: list[str]) -> None:
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    if jobs[:1] == ["resume"]:
+        resume(out, strategy, int(jobs[1]))
+        jobs = jobs[2:]
+    if jobs == ["matrix"]:
+        matrix(out, strategy)
+    elif jobs:
+        sys.exit(f"expected [resume EPOCHS] [matrix]. Received: {' '.join(jobs)}")
+
+
 if __name__ == "__main__":
-    if sys.argv[2:3] == ["resume"]:
-        resume(sys.argv[1], int(sys.argv[3]))
-    else:
-        main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])

@@ -1,9 +1,11 @@
 """tfdist's own ring all-reduce, built from TensorFlow collective ops.
 
 - ring.py: the algorithm (chunking, the schedule) over any transport.
-- transport.py: across worker processes: ProcessRing, and GatherBroadcast (the naive
-  gather-to-rank-0 baseline), both from point-to-point collective transfers; and
-  ProcessNeighbours, a buffer sent to and received from chosen peers (gossip).
+- transport.py: the one transport across worker processes, point-to-point collective
+  transfers (bfloat16 included): ProcessRing, GatherBroadcast (the naive gather-to-rank-0
+  baseline), ProcessNeighbours (a buffer to and from chosen peers: gossip), and
+  ProcessLinks (sends and receives inside a program the caller builds: a pipeline).
+- keys.py: every collective group-key range tfdist uses, in one table.
 - cross_device.py: RingAllReduce, a tf.distribute.CrossDeviceOps over local devices
   (and, given a ProcessRing, across processes), for MirroredStrategy and the trainer.
 - fusion.py: tensor fusion into buckets and float16/bfloat16 wire compression.
@@ -18,6 +20,7 @@ from tfdist.collective.fusion import (
     plan_buckets,
     unpack,
 )
+from tfdist.collective.keys import RANGES, group_key_base
 from tfdist.collective.ring import (
     all_gather_schedule,
     chunk_bounds,
@@ -28,21 +31,27 @@ from tfdist.collective.ring import (
 from tfdist.collective.transport import (
     CollectiveMismatchError,
     GatherBroadcast,
+    ProcessLinks,
     ProcessNeighbours,
     ProcessRing,
+    Transfers,
 )
 
 __all__ = [
     "COMPRESSIONS",
     "DEFAULT_BUCKET_BYTES",
+    "RANGES",
     "CollectiveMismatchError",
     "GatherBroadcast",
+    "ProcessLinks",
     "ProcessNeighbours",
     "ProcessRing",
     "RingAllReduce",
+    "Transfers",
     "all_gather_schedule",
     "chunk_bounds",
     "fused_all_reduce",
+    "group_key_base",
     "local_ring_all_reduce",
     "pack",
     "plan_buckets",

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import tensorflow as tf
 
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES, fused_all_reduce
+from tfdist.collective.keys import group_key_base
 from tfdist.collective.ring import (
     REDUCTIONS,
     chunk_bounds,
@@ -36,11 +37,10 @@ from tfdist.errors import TfdistError
 
 log = logging.getLogger(__name__)
 
-# Far above the group keys MultiWorkerMirroredStrategy hands out (it counts up from 1).
-GROUP_KEY_BASE = 1_000_000
-NAIVE_GROUP_KEY_BASE = 1_100_000
-# Gossip's directed edges (ranks**2 keys; tfdist.parallel uses 1_200_000-1_499_999).
-NEIGHBOUR_GROUP_KEY_BASE = 1_600_000
+# The group-key ranges of the exchanges built here (collective/keys.py holds every range).
+GROUP_KEY_BASE = group_key_base("ring")
+NAIVE_GROUP_KEY_BASE = group_key_base("naive")
+NEIGHBOUR_GROUP_KEY_BASE = group_key_base("neighbours")
 # Instance keys reserved per built program: one per ring step.
 _KEYS_PER_PROGRAM = 1 << 16
 # Programs built so far on each set of group keys, over every ring object of this process.
@@ -92,8 +92,11 @@ class _PointToPoint:
         key = (*signature, use)
         if key not in self._programs:
             # Ranks build programs in the same order, so they agree on each one's keys.
-            first_key = next(self._next_program) * _KEYS_PER_PROGRAM + 1
-            transfers = _Transfers(self, spec.dtype, first_key)
+            transfers = Transfers(
+                first_key=next(self._next_program) * _KEYS_PER_PROGRAM + 1,
+                timeout_seconds=self._timeout,
+                dtype=spec.dtype,
+            )
             self._programs[key] = tf.compat.v1.wrap_function(
                 lambda tensor: transfers.after_sends(build(tensor, transfers)), [spec]
             )
@@ -166,7 +169,7 @@ class _PointToPointAllReduce(_PointToPoint):
             lambda flat, transfers: self._build(flat, reduction, transfers),
         )
 
-    def _build(self, flat: tf.Tensor, reduction: str, transfers: _Transfers) -> tf.Tensor:
+    def _build(self, flat: tf.Tensor, reduction: str, transfers: Transfers) -> tf.Tensor:
         raise NotImplementedError
 
 
@@ -279,16 +282,16 @@ class ProcessRing(_PointToPointAllReduce):
         )
         return program(chunk)
 
-    def _exchange(self, transfers: _Transfers, first: int = 0):
+    def _exchange(self, transfers: Transfers, first: int = 0):
         """The ring's transport: send right, receive from the left, one instance key a step."""
         right_edge = self._group_base + self.rank  # this rank -> rank + 1
         left_edge = self._group_base + (self.rank - 1) % self.ranks  # rank - 1 -> this rank
 
         def exchange(send, recv_size, step):
             if send is not None:
-                transfers.send(send, right_edge, 2, first + step)
+                transfers.send(send, group_key=right_edge, key=first + step)
             if recv_size:
-                return transfers.receive(recv_size, left_edge, 2, first + step)
+                return transfers.receive([recv_size], group_key=left_edge, key=first + step)
             return None
 
         return exchange
@@ -321,13 +324,13 @@ class GatherBroadcast(_PointToPointAllReduce):
         if self.rank == 0:
             total = flat
             for r in range(1, self.ranks):
-                total = total + transfers.receive(length, self._group_base + r, 2, 0)
+                total = total + transfers.receive([length], group_key=self._group_base + r, key=0)
             if reduction == "mean":
                 total = mean_of_sum(total, self.ranks)
-            transfers.send(total, everyone, self.ranks, 1)
+            transfers.send(total, group_key=everyone, group_size=self.ranks, key=1)
             return total
-        transfers.send(flat, self._group_base + self.rank, 2, 0)
-        return transfers.receive(length, everyone, self.ranks, 1)
+        transfers.send(flat, group_key=self._group_base + self.rank, key=0)
+        return transfers.receive([length], group_key=everyone, group_size=self.ranks, key=1)
 
 
 class ProcessNeighbours(_PointToPoint):
@@ -383,9 +386,9 @@ class ProcessNeighbours(_PointToPoint):
 
         def build(tensor, transfers):
             for peer in send_to:
-                transfers.send(tensor, self._edge(self.rank, peer), 2, 0)
+                transfers.send(tensor, group_key=self._edge(self.rank, peer), key=0)
             received = [
-                transfers.receive(length, self._edge(peer, self.rank), 2, 0)
+                transfers.receive([length], group_key=self._edge(peer, self.rank), key=0)
                 for peer in receive_from
             ]
             # One output for the program: the received buffers end to end (or nothing).
@@ -403,21 +406,37 @@ class ProcessNeighbours(_PointToPoint):
         return self._group_base + sender * self.ranks + receiver
 
 
-class _Transfers:
-    """Builds one program's sends and receives, and remembers the sends: a send's output
-    feeds nothing, and a graph function prunes whatever its result does not depend on."""
+class Transfers:
+    """The sends and receives of one program, on a block of instance keys of its own.
 
-    def __init__(self, owner: _PointToPoint, dtype: tf.DType, first_key: int):
-        self.timeout, self.dtype, self.first_key = owner._timeout, dtype, first_key
-        # TensorFlow's collectives do not take bfloat16; its bits travel as float16, which a
-        # broadcast copies without looking at them.
-        self.wire = tf.float16 if dtype == tf.bfloat16 else dtype
+    A transfer is a CollectiveBcastSendV2 on the sender and a CollectiveBcastRecvV2 on the
+    receiver under the same group key (the pair, or the broadcast group) and instance key
+    (`first_key + key`); a program's transfers must use distinct `key`s within a group.
+    TensorFlow's collectives do not take bfloat16, so its bits travel as float16, which a
+    broadcast copies without looking at them. A send's output feeds nothing, and a graph
+    function prunes whatever its result does not depend on: `after_sends` ties the result
+    to every send.
+
+    Args:
+      first_key: the program's first instance key.
+      timeout_seconds: how long a transfer may wait for its peer; 0 or None waits forever.
+      dtype: the dtype of receives that name none.
+    """
+
+    def __init__(
+        self, *, first_key: int, timeout_seconds: float | None, dtype: tf.DType | None = None
+    ):
+        self.first_key, self.timeout = first_key, float(timeout_seconds or 0)
+        self.dtype = dtype
         self.sends: list[tf.Tensor] = []
 
-    def send(self, tensor, group_key: int, group_size: int, key: int) -> None:
+    def send(self, tensor, *, group_key: int, key: int, group_size: int = 2) -> None:
+        """Sends `tensor` (any shape and dtype) to the other members of `group_key`."""
+        tensor = tf.convert_to_tensor(tensor)
+        wire = _WIRE.get(tensor.dtype, tensor.dtype)
         self.sends.append(
             tf.raw_ops.CollectiveBcastSendV2(
-                input=tf.bitcast(tensor, self.wire) if self.wire != self.dtype else tensor,
+                input=tf.bitcast(tensor, wire) if wire != tensor.dtype else tensor,
                 group_size=group_size,
                 group_key=group_key,
                 instance_key=self.first_key + key,
@@ -426,13 +445,60 @@ class _Transfers:
             )  # fmt: skip
         )
 
-    def receive(self, size: int, group_key: int, group_size: int, key: int) -> tf.Tensor:
+    def receive(
+        self,
+        shape,
+        *,
+        group_key: int,
+        key: int,
+        group_size: int = 2,
+        dtype: tf.DType | None = None,
+    ) -> tf.Tensor:
+        """What the sender of `group_key` sent under `key`: a tensor of `shape` and `dtype`
+        (default: the program's)."""
+        dtype = tf.as_dtype(dtype or self.dtype)
+        wire = _WIRE.get(dtype, dtype)
         received = tf.raw_ops.CollectiveBcastRecvV2(
             group_size=group_size, group_key=group_key, instance_key=self.first_key + key,
-            shape=[size], T=self.wire, communication_hint="auto", timeout_seconds=self.timeout,
+            shape=shape, T=wire, communication_hint="auto", timeout_seconds=self.timeout,
         )  # fmt: skip
-        return tf.bitcast(received, self.dtype) if self.wire != self.dtype else received
+        return tf.bitcast(received, dtype) if wire != dtype else received
 
-    def after_sends(self, result: tf.Tensor) -> tf.Tensor:
+    def after_sends(self, result):
+        """`result` (a tensor or a nest of them), computed only after every send."""
         with tf.control_dependencies(self.sends):
-            return tf.identity(result)
+            return tf.nest.map_structure(tf.identity, result)
+
+
+class ProcessLinks:
+    """Point-to-point transfers between worker processes inside programs the caller builds
+    (a pipeline's passes): each program takes a block of instance keys of its own, in an
+    order every process shares.
+
+    Example (stage 0 sends an activation to stage 1 of the same program):
+
+        links = ProcessLinks(group_key_base=group_key_base("pipeline_links"))
+        transfers = links.program()              # once per built program, on every process
+        transfers.send(activation, group_key=links.group_key_base + edge, key=0)   # stage 0
+        x = transfers.receive(shape, dtype=tf.bfloat16, group_key=..., key=0)     # stage 1
+
+    Args:
+      group_key_base: the first group key of the caller's range (collective/keys.py).
+      timeout_seconds: how long a transfer may wait for its peer; None waits forever.
+    """
+
+    def __init__(self, *, group_key_base: int, timeout_seconds: float | None = None):
+        self.group_key_base, self.timeout_seconds = group_key_base, timeout_seconds
+        self._next_program = _PROGRAMS_BUILT.setdefault(group_key_base, itertools.count())
+
+    def program(self) -> Transfers:
+        """The transfers of one new program (every process builds its programs in the same
+        order, so they agree on each program's keys)."""
+        return Transfers(
+            first_key=next(self._next_program) * _KEYS_PER_PROGRAM + 1,
+            timeout_seconds=self.timeout_seconds,
+        )
+
+
+# What a dtype travels as: the collectives take no bfloat16.
+_WIRE = {tf.bfloat16: tf.float16}

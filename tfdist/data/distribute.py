@@ -14,7 +14,7 @@ from collections.abc import Callable
 import tensorflow as tf
 
 from tfdist.data.records import DataError
-from tfdist.strategies import batch_multiple, needs_coordinator, strategy_kind
+from tfdist.strategies import batch_multiple, distribute_datasets, strategy_kind
 
 log = logging.getLogger(__name__)
 
@@ -93,8 +93,8 @@ def distribute_dataset(
       coordinator's scheduled steps take their batches from.
 
     Raises:
-      DataError: the global batch does not split over the replicas, or parameter_server is
-        used without a coordinator.
+      DataError: the global batch does not split over the replicas.
+      StrategyError: parameter_server without a coordinator.
     """
     plan = plan_batches(strategy, global_batch_size)
     log.info("%s", plan.describe())
@@ -102,16 +102,7 @@ def distribute_dataset(
     def per_pipeline(context: tf.distribute.InputContext) -> tf.data.Dataset:
         return dataset_fn(context, context.get_per_replica_batch_size(global_batch_size))
 
-    if needs_coordinator(strategy):
-        if coordinator is None:
-            raise DataError(
-                "parameter_server training reads per-worker datasets through its "
-                "ClusterCoordinator; pass coordinator=ClusterCoordinator(strategy)."
-            )
-        return coordinator.create_per_worker_dataset(
-            lambda: strategy.distribute_datasets_from_function(per_pipeline)
-        )
-    return strategy.distribute_datasets_from_function(per_pipeline)
+    return distribute_datasets(strategy, per_pipeline, coordinator=coordinator)
 
 
 # The label of the examples `pad_to_whole_steps` adds; evaluation weights them out.

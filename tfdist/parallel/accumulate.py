@@ -29,8 +29,8 @@ import threading
 import keras
 import tensorflow as tf
 
-from tfdist.training.fit_data import FitError
-from tfdist.training.runner import StepHook
+from tfdist.errors import FitError
+from tfdist.training.runner import Runner, StepHook
 
 
 class Accumulate(StepHook):
@@ -54,8 +54,8 @@ class Accumulate(StepHook):
     def name(self) -> str:
         return f"accumulate_steps={self.steps}"
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
-        del strategy
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        del runner
         optimizer = model.optimizer
         if optimizer is not None and optimizer.gradient_accumulation_steps:
             raise FitError(

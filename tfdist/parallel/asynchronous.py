@@ -38,8 +38,8 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.training.fit_data import FitError
-from tfdist.training.runner import AsyncStep, StepHook
+from tfdist.errors import FitError
+from tfdist.training.runner import AsyncStep, Runner, StepHook
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class DelayCompensation(StepHook):
     def name(self) -> str:
         return "async_correction='dc'"
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        strategy = runner.strategy
         self.mean_squares = {}
         self._variables = [r for v in model.trainable_variables for r in _resources(v)]
         if not self.adaptive:
@@ -177,7 +178,7 @@ class MomentumCorrection(StepHook):
     def name(self) -> str:
         return "async_correction='momentum'"
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+    def build(self, model: keras.Model, runner: Runner) -> None:
         optimizer = model.optimizer
         if not isinstance(optimizer, keras.optimizers.SGD) or not optimizer.momentum:
             raise AsyncCorrectionError(
@@ -193,9 +194,9 @@ class MomentumCorrection(StepHook):
                 "Nesterov's update also reads with the full momentum. Use nesterov=False. "
                 "Received: nesterov=True"
             )
-        self.optimizer, self.strategy = optimizer, strategy
+        self.optimizer, self.is_chief = optimizer, runner.is_chief
         self.momentum = float(optimizer.momentum)
-        with strategy.scope():
+        with runner.strategy.scope():
             self.mean_staleness = tf.Variable(
                 0.0, trainable=False, name="mean_staleness",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -231,7 +232,7 @@ class MomentumCorrection(StepHook):
             return apply_next(list(grads_and_vars))
 
     def settle(self) -> None:
-        if not self.strategy.extended.should_checkpoint:
+        if not self.is_chief:
             return
         mean = float(self.mean_staleness.numpy())
         log.info(
@@ -277,8 +278,8 @@ class BoundedStaleness(StepHook):
     def name(self) -> str:
         return f"max_staleness={self.max_staleness}"
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
-        with strategy.scope():
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        with runner.strategy.scope():
             # The steps whose updates are written, in ticket order, and the waits that ended
             # by the timeout.
             self.written = tf.Variable(
@@ -363,3 +364,13 @@ def _pauses(microseconds: int) -> tf.data.Dataset:
 
 
 ASYNC_CORRECTIONS = {"dc": DelayCompensation, "momentum": MomentumCorrection}
+
+
+def correction(name: str) -> StepHook:
+    """The correction `async_correction=name` asks for (the registry's builder)."""
+    if name not in ASYNC_CORRECTIONS:
+        raise AsyncCorrectionError(
+            f"async_correction takes one of {', '.join(ASYNC_CORRECTIONS)} (or None). "
+            f"Received: async_correction={name!r}"
+        )
+    return ASYNC_CORRECTIONS[name]()

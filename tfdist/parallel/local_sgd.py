@@ -44,16 +44,17 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.collective.keys import group_key_base
 from tfdist.collective.ring import local_ring_all_reduce
 from tfdist.collective.transport import ProcessRing
+from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.strategies import joins_worker_processes, worker_rank
-from tfdist.training.fit_data import FitError
-from tfdist.training.runner import StepHook
+from tfdist.training.runner import Runner, StepHook
 
 log = logging.getLogger(__name__)
 
-LOCAL_SGD_GROUP_KEY_BASE = 1_500_000
+# The averaging ring's group keys (collective/keys.py).
+LOCAL_SGD_GROUP_KEY_BASE = group_key_base("local_sgd")
 
 
 class LocalUpdateError(FitError):
@@ -74,6 +75,8 @@ class LocalUpdates(StepHook):
 
     synchronous_only = True
     keeps_optimizer_state = True
+    applies_update = True
+    ends_chain = True
 
     def __init__(self, *, average_optimizer_state: bool = False, timeout_seconds=None):
         self.average_optimizer_state = bool(average_optimizer_state)
@@ -87,13 +90,14 @@ class LocalUpdates(StepHook):
 
     # --- building -------------------------------------------------------------------------------
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
-        self.model, self.strategy = model, strategy
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        self.model, self.strategy, self.is_chief = model, runner.strategy, runner.is_chief
         optimizer = model.optimizer
         updates.check_copyable(optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError)
-        devices, workers = updates.one_replica_per_process(
-            strategy, who=self.name, error=LocalUpdateError
+        layout = updates.one_replica_per_process(
+            runner.layout, who=self.name, error=LocalUpdateError
         )
+        devices = list(layout.devices)
         self.variables = list(model.trainable_variables)
         dtypes = {tf.as_dtype(v.dtype) for v in self.variables}
         if len(dtypes) != 1 or not next(iter(dtypes)).is_floating:
@@ -104,18 +108,18 @@ class LocalUpdates(StepHook):
             )
         self.dtype = next(iter(dtypes))
         self.devices = devices
-        self.ranks = workers * len(devices)
-        self.rank = worker_rank(strategy) * len(devices)
+        self.ranks = layout.replicas
+        self.rank = layout.first_replica
         # The replica's own gradient is the mean over its own batch; Keras scaled each
         # replica's loss by 1/replicas so that the all-reduced sum would be the global mean.
-        self.loss_scale = float(strategy.num_replicas_in_sync)
+        self.loss_scale = float(layout.replicas)
         if not optimizer.built:
             optimizer.build([])  # it keeps the step count and the learning rate; no slots
         self.replicas = updates.outside_strategy(
             lambda: [_Replica(optimizer, self.variables, device) for device in devices]
         )
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
-        self.processes = joins_worker_processes(strategy) and workers > 1
+        self.processes = layout.processes > 1
         self.sent = updates.outside_strategy(
             lambda: tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
         )
@@ -228,7 +232,7 @@ class LocalUpdates(StepHook):
             self._settle_fn = tf.function(self._average_replicas)
         distance, relative = (float(x) for x in self._settle_fn())
         self.spreads.append((distance, relative))
-        if self.strategy.extended.should_checkpoint and distance > 0:
+        if self.is_chief and distance > 0:
             log.info(
                 "%s: replicas' weights averaged (the farthest was %.3g from their mean, "
                 "%.3g of its norm)",

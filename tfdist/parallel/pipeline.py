@@ -36,34 +36,31 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.collective.transport import ProcessRing
+from tfdist.collective.keys import group_key_base
+from tfdist.collective.transport import ProcessLinks, ProcessRing, Transfers
+from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.parallel.schedules import SCHEDULES, schedule, simulate
+from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split
-from tfdist.strategies import worker_rank
-from tfdist.training.fit_data import FitData, FitError, unpack
+from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state
 from tfdist.training.runners.sync import SyncRunner
 from tfdist.training.steps import custom_train_step
 
 # Group keys of the stage-to-stage links (one 2-member group per neighbouring pair) and of
-# the rings that average a stage's gradients over the pipelines (one ring per stage).
-LINK_GROUP_KEY_BASE = 1_300_000
-STAGE_RING_GROUP_KEY_BASE = 1_400_000
-# TensorFlow's collective runtime remembers each instance key's shape for the life of the
-# process, so each step program (a fit's, for one micro-batch size) takes keys of its own;
-# every process builds its programs in the same order, so they agree.
-_PROGRAMS_BUILT = itertools.count()
-_KEYS_PER_PROGRAM = 1 << 16
+# the rings that average a stage's gradients over the pipelines (one ring per stage, 1000
+# keys apart); collective/keys.py holds every range.
+LINK_GROUP_KEY_BASE = group_key_base("pipeline_links")
+STAGE_RING_GROUP_KEY_BASE = group_key_base("pipeline_stage_rings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,13 +138,19 @@ class PipelineRunner(SyncRunner):
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._loaded = False
         self._rings: dict[int, ProcessRing] = {}
+        # Between worker processes: activations forward, their gradients back. TensorFlow's
+        # collective runtime remembers each instance key's shape for the life of the
+        # process, so each step program (one per micro-batch size) takes keys of its own.
+        self.links = ProcessLinks(
+            group_key_base=LINK_GROUP_KEY_BASE, timeout_seconds=options.timeout_seconds
+        )
         self.last_passes: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
 
     # --- building -------------------------------------------------------------------------------
 
     @property
     def processes(self) -> int:
-        return compat.sync_worker_count(self.strategy)
+        return self.layout.processes
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         model, options = self.model, self.options
@@ -172,10 +175,10 @@ class PipelineRunner(SyncRunner):
         self._state = self._zeros()
 
     def _place(self) -> None:
-        strategy, stages = self.strategy, self.stages
-        devices = list(strategy.extended.worker_devices)
-        processes = self.processes
-        replicas = strategy.num_replicas_in_sync
+        stages, layout = self.stages, self.layout
+        devices = list(layout.devices)
+        processes = layout.processes
+        replicas = layout.replicas
         if processes > 1 and len(devices) > 1:
             raise FitError(
                 "A pipeline across worker processes takes one device per process (stage "
@@ -192,7 +195,7 @@ class PipelineRunner(SyncRunner):
             )
         self.pipelines = replicas // len(stages)
         if processes > 1:
-            ranks = [worker_rank(strategy)]
+            ranks = [layout.process_index]
             devices = {ranks[0]: devices[0]}
         else:
             ranks = list(range(replicas))
@@ -394,6 +397,40 @@ class PipelineRunner(SyncRunner):
         user.iterations.assign(self.replicas[0].optimizer.iterations.value)
 
 
+@dataclasses.dataclass
+class _Forward:
+    """What a micro-batch's forward pass keeps for its backward pass on the same stage."""
+
+    tape: tf.GradientTape
+    inputs: Any  # the stage's input (watched on every stage but the first)
+    outputs: tf.Tensor
+    regularization: tf.Tensor | None  # the stage's penalty, per micro-batch
+    objective: tf.Tensor | None  # the loss term to differentiate: on the last stage only
+
+
+@dataclasses.dataclass
+class _Passes:
+    """One stage replica's state while its passes are built, in the schedule's order."""
+
+    weights: list[tf.Tensor]
+    statistics: list[tf.Tensor]  # BatchNormalization's, after the latest forward pass
+    grads: list[tf.Tensor] | None = None  # the weights' gradients, summed so far
+    saved: dict[int, _Forward] = dataclasses.field(default_factory=dict)  # by micro-batch
+    start: tf.Tensor | None = None  # the current pass's start mark
+    last_end: tf.Tensor | None = None  # the previous pass's end: one pass at a time
+    times: list[tf.Tensor] = dataclasses.field(default_factory=list)  # [start, end] each
+    names: list[str] = dataclasses.field(default_factory=list)  # the passes, as run
+
+
+@dataclasses.dataclass
+class _Result:
+    """What one stage replica's passes give its update."""
+
+    grads: list[tf.Tensor]
+    statistics: list[tf.Tensor]
+    times: tf.Tensor  # [passes, 2]: each pass's start and end
+
+
 class _StepProgram:
     """Builds one training step of this process's stage replicas, for micro-batches of
     `micro` examples: every pass in its schedule's order, the gradients averaged over the
@@ -407,10 +444,12 @@ class _StepProgram:
         self.stages = len(runner.stages)
         self.plan = schedule(self.options.schedule, self.stages, self.options.micro_batches)
         self.local = {(r.pipeline, r.stage.index): r for r in runner.replicas}
-        self.mailbox: dict[tuple, tf.Tensor] = {}
-        self.sends: list[tf.Tensor] = []
+        # Activations and gradients between stages on this process's devices, by
+        # (pipeline, receiving stage, pass kind, micro-batch); between processes they go
+        # through `transfers`.
+        self.mailbox: dict[tuple[int, int, str, int], tf.Tensor] = {}
+        self.transfers: Transfers = runner.links.program()
         self.names: dict[str, list[str]] = {}  # replica -> its passes, in the order run
-        self.first_key = next(_PROGRAMS_BUILT) * _KEYS_PER_PROGRAM + 1
         self._passes = None  # the passes' program, built when the step is first traced
         self.function = tf.function(self.step)
 
@@ -427,7 +466,7 @@ class _StepProgram:
 
     # --- the order of passes --------------------------------------------------------------------
 
-    def order(self) -> list[tuple[_StageReplica, object]]:
+    def order(self) -> list[tuple[_StageReplica, Pass]]:
         """This process's passes in an order that builds each before what consumes it: by
         when the schedule starts them (a consumer starts after its producer ends)."""
         starts = simulate(self.plan).starts
@@ -463,20 +502,21 @@ class _StepProgram:
                 lambda *args: self._all_passes(structure, len(flat), keys, args), specs
             )
         outputs = list(self._passes(*flat, *values))
-        results, at = {}, 0
+        results: dict[tuple[int, int], _Result] = {}
+        at = 0
         for key in keys:
             r = self.local[key]
             grads = outputs[at : at + len(r.trainable)]
             at += len(r.trainable)
             statistics = outputs[at : at + len(r.non_trainable)]
             at += len(r.non_trainable)
-            results[key] = {"grads": grads, "statistics": statistics, "times": outputs[at]}
+            results[key] = _Result(grads, statistics, outputs[at])
             at += 1
         state = outputs[at:]
         updates = self._update(results)
         with tf.control_dependencies(updates):
             state = [tf.identity(s) for s in state]
-        times = {f"{p}_{s}": results[p, s]["times"] for p, s in keys}
+        times = {f"{p}_{s}": results[p, s].times for p, s in keys}
         return state, times
 
     def _all_passes(self, structure, batch_length: int, keys, args) -> list[tf.Tensor]:
@@ -490,21 +530,16 @@ class _StepProgram:
         batch = tf.nest.pack_sequence_as(structure, list(args[:batch_length]))
         x, y, sample_weight = unpack(batch)
         state = [tf.zeros(v.shape, v.dtype) for v in runner.metric_variables]
-        live: dict[tuple[int, int], dict] = {}
-        self.mailbox, self.sends = {}, []
+        live: dict[tuple[int, int], _Passes] = {}
+        self.mailbox = {}
         at = batch_length
         for key in keys:
             r = self.local[key]
             trainable, statistics = len(r.trainable), len(r.non_trainable)
-            live[key] = {
-                "weights": list(args[at : at + trainable]),
-                "statistics": list(args[at + trainable : at + trainable + statistics]),
-                "grads": None,
-                "saved": {},
-                "last": None,  # the previous pass's end: a stage runs one pass at a time
-                "times": [],
-                "names": [],
-            }
+            live[key] = _Passes(
+                weights=list(args[at : at + trainable]),
+                statistics=list(args[at + trainable : at + trainable + statistics]),
+            )
             at += trainable + statistics
         for r, p in self.order():
             own = live[r.pipeline, r.stage.index]
@@ -515,20 +550,16 @@ class _StepProgram:
                     done = self._backward(r, p.micro_batch, own)
                 with tf.control_dependencies([done]):
                     end = tf.timestamp()
-                own["times"].append(tf.stack([own["start"], end]))
-                own["last"] = end
-                own["names"].append(str(p))
-        self.names = {f"{p}_{s}": live[p, s]["names"] for p, s in keys}
+                own.times.append(tf.stack([own.start, end]))
+                own.last_end = end
+                own.names.append(str(p))
+        self.names = {f"{p}_{s}": live[p, s].names for p, s in keys}
         outputs = []
         for key in keys:
             own = live[key]
-            grads = own["grads"] or []
-            outputs += [*grads, *own["statistics"], tf.stack(own["times"])]
+            outputs += [*(own.grads or []), *own.statistics, tf.stack(own.times)]
         outputs += state
-        # A send's result feeds nothing, and a graph function prunes what its outputs do
-        # not depend on: the outputs wait for the sends.
-        with tf.control_dependencies(self.sends):
-            return [tf.identity(t) for t in outputs]
+        return self.transfers.after_sends(outputs)
 
     def _micro(self, tensor, pipeline: int, m: int):
         if tensor is None:
@@ -536,7 +567,7 @@ class _StepProgram:
         start = (pipeline * self.options.micro_batches + m) * self.micro
         return tf.nest.map_structure(lambda t: t[start : start + self.micro], tensor)
 
-    def _forward(self, r: _StageReplica, m: int, own: dict, x, y, sample_weight, state):
+    def _forward(self, r: _StageReplica, m: int, own: _Passes, x, y, sample_weight, state):
         stage, model = r.stage, self.model
         last = stage.index == self.stages - 1
         if stage.first:
@@ -544,12 +575,13 @@ class _StepProgram:
         else:
             inputs = self._receive(r, m, "F", self._boundary_spec(stage.index - 1))
         inputs = self._begin(own, inputs)
+        objective = None
         with tf.GradientTape() as tape:
-            tape.watch(own["weights"])
+            tape.watch(own.weights)
             if not stage.first:
                 tape.watch(inputs)
             outputs, statistics, losses = stage.model.stateless_call(
-                own["weights"], own["statistics"], inputs, training=True, return_losses=True
+                own.weights, own.statistics, inputs, training=True, return_losses=True
             )
             regularization = tf.add_n(losses) / self.options.micro_batches if losses else None
             if last:
@@ -558,56 +590,56 @@ class _StepProgram:
                 objective = loss / self.options.micro_batches
                 if regularization is not None:
                     objective = objective + regularization
-        own["statistics"] = list(statistics)
+        own.statistics = list(statistics)
         size = tf.cast(batch_size(outputs), tf.float32)
         if last:
             state = self._metrics(state, y_m, outputs, w_m, loss, size)
         if regularization is not None:  # the logged loss counts each stage's penalty too
             state = self._add_to_loss(state, regularization * self.options.micro_batches * size)
-        own["saved"][m] = (tape, inputs, outputs, regularization, objective if last else None)
+        own.saved[m] = _Forward(tape, inputs, outputs, regularization, objective)
         if not last:
             self._send(r, m, "F", outputs)
         return outputs, state
 
-    def _begin(self, own: dict, arrived):
+    def _begin(self, own: _Passes, arrived):
         """Marks a pass's start, once its input has arrived and the stage's previous pass
         has ended, and returns the input as the pass must use it (after the mark)."""
         deps = [t for t in tf.nest.flatten(arrived) if isinstance(t, tf.Tensor)]
-        if own["last"] is not None:
-            deps.append(own["last"])
+        if own.last_end is not None:
+            deps.append(own.last_end)
         with tf.control_dependencies(deps):
-            own["start"] = tf.timestamp()
-        with tf.control_dependencies([own["start"]]):
+            own.start = tf.timestamp()
+        with tf.control_dependencies([own.start]):
             return tf.nest.map_structure(tf.identity, arrived)
 
-    def _backward(self, r: _StageReplica, m: int, own: dict):
+    def _backward(self, r: _StageReplica, m: int, own: _Passes):
         stage = r.stage
-        tape, inputs, outputs, regularization, objective = own["saved"].pop(m)
-        sources = list(own["weights"]) + ([] if stage.first else [inputs])
-        if objective is not None:
+        forward = own.saved.pop(m)
+        sources = list(own.weights) + ([] if stage.first else [forward.inputs])
+        if forward.objective is not None:
             self._begin(own, [])
-            with tf.control_dependencies([own["start"]]):
-                grads = tape.gradient(objective, sources)
+            with tf.control_dependencies([own.start]):
+                grads = forward.tape.gradient(forward.objective, sources)
         else:
             upstream = self._receive(r, m, "B", self._boundary_spec(stage.index))
             upstream = self._begin(own, upstream)
-            targets, seeds = [outputs], [upstream]
-            if regularization is not None:
-                targets.append(regularization)
-                seeds.append(tf.ones_like(regularization))
-            grads = tape.gradient(targets, sources, output_gradients=seeds)
+            targets, seeds = [forward.outputs], [upstream]
+            if forward.regularization is not None:
+                targets.append(forward.regularization)
+                seeds.append(tf.ones_like(forward.regularization))
+            grads = forward.tape.gradient(targets, sources, output_gradients=seeds)
         weight_grads = [
             g if g is not None else tf.zeros_like(w)
-            for g, w in zip(grads[: len(own["weights"])], own["weights"], strict=True)
+            for g, w in zip(grads[: len(own.weights)], own.weights, strict=True)
         ]
-        if own["grads"] is None:
-            own["grads"] = weight_grads
+        if own.grads is None:
+            own.grads = weight_grads
         else:
-            own["grads"] = [a + b for a, b in zip(own["grads"], weight_grads, strict=True)]
+            own.grads = [a + b for a, b in zip(own.grads, weight_grads, strict=True)]
         if not stage.first:
             self._send(r, m, "B", grads[-1])
             return grads[-1]
-        return own["grads"][0] if own["grads"] else tf.constant(0.0)
+        return own.grads[0] if own.grads else tf.constant(0.0)
 
     def _metrics(self, state, y, y_pred, sample_weight, loss, size):
         model, variables = self.model, self.runner.metric_variables
@@ -623,28 +655,28 @@ class _StepProgram:
             for s, v in zip(state, self.runner.metric_variables, strict=True)
         ]
 
-    def _update(self, live: dict) -> list[tf.Tensor]:
+    def _update(self, results: dict[tuple[int, int], _Result]) -> list[tf.Tensor]:
         """Each replica's gradients averaged over the pipelines, then one optimizer step."""
         runner, pipelines = self.runner, self.runner.pipelines
         user = self.model.optimizer
         schedule_lr = compat.learning_rate_schedule(user) is not None
         done = []
-        for (pipeline, index), own in live.items():
+        for (pipeline, index), result in results.items():
             r = self.local[pipeline, index]
-            grads = own["grads"]
+            grads = result.grads
             if pipelines > 1:
                 if runner.processes > 1:
                     grads = runner._rings[index].all_reduce_many(grads)
                 else:  # every pipeline's replica of this stage is on a device here
                     with tf.device(r.device):
                         grads = [
-                            tf.add_n([live[q, index]["grads"][j] for q in range(pipelines)])
+                            tf.add_n([results[q, index].grads[j] for q in range(pipelines)])
                             for j in range(len(grads))
                         ]
                 grads = [g / pipelines for g in grads]
             with tf.device(r.device):
                 done.append(_apply(r.optimizer, grads, r.trainable, user, schedule_lr))
-                for variable, value in zip(r.non_trainable, own["statistics"], strict=True):
+                for variable, value in zip(r.non_trainable, result.statistics, strict=True):
                     variable.assign(value)
         return done
 
@@ -655,12 +687,14 @@ class _StepProgram:
         out = self.runner.stages[stage].model.outputs[0]
         return tf.TensorSpec([self.micro, *out.shape[1:]], out.dtype)
 
-    def _key(self, pipeline: int, low_stage: int) -> int:
+    def _link(self, pipeline: int, low_stage: int) -> int:
         """The group key of the link between stages low_stage and low_stage + 1."""
         return LINK_GROUP_KEY_BASE + pipeline * self.stages + low_stage
 
-    def _instance(self, m: int, kind: str) -> int:
-        return self.first_key + 2 * m + (kind == "B")
+    @staticmethod
+    def _key(m: int, kind: str) -> int:
+        """A transfer's instance key within the program: one per micro-batch and way."""
+        return 2 * m + (kind == "B")
 
     def _send(self, r: _StageReplica, m: int, kind: str, tensor) -> None:
         to = r.stage.index + (1 if kind == "F" else -1)
@@ -668,26 +702,16 @@ class _StepProgram:
             self.mailbox[r.pipeline, to, kind, m] = tensor
             return
         low = min(to, r.stage.index)
-        self.sends.append(
-            tf.raw_ops.CollectiveBcastSendV2(
-                input=tensor,
-                group_size=2,
-                group_key=self._key(r.pipeline, low),
-                instance_key=self._instance(m, kind),
-                communication_hint="auto",
-                timeout_seconds=float(self.options.timeout_seconds or 0),
-            )  # fmt: skip
-        )
+        self.transfers.send(tensor, group_key=self._link(r.pipeline, low), key=self._key(m, kind))
 
     def _receive(self, r: _StageReplica, m: int, kind: str, spec: tf.TensorSpec):
         key = (r.pipeline, r.stage.index, kind, m)
         if key in self.mailbox:
             return tf.identity(self.mailbox.pop(key))  # copied to this device
         low = r.stage.index - 1 if kind == "F" else r.stage.index
-        return tf.raw_ops.CollectiveBcastRecvV2(
-            group_size=2, group_key=self._key(r.pipeline, low),
-            instance_key=self._instance(m, kind), shape=spec.shape, T=spec.dtype,
-            communication_hint="auto", timeout_seconds=float(self.options.timeout_seconds or 0),
+        return self.transfers.receive(
+            spec.shape, dtype=spec.dtype, group_key=self._link(r.pipeline, low),
+            key=self._key(m, kind),
         )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import keras
 
 from tfdist import compat
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
 
 
 class StageError(FitError):

@@ -17,8 +17,8 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.strategies import runs_on_tpu
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
+from tfdist.strategies import ReplicaLayout
 
 
 def outside_strategy(build: Callable):
@@ -100,23 +100,22 @@ def update_step(optimizer, grads, variables, *, learning_rate, weight_decay) -> 
 
 
 def one_replica_per_process(
-    strategy, *, who: str, error: type[FitError] = FitError
-) -> tuple[list[str], int]:
-    """(this process's devices, the worker processes) of a layout a mode that exchanges its
-    own buffers can run on: not a TPU (one XLA program), and across processes one device
-    each. Raises `error`, naming `who`, otherwise."""
-    if runs_on_tpu(strategy):
+    layout: ReplicaLayout, *, who: str, error: type[FitError] = FitError
+) -> ReplicaLayout:
+    """`layout` (a runner's), if a mode that exchanges its own buffers can run on it: not one
+    compiled program (TPU cores), and across processes one device each. Raises `error`,
+    naming `who`, otherwise."""
+    if layout.single_program:
         raise error(
             f"{who} is not built for TPUs (their replicas are one XLA program). "
             "Drop the option on TPU. Received: a TPU strategy"
         )
-    devices = list(strategy.extended.worker_devices)
-    workers = compat.sync_worker_count(strategy)
-    if workers > 1 and len(devices) > 1:
+    devices, workers = len(layout.devices), layout.processes
+    if workers > 1 and devices > 1:
         raise error(
             f"{who} across worker processes runs one replica per process; this job has "
-            f"{len(devices)} devices in each of {workers} processes. Start one process per "
+            f"{devices} devices in each of {workers} processes. Start one process per "
             "device (tfdist-launch --workers N), or use mirrored in one process. "
-            f"Received: {workers} workers x {len(devices)} devices"
+            f"Received: {workers} workers x {devices} devices"
         )
-    return devices, workers
+    return layout

@@ -67,6 +67,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES
+from tfdist.collective.keys import group_key_base
 from tfdist.collective.ring import (
     chunk_bounds,
     local_ring_all_gather,
@@ -74,15 +75,14 @@ from tfdist.collective.ring import (
     owned_chunk,
 )
 from tfdist.collective.transport import ProcessRing
+from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.strategies import joins_worker_processes, worker_rank
-from tfdist.training.fit_data import FitError
-from tfdist.training.runner import StepHook
+from tfdist.training.runner import Runner, StepHook
 
 STAGES = (1, 2)
 PARTITIONS = ("auto", "flat", "variables")
-# Group keys of the ZeRO ring's edges: apart from the gradient ring's (tfdist.collective).
-ZERO_GROUP_KEY_BASE = 1_200_000
+# Group keys of the ZeRO ring's edges: apart from the gradient ring's (collective/keys.py).
+ZERO_GROUP_KEY_BASE = group_key_base("zero")
 
 # Optimizers whose update of each weight reads only that weight's gradient and slots (and
 # scalar hyperparameters): any contiguous range of the packed weights can be updated alone.
@@ -207,7 +207,8 @@ class ShardedUpdate(StepHook):
 
     Args:
       stage: 1 (optimizer state sharded; the gradients all-reduced whole) or 2 (gradients
-        reduce-scattered as well: each replica forms only its slice's sum).
+        reduce-scattered as well: each replica forms only its slice's sum); also as
+        fit's keyword names them, 'zero1' or 'zero2'.
       partition: 'flat' (equal ranges of the packed weights; for optimizers that update
         each weight on its own), 'variables' (whole variables per replica, balanced by
         size; any optimizer) or 'auto' ('flat' where the optimizer allows it).
@@ -221,15 +222,18 @@ class ShardedUpdate(StepHook):
 
     synchronous_only = True
     keeps_optimizer_state = True
+    applies_update = True
+    ends_chain = True
 
     def __init__(
         self,
-        stage: int = 2,
+        stage: int | str = 2,
         *,
         partition: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_seconds=None,
     ):
+        stage = {f"zero{n}": n for n in STAGES}.get(stage, stage)
         if stage not in STAGES:
             raise ShardingError(
                 f"stage must be 1 or 2 (zero1: optimizer state; zero2: gradients too). "
@@ -252,15 +256,14 @@ class ShardedUpdate(StepHook):
 
     # --- building -------------------------------------------------------------------------------
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
-        self.model, self.strategy = model, strategy
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        self.model, self.strategy = model, runner.strategy
         optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
         self.optimizer = optimizer
         variables = list(model.trainable_variables)
-        devices, workers = updates.one_replica_per_process(
-            strategy, who=self.name, error=ShardingError
-        )
-        ranks = workers * len(devices)
+        layout = updates.one_replica_per_process(runner.layout, who=self.name, error=ShardingError)
+        devices = list(layout.devices)
+        ranks = layout.replicas
         if ranks < 2:
             raise ShardingError(
                 f"{self.name} needs at least 2 replicas to shard over; this strategy has "
@@ -276,7 +279,7 @@ class ShardedUpdate(StepHook):
             )
         self.dtype = tf.as_dtype(next(iter(dtypes)))
         self.partitions = self._partitions(optimizer, [tuple(v.shape) for v in variables], ranks)
-        rank_base = worker_rank(strategy) * len(devices)
+        rank_base = layout.first_replica
         # The user's optimizer keeps iterations and the learning rate (and a loss scale
         # optimizer its scale), no slots.
         outer = self.scaling or optimizer
@@ -302,7 +305,7 @@ class ShardedUpdate(StepHook):
         )
         self.devices = devices
         self.ring = None
-        if joins_worker_processes(strategy) and workers > 1:
+        if layout.processes > 1:
             self.ring = ProcessRing(
                 rank=rank_base,
                 ranks=ranks,

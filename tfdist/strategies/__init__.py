@@ -21,16 +21,20 @@ One module per concern:
                        what TPU cores ask of training (runs_on_tpu, batch_multiple)
   all_reduce.py        the CrossDeviceOps an all_reduce option names (TensorFlow's or the ring)
   cluster_checks.py    what a multi-process strategy checks of the cluster first
+  replicas.py          ReplicaLayout: where a strategy's replicas are (devices, processes,
+                       rank), as runners and split layers ask it
+  defaults.py          what 'auto' means for settings that depend on the hardware
+  smoke.py             a few exact training steps of a tiny model under any strategy
 
 Builders change no TensorFlow class and keep nothing about the strategies they build in
 module globals: what a later step needs to know (the TF_CONFIG names of a parameter-server
 job's workers) travels with the strategy. The private TensorFlow entry points they need are
 in tfdist.compat.
 
-What depends on the kind of a strategy is asked of the functions here (needs_coordinator,
-joins_worker_processes, runs_on_tpu, batch_multiple), never of its class elsewhere: only the
-builders here and the training runners test the class; strategy_kind names a strategy for
-messages.
+What depends on the kind of a strategy is decided here and in the training runners
+(tfdist/training/runners/), never elsewhere: the rest of tfdist asks for values (a
+ReplicaLayout, batch_multiple, the 'auto' defaults) or a runner, and strategy_kind names a
+strategy for messages.
 """
 
 from tfdist.strategies.multi_worker import joins_worker_processes, worker_rank
@@ -42,7 +46,11 @@ from tfdist.strategies.options import (
     StrategyError,
     StrategyOptions,
 )
-from tfdist.strategies.parameter_server import needs_coordinator, task_name_in_tf_config
+from tfdist.strategies.parameter_server import (
+    distribute_datasets,
+    needs_coordinator,
+    task_name_in_tf_config,
+)
 from tfdist.strategies.registry import (
     ALIASES,
     REPLICA_PER_DEVICE_STRATEGIES,
@@ -53,6 +61,7 @@ from tfdist.strategies.registry import (
     strategy_kind,
     strategy_names,
 )
+from tfdist.strategies.replicas import ReplicaLayout, replica_layout
 from tfdist.strategies.tpu import (
     batch_multiple,
     check_tpu_node_paths,
@@ -68,6 +77,7 @@ __all__ = [
     "COMPRESSION_CHOICES",
     "DEFAULT_PS_MIN_SHARD_BYTES",
     "REPLICA_PER_DEVICE_STRATEGIES",
+    "ReplicaLayout",
     "SINGLE_HOST_STRATEGIES",
     "StrategyError",
     "StrategyOptions",
@@ -76,8 +86,10 @@ __all__ = [
     "check_tpu_node_paths",
     "describe_strategy",
     "detect_tpu",
+    "distribute_datasets",
     "joins_worker_processes",
     "needs_coordinator",
+    "replica_layout",
     "resolve_auto",
     "runs_on_tpu",
     "strategy_kind",

@@ -104,6 +104,30 @@ def needs_coordinator(strategy: tf.distribute.Strategy) -> bool:
     return isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy)
 
 
+def distribute_datasets(
+    strategy: tf.distribute.Strategy,
+    per_pipeline: Callable[[tf.distribute.InputContext], tf.data.Dataset],
+    *,
+    coordinator: tf.distribute.experimental.coordinator.ClusterCoordinator | None = None,
+):
+    """`strategy.distribute_datasets_from_function(per_pipeline)`, made per worker through
+    `coordinator` where the strategy trains through one (parameter_server).
+
+    Raises:
+      StrategyError: parameter_server without a coordinator.
+    """
+    if not needs_coordinator(strategy):
+        return strategy.distribute_datasets_from_function(per_pipeline)
+    if coordinator is None:
+        raise StrategyError(
+            "parameter_server training reads per-worker datasets through its "
+            "ClusterCoordinator; pass coordinator=ClusterCoordinator(strategy)."
+        )
+    return coordinator.create_per_worker_dataset(
+        lambda: strategy.distribute_datasets_from_function(per_pipeline)
+    )
+
+
 def tf_config_worker_names(strategy: tf.distribute.Strategy) -> Mapping[str, str]:
     """TensorFlow's name of each worker a parameter-server strategy trains on -> its TF_CONFIG
     name; empty for any other strategy, or one tfdist did not build."""

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfdist import devices as _devices
 from tfdist.cluster import FROM_ENV, ClusterInfo, cluster_from_environment
-from tfdist.strategies.multi_worker import build_multi_worker_mirrored
+from tfdist.strategies.multi_worker import build_multi_worker_mirrored, joins_worker_processes
 from tfdist.strategies.options import (
     StrategyError,
     StrategyOptions,
@@ -170,3 +170,26 @@ def _short_device(name: str) -> str:
     tail = name.split("/device:")[-1].lower()
     job = name.split("/")[1] if name.startswith("/job:") else ""
     return f"/{tail}" if not job or job == "job:localhost" else f"/{job}/{tail}"
+
+
+def check_joins_processes(
+    strategy: tf.distribute.Strategy,
+    *,
+    processes: int,
+    started_by: str,
+    error: type[Exception] = StrategyError,
+) -> None:
+    """Refuses a strategy that would train each of the `processes` a launcher started on its
+    own (any but multi_worker_mirrored, with several processes).
+
+    Args:
+      started_by: the launcher, for the message ("Ray Train").
+      error: the error type to raise.
+    """
+    if processes > 1 and not joins_worker_processes(strategy):
+        kind = strategy_kind(strategy)
+        raise error(
+            f"{started_by} started {processes} workers, but a {kind} strategy trains each of "
+            "them alone. Use strategy='auto' (or 'multi_worker_mirrored'), which joins the "
+            f"workers through the TF_CONFIG {started_by} set. Received: strategy of kind {kind!r}"
+        )

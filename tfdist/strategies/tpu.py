@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import tensorflow as tf
 
 from tfdist.cluster import ClusterInfo
+from tfdist.errors import first_line
 from tfdist.strategies.options import StrategyError, StrategyOptions
 
 
@@ -95,7 +96,7 @@ def build_tpu(cluster: ClusterInfo | None, options: StrategyOptions):
                 f"as tensorflow (it brings libtpu). {_TPU_HELP} Received: tpu={address!r}"
             ) from None
         raise StrategyError(
-            f"Could not initialise the TPU at {address!r}: {_first_line(e)}. {_TPU_HELP} "
+            f"Could not initialise the TPU at {address!r}: {first_line(e)}. {_TPU_HELP} "
             f"Received: tpu={address!r}"
         ) from None
     return tf.distribute.TPUStrategy(resolver)
@@ -110,19 +111,12 @@ def _tpu_cluster_resolver(address: str) -> tf.distribute.cluster_resolver.TPUClu
         # the Cloud TPU API, which needs Google Cloud's metadata server (the project and zone)
         # and the Google API client, so off Google Cloud it fails with a URL or import error.
         raise StrategyError(
-            f"Could not find the TPU {address!r} ({type(e).__name__}: {_first_line(e)}). A TPU "
+            f"Could not find the TPU {address!r} ({type(e).__name__}: {first_line(e)}). A TPU "
             "name is looked up through the Cloud TPU API, which works only on a Google Cloud VM "
             "in the TPU's project and zone; pass the TPU's 'grpc://host:8470' address "
             "instead, or tpu='local' on a TPU VM (Colab's TPU runtime). Without a TPU, use "
             f"'auto' (--strategy=auto). Received: tpu={address!r}"
         ) from None
-
-
-def _first_line(error: Exception) -> str:
-    # TensorFlow's messages go on with registered kernels and graph nodes; the first line
-    # says what happened.
-    text = error.message if isinstance(error, tf.errors.OpError) else str(error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
 def tpu_node_address(

@@ -1,19 +1,30 @@
 """The training engine behind `tfdist.fit`, and the seam new parallel modes plug into.
 
-How a `tfdist.fit(model, data, ...)` call runs:
+The layers, top down (imports run one way only; tests/test_imports.py checks it):
 
-  fit.py          checks the call as Keras would (keywords, a compiled model made under the
-                  strategy's scope, labels), turns the data into a FitData (fit_data.py),
-                  picks a runner, builds it, and hands both to a Controller.
+  tfdist/app/        the training binary's application (Trainer, TrainConfig, evaluator)
+  tfdist/api/        the facade: tfdist.fit / evaluate / predict
+  tfdist/parallel/   the modes, one file each, and their registry
+  tfdist/training/   this engine: it imports none of the layers above
+
+How a `tfdist.fit(model, data, ...)` call runs (api/fit.py): it checks the call as Keras
+would (keywords, a compiled model made under the strategy's scope, labels), turns the data
+into a FitData (fit_data.py), picks a runner (the strategy's kind decides, or a mode that is
+a RunnerFactory: the pipeline), builds the chain of StepHooks its keywords ask for
+(tfdist.parallel.registry; chain.py checks the chain), and hands both to a Controller.
+
   runners/        one Runner per kind of strategy, in a registry keyed by
                   tfdist.strategy_kind (runners/__init__.py): SyncRunner (one_device,
                   mirrored, multi_worker_mirrored, tpu), CentralStorageRunner,
                   ParameterServerRunner. A runner owns every fact that depends on the
-                  strategy: its iterators, the chief, the workers that move in lockstep and
-                  how they agree (`agree(flag)`), building the model and optimizer, running n
-                  steps, reading logs, evaluation, and turning a lost peer or parameter
-                  server into one line naming the task (`explained()`).
-  runner.py       the interfaces only: Runner, and StepHook.
+                  strategy: its iterators, the chief, where the replicas are (`layout`),
+                  the workers that move in lockstep and how they agree (`agree(flag)`),
+                  building the model and optimizer, running n steps, reading logs,
+                  evaluation, what 'auto' means for a mode (`mode_defaults`), and turning a
+                  lost peer or parameter server into one line naming the task
+                  (`explained()`).
+  runner.py       the interfaces only: Runner, RunnerFactory, and StepHook.
+  chain.py        the rules of a chain of hooks (one update; its applier last).
   controller.py   Keras's fit loop (epochs, callbacks, validation, resuming mid-epoch from a
                   BackupAndRestore or tfdist checkpoint, the stop vote, SIGTERM -> back up at
                   this step and raise Preempted, the step-time report). It talks to a Runner
@@ -22,20 +33,25 @@ How a `tfdist.fit(model, data, ...)` call runs:
                   `updates_through`, which routes a step's optimizer update through the
                   StepHooks.
   step_times.py   where a step's time goes (input, compute, exchange), measured in the graph.
+  checkpoints.py, report.py, callbacks.py: the public callbacks StepCheckpoint, RunRecord,
+                  LearningRateWarmup (and WarmupSchedule).
 
 The step seam. Every step computes its gradients and then calls `optimizer.apply`; while a
 step is traced, that call runs a chain of StepHooks, each of which may change the gradients
 and hand them on (`apply_next`), hold them (accumulation), or apply them its own way
 (sharded optimizer state, local SGD). The chain runs in replica context, once per replica
 step, whether the step is Keras's `train_step`, the model's own override, or the
-parameter-server runner's stateless step. A new parallel mode is one new file; two are
-built so (tfdist/parallel/):
+parameter-server runner's stateless step. A new parallel mode is one new file in
+tfdist/parallel/ and one entry in tfdist/parallel/registry.py:
 
     class ShardedUpdate(tfdist.StepHook):            # zero.py: ZeRO stages 1 and 2
         synchronous_only = True                      # central_storage / ps refuse it
+        applies_update = ends_chain = True           # the step's one update, last
+        keeps_optimizer_state = True                 # BackupAndRestore cannot save it
 
-        def build(self, model, strategy):            # slices, and an optimizer per slice
-            ...                                      # (the user's is built on nothing)
+        def build(self, model, runner):              # slices, and an optimizer per slice:
+            layout = runner.layout                   # this process's devices, its rank,
+            ...                                      # the processes (not the strategy)
 
         def apply(self, grads_and_vars, apply_next):
             ...reduce-scatter, update this replica's slice, all-gather; no apply_next...
@@ -43,15 +59,14 @@ built so (tfdist/parallel/):
         def checkpoint_state(self):                  # the slices' slots, saved whole
             return {"sharded_optimizer_state": ...}
 
-    class Accumulate(tfdist.StepHook):               # accumulate.py
-        def step(self, batch, train_step):           # k micro-batches in one step
-            ...train_step(micro) for each...
+    Mode(keyword="shard_optimizer", value=Choice(("zero1", "zero2")), place=Place.UPDATE,
+         builder="tfdist.parallel.zero:ShardedUpdate", resume_must_match=True, ...)
 
-        def apply(self, grads_and_vars, apply_next):
-            ...hold the first k-1, apply_next(the weighted sum) on the k-th...
+From the entry come fit's keyword and its docstring line, the binary's flag and help,
+TrainConfig's field, the hook's place in the chain and its checkpoint rule:
 
-    tfdist.fit(model, data, step_hooks=[Accumulate(4), ShardedUpdate(2)])
-    # = tfdist.fit(model, data, accumulate_steps=4, shard_optimizer="zero2")
+    tfdist.fit(model, data, accumulate_steps=4, shard_optimizer="zero2")
+    # = tfdist.fit(model, data, step_hooks=[Accumulate(4), ShardedUpdate(2)])
 
 Local SGD and gossip (local_sgd.py, gossip.py) apply each replica's gradients with its own
 optimizer copy and mix the weights after; their `settle()` (each epoch end, before a save)
@@ -62,8 +77,8 @@ coordinator's order) and, for `apply`, its staleness: delay compensation remembe
 read there, a staleness bound waits there (asynchronous.py; `asynchronous_only = True`).
 
 A mode that changes the whole step rather than its update (pipeline stages with
-micro-batches) is a Runner of its own, registered beside the others; the Controller runs it
-unchanged.
+micro-batches) is a RunnerFactory: its value makes a Runner of its own, and the Controller
+runs it unchanged.
 
 Callbacks reach the runner too: a callback with a `set_runner(runner)` method is given the
 runner before training, and may ask it who the chief is (`is_chief`), to settle the
@@ -71,25 +86,38 @@ variables before a save (`settle()`: every scheduled step applied, the replicas 
 what else a checkpoint must hold (`checkpoint_state()`) and what it did (`summary()`).
 tfdist's own StepCheckpoint (checkpoints.py) and RunRecord (report.py) are built so.
 
-The rest of the package: the training binary's run (run.py: a zoo model, its data and
-those callbacks handed to tfdist.fit), its config (config.py), preemption, the evaluator
-task (evaluating checkpoints with tfdist.evaluate), and smoke steps.
+Names are imported on first use: importing one module of the engine runs no other.
 """
 
-from tfdist.training.config import ConfigError, TrainConfig
-from tfdist.training.evaluator import EvalRecord, evaluate_checkpoints
-from tfdist.training.report import TrainResult
-from tfdist.training.run import Trainer, train
-from tfdist.training.smoke import SmokeResult, run_smoke_steps
+import importlib
 
-__all__ = [
-    "ConfigError",
-    "EvalRecord",
-    "SmokeResult",
-    "TrainConfig",
-    "TrainResult",
-    "Trainer",
-    "evaluate_checkpoints",
-    "run_smoke_steps",
-    "train",
-]
+_EXPORTS = {
+    "AsyncStep": "tfdist.training.runner",
+    "ReplicaLayout": "tfdist.strategies.replicas",
+    "Runner": "tfdist.training.runner",
+    "RunnerFactory": "tfdist.training.runner",
+    "StepHook": "tfdist.training.runner",
+    "Controller": "tfdist.training.controller",
+    "FitData": "tfdist.training.fit_data",
+    "make_fit_data": "tfdist.training.fit_data",
+    "runner_for": "tfdist.training.runners",
+    "StepCheckpoint": "tfdist.training.checkpoints",
+    "RunRecord": "tfdist.training.report",
+    "TrainResult": "tfdist.training.report",
+    "LearningRateWarmup": "tfdist.training.callbacks",
+    "WarmupSchedule": "tfdist.training.callbacks",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tfdist.training' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted([*globals(), *_EXPORTS])

@@ -46,7 +46,7 @@ class MovingStatistics:
     Every replica (and worker) must call `average()` at the same point: it is collective.
     """
 
-    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, *, is_chief: bool):
         self.strategy = strategy
         layers = unsynchronized_batch_norm(model)
         self.variables = [
@@ -54,7 +54,7 @@ class MovingStatistics:
         ]
         self.replicas = strategy.num_replicas_in_sync
         self._average = None
-        self._log = strategy.extended.should_checkpoint  # the chief reports, once for all
+        self._log = is_chief  # the chief reports, once for all
         if self.active and model not in _WARNED:
             _WARNED.add(model)
             log.warning(

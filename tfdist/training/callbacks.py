@@ -2,16 +2,19 @@
 
 LearningRateWarmup: the linear scaling rule for large global batches with a gradual warmup
 (Goyal et al., 2017, "Accurate, Large Minibatch SGD"), as Horovod's
-`LearningRateWarmupCallback` offers it. The binary's `--lr_scaling=linear
---warmup_epochs=E` does the same with a schedule (tfdist.WarmupSchedule), which a user can
-also give the optimizer directly.
+`LearningRateWarmupCallback` offers it.
+
+WarmupSchedule: the same rule as a learning-rate schedule, which a user can give the
+optimizer directly (the binary's `--lr_scaling=linear --warmup_epochs=E`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 
 import keras
+import tensorflow as tf
 
 log = logging.getLogger(__name__)
 
@@ -128,3 +131,39 @@ class LearningRateWarmup(keras.callbacks.Callback):
 
     def _current(self) -> float:
         return float(self.model.optimizer.learning_rate.numpy())
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class WarmupSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Linear warmup from peak/warmup_steps to `peak`, then constant or cosine decay to 0.
+
+    Large global batches train stably at a proportionally larger learning rate only if the
+    first epochs ramp up to it; with warmup_steps=0 the rate starts at its peak.
+    """
+
+    def __init__(
+        self, peak: float, *, warmup_steps: int, total_steps: int, decay: str = "constant"
+    ):
+        self.peak = float(peak)
+        self.warmup_steps = int(warmup_steps)
+        self.total_steps = int(total_steps)
+        self.decay = decay
+
+    def __call__(self, step):
+        step = tf.cast(step, tf.float32)
+        rate = tf.constant(self.peak, tf.float32)
+        if self.decay == "cosine":
+            span = max(self.total_steps - self.warmup_steps, 1)
+            progress = tf.clip_by_value((step - self.warmup_steps) / span, 0.0, 1.0)
+            rate = rate * 0.5 * (1.0 + tf.cos(math.pi * progress))
+        if self.warmup_steps:
+            rate = tf.minimum(rate, self.peak * (step + 1.0) / self.warmup_steps)
+        return rate
+
+    def get_config(self):
+        return {
+            "peak": self.peak,
+            "warmup_steps": self.warmup_steps,
+            "total_steps": self.total_steps,
+            "decay": self.decay,
+        }

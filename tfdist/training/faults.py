@@ -17,7 +17,7 @@ import re
 import tensorflow as tf
 from tensorflow.python.distribute.coordinator import cluster_coordinator
 
-from tfdist.errors import TfdistError
+from tfdist.errors import TfdistError, first_line
 
 # The coordinator wraps a closure's error when it reaches the closures that depended on it.
 _WRAPPERS = (cluster_coordinator.ClosureInputError, cluster_coordinator.ClosureAbortedError)
@@ -93,7 +93,7 @@ def explain_cluster_error(
         total_steps=total_steps,
         checkpoint_step=checkpoint_step,
         checkpoint_dir=checkpoint_dir,
-        cause=f"{type(original).__name__}: {_first_line(text)}",
+        cause=f"{type(original).__name__}: {first_line(text)}",
     )
 
 
@@ -129,10 +129,3 @@ def _failed_task(text: str, cluster: dict[str, list[str]]) -> str | None:
         if match:
             return f"{task_type}:{match.group(1)}"
     return None
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
-    # "Graph execution error:" and "N root error(s) found." say nothing about the cause.
-    useful = [line for line in lines if not re.match(r"(Graph execution error|\d+ root err)", line)]
-    return (useful or lines or ["(no message)"])[0][:300]

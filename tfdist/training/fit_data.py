@@ -25,7 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.data.streams import numbered_streams, worker_shuffle
-from tfdist.errors import TfdistError
+from tfdist.errors import FitError
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,6 @@ log = logging.getLogger(__name__)
 DEFAULT_BATCH_SIZE = 32
 # The seed of the shuffle of arrays: the same order on every synchronous worker (_from_arrays).
 ARRAY_SHUFFLE_SEED = 20_240_601
-
-
-class FitError(TfdistError, ValueError):
-    """A model, its data or an argument `tfdist.fit` cannot train with; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)

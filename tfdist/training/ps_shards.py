@@ -35,8 +35,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import FitError
 from tfdist.training.checkpoints import CheckpointMismatchError
-from tfdist.training.fit_data import FitError
 
 log = logging.getLogger(__name__)
 

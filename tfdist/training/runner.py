@@ -1,4 +1,5 @@
-"""The engine's seam: what a runner offers the loop, and where a step can be changed.
+"""The engine's seam: what a runner offers the loop and the modes, and where a step can be
+changed.
 
 Interfaces only (in the spirit of Orbit's runner.py); the implementations live in
 tfdist/training/runners/, one file per strategy kind, and the loop that drives them in
@@ -11,10 +12,12 @@ import abc
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import keras
 import tensorflow as tf
+
+from tfdist.strategies.replicas import ReplicaLayout, replica_layout
 
 # (gradient, variable) pairs, as the optimizer's `apply_gradients` takes them.
 GradsAndVars = list[tuple[Any, Any]]
@@ -77,7 +80,14 @@ class StepHook:
         """How messages name the hook (the option that made it, where one did)."""
         return type(self).__name__
 
-    def build(self, model: keras.Model, strategy: tf.distribute.Strategy) -> None:
+    # True: the hook applies the update its own way (a sharded update, local SGD, the split
+    # layers' parts); a step has one update, so a chain holds at most one such hook.
+    applies_update: ClassVar[bool] = False
+    # True: the hook does not hand the gradients on (apply_next is never called), so it must
+    # be the last of the chain.
+    ends_chain: ClassVar[bool] = False
+
+    def build(self, model: keras.Model, runner: Runner) -> None:
         """Creates the hook's state (under the strategy's scope), once, before training.
 
         The model is built; its optimizer is built after every hook's `build`, on the
@@ -86,8 +96,14 @@ class StepHook:
 
         Args:
           model: the compiled, built model.
-          strategy: the strategy it trains under.
+          runner: the runner that trains it: `runner.strategy`, `runner.is_chief` and
+            `runner.layout` (this process's devices, the processes, its rank) answer what
+            the hook needs to know of the job.
         """
+
+    def check_batch(self, per_replica_batch: int) -> None:
+        """Refuses a per-replica batch the hook cannot work with (one accumulation cannot
+        split evenly); called before training wherever the batch is known."""
 
     def step(self, batch: Any, train_step: Callable[[Any], Any]) -> Any:
         """Runs one replica's training step on `batch` through `train_step` (the model's
@@ -149,6 +165,9 @@ class Runner(abc.ABC):
     """
 
     kinds: ClassVar[tuple[str, ...]] = ()
+    # What 'auto' means for a mode's keyword under this runner (registry keyword -> value);
+    # a keyword not listed means off.
+    mode_defaults: ClassVar[dict[str, Any]] = {}
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy
@@ -156,9 +175,14 @@ class Runner(abc.ABC):
     # --- facts about the job ----------------------------------------------------------------
 
     @property
+    @abc.abstractmethod
     def is_chief(self) -> bool:
         """Whether this process writes files and reports (one process in a job)."""
-        return bool(self.strategy.extended.should_checkpoint)
+
+    @property
+    def layout(self) -> ReplicaLayout:
+        """Where the replicas are (see tfdist.strategies.ReplicaLayout)."""
+        return replica_layout(self.strategy)
 
     @property
     def lockstep_workers(self) -> int:
@@ -267,3 +291,12 @@ class Runner(abc.ABC):
         """A context in which a failure of the job (a lost peer, a dead parameter server)
         becomes tfdist's one-line error naming the task and saying how to resume."""
         return contextlib.nullcontext()
+
+
+@runtime_checkable
+class RunnerFactory(Protocol):
+    """A layout that replaces the runner (tfdist.parallel.Pipeline): `tfdist.fit(...,
+    pipeline=factory)` trains with `factory.runner(model, strategy)`."""
+
+    def runner(self, model: keras.Model, strategy: tf.distribute.Strategy) -> Runner:
+        """The runner that trains `model` under `strategy` (not yet built)."""

@@ -27,7 +27,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.training.fit_data import FitError
+from tfdist.errors import FitError
 from tfdist.training.runner import StepHook
 
 # Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.

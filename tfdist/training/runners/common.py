@@ -7,8 +7,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import FitError
 from tfdist.strategies import strategy_kind
-from tfdist.training.fit_data import FitError
 from tfdist.training.staleness import StalenessAwareSchedule
 from tfdist.training.steps import python_logs
 
@@ -75,6 +75,13 @@ def call_until_end(call, model: keras.Model, steps: int | None) -> None:
 def batch_size(x) -> tf.Tensor:
     leaf = next(leaf for leaf in tf.nest.flatten(x) if leaf is not None)
     return tf.shape(leaf)[0]
+
+
+def writes(strategy: tf.distribute.Strategy) -> bool:
+    """Whether this process is the job's chief, the one that writes files and reports:
+    TensorFlow's should_checkpoint (the chief, else worker 0; under parameter_server the
+    coordinator)."""
+    return bool(strategy.extended.should_checkpoint)
 
 
 def refuse_staleness_scaling(model: keras.Model, strategy: tf.distribute.Strategy) -> None:

@@ -25,6 +25,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.strategies import task_name_in_tf_config
+from tfdist.strategies.replicas import ReplicaLayout
 from tfdist.training import fit_callbacks
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData
@@ -41,11 +42,17 @@ from tfdist.training.steps import updates_through
 
 log = logging.getLogger(__name__)
 
+# The staleness bound parameter-server training takes when a binary asks for 'auto': the
+# option that learned best in tools/exchange_bench.py, for Adam and for SGD with momentum
+# (README "Which exchange for which cluster"; the figures are in --max_staleness's help).
+PS_MAX_STALENESS = 0
+
 
 class ParameterServerRunner(StatelessMetricsRunner):
     """parameter_server: closures of `n` steps scheduled on any free worker; see the module."""
 
     kinds = ("parameter_server",)
+    mode_defaults = {"max_staleness": PS_MAX_STALENESS}
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
@@ -162,6 +169,11 @@ class ParameterServerRunner(StatelessMetricsRunner):
         return self._closures[n]
 
     # --- the runner interface -------------------------------------------------------------------
+
+    @property
+    def layout(self) -> ReplicaLayout:
+        # The steps run on the workers, one closure at a time each: none on this process.
+        return ReplicaLayout(devices=(), replicas=self.strategy.num_replicas_in_sync)
 
     @property
     def needs_epoch_length(self) -> bool:

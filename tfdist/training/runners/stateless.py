@@ -20,8 +20,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import FitError
 from tfdist.strategies import strategy_kind
-from tfdist.training.fit_data import FitError, unpack
+from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import Runner, StepHook
 from tfdist.training.runners.common import (
@@ -29,6 +30,7 @@ from tfdist.training.runners.common import (
     logs_from_state,
     metric_names,
     refuse_asynchronous_hooks,
+    writes,
 )
 from tfdist.training.step_times import StepTimes
 from tfdist.training.steps import (
@@ -109,6 +111,10 @@ class StatelessMetricsRunner(Runner):
         self._names: list[str] | None = None
         self.times = StepTimes()  # the epoch's timed steps
 
+    @property
+    def is_chief(self) -> bool:
+        return writes(self.strategy)
+
     def _prepare(
         self,
         sharded: ShardedTraining | None,
@@ -136,7 +142,7 @@ class StatelessMetricsRunner(Runner):
                 )
         with strategy.scope():
             for hook in step_hooks:
-                hook.build(model, strategy)
+                hook.build(model, self)
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)  # no hook built it
         self.hooks = list(step_hooks)

@@ -36,6 +36,7 @@ from tfdist.training.runners.common import (
     refuse_asynchronous_hooks,
     refuse_staleness_scaling,
     run_until_end,
+    writes,
 )
 from tfdist.training.step_times import PHASES, StepTimes
 from tfdist.training.steps import (
@@ -84,6 +85,10 @@ class SyncRunner(Runner):
     # --- facts about the job ----------------------------------------------------------------
 
     @property
+    def is_chief(self) -> bool:
+        return writes(self.strategy)
+
+    @property
     def lockstep_workers(self) -> int:
         return compat.sync_worker_count(self.strategy)
 
@@ -108,12 +113,12 @@ class SyncRunner(Runner):
             # optimizer for its slice): hooks build first, the optimizer after if none did.
             compat.symbolic_build(self.model, sample_batch, build_optimizer=False)
             for hook in step_hooks:
-                hook.build(self.model, self.strategy)
+                hook.build(self.model, self)
             if optimizer is not None and not optimizer.built:
                 optimizer.build(self.model.trainable_variables)
         self.hooks = list(step_hooks)
         self.metric_variables = list(self.model.metrics_variables)
-        self.moving_statistics = MovingStatistics(self.model, self.strategy)
+        self.moving_statistics = MovingStatistics(self.model, self.strategy, is_chief=self.is_chief)
 
     def iterator(self, data: FitData, *, skip: int = 0):
         return iter(data.distribute(self.strategy, skip=skip))

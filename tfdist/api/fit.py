@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import inspect
 import logging
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -32,13 +33,16 @@ from typing import Any
 import keras
 import tensorflow as tf
 
-from tfdist import compat, parallel, signals
+from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
 from tfdist.data.pipeline import explain_data_error
+from tfdist.errors import FitError
+from tfdist.parallel import registry
 from tfdist.strategies import strategy_kind
+from tfdist.training import chain
 from tfdist.training.controller import Controller
-from tfdist.training.fit_data import FitData, FitError, make_fit_data, split_arrays, unpack
+from tfdist.training.fit_data import FitData, make_fit_data, split_arrays, unpack
 from tfdist.training.runner import StepHook
 from tfdist.training.runners import runner_for
 
@@ -48,8 +52,7 @@ _FIT_KEYWORDS = (
     "x", "y", "batch_size", "epochs", "verbose", "callbacks", "validation_data", "shuffle",
     "validation_split", "class_weight", "sample_weight", "initial_epoch", "steps_per_epoch",
     "validation_steps", "validation_batch_size", "validation_freq", "strategy", "step_hooks",
-    "shard_optimizer", "accumulate_steps", "pipeline", "average_every", "gossip",
-    "async_correction", "max_staleness",
+    *registry.keywords(),
 )  # fmt: skip
 _EVALUATE_KEYWORDS = (
     "x", "y", "batch_size", "verbose", "sample_weight", "steps", "callbacks", "return_dict",
@@ -78,14 +81,7 @@ def fit(
     validation_freq: int | list[int] = 1,
     strategy: tf.distribute.Strategy | None = None,
     step_hooks: Sequence[StepHook] = (),
-    shard_optimizer: str | None = None,
-    accumulate_steps: int = 1,
-    pipeline: parallel.Pipeline | None = None,
-    average_every: int | None = None,
-    gossip: str | None = None,
-    async_correction: str | None = None,
-    max_staleness: int | None = None,
-    **unknown: Any,
+    **options: Any,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model under its tf.distribute strategy, as `model.fit` would.
 
@@ -113,20 +109,8 @@ def fit(
       strategy: the strategy to train under; default: the one the model was created under.
       step_hooks: StepHooks between each step's gradients and the optimizer's update, in
         order (tfdist.StepHook: accumulation, sharded updates, corrections plug in there).
-      shard_optimizer: None, 'zero1' (the optimizer's state sharded over the replicas) or
-        'zero2' (the gradients too); see tfdist.parallel.zero. Synchronous strategies.
-      accumulate_steps: split each replica's batch into this many micro-batches, summing
-        their gradients into one exchange and update per step (tfdist.parallel.accumulate).
-      pipeline: a tfdist.parallel.Pipeline: the model cut into stages over the replicas,
-        trained in micro-batches (GPipe or 1F1B); see tfdist.parallel.pipeline.
-      average_every: local SGD: each replica takes this many optimizer steps on its own,
-        then the replicas' weights are averaged (tfdist.parallel.local_sgd).
-      gossip: 'ring' or 'exponential': after each local step, each replica averages its
-        weights with its peers', with no all-reduce (tfdist.parallel.gossip).
-      async_correction: parameter_server: 'dc' (delay-compensated gradients) or
-        'momentum' (SGD's momentum lowered by asynchrony's); tfdist.parallel.asynchronous.
-      max_staleness: parameter_server: no update is applied more than this many updates
-        stale (0: every update to the weights it was computed from).
+      **options: the parallel modes, by their keywords (tfdist.parallel.registry):
+        {modes}
       (the rest: as for keras.Model.fit)
 
     Returns:
@@ -135,7 +119,10 @@ def fit(
     Raises:
       FitError: the model, the data or an argument cannot train (the message says why).
     """
+    unknown = {k: v for k, v in options.items() if k not in registry.keywords()}
     _reject_unknown("fit", unknown, _FIT_KEYWORDS)
+    for problem in registry.problems(options):
+        raise FitError(problem)
     strategy = _checked_model(model, strategy, "fit")
     _check_count("epochs", epochs, minimum=0)
     _check_count("initial_epoch", initial_epoch, minimum=0)
@@ -158,25 +145,12 @@ def fit(
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
-    if pipeline is not None and not isinstance(pipeline, parallel.Pipeline):
-        raise FitError(
-            "pipeline takes a tfdist.parallel.Pipeline(cut_before=[...], micro_batches=..., "
-            f"schedule=...). Received: pipeline of type {type(pipeline).__name__}"
-        )
-    runner = runner_for(model, strategy, layout=pipeline)
-    hooks = parallel.hooks_for(
-        _checked_hooks(step_hooks),
-        shard_optimizer=shard_optimizer,
-        accumulate_steps=accumulate_steps,
-        average_every=average_every,
-        gossip=gossip,
-        async_correction=async_correction,
-        max_staleness=max_staleness,
-        model=model,
-    )
+    runner = runner_for(model, strategy, layout=registry.layout_of(options))
+    hooks = registry.chain(options, chain.check_hooks(step_hooks), model=model)
+    chain.check_chain(hooks)
     if data.global_batch is not None:
-        parallel.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
-    parallel.check_callbacks(hooks, callbacks)
+        chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
+    chain.check_callbacks(hooks, callbacks)
     runner.build(data.sample_batch, hooks)
     if data.global_batch is not None and runner.is_chief:
         log.info("%s", plan_batches(strategy, data.global_batch).describe())
@@ -197,6 +171,19 @@ def fit(
     )  # fmt: skip
     with _explained(runner):
         return controller.fit()
+
+
+fit.__doc__ = registry.fill_docstring(fit.__doc__)
+fit.__signature__ = inspect.signature(fit).replace(
+    parameters=[
+        *(p for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD),
+        *(
+            inspect.Parameter(m.keyword, inspect.Parameter.KEYWORD_ONLY, default=m.default)
+            for m in registry.MODES
+            if m.keyword
+        ),
+    ]
+)
 
 
 def evaluate(
@@ -334,18 +321,6 @@ def _refuse_a_model_of_its_own(model) -> None:
 
 def _is_default(strategy) -> bool:
     return strategy is tf.distribute.get_strategy() and not tf.distribute.has_strategy()
-
-
-def _checked_hooks(step_hooks) -> list[StepHook]:
-    hooks = list(step_hooks or ())
-    for hook in hooks:
-        if not isinstance(hook, StepHook):
-            raise FitError(
-                "step_hooks takes tfdist.StepHook objects (a subclass with an "
-                "apply(grads_and_vars, apply_next) method). "
-                f"Received: an element of type {type(hook).__name__}"
-            )
-    return hooks
 
 
 def _check_count(name: str, value, *, minimum: int) -> None:

@@ -16,18 +16,20 @@ import sys
 import keras
 import tensorflow as tf
 
-from tfdist import parallel
+from tfdist.api import fit as fit_module
+from tfdist.app.config import TrainConfig
+from tfdist.app.optim import build_optimizer, build_schedule
 from tfdist.cluster import ClusterInfo
 from tfdist.data import PipelineOptions, plan_batches, prepare_dataset
 from tfdist.data.datasets import TFRECORD_PREFIX
 from tfdist.data.distribute import PAD_LABEL, pad_to_whole_steps
 from tfdist.models import build_model
+from tfdist.parallel import registry
 from tfdist.storage import check_writable_directory
-from tfdist.strategies import check_tpu_node_paths, runs_on_tpu, tpu_node_address
-from tfdist.training import fit as fit_module
+from tfdist.strategies import check_tpu_node_paths, tpu_node_address
+from tfdist.strategies.defaults import needs_static_shapes
+from tfdist.training import chain
 from tfdist.training.checkpoints import StepCheckpoint, check_resume_settings
-from tfdist.training.config import TrainConfig
-from tfdist.training.optim import build_optimizer, build_schedule
 from tfdist.training.report import RunRecord, TrainResult
 from tfdist.training.staleness import StalenessAwareSchedule
 
@@ -83,8 +85,8 @@ class Trainer:
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
         # The data is a dataset_fn of per-replica batches, which fit cannot measure.
-        parallel.check_batch(
-            parallel.hooks_for(accumulate_steps=config.accumulate_steps),
+        chain.check_batch(
+            registry.chain(config.mode_options(), (), model=None),
             self.plan.per_replica_batch_size,
         )
         # Before anything is read or written, as a TPU Node's host sees only Cloud Storage.
@@ -98,7 +100,7 @@ class Trainer:
         if config.model_dir is not None and self.is_chief:  # the others write elsewhere
             check_writable_directory(config.model_dir, name="model_dir")
         # TPUs compile a program per input shape, so evaluation pads its last batches.
-        self.static_shapes = runs_on_tpu(strategy)
+        self.static_shapes = needs_static_shapes(strategy)
         if self.static_shapes and self.is_chief:
             log.info(
                 "Evaluation pads its last batches to full ones for the TPU's static shapes; "
@@ -123,7 +125,7 @@ class Trainer:
                 "model": config.model, "dataset": _comparable(config.dataset),
                 "optimizer": config.optimizer, "mixed_precision": config.mixed_precision,
                 "global_batch_size": config.global_batch_size,
-                "shard_optimizer": config.shard_optimizer,
+                **registry.resume_settings(config.mode_options()),
                 "steps_per_epoch": self.steps_per_epoch,
                 "workers": cluster.num_workers if cluster is not None else 1,
                 "replicas": strategy.num_replicas_in_sync,
@@ -278,12 +280,7 @@ class Trainer:
             # replicas' logs: no collective); in a log file the epoch line says it all.
             verbose=1 if self.is_chief and sys.stdout.isatty() else 0,
             strategy=self.strategy,
-            shard_optimizer=self.config.shard_optimizer,
-            accumulate_steps=self.config.accumulate_steps,
-            average_every=self.config.average_every,
-            gossip=self.config.gossip,
-            async_correction=self.config.async_correction,
-            max_staleness=self.config.max_staleness,
+            **self.config.mode_options(),
         )
         if self.record.trained:
             return self.record.result

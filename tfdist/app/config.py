@@ -1,4 +1,9 @@
-"""TrainConfig: everything a training run needs, validated once when it is created."""
+"""TrainConfig: everything a training run needs, validated once when it is created.
+
+Its fields are the run's own (model, data, optimizer, schedule, what it writes) and one per
+parallel mode the binary offers, taken from tfdist.parallel.registry: a new mode's entry
+adds its field here (with its default, its docstring line and its check) and nothing else.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +12,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from tfdist.errors import TfdistError
+from tfdist.parallel import registry
 
 OPTIMIZERS = ("sgd", "adam", "lamb")
 LR_SCALING = ("none", "linear")
 LR_SCHEDULES = ("constant", "cosine")
 MIXED_PRECISION = ("mixed_float16", "mixed_bfloat16")
-SHARD_CHOICES = ("zero1", "zero2")
-ASYNC_CORRECTION_CHOICES = ("dc", "momentum")
-GOSSIP_CHOICES = ("ring", "exponential")
 
 
 class ConfigError(TfdistError, ValueError):
@@ -22,7 +25,7 @@ class ConfigError(TfdistError, ValueError):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TrainConfig:
+class _RunConfig:
     """A training run, independent of the strategy that executes it.
 
     Args:
@@ -55,17 +58,7 @@ class TrainConfig:
       staleness_aware_lr: parameter-server training only: divide each update's learning
         rate by max(1, its staleness), the number of updates that reached the parameters
         between the worker's read and its write (Zhang et al., 2016).
-      shard_optimizer: None, 'zero1' or 'zero2': shard the optimizer's state (and with
-        zero2 the gradients) over the replicas (tfdist.parallel.zero).
-      accumulate_steps: split each replica's batch into this many micro-batches, one
-        exchange per step (tfdist.parallel.accumulate).
-      async_correction: parameter-server training only: None, 'dc' (delay-compensated
-        gradients) or 'momentum' (SGD's momentum lowered by asynchrony's own).
-      max_staleness: parameter-server training only: no update more than this many updates
-        stale (None: unbounded).
-      average_every: synchronous strategies: local SGD, the replicas' weights averaged
-        every this many local steps (None: every step's gradients are all-reduced).
-      gossip: synchronous strategies: None, 'ring' or 'exponential': gossip SGD.
+      {modes}
     """
 
     model: str = "cnn"
@@ -93,12 +86,6 @@ class TrainConfig:
     checkpoint_every: int = 0
     max_checkpoints: int = 3
     staleness_aware_lr: bool = False
-    shard_optimizer: str | None = None
-    accumulate_steps: int = 1
-    async_correction: str | None = None
-    max_staleness: int | None = None
-    average_every: int | None = None
-    gossip: str | None = None
 
     def __post_init__(self):
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -106,28 +93,14 @@ class TrainConfig:
         _choice("lr_schedule", self.lr_schedule, LR_SCHEDULES)
         if self.mixed_precision is not None:
             _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
-        for name, choices in (
-            ("shard_optimizer", SHARD_CHOICES),
-            ("async_correction", ASYNC_CORRECTION_CHOICES),
-            ("gossip", GOSSIP_CHOICES),
-        ):
-            if getattr(self, name) is not None:
-                _choice(name, getattr(self, name), choices)
-        if self.average_every is not None:
-            _positive_int("average_every", self.average_every)
-        if self.max_staleness is not None and (
-            not isinstance(self.max_staleness, int) or self.max_staleness < 0
-        ):
-            raise ConfigError(
-                f"max_staleness must be a whole number >= 0. Received: {self.max_staleness!r}"
-            )
+        for problem in registry.problems(self.mode_options()):
+            raise ConfigError(problem)
         for name in (
             "global_batch_size",
             "epochs",
             "steps_per_execution",
             "base_batch_size",
             "max_checkpoints",
-            "accumulate_steps",
         ):
             _positive_int(name, getattr(self, name))
         if self.steps_per_epoch is not None:
@@ -153,12 +126,28 @@ class TrainConfig:
                 f"Received: warmup_epochs={self.warmup_epochs!r}"
             )
 
+    def mode_options(self) -> dict[str, Any]:
+        """The parallel modes' fields, as tfdist.fit's keywords."""
+        return {m.keyword: getattr(self, m.keyword) for m in registry.flagged()}
+
     @property
     def peak_learning_rate(self) -> float:
         """The learning rate after warmup, with the linear scaling rule applied if asked."""
         if self.lr_scaling == "linear":
             return self.learning_rate * self.global_batch_size / self.base_batch_size
         return self.learning_rate
+
+
+# The run's fields, then one per mode the binary offers (the registry's keyword and default).
+TrainConfig = dataclasses.make_dataclass(
+    "TrainConfig",
+    [(m.keyword, Any, dataclasses.field(default=m.default)) for m in registry.flagged()],
+    bases=(_RunConfig,),
+    frozen=True,
+    kw_only=True,
+)
+TrainConfig.__module__ = __name__
+TrainConfig.__doc__ = registry.fill_docstring(_RunConfig.__doc__, modes=registry.flagged())
 
 
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

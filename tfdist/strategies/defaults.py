@@ -1,20 +1,21 @@
 """What 'auto' means for the settings whose best value depends on the hardware.
 
-TrainConfig stays explicit (a number, a dtype policy); binaries and notebooks that offer
+Explicit settings stay explicit (a number, a dtype policy); binaries and notebooks that offer
 "auto" resolve it here, once the strategy is built:
 
     >>> strategy = tfdist.build_strategy("auto")
-    >>> config = TrainConfig(
-    ...     steps_per_execution=auto_steps_per_execution(strategy),
-    ...     mixed_precision=auto_mixed_precision(strategy),
-    ... )
+    >>> model.compile(..., steps_per_execution=auto_steps_per_execution(strategy))
+    >>> keras.mixed_precision.set_dtype_policy(auto_mixed_precision(strategy) or "float32")
+
+What a parallel mode's 'auto' means depends on the runner that trains, not on the hardware:
+`tfdist.training.runners.mode_defaults(strategy)` answers that.
 """
 
 from __future__ import annotations
 
 import tensorflow as tf
 
-from tfdist.strategies import runs_on_tpu, strategy_kind
+from tfdist.strategies.tpu import runs_on_tpu
 
 AUTO = "auto"
 # Every tf.function call costs the TPU a round trip to its host, long against a small model's
@@ -46,24 +47,16 @@ def auto_mixed_precision(strategy: tf.distribute.Strategy | str) -> str | None:
     return "mixed_bfloat16" if runs_on_tpu(strategy) else None
 
 
-# Parameter-server training's staleness bound when none is asked for: the option that learned
-# best in tools/exchange_bench.py, for Adam and for SGD with momentum (README "Which exchange
-# for which cluster"; the figures are in --max_staleness's help).
-PS_MAX_STALENESS = 0
-
-
-def auto_max_staleness(strategy: tf.distribute.Strategy | str) -> int | None:
-    """PS_MAX_STALENESS under parameter_server; None (no bound) elsewhere, where nothing is
-    stale. `strategy` as above."""
-    kind = strategy if isinstance(strategy, str) else strategy_kind(strategy)
-    return PS_MAX_STALENESS if kind == "parameter_server" else None
+def needs_static_shapes(strategy: tf.distribute.Strategy | str) -> bool:
+    """Whether every batch must have the same shape (XLA on TPU cores compiles a program per
+    input shape): evaluation then pads its last batches instead of running short ones."""
+    return runs_on_tpu(strategy)
 
 
 __all__ = [
     "AUTO",
-    "PS_MAX_STALENESS",
     "TPU_STEPS_PER_EXECUTION",
-    "auto_max_staleness",
     "auto_mixed_precision",
     "auto_steps_per_execution",
+    "needs_static_shapes",
 ]

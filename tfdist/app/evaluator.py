@@ -29,13 +29,13 @@ import time
 import tensorflow as tf
 
 from tfdist import signals
-from tfdist.errors import TfdistError
+from tfdist.app.config import TrainConfig
+from tfdist.app.trainer import Trainer
+from tfdist.errors import TfdistError, first_line
 from tfdist.storage import strict_json, write_atomically
 from tfdist.strategies import build_strategy
 from tfdist.training.checkpoints import CHECKPOINT_SUBDIR
-from tfdist.training.config import TrainConfig
 from tfdist.training.report import LOG_SUBDIR, SUMMARY_FILE
-from tfdist.training.run import Trainer
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +202,7 @@ class CheckpointEvaluator:
             log.warning(
                 "Skipping checkpoint %s: it cannot be read, it is partial or corrupt (%s)",
                 path,
-                _first_line(e),
+                first_line(e),
             )
             return None
         except ValueError as e:  # a variable of another shape
@@ -245,7 +245,7 @@ class CheckpointEvaluator:
         return EvaluatorError(
             f"Checkpoint {path} does not hold the model the evaluator built "
             f"(model={self.config.model!r} on {self.config.dataset!r}): "
-            f"{_first_line(error)[:300]}. Run the evaluator with the same model and dataset "
+            f"{first_line(error)}. Run the evaluator with the same model and dataset "
             f"flags as the training tasks. Received: model={self.config.model!r}"
         )
 
@@ -315,11 +315,6 @@ def _resume_eval_file(model_dir: str) -> int:
             )  # fmt: skip
         write_atomically(path, "".join(kept))
     return max(steps)
-
-
-def _first_line(error: Exception) -> str:
-    text = getattr(error, "message", None) or str(error)
-    return text.strip().splitlines()[0] if text.strip() else type(error).__name__
 
 
 __all__ = [

@@ -1,4 +1,5 @@
-"""What 'auto' means per strategy (tfdist.training.auto), and the training binary's use of it."""
+"""What 'auto' means per strategy (tfdist.strategies.defaults for the hardware, the runners'
+mode_defaults for the parallel modes), and the training binary's use of both."""
 
 from __future__ import annotations
 
@@ -7,13 +8,15 @@ from absl import flags
 
 import tfdist
 from experiments import train as train_binary
-from tfdist.training.auto import (
-    PS_MAX_STALENESS,
+from tfdist.strategies.defaults import (
     TPU_STEPS_PER_EXECUTION,
-    auto_max_staleness,
     auto_mixed_precision,
     auto_steps_per_execution,
 )
+from tfdist.training.runners import describe_mode_default, mode_defaults
+from tfdist.training.runners.parameter_server import PS_MAX_STALENESS
+
+pytestmark = pytest.mark.fast
 
 
 @pytest.mark.parametrize(
@@ -31,7 +34,13 @@ def test_auto_settings_by_strategy_kind(kind, steps, precision):
     assert auto_mixed_precision(kind) == precision
     # Only parameter-server updates are stale: the bound that measured best, else none.
     bound = PS_MAX_STALENESS if kind == "parameter_server" else None
-    assert auto_max_staleness(kind) == bound
+    assert mode_defaults(kind).get("max_staleness") == bound
+
+
+def test_the_binary_says_what_auto_means_for_a_mode():
+    said = describe_mode_default("max_staleness")
+    assert said == f"{PS_MAX_STALENESS} under parameter_server; none elsewhere"
+    assert said in train_binary.FLAGS["max_staleness"].help
 
 
 @pytest.mark.parametrize(

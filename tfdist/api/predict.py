@@ -18,7 +18,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfdist.training.fit_data import DEFAULT_BATCH_SIZE, FitError
+from tfdist.errors import FitError
+from tfdist.training.fit_data import DEFAULT_BATCH_SIZE
 
 
 def predict(

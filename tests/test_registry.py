@@ -1,0 +1,124 @@
+"""The registry of parallel modes (tfdist/parallel/registry.py) reaches every entry point:
+fit's keywords and docstring, TrainConfig's fields, the binary's flags, the chain's order,
+the chain's rules (tfdist/training/chain.py) and the resume check."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+import pytest
+
+import tfdist
+from experiments import train as train_binary
+from tfdist.app import ConfigError, TrainConfig
+from tfdist.errors import FitError
+from tfdist.parallel import registry
+from tfdist.parallel.accumulate import Accumulate
+from tfdist.parallel.asynchronous import BoundedStaleness, DelayCompensation
+from tfdist.parallel.local_sgd import LocalSGD
+from tfdist.parallel.zero import ShardedUpdate
+from tfdist.training import chain
+from tfdist.training.runner import StepHook
+
+pytestmark = pytest.mark.fast
+
+
+def test_every_keyword_is_one_of_fit_s_with_its_default_and_its_line_in_the_docstring():
+    parameters = inspect.signature(tfdist.fit).parameters
+    doc = inspect.getdoc(tfdist.fit)
+    for mode in registry.MODES:
+        if mode.keyword is None:
+            continue
+        assert parameters[mode.keyword].default == mode.default
+        assert parameters[mode.keyword].kind is inspect.Parameter.KEYWORD_ONLY
+        first_words = " ".join(mode.summary.split()[:6])
+        assert f"{mode.keyword}: {first_words}" in " ".join(doc.split()), mode.keyword
+
+
+def test_every_flagged_mode_is_a_train_config_field_and_a_flag_of_the_binary():
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    for mode in registry.flagged():
+        assert fields[mode.keyword].default == mode.default
+        flag = train_binary.FLAGS[mode.keyword]
+        help_start = (mode.help or mode.summary).split("{auto}")[0][:40]
+        assert help_start in flag.help, mode.keyword
+    assert TrainConfig().mode_options() == {m.keyword: m.default for m in registry.flagged()}
+    assert "pipeline" not in fields  # a layout object: no flag, no field
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"shard_optimizer": "zero4"}, r"shard_optimizer must be None or one of 'zero1', 'zero2'"),
+        ({"accumulate_steps": 0}, "accumulate_steps must be a whole number >= 1"),
+        ({"max_staleness": 1.5}, "max_staleness must be a whole number >= 0"),
+        ({"gossip": "star"}, r"Received: gossip='star'"),
+        ({"pipeline": 3}, "pipeline takes a tfdist.parallel.Pipeline"),
+    ],
+)
+def test_a_bad_value_gets_one_message_wherever_it_is_given(options, message):
+    (problem,) = registry.problems(options)
+    assert re.search(message, problem), problem
+    if "pipeline" not in options:
+        with pytest.raises(ConfigError, match=message):
+            TrainConfig(**options)
+
+
+def test_the_chain_puts_each_mode_at_its_place_around_the_user_s_hooks():
+    class Mine(StepHook):
+        pass
+
+    mine = Mine()
+    hooks = registry.chain(
+        {"shard_optimizer": "zero2", "accumulate_steps": 4, "max_staleness": 0,
+         "async_correction": "dc"},
+        [mine],
+        model=None,
+    )  # fmt: skip
+    assert [type(h) for h in hooks] == [
+        Accumulate, Mine, DelayCompensation, BoundedStaleness, ShardedUpdate,
+    ]  # fmt: skip
+    assert hooks[1] is mine and hooks[-1].stage == 2
+    # Off by default: no keyword, no hook.
+    assert registry.chain({}, [], model=None) == []
+
+
+def test_the_chain_s_rules_come_from_what_hooks_declare():
+    with pytest.raises(FitError, match="updates the weights its own way, and a step has one"):
+        chain.check_chain([LocalSGD(2), ShardedUpdate(2)])
+    with pytest.raises(FitError, match="must be the last of the step hooks"):
+        chain.check_chain([ShardedUpdate(2), Accumulate(2)])
+    chain.check_chain([Accumulate(2), ShardedUpdate(2)])
+    with pytest.raises(FitError, match="accumulate_steps=3 must divide each replica's batch"):
+        chain.check_batch([Accumulate(3)], per_replica_batch=16)
+    with pytest.raises(FitError, match="step_hooks takes tfdist.StepHook objects"):
+        chain.check_hooks([lambda grads: grads])
+
+
+def test_a_resume_checks_the_modes_whose_state_is_laid_out_by_them():
+    assert registry.resume_settings({"shard_optimizer": "zero1"}) == {"shard_optimizer": "zero1"}
+    assert registry.resume_settings({}) == {"shard_optimizer": None}
+
+
+def test_an_unknown_keyword_names_the_closest_one_of_fit_s():
+    with pytest.raises(FitError, match="unknown keyword `shard_optimiser` .*`shard_optimizer`"):
+        tfdist.fit(None, shard_optimiser="zero2")
+
+
+def test_the_binary_parses_each_mode_s_flag_into_the_config(parse_flags):
+    parse_flags("--shard_optimizer=zero1", "--accumulate_steps=2", "--max_staleness=3")
+    config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
+    assert (config.shard_optimizer, config.accumulate_steps, config.max_staleness) == (
+        "zero1", 2, 3,
+    )  # fmt: skip
+
+
+@pytest.fixture
+def parse_flags():
+    def parse(*args: str):
+        train_binary.FLAGS(["train", *args])
+
+    yield parse
+    train_binary.FLAGS.unparse_flags()

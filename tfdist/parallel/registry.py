@@ -1,0 +1,379 @@
+"""The registry of parallel modes: one entry per mode, and everything else reads it.
+
+A mode is one file in tfdist/parallel/ and one `Mode` entry in MODES below. From the entry:
+
+  tfdist.fit          takes `keyword=value` (checked by `value`), lists it in its docstring
+                      (`summary`) and builds the hook in the chain at `place`;
+  TrainConfig         has a field `keyword` with the entry's default (tfdist/app/config.py);
+  experiments.train   has a flag `--keyword` with `help` (and 'auto' where `auto`);
+  checkpoints         refuse a resume under another value where `resume_must_match`.
+
+Example (a mode that adds Gaussian noise to the gradients, in tfdist/parallel/noise.py):
+
+    Mode(
+        keyword="gradient_noise",
+        value=Number(minimum=0.0),
+        summary="the standard deviation of Gaussian noise added to each gradient",
+        place=Place.USER,
+        builder="tfdist.parallel.noise:GradientNoise",
+    )
+
+The builder is named by its import path ("module:attribute"), so reading the registry
+imports no mode (nor TensorFlow): the binary builds its flags from it, and TrainConfig its
+fields, before anything heavy loads. A builder is called with the keyword's value and
+returns a StepHook; a mode no keyword turns on (split layers) is built from the model, and
+returns None where the model asks for nothing.
+
+A mode that replaces the runner rather than adding a hook (the pipeline) takes an object
+that makes a runner: `value=RunnerFactoryValue()`, checked against the engine's
+`RunnerFactory` protocol, and no builder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import re
+import textwrap
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+
+class Place(enum.IntEnum):
+    """Where a mode's hook sits in the step's chain, first to last."""
+
+    # Reshapes the step (accumulation's micro-batches), so the hooks after it see each
+    # step's summed gradients once.
+    RESHAPE = 0
+    # The user's own `step_hooks`, in their order.
+    USER = 10
+    # Corrections of asynchronous updates (delay, momentum), then the staleness bound.
+    CORRECTION = 20
+    BOUND = 25
+    # The split layers' update: applies their parts' gradients, hands the rest on.
+    SPLIT = 30
+    # The one hook that applies the update its own way; nothing may follow it.
+    UPDATE = 40
+
+
+# --- what a keyword takes ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One of `choices`, or None (off)."""
+
+    choices: tuple[str, ...]
+
+    def problem(self, keyword: str, value: Any) -> str | None:
+        if value is None or value in self.choices:
+            return None
+        listed = ", ".join(repr(c) for c in self.choices)
+        return f"{keyword} must be None or one of {listed}. Received: {keyword}={value!r}"
+
+    def describe(self) -> str:
+        return " | ".join(self.choices)
+
+
+@dataclasses.dataclass(frozen=True)
+class Whole:
+    """A whole number >= `minimum` (None also means off where the default is None)."""
+
+    minimum: int
+
+    def problem(self, keyword: str, value: Any) -> str | None:
+        if value is None or (
+            isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum
+        ):
+            return None
+        return f"{keyword} must be a whole number >= {self.minimum}. Received: {keyword}={value!r}"
+
+    def describe(self) -> str:
+        return f"a whole number >= {self.minimum}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Number:
+    """A real number >= `minimum`, or None (off)."""
+
+    minimum: float
+
+    def problem(self, keyword: str, value: Any) -> str | None:
+        if value is None or (
+            isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and value >= self.minimum
+        ):
+            return None
+        return f"{keyword} must be a number >= {self.minimum}. Received: {keyword}={value!r}"
+
+    def describe(self) -> str:
+        return f"a number >= {self.minimum}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerFactoryValue:
+    """An object with a `runner(model, strategy)` method (tfdist.training.RunnerFactory)."""
+
+    example: str
+
+    def problem(self, keyword: str, value: Any) -> str | None:
+        if value is None or callable(getattr(value, "runner", None)):
+            return None
+        return (
+            f"{keyword} takes {self.example}, an object whose runner(model, strategy) makes the "
+            f"runner that trains. Received: {keyword} of type {type(value).__name__}"
+        )
+
+    def describe(self) -> str:
+        return self.example
+
+
+Value = Choice | Whole | Number | RunnerFactoryValue
+
+
+# --- the entries --------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Mode:
+    """One parallel mode, as every entry point offers it.
+
+    Attributes:
+      keyword: fit's keyword, TrainConfig's field and the binary's flag; None for a mode
+        the model itself asks for (split layers), which no keyword turns on.
+      summary: one line for fit's and TrainConfig's docstrings.
+      value: what the keyword takes (None: no keyword).
+      place: where the mode's hook sits in the step's chain.
+      builder: "module:attribute" of a callable value -> StepHook (model -> StepHook or None
+        where there is no keyword); None for a mode whose value is the runner factory.
+      default: the value that leaves the mode off.
+      help: the flag's help (default: the summary); "{auto}" is replaced by what 'auto'
+        means under each runner.
+      flag: offered by the binary (a flag and a TrainConfig field).
+      auto: the flag takes 'auto', resolved by the runner's mode_defaults.
+      resume_must_match: a checkpoint written under another value cannot be resumed (the
+        state it keeps is laid out by this mode).
+    """
+
+    keyword: str | None
+    summary: str
+    value: Value | None = None
+    place: Place | None = None
+    builder: str | None = None
+    default: Any = None
+    help: str | None = None
+    flag: bool = True
+    auto: bool = False
+    resume_must_match: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.keyword or self.builder or "?"
+
+    def build(self, value: Any, *, model) -> Any:
+        """The hook this mode adds for `value` (None if it adds none)."""
+        if self.builder is None:
+            return None
+        module, _, attribute = self.builder.partition(":")
+        target: Any = importlib.import_module(module)
+        for part in attribute.split("."):
+            target = getattr(target, part)
+        return target(value) if self.keyword else target(model)
+
+    def is_on(self, value: Any) -> bool:
+        return self.keyword is None or value != self.default
+
+
+MODES: tuple[Mode, ...] = (
+    Mode(
+        keyword="accumulate_steps",
+        summary="split each replica's batch into this many micro-batches, summing their "
+        "gradients into one exchange and update per step (tfdist.parallel.accumulate)",
+        help="Split each replica's batch into this many micro-batches, summing their gradients "
+        "into one exchange and update per step (must divide the per-replica batch).",
+        value=Whole(minimum=1),
+        default=1,
+        place=Place.RESHAPE,
+        builder="tfdist.parallel.accumulate:Accumulate",
+    ),
+    Mode(
+        keyword="async_correction",
+        summary="parameter_server: 'dc' (delay-compensated gradients) or 'momentum' (SGD's "
+        "momentum lowered by asynchrony's); tfdist.parallel.asynchronous",
+        help="parameter_server only: correct stale updates. dc: delay compensation, g + lambda "
+        "g*g (w_now - w_read) on the ps (Zheng et al., 2017); momentum: SGD's momentum lowered "
+        "by the momentum asynchrony adds, 1 - 1/(1 + mean staleness) (Mitliagkas et al., 2016).",
+        value=Choice(("dc", "momentum")),
+        place=Place.CORRECTION,
+        builder="tfdist.parallel.asynchronous:correction",
+    ),
+    Mode(
+        keyword="max_staleness",
+        summary="parameter_server: no update is applied more than this many updates stale "
+        "(0: every update to the weights it was computed from)",
+        help="parameter_server only: no update more than this many updates stale (a step waits "
+        "for the steps before it; 0: every update applies to the weights it was computed "
+        "from); 'none': unbounded. 'auto': {auto}. The parameter-server default measured best "
+        "(tools/exchange_bench, 4 workers, digits cnn, 220 steps, medians of 3): test accuracy "
+        "with Adam 0.967 against 0.958 at 1 and 0.911 unbounded (sync: 0.981); with SGD and "
+        "momentum 0.802 against 0.089 at 1 and 0.092 unbounded (sync: 0.889). At 0 the workers "
+        "take turns; 1 lets two steps compute at once (Adam: 1764 examples/s against 1313).",
+        value=Whole(minimum=0),
+        place=Place.BOUND,
+        builder="tfdist.parallel.asynchronous:BoundedStaleness",
+        auto=True,
+    ),
+    Mode(
+        keyword=None,
+        summary="the update of a model's tensor-parallel layers (added when it has them)",
+        place=Place.SPLIT,
+        builder="tfdist.parallel.tensor:update_for",
+        flag=False,
+    ),
+    Mode(
+        keyword="shard_optimizer",
+        summary="None, 'zero1' (the optimizer's state sharded over the replicas) or 'zero2' "
+        "(the gradients too); tfdist.parallel.zero. Synchronous strategies",
+        help="Synchronous strategies: shard the optimizer's state over the replicas (zero1: "
+        "1/N of the slots per replica), and with zero2 the gradients too (reduce-scatter, then "
+        "all-gather). Same result as unsharded; see README 'Sharded optimizer state'.",
+        value=Choice(("zero1", "zero2")),
+        place=Place.UPDATE,
+        builder="tfdist.parallel.zero:ShardedUpdate",
+        resume_must_match=True,
+    ),
+    Mode(
+        keyword="average_every",
+        summary="local SGD: each replica takes this many optimizer steps on its own, then "
+        "the replicas' weights are averaged (tfdist.parallel.local_sgd)",
+        help="Synchronous strategies: local SGD, each replica takes this many optimizer steps "
+        "on its own, then the weights are averaged in one all-reduce. Default: all-reduce "
+        "every step.",
+        value=Whole(minimum=1),
+        place=Place.UPDATE,
+        builder="tfdist.parallel.local_sgd:LocalSGD",
+    ),
+    Mode(
+        keyword="gossip",
+        summary="'ring' or 'exponential': after each local step, each replica averages its "
+        "weights with its peers', with no all-reduce (tfdist.parallel.gossip)",
+        help="Synchronous strategies: gossip SGD, each replica averages its weights with its "
+        "peers after every local step (ring: both neighbours; exponential: one peer, 2^k away "
+        "in turn), with no all-reduce.",
+        value=Choice(("ring", "exponential")),
+        place=Place.UPDATE,
+        builder="tfdist.parallel.gossip:Gossip",
+    ),
+    Mode(
+        keyword="pipeline",
+        summary="a tfdist.parallel.Pipeline: the model cut into stages over the replicas, "
+        "trained in micro-batches (GPipe or 1F1B); see tfdist.parallel.pipeline",
+        value=RunnerFactoryValue("a tfdist.parallel.Pipeline(cut_before=[...], ...)"),
+        flag=False,
+    ),
+)
+
+
+def keywords() -> tuple[str, ...]:
+    """Every mode's keyword, in the registry's order."""
+    return tuple(m.keyword for m in MODES if m.keyword)
+
+
+def mode(keyword: str) -> Mode:
+    """The entry of `keyword`."""
+    for m in MODES:
+        if m.keyword == keyword:
+            return m
+    raise KeyError(
+        f"No parallel mode takes the keyword {keyword!r}. Known: {', '.join(keywords())}"
+    )
+
+
+def flagged() -> tuple[Mode, ...]:
+    """The modes the binary offers as flags (and TrainConfig as fields)."""
+    return tuple(m for m in MODES if m.keyword and m.flag)
+
+
+def problems(options: Mapping[str, Any]) -> list[str]:
+    """What is wrong with `options` (keyword -> value), one message each; unknown keywords
+    are the caller's to refuse."""
+    found = []
+    for keyword, value in options.items():
+        problem = mode(keyword).value.problem(keyword, value)
+        if problem:
+            found.append(problem)
+    return found
+
+
+def layout_of(options: Mapping[str, Any]) -> Any:
+    """The runner factory `options` name (the pipeline), or None."""
+    factories = [
+        options[m.keyword]
+        for m in MODES
+        if isinstance(m.value, RunnerFactoryValue) and options.get(m.keyword) is not None
+    ]
+    return factories[0] if factories else None
+
+
+def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> list[Any]:
+    """The step's chain of hooks: each mode `options` turn on (and the model asks for,
+    unless `model` is None), and the user's own hooks, in the order of their places."""
+    placed: list[tuple[int, int, Any]] = [
+        (Place.USER, order, hook) for order, hook in enumerate(user_hooks)
+    ]
+    for order, m in enumerate(MODES):
+        if m.place is None or (m.keyword is None and model is None):
+            continue
+        value = options.get(m.keyword, m.default) if m.keyword else None
+        if not m.is_on(value):
+            continue
+        hook = m.build(value, model=model)
+        if hook is not None:
+            placed.append((m.place, order, hook))
+    return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]
+
+
+def resume_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The modes' values a resumed checkpoint must have been written under."""
+    return {m.keyword: options.get(m.keyword, m.default) for m in MODES if m.resume_must_match}
+
+
+def fill_docstring(doc: str, *, modes: Sequence[Mode] = MODES) -> str:
+    """`doc` with its "{modes}" line replaced by one Args entry per mode's keyword, at that
+    line's indentation (continuations 2 deeper), wrapped at 96 columns."""
+
+    def entries(match: re.Match) -> str:
+        indent = match.group(1)
+        return "\n".join(
+            textwrap.fill(
+                f"{m.keyword}: {m.summary}.",
+                width=96,
+                initial_indent=indent,
+                subsequent_indent=indent + "  ",
+            )
+            for m in modes
+            if m.keyword
+        )
+
+    return re.sub(r"^( *)\{modes\}$", entries, doc, flags=re.MULTILINE)
+
+
+__all__ = [
+    "MODES",
+    "Choice",
+    "Mode",
+    "Number",
+    "Place",
+    "RunnerFactoryValue",
+    "Whole",
+    "chain",
+    "fill_docstring",
+    "flagged",
+    "keywords",
+    "layout_of",
+    "mode",
+    "problems",
+    "resume_settings",
+]

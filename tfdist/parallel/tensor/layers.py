@@ -1,0 +1,409 @@
+"""The tensor-parallel layers: each holds 1/T of its weights on each of T replicas.
+
+ColumnParallelDense and RowParallelDense (Megatron's pair: the column layer needs no
+exchange, the row layer after it adds the partial sums once), ParallelEmbedding (the
+vocabulary split) and ParallelMultiHeadAttention (the heads split). Their exchanges are the
+conjugate pairs of mappings.py. Outside a replica context (a plain call, model.predict on
+one device) each computes the whole function from the first group's parts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.parallel import updates
+from tfdist.parallel.tensor.mappings import (
+    TensorParallelError,
+    gather_from_group,
+    gather_from_parts,
+    reduce_scatter_to_group,
+    replica_in_step,
+    scatter_to_parts,
+    step_sizes,
+)
+from tfdist.strategies import replica_layout
+
+
+class _Split(keras.layers.Layer):
+    """What every tensor-parallel layer shares: its degree, its parts (one plain variable per
+    local replica, on the replica's device) and the whole weight they make up."""
+
+    def __init__(self, *, tensor_parallel: int | None = None, **kwargs):
+        super().__init__(**kwargs)
+        if tensor_parallel is not None and (
+            not isinstance(tensor_parallel, int) or tensor_parallel < 1
+        ):
+            raise TensorParallelError(
+                f"tensor_parallel must be a whole number >= 1. Received: {tensor_parallel!r}"
+            )
+        self.tensor_parallel = tensor_parallel
+        self._parts: dict[str, list[keras.Variable]] = {}
+        self._axes: dict[str, int] = {}
+
+    def _placement(self) -> tuple[list[str], int]:
+        """(the devices of the strategy's replicas, the degree T), checked."""
+        if not tf.distribute.has_strategy():
+            raise TensorParallelError(
+                f"{type(self).__name__} {self.name!r} splits its weights over a strategy's "
+                "replicas: create (or load) it inside `with strategy.scope():` of a mirrored "
+                "strategy whose replicas the degree divides. For one device, convert a "
+                "trained model with tfdist.parallel.dense_model(model). "
+                f"Received: no strategy (tensor_parallel={self.tensor_parallel})"
+            )
+        layout = replica_layout(tf.distribute.get_strategy())
+        if layout.processes > 1:
+            raise TensorParallelError(
+                f"{type(self).__name__} splits weights over the local devices of one "
+                "mirrored strategy; across worker processes it is not built yet. Use "
+                "tfdist.build_strategy('mirrored', devices=[...]) on one host. Received: "
+                f"{layout.processes} worker processes"
+            )
+        devices = list(layout.devices)
+        degree = self.tensor_parallel or len(devices)
+        if len(devices) % degree:
+            raise TensorParallelError(
+                f"{self.name}: {len(devices)} replicas do not form groups of "
+                f"tensor_parallel={degree}. Use a degree that divides the replicas. "
+                f"Received: tensor_parallel={degree} over {len(devices)} replicas"
+            )
+        self.tensor_parallel = degree
+        return devices, degree
+
+    def _split_weight(self, name: str, whole: np.ndarray, axis: int) -> None:
+        """Creates the parts of weight `name` from its whole value, split along `axis`."""
+        devices, degree = self._placement()
+        if whole.shape[axis] % degree:
+            raise TensorParallelError(
+                f"{self.name}: the {name} has {whole.shape[axis]} along the split axis, which "
+                f"does not divide into tensor_parallel={degree} equal parts. Choose sizes "
+                f"divisible by {degree}. Received: {name} of shape {whole.shape}"
+            )
+        pieces = np.split(whole, degree, axis=axis)
+
+        def make():
+            made = []
+            for index, device in enumerate(devices):
+                with tf.device(device):
+                    made.append(
+                        keras.Variable(
+                            pieces[index % degree],
+                            dtype=self.variable_dtype,
+                            name=f"{self.name}_{name}_part{index % degree}_replica{index}",
+                        )  # fmt: skip
+                    )
+            return made
+
+        self._parts[name] = updates.outside_strategy(make)
+        self._axes[name] = axis
+        setattr(self, f"_{name}_parts", self._parts[name])  # tracked: in the model's weights
+
+    def part(self, name: str):
+        """This replica's part of `name` inside a step; the whole weight outside one."""
+        where = replica_in_step()
+        parts = self._parts[name]
+        if where is None:
+            return tf.concat([v.value for v in parts[: self.tensor_parallel]], self._axes[name])
+        replica, replicas = where
+        if replicas != len(parts):
+            raise TensorParallelError(
+                f"{self.name} was built over {len(parts)} replicas but runs in a step over "
+                f"{replicas}. Build and train the model under the same strategy. "
+                f"Received: {replicas} replicas"
+            )
+        return parts[replica].value
+
+    def whole(self, name: str) -> np.ndarray:
+        """The whole weight, from the first group's parts."""
+        parts = self._parts[name][: self.tensor_parallel]
+        return np.concatenate([np.asarray(v.value) for v in parts], self._axes[name])
+
+    def set_whole(self, name: str, value) -> None:
+        """Sets weight `name` from its whole value (every replica's part)."""
+        pieces = np.split(np.asarray(value), self.tensor_parallel, axis=self._axes[name])
+        for index, variable in enumerate(self._parts[name]):
+            variable.assign(pieces[index % self.tensor_parallel])
+
+    @property
+    def in_step(self) -> bool:
+        return replica_in_step() is not None
+
+    def get_config(self):
+        return {**super().get_config(), "tensor_parallel": self.tensor_parallel}
+
+
+def _initial(initializer, shape, dtype) -> np.ndarray:
+    return np.asarray(keras.initializers.get(initializer)(shape, dtype=dtype))
+
+
+class _SplitDense(_Split):
+    """What the two split Dense layers share: keras.layers.Dense's arguments. (The output
+    shape is the whole layer's: a step's split outputs are a step's own business.)"""
+
+    def __init__(
+        self, units: int, *, activation=None, use_bias: bool = True,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros",
+        tensor_parallel: int | None = None, **kwargs,
+    ):  # fmt: skip
+        super().__init__(tensor_parallel=tensor_parallel, **kwargs)
+        self.units, self.use_bias = units, use_bias
+        self.activation = keras.activations.get(activation)
+        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape[:-1], self.units)
+
+    def get_config(self):
+        return {
+            **super().get_config(), "units": self.units, "use_bias": self.use_bias,
+            "activation": keras.activations.serialize(self.activation),
+        }  # fmt: skip
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ColumnParallelDense(_SplitDense):
+    """A Dense layer whose kernel (and bias) is split by output columns over T replicas.
+
+    Each replica computes its units/T columns for its group's examples (gathered first), so
+    the output of each replica is [group examples, units/T]: feed it to a RowParallelDense,
+    which adds the parts up. With `gather_output=True` the columns are gathered instead and
+    each replica gets its own examples' whole output (a column layer on its own).
+
+    Args:
+      units: output units (divisible by T).
+      activation, use_bias, kernel_initializer, bias_initializer: as keras.layers.Dense.
+      gather_output: gather the columns (True) or leave them split for a RowParallelDense.
+      tensor_parallel: T, the replicas each weight is split over (default: all of them).
+    """
+
+    def __init__(self, units: int, *, gather_output: bool = False, **kwargs):
+        super().__init__(units, **kwargs)
+        self.gather_output = gather_output
+
+    def build(self, input_shape):
+        shape = (input_shape[-1], self.units)
+        self._split_weight("kernel", _initial(self.kernel_initializer, shape, "float32"), 1)
+        if self.use_bias:
+            self._split_weight("bias", _initial(self.bias_initializer, (self.units,), "float32"), 0)
+
+    def call(self, inputs):
+        if not self.in_step:
+            return self.activation(self._dense(inputs))
+        gathered, sizes = gather_from_group(inputs, self.tensor_parallel)
+        columns = self.activation(self._dense(gathered))
+        if not self.gather_output:
+            return columns
+        return gather_from_parts(columns, sizes, self.tensor_parallel)
+
+    def _dense(self, x):
+        y = _matmul(x, self.part("kernel"))
+        return y + self.part("bias") if self.use_bias else y
+
+    def get_config(self):
+        return {**super().get_config(), "gather_output": self.gather_output}
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class RowParallelDense(_SplitDense):
+    """A Dense layer whose kernel is split by input rows over T replicas (the bias is whole).
+
+    It takes a ColumnParallelDense's split output ([group examples, in/T] per replica),
+    computes a partial sum of the output, and one exchange adds the parts and gives each
+    replica its own examples. With `input_is_parallel=False` it takes each replica's own
+    examples whole, and gathers and splits them first.
+    """
+
+    def __init__(self, units: int, *, input_is_parallel: bool = True, **kwargs):
+        super().__init__(units, **kwargs)
+        self.input_is_parallel = input_is_parallel
+
+    def build(self, input_shape):
+        shape = (input_shape[-1], self.units)
+        self._split_weight("kernel", _initial(self.kernel_initializer, shape, "float32"), 0)
+        if self.use_bias:
+            self.bias = self.add_weight(
+                shape=(self.units,), initializer=self.bias_initializer, name="bias"
+            )
+
+    def call(self, inputs):
+        kernel = self.part("kernel")
+        if not self.in_step:
+            y = _matmul(inputs, kernel)
+        else:
+            degree = self.tensor_parallel
+            if self.input_is_parallel:
+                sizes, x = step_sizes(self.name), inputs
+            else:  # this part's rows of the kernel take its slice of the features
+                x, sizes = gather_from_group(inputs, degree)
+                x = scatter_to_parts(x, degree, kernel.shape[0])
+            y = reduce_scatter_to_group(_matmul(x, kernel), sizes, degree)
+        if self.use_bias:
+            y = y + self.bias
+        return self.activation(y)
+
+    def get_config(self):
+        return {**super().get_config(), "input_is_parallel": self.input_is_parallel}
+
+
+def _matmul(x, kernel):
+    return tf.matmul(x, kernel) if x.shape.rank == 2 else tf.tensordot(x, kernel, 1)
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ParallelEmbedding(_Split):
+    """An Embedding whose vocabulary is split over T replicas (Megatron's VocabParallel).
+
+    Each replica looks up the ids of its group's examples that fall in its 1/T of the
+    vocabulary (zeros for the others); one exchange adds the parts and gives each replica
+    its own examples' whole vectors.
+    """
+
+    def __init__(
+        self, input_dim: int, output_dim: int, *, embeddings_initializer="uniform",
+        tensor_parallel: int | None = None, **kwargs,
+    ):  # fmt: skip
+        super().__init__(tensor_parallel=tensor_parallel, **kwargs)
+        self.input_dim, self.output_dim = input_dim, output_dim
+        self.embeddings_initializer = embeddings_initializer
+
+    def build(self, input_shape):
+        shape = (self.input_dim, self.output_dim)
+        self._split_weight("embeddings", _initial(self.embeddings_initializer, shape, "float32"), 0)
+
+    def call(self, inputs):
+        ids = tf.cast(inputs, "int32")
+        table = self.part("embeddings")
+        if not self.in_step:
+            return tf.gather(table, ids)
+        replica, _ = replica_in_step()
+        ids, sizes = gather_from_group(ids, self.tensor_parallel)
+        rows = self.input_dim // self.tensor_parallel
+        local = ids - (replica % self.tensor_parallel) * rows
+        inside = (local >= 0) & (local < rows)
+        found = tf.gather(table, tf.where(inside, local, 0))
+        partial = found * tf.cast(inside, found.dtype)[..., None]
+        return reduce_scatter_to_group(partial, sizes, self.tensor_parallel)
+
+    def compute_output_shape(self, input_shape):
+        return (*input_shape, self.output_dim)
+
+    def get_config(self):
+        return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim}
+
+
+@keras.saving.register_keras_serializable(package="tfdist")
+class ParallelMultiHeadAttention(_Split):
+    """keras.layers.MultiHeadAttention (inputs [batch, length, features]) with its heads
+    split over T replicas: the query, key and value projections by heads (columns), the
+    output projection by heads (rows, its bias whole), one exchange after it.
+
+    Takes `query`, `value`, optional `key` and `attention_mask` ([batch, Tq, Tk]) as the
+    Keras layer does, and computes the same function (attention dropout included).
+    """
+
+    def __init__(
+        self, num_heads: int, key_dim: int, *, value_dim: int | None = None,
+        dropout: float = 0.0, use_bias: bool = True, output_shape: int | None = None,
+        kernel_initializer="glorot_uniform", bias_initializer="zeros", seed=None,
+        tensor_parallel: int | None = None, **kwargs,
+    ):  # fmt: skip
+        super().__init__(tensor_parallel=tensor_parallel, **kwargs)
+        self.num_heads, self.key_dim = num_heads, key_dim
+        self.value_dim = value_dim or key_dim
+        self.dropout, self.use_bias, self.output_size = dropout, use_bias, output_shape
+        self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
+        self._softmax = keras.layers.Softmax(axis=-1)
+        self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
+
+    def build(self, query_shape, value_shape=None, key_shape=None):
+        value_shape = value_shape or query_shape
+        key_shape = key_shape or value_shape
+        _, degree = self._placement()
+        if self.num_heads % degree:
+            raise TensorParallelError(
+                f"{self.name}: {self.num_heads} heads do not divide over "
+                f"tensor_parallel={degree} replicas. Use a number of heads divisible by "
+                f"{degree}, or another degree. Received: num_heads={self.num_heads}"
+            )
+        heads, out = self.num_heads, self.output_size or query_shape[-1]
+        for name, features, size in (
+            ("query", query_shape[-1], self.key_dim),
+            ("key", key_shape[-1], self.key_dim),
+            ("value", value_shape[-1], self.value_dim),
+        ):
+            kernel = _initial(self.kernel_initializer, (features, heads, size), "float32")
+            self._split_weight(f"{name}_kernel", kernel, 1)
+            if self.use_bias:
+                bias = _initial(self.bias_initializer, (heads, size), "float32")
+                self._split_weight(f"{name}_bias", bias, 0)
+        kernel = _initial(self.kernel_initializer, (heads, self.value_dim, out), "float32")
+        self._split_weight("output_kernel", kernel, 0)
+        if self.use_bias:
+            self.output_bias = self.add_weight(
+                shape=(out,), initializer=self.bias_initializer, name="output_bias"
+            )
+
+    def _project(self, name: str, x):
+        y = tf.einsum("abc,cde->abde", x, self.part(f"{name}_kernel"))
+        return y + self.part(f"{name}_bias") if self.use_bias else y
+
+    def call(self, query, value=None, key=None, attention_mask=None, training=None):
+        value = query if value is None else value
+        key = value if key is None else key
+        sizes = None
+        if self.in_step:
+            degree = self.tensor_parallel
+            same_value, same_key = value is query, key is value
+            query, sizes = gather_from_group(query, degree)
+            value = query if same_value else gather_from_group(value, degree)[0]
+            key = value if same_key else gather_from_group(key, degree)[0]
+            if attention_mask is not None:
+                attention_mask = gather_from_group(attention_mask, degree)[0]
+        q = self._project("query", query) * (1.0 / math.sqrt(self.key_dim))
+        k, v = self._project("key", key), self._project("value", value)
+        scores = tf.einsum("aecd,abcd->acbe", k, q)  # [batch, heads, Tq, Tk]
+        mask = None if attention_mask is None else tf.cast(attention_mask, "bool")[:, None]
+        scores = self._softmax(scores, mask=mask)
+        scores = self._dropout_layer(scores, training=training)
+        context = tf.einsum("acbe,aecd->abcd", scores, v)  # [batch, Tq, heads, value_dim]
+        partial = tf.einsum("abcd,cde->abe", context, self.part("output_kernel"))
+        if sizes is not None:
+            partial = reduce_scatter_to_group(partial, sizes, self.tensor_parallel)
+        return partial + self.output_bias if self.use_bias else partial
+
+    def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
+        return (*query_shape[:-1], self.output_size or query_shape[-1])
+
+    def get_config(self):
+        return {
+            **super().get_config(), "num_heads": self.num_heads, "key_dim": self.key_dim,
+            "value_dim": self.value_dim, "dropout": self.dropout, "use_bias": self.use_bias,
+            "output_shape": self.output_size,
+        }  # fmt: skip
+
+
+SPLIT_LAYERS = (
+    ColumnParallelDense,
+    RowParallelDense,
+    ParallelEmbedding,
+    ParallelMultiHeadAttention,
+)
+
+
+def split_layers(model: keras.Model) -> list[_Split]:
+    """The model's tensor-parallel layers (nested ones included)."""
+    return [layer for layer in compat.all_layers(model) if isinstance(layer, _Split)]
+
+
+__all__ = [
+    "SPLIT_LAYERS",
+    "ColumnParallelDense",
+    "ParallelEmbedding",
+    "ParallelMultiHeadAttention",
+    "RowParallelDense",
+    "split_layers",
+]

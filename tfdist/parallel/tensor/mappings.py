@@ -1,0 +1,152 @@
+"""The exchanges of tensor-parallel layers within a group of T replicas, as conjugate pairs.
+
+Megatron-LM names its collectives by what they do forward and pairs each with its gradient
+(mappings.py there: copy-to / reduce-from, scatter-to / gather-from). tfdist's split layers
+keep each replica's batch its own outside a split block (sequence parallelism, over the
+batch), so their pairs are:
+
+  forward                                      backward (the other of the pair)
+  gather_from_group     all-gather the group's examples    reduce-scatter the gradient to them
+  reduce_scatter_to_group  sum the group's partial results,  all-gather the gradient
+                        each member keeps its own examples
+  gather_from_parts     all-gather the feature parts       each member's part of the gradient
+  scatter_to_parts      each member's part of the features  (the gradient's parts, gathered
+                                                           by the gather_from_group before it)
+
+A Column -> Row block is gather_from_group then reduce_scatter_to_group: one all-gather
+forward and one reduce-scatter, the same two backward. The backward halves are the
+gradients TensorFlow derives for `ReplicaContext.all_gather` (an all-reduce of the upstream
+gradient, sliced back to each replica's part), so each pair is exact by construction.
+
+Every replica's batch size is gathered once per traced step (by the first gather) and read
+by the layers after it (`step_sizes`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import tensorflow as tf
+
+from tfdist.errors import FitError
+
+
+class TensorParallelError(FitError):
+    """A layer cannot be split as asked (the message says why and how to fix it)."""
+
+
+def replica_in_step() -> tuple[int, int] | None:
+    """(this replica's id, replicas) inside a strategy's step with several replicas; else None."""
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return None
+    replica = tf.get_static_value(context.replica_id_in_sync_group)
+    if replica is None:
+        raise TensorParallelError(
+            "Tensor-parallel layers need each replica's id when the step is traced (one "
+            "program per replica, as mirrored strategies trace). Received: a dynamic id"
+        )
+    return int(replica), context.num_replicas_in_sync
+
+
+def _group_rows(x, sizes, group: int, degree: int):
+    """The rows of the members of `group` in `x`, every replica's rows end to end."""
+    starts = tf.concat([[0], tf.cumsum(sizes)], 0)
+    return x[starts[group * degree] : starts[(group + 1) * degree]]
+
+
+# Every replica's batch size in the step being traced: gathered by the first split layer
+# that gathers its group's examples, and reused by the others (a row layer needs it to hand
+# the rows back: its input holds the group's rows, not its own count). Keyed by the graph
+# being built (a loop's body is a graph of its own) and the replica (mirrored strategies
+# trace their replicas in threads at once).
+_SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _sizes(context, x, replica: int):
+    graph = tf.compat.v1.get_default_graph()
+    known = _SIZES.setdefault(graph, {})
+    if replica not in known:
+        known[replica] = context.all_gather(tf.shape(x)[:1], axis=0)
+    return known[replica]
+
+
+def gather_from_group(x, degree: int):
+    """Forward: every example of this replica's group (its members' batches end to end),
+    and every replica's batch size. Backward (its conjugate, reduce_scatter_to_group): each
+    member's own rows of the gradient, summed over the group."""
+    replica, _ = replica_in_step()
+    context = tf.distribute.get_replica_context()
+    sizes = _sizes(context, x, replica)
+    boolean = x.dtype == tf.bool  # collectives take numbers: a mask travels as int32
+    everyone = context.all_gather(tf.cast(x, "int32") if boolean else x, axis=0)
+    rows = _group_rows(everyone, sizes, replica // degree, degree)
+    return (tf.cast(rows, tf.bool) if boolean else rows), sizes
+
+
+def step_sizes(layer_name: str) -> tf.Tensor:
+    """Every replica's batch size in this step (recorded by the split layer before)."""
+    replica, _ = replica_in_step()
+    sizes = _SIZES.get(tf.compat.v1.get_default_graph(), {}).get(replica)
+    if sizes is None:
+        raise TensorParallelError(
+            f"{layer_name} takes the split output of a ColumnParallelDense (or a parallel "
+            "embedding or attention layer) but none ran before it in this step. Put a "
+            "column-parallel layer before it, or pass input_is_parallel=False. "
+            "Received: a row-parallel layer first"
+        )
+    return sizes
+
+
+def reduce_scatter_to_group(partial, sizes, degree: int):
+    """Forward: this replica's own rows of the sum of its group's `partial`s (each [group
+    examples, ...]). Backward (its conjugate, gather_from_group): the group's rows of the
+    gradient, gathered."""
+    replica, _ = replica_in_step()
+    context = tf.distribute.get_replica_context()
+    group, rank = divmod(replica, degree)
+    # Every replica's partial, end to end: each is as long as its group's examples.
+    everyone = context.all_gather(partial, axis=0)
+    length = tf.reduce_sum(sizes[group * degree : (group + 1) * degree])
+    start = degree * tf.reduce_sum(sizes[: group * degree])
+    mine = tf.add_n(
+        [
+            everyone[start + member * length : start + (member + 1) * length]
+            for member in range(degree)
+        ]
+    )
+    offset = tf.reduce_sum(sizes[group * degree : group * degree + rank])
+    return mine[offset : offset + sizes[replica]]
+
+
+def gather_from_parts(columns, sizes, degree: int):
+    """Forward: this replica's own examples with every part's features, end to end (the
+    group's column parts [group examples, units/T] gathered). Backward: each member's part."""
+    replica, _ = replica_in_step()
+    context = tf.distribute.get_replica_context()
+    everyone = context.all_gather(columns[None], axis=0)  # [replicas, rows, units/T]
+    group, rank = divmod(replica, degree)
+    members = everyone[group * degree : (group + 1) * degree]
+    whole = tf.concat(tf.unstack(members, num=degree), axis=-1)
+    offset = tf.reduce_sum(sizes[group * degree : group * degree + rank])
+    return whole[offset : offset + sizes[replica]]
+
+
+def scatter_to_parts(x, degree: int, width: int):
+    """Forward: this member's `width` features of `x` (its part of the split input).
+    Backward: the gradient in its part, zeros elsewhere; the gather_from_group before it
+    adds the members' parts."""
+    replica, _ = replica_in_step()
+    rank = replica % degree
+    return tf.ensure_shape(x[..., rank * width : (rank + 1) * width], [*x.shape[:-1], width])
+
+
+__all__ = [
+    "TensorParallelError",
+    "gather_from_group",
+    "gather_from_parts",
+    "reduce_scatter_to_group",
+    "replica_in_step",
+    "scatter_to_parts",
+    "step_sizes",
+]

@@ -1,0 +1,145 @@
+"""TensorParallelUpdate: the split layers' parts updated in tfdist.fit's step chain.
+
+Each replica's gradient of its parts counts its group's examples, so a part's gradient is
+summed over the replicas holding the same part (one per data-parallel group) and applied by
+an optimizer of that replica's own (the user's optimizer's class and config); the other
+weights' gradients go on down the chain as usual. tfdist.fit adds it (the registry's entry
+with no keyword) when a model has split layers: under Keras's own fit the parts would not
+be updated correctly.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist.parallel import updates
+from tfdist.parallel.tensor.layers import split_layers
+from tfdist.parallel.tensor.mappings import TensorParallelError
+from tfdist.training.runner import Runner, StepHook
+
+
+class TensorParallelUpdate(StepHook):
+    """Updates the split weights' parts in tfdist.fit's chain; the rest go on as usual.
+
+    In each replica's step, the gradient of its parts (which count its group's examples) is
+    summed over the replicas that hold the same parts, one per group, and applied by the
+    replica's own copy of the user's optimizer (same class and config, its slots built for
+    its parts only, on its device, counting the user's optimizer's steps and taking its
+    learning rate). tfdist.fit adds it when the model has split layers.
+    """
+
+    synchronous_only = True
+    # It applies the parts' update and hands the other gradients on.
+    applies_update = True
+
+    @property
+    def name(self) -> str:
+        return "the tensor-parallel layers' update"
+
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        optimizer = model.optimizer
+        who = "Tensor-parallel layers' parts"
+        updates.check_copyable(optimizer, who=who, error=TensorParallelError)
+        if optimizer.clipnorm is not None:
+            raise TensorParallelError(
+                f"{who} are updated one replica at a time, so the norm of a whole weight "
+                "(clipnorm) is not known where a part is updated. Use clipvalue, or no "
+                f"clipping. Received: clipnorm={optimizer.clipnorm}"
+            )
+        layers = split_layers(model)
+        replicas = runner.layout.replicas
+        self.degree = {layer.tensor_parallel for layer in layers}
+        if len(self.degree) != 1:
+            raise TensorParallelError(
+                "Every split layer of a model must use the same tensor_parallel degree. "
+                f"Received: degrees {sorted(self.degree)}"
+            )
+        (self.degree,) = self.degree
+        # Replica -> its parts, in the model's order (the same order on every replica).
+        self.parts: list[list[keras.Variable]] = [[] for _ in range(replicas)]
+        for layer in layers:
+            for parts in layer._parts.values():
+                for replica, variable in enumerate(parts):
+                    self.parts[replica].append(variable)
+        self.owned = {id(v) for parts in self.parts for v in parts}
+        rest = [v for v in model.trainable_variables if id(v) not in self.owned]
+
+        def make():
+            copies = []
+            for parts in self.parts:
+                with tf.device(parts[0].value.device if parts else None):
+                    copies.append(updates.optimizer_copy(optimizer, parts))
+            return copies
+
+        self.optimizers = updates.outside_strategy(make)
+        self.user = optimizer
+        optimizer.build(rest)  # the user's optimizer keeps the replicated weights' state
+
+    def apply(self, grads_and_vars, apply_next):
+        context = tf.distribute.get_replica_context()
+        replica = int(tf.get_static_value(context.replica_id_in_sync_group))
+        given = {id(v): g for g, v in grads_and_vars}
+        parts = self.parts[replica]
+        copies = list(range(replica % self.degree, len(self.parts), self.degree))
+        grads = [given.get(id(v)) for v in parts]
+        grads = [
+            tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, parts, strict=True)
+        ]
+        summed = _summed_over(context, grads, [tuple(v.shape) for v in parts], copies)
+        copy, user = self.optimizers[replica], self.user
+        with tf.device(parts[0].value.device):
+            # The user's optimizer counts the step after this hook (Adam's bias correction
+            # reads iterations + 1); the copy reads the same count.
+            copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
+            updates.update_step(
+                copy, summed, parts, learning_rate=user.learning_rate,
+                weight_decay=user.weight_decay or 0.0,
+            )  # fmt: skip
+        rest = [(g, v) for g, v in grads_and_vars if id(v) not in self.owned]
+        return apply_next(rest)
+
+    def checkpoint_state(self) -> dict:
+        return {f"tensor_parallel_optimizer_{r}": copy for r, copy in enumerate(self.optimizers)}
+
+
+def update_for(model: keras.Model) -> TensorParallelUpdate | None:
+    """The update a model's split layers need in tfdist.fit's chain (None: it has none)."""
+    return TensorParallelUpdate() if split_layers(model) else None
+
+
+def _summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
+    """Each of `grads` summed over the replicas `copies` (each replica passes its own).
+
+    The dense ones travel packed in one gather. A sparse gradient (an embedding's lookups)
+    stays sparse: its rows are gathered, not added, as Keras's own optimizers take them
+    (Adam squares each looked-up row's gradient apart, so a densified sum would train
+    differently from Keras on one device).
+    """
+    if len(copies) == 1:
+        return list(grads)
+    out = list(grads)
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    if dense:
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(grads[i]), [-1]) for i in dense], 0)
+        everyone = context.all_gather(flat[None], axis=0)  # [replicas, elements]
+        total = tf.add_n([everyone[r] for r in copies])
+        sizes = [int(np.prod(shapes[i])) for i in dense]
+        for i, piece in zip(dense, tf.split(total, sizes), strict=True):
+            out[i] = tf.reshape(piece, shapes[i])
+    for i, grad in enumerate(grads):
+        if isinstance(grad, tf.IndexedSlices):
+            counts = context.all_gather(tf.shape(grad.indices)[:1], axis=0)
+            values = context.all_gather(grad.values, axis=0)
+            indices = context.all_gather(grad.indices, axis=0)
+            starts = tf.concat([[0], tf.cumsum(counts)], 0)
+            out[i] = tf.IndexedSlices(
+                tf.concat([values[starts[r] : starts[r + 1]] for r in copies], 0),
+                tf.concat([indices[starts[r] : starts[r + 1]] for r in copies], 0),
+                grad.dense_shape,
+            )
+    return out
+
+
+__all__ = ["TensorParallelUpdate", "update_for"]

@@ -1,0 +1,60 @@
+"""Where a strategy's replicas are: this process's devices, the processes that step together,
+this process's rank among them, and whether the replicas are one compiled program.
+
+The runners of tfdist.fit answer `runner.layout` from here, and layers that split weights
+over the replicas read it when they are created; neither asks a strategy's kind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.strategies.multi_worker import worker_rank
+from tfdist.strategies.tpu import runs_on_tpu
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaLayout:
+    """Where a runner's replicas are, as the runner sees them: what a mode that keeps or
+    exchanges buffers of its own asks, instead of asking the strategy.
+
+    Attributes:
+      devices: this process's replica devices, in replica order (empty where the steps run
+        on other processes: parameter-server workers).
+      processes: the processes that run every step together (1: this one alone).
+      process_index: this process's place among them (the chief first).
+      replicas: the replicas of every process together.
+      single_program: the replicas are one compiled program (TPU cores): a mode cannot
+        exchange buffers between them on its own transports.
+    """
+
+    devices: tuple[str, ...]
+    processes: int = 1
+    process_index: int = 0
+    replicas: int = 1
+    single_program: bool = False
+
+    @property
+    def first_replica(self) -> int:
+        """The replica number of this process's first device (replicas are numbered process
+        by process, as MultiWorkerMirroredStrategy numbers them)."""
+        return self.process_index * len(self.devices)
+
+
+def replica_layout(strategy: tf.distribute.Strategy) -> ReplicaLayout:
+    """The layout of a strategy whose replicas step in this process (and, under
+    multi_worker_mirrored, in its peers): every strategy but parameter_server, whose steps
+    run on other processes (its runner says so itself)."""
+    return ReplicaLayout(
+        devices=tuple(strategy.extended.worker_devices),
+        processes=compat.sync_worker_count(strategy),
+        process_index=worker_rank(strategy),
+        replicas=strategy.num_replicas_in_sync,
+        single_program=runs_on_tpu(strategy),
+    )
+
+
+__all__ = ["ReplicaLayout", "replica_layout"]
