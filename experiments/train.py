@@ -190,8 +190,8 @@ def _define_mode_flags() -> None:
                 ),
                 message=f"--{name} must be 'auto', 'none' or {value.describe()}.",
             )
-        elif isinstance(value, registry.Whole):
-            flags.DEFINE_integer(name, mode.default, text, lower_bound=value.minimum)
+        elif value.whole:
+            flags.DEFINE_integer(name, mode.default, text, lower_bound=int(value.minimum))
         else:
             flags.DEFINE_float(name, mode.default, text, lower_bound=value.minimum)
 

@@ -36,7 +36,12 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
+    # Modules whose tests share a costly module fixture (a launched job, a trained reference)
+    # carry pytest.mark.xdist_group: one worker runs all of them (setup.cfg: --dist
+    # loadgroup), and they go first, so the two workers end together on short tests.
+    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     if not config.getoption("--fast"):
         return
     kept, left = [], []
@@ -90,6 +95,19 @@ def records_are_strict_json(tmp_path_factory):
             except ValueError as error:
                 problems.append(f"{path}: {error}")
     assert not problems, "\n".join(problems[:20])
+
+
+@pytest.fixture
+def train_flags():
+    """Parses experiments.train's flags from a command line (the binary's first argument is
+    its name), unparsing them afterwards."""
+    from experiments import train as train_binary
+
+    def parse(*args: str):
+        train_binary.FLAGS(["train", *args])
+
+    yield parse
+    train_binary.FLAGS.unparse_flags()
 
 
 @pytest.fixture

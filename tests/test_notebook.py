@@ -18,6 +18,9 @@ from nbclient import NotebookClient
 
 from tests.conftest import REPO
 
+# One worker runs this module: its tests share costly module fixtures.
+pytestmark = pytest.mark.xdist_group("test_notebook")
+
 NOTEBOOK = REPO / "experiments" / "colab_tpu.ipynb"
 EPOCHS = 5
 # The cnn reached 0.93 after 5 epochs of 22 steps here (0.96-0.98 after the full 10).

@@ -28,7 +28,10 @@ from tests.workers import ray_worker  # noqa: E402
 from tfdist.training.fit_data import FitError  # noqa: E402
 
 # Ray Data's context warns of its own deprecated settings when the trainer sets it up.
-pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context"),
+    pytest.mark.xdist_group("test_ray"),
+]
 
 WEIGHTS_TOLERANCE = 1e-5
 WORKERS = ("worker_0", "worker_1")

@@ -107,18 +107,9 @@ def test_an_unknown_keyword_names_the_closest_one_of_fit_s():
         tfdist.fit(None, shard_optimiser="zero2")
 
 
-def test_the_binary_parses_each_mode_s_flag_into_the_config(parse_flags):
-    parse_flags("--shard_optimizer=zero1", "--accumulate_steps=2", "--max_staleness=3")
+def test_the_binary_parses_each_mode_s_flag_into_the_config(train_flags):
+    train_flags("--shard_optimizer=zero1", "--accumulate_steps=2", "--max_staleness=3")
     config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
     assert (config.shard_optimizer, config.accumulate_steps, config.max_staleness) == (
         "zero1", 2, 3,
     )  # fmt: skip
-
-
-@pytest.fixture
-def parse_flags():
-    def parse(*args: str):
-        train_binary.FLAGS(["train", *args])
-
-    yield parse
-    train_binary.FLAGS.unparse_flags()

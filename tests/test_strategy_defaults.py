@@ -47,32 +47,21 @@ def test_the_binary_says_what_auto_means_for_a_mode():
     "args, bound",
     [((), None), (("--max_staleness=0",), 0), (("--max_staleness=none",), None)],
 )
-def test_binary_takes_a_staleness_bound(parse_flags, args, bound):
-    parse_flags(*args)
+def test_binary_takes_a_staleness_bound(train_flags, args, bound):
+    train_flags(*args)
     config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
     assert config.max_staleness == bound
 
 
-def test_binary_rejects_a_bad_staleness_bound(parse_flags):
+def test_binary_rejects_a_bad_staleness_bound(train_flags):
     with pytest.raises(flags.IllegalFlagValueError, match="'auto', 'none' or a whole number"):
-        parse_flags("--max_staleness=-1")
+        train_flags("--max_staleness=-1")
 
 
 def test_auto_settings_of_a_strategy_object():
     strategy = tfdist.build_strategy("mirrored", cluster=None, devices=("/cpu:0", "/cpu:1"))
     assert auto_steps_per_execution(strategy) == 1
     assert auto_mixed_precision(strategy) is None
-
-
-@pytest.fixture
-def parse_flags():
-    """Parses the training binary's flags from a command line, unparsing them afterwards."""
-
-    def parse(*args: str):
-        train_binary.FLAGS(["train", *args])
-
-    yield parse
-    train_binary.FLAGS.unparse_flags()
 
 
 @pytest.mark.parametrize(
@@ -83,16 +72,16 @@ def parse_flags():
         (("--mixed_precision=none",), 1, None),
     ],
 )
-def test_binary_resolves_auto_flags_for_the_strategy(parse_flags, args, steps, precision):
-    parse_flags(*args)
+def test_binary_resolves_auto_flags_for_the_strategy(train_flags, args, steps, precision):
+    train_flags(*args)
     config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
     assert (config.steps_per_execution, config.mixed_precision) == (steps, precision)
     # Before the strategy exists, 'auto' takes TrainConfig's defaults, so flags validate early.
     assert train_binary.train_config().steps_per_execution == steps
 
 
-def test_binary_rejects_a_bad_steps_per_execution(parse_flags):
+def test_binary_rejects_a_bad_steps_per_execution(train_flags):
     with pytest.raises(
         flags.IllegalFlagValueError, match=r"must be 'auto' or a positive whole number"
     ):
-        parse_flags("--steps_per_execution=0")
+        train_flags("--steps_per_execution=0")

@@ -11,7 +11,7 @@ Nothing below this package (the engine in tfdist.training, the modes in tfdist.p
 the facade in tfdist.api) imports it. Names are imported on first use.
 """
 
-import importlib
+from tfdist.lazy import lazy_exports
 
 _EXPORTS = {
     "ConfigError": "tfdist.app.config",
@@ -24,15 +24,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfdist.app' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

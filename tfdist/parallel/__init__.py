@@ -30,51 +30,40 @@ Names are imported on first use, so reading the registry (the binary's flags, Tr
 loads no mode.
 """
 
-import importlib
+from tfdist.lazy import lazy_exports
 
 _EXPORTS = {
-    "Accumulate": "accumulate",
-    "ASYNC_CORRECTIONS": "asynchronous",
-    "AsyncCorrectionError": "asynchronous",
-    "BoundedStaleness": "asynchronous",
-    "DelayCompensation": "asynchronous",
-    "MomentumCorrection": "asynchronous",
-    "Gossip": "gossip",
-    "LocalSGD": "local_sgd",
-    "LocalUpdateError": "local_sgd",
-    "LocalUpdates": "local_sgd",
-    "Pipeline": "pipeline",
-    "PipelineRunner": "pipeline",
-    "Stage": "stages",
-    "StageError": "stages",
-    "chain": "stages",
-    "split": "stages",
-    "ColumnParallelDense": "tensor",
-    "ParallelEmbedding": "tensor",
-    "ParallelMultiHeadAttention": "tensor",
-    "RowParallelDense": "tensor",
-    "TensorParallelError": "tensor",
-    "TensorParallelUpdate": "tensor",
-    "dense_model": "tensor",
-    "split_layers": "tensor",
-    "tensor_parallel": "tensor",
-    "Partition": "zero",
-    "ShardedUpdate": "zero",
-    "ShardingError": "zero",
-    "MODES": "registry",
-    "Mode": "registry",
+    "Accumulate": "tfdist.parallel.accumulate",
+    "ASYNC_CORRECTIONS": "tfdist.parallel.asynchronous",
+    "AsyncCorrectionError": "tfdist.parallel.asynchronous",
+    "BoundedStaleness": "tfdist.parallel.asynchronous",
+    "DelayCompensation": "tfdist.parallel.asynchronous",
+    "MomentumCorrection": "tfdist.parallel.asynchronous",
+    "Gossip": "tfdist.parallel.gossip",
+    "LocalSGD": "tfdist.parallel.local_sgd",
+    "LocalUpdateError": "tfdist.parallel.local_sgd",
+    "LocalUpdates": "tfdist.parallel.local_sgd",
+    "Pipeline": "tfdist.parallel.pipeline",
+    "PipelineRunner": "tfdist.parallel.pipeline",
+    "Stage": "tfdist.parallel.stages",
+    "StageError": "tfdist.parallel.stages",
+    "chain": "tfdist.parallel.stages",
+    "split": "tfdist.parallel.stages",
+    "ColumnParallelDense": "tfdist.parallel.tensor",
+    "ParallelEmbedding": "tfdist.parallel.tensor",
+    "ParallelMultiHeadAttention": "tfdist.parallel.tensor",
+    "RowParallelDense": "tfdist.parallel.tensor",
+    "TensorParallelError": "tfdist.parallel.tensor",
+    "TensorParallelUpdate": "tfdist.parallel.tensor",
+    "dense_model": "tfdist.parallel.tensor",
+    "split_layers": "tfdist.parallel.tensor",
+    "tensor_parallel": "tfdist.parallel.tensor",
+    "Partition": "tfdist.parallel.zero",
+    "ShardedUpdate": "tfdist.parallel.zero",
+    "ShardingError": "tfdist.parallel.zero",
+    "MODES": "tfdist.parallel.registry",
+    "Mode": "tfdist.parallel.registry",
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfdist.parallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"tfdist.parallel.{_EXPORTS[name]}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -77,39 +77,30 @@ class Choice:
 
 
 @dataclasses.dataclass(frozen=True)
-class Whole:
-    """A whole number >= `minimum` (None also means off where the default is None)."""
-
-    minimum: int
-
-    def problem(self, keyword: str, value: Any) -> str | None:
-        if value is None or (
-            isinstance(value, int) and not isinstance(value, bool) and value >= self.minimum
-        ):
-            return None
-        return f"{keyword} must be a whole number >= {self.minimum}. Received: {keyword}={value!r}"
-
-    def describe(self) -> str:
-        return f"a whole number >= {self.minimum}"
-
-
-@dataclasses.dataclass(frozen=True)
 class Number:
-    """A real number >= `minimum`, or None (off)."""
+    """A number >= `minimum`, a whole one if `whole` (None also means off where the default
+    is None)."""
 
     minimum: float
+    whole: bool = False
 
     def problem(self, keyword: str, value: Any) -> str | None:
+        kinds = (int,) if self.whole else (int, float)
         if value is None or (
-            isinstance(value, (int, float))
-            and not isinstance(value, bool)
-            and value >= self.minimum
+            isinstance(value, kinds) and not isinstance(value, bool) and value >= self.minimum
         ):
             return None
-        return f"{keyword} must be a number >= {self.minimum}. Received: {keyword}={value!r}"
+        return f"{keyword} must be {self.describe()}. Received: {keyword}={value!r}"
 
     def describe(self) -> str:
-        return f"a number >= {self.minimum}"
+        return (
+            f"a whole number >= {self.minimum:g}" if self.whole else f"a number >= {self.minimum:g}"
+        )
+
+
+def Whole(minimum: int) -> Number:  # noqa: N802 (reads as the type it makes)
+    """A whole number >= `minimum`."""
+    return Number(minimum, whole=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +121,7 @@ class RunnerFactoryValue:
         return self.example
 
 
-Value = Choice | Whole | Number | RunnerFactoryValue
+Value = Choice | Number | RunnerFactoryValue
 
 
 # --- the entries --------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ tfdist's own StepCheckpoint (checkpoints.py) and RunRecord (report.py) are built
 Names are imported on first use: importing one module of the engine runs no other.
 """
 
-import importlib
+from tfdist.lazy import lazy_exports
 
 _EXPORTS = {
     "AsyncStep": "tfdist.training.runner",
@@ -109,15 +109,4 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'tfdist.training' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_EXPORTS[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
