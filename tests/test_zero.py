@@ -85,9 +85,10 @@ def test_variable_partition_keeps_variables_whole_and_balances_them():
 @pytest.mark.parametrize(
     "devices, optimizers",
     [
-        (2, ["sgd_momentum", "adam", "adamw_clipnorm", "lamb"]),
-        (3, ["adam", "lamb"]),  # 247 weights do not split evenly over 3
-        (4, ["sgd_momentum", "adamw_clipnorm"]),
+        # Each optimizer under both stages once; 247 weights do not split evenly over 3.
+        (2, ["sgd_momentum", "adamw_clipnorm"]),
+        (3, ["adam", "lamb"]),
+        (4, ["sgd_momentum"]),
     ],
 )
 def test_sharded_updates_equal_unsharded_training_over_local_devices(devices, optimizers):
