@@ -36,12 +36,7 @@ def pytest_addoption(parser):
     )
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    # Modules whose tests share a costly module fixture (a launched job, a trained reference)
-    # carry pytest.mark.xdist_group: one worker runs all of them (setup.cfg: --dist
-    # loadgroup), and they go first, so the two workers end together on short tests.
-    items.sort(key=lambda item: item.get_closest_marker("xdist_group") is None)
     if not config.getoption("--fast"):
         return
     kept, left = [], []

@@ -26,7 +26,6 @@ from tfdist.app.evaluator import (
 )
 
 # One worker runs this module: its tests share costly module fixtures.
-pytestmark = pytest.mark.xdist_group("test_evaluator")
 
 # Four steps, a checkpoint after each; the manager keeps the newest three (steps 2, 3, 4).
 SHORT = dict(model="mlp", epochs=1, steps_per_epoch=4, checkpoint_every=1, eval_every=0)

@@ -24,7 +24,7 @@ from tests import custom_step_models, fit_models
 from tests.conftest import REPO, run_module
 from tfdist.exit_codes import EXIT_PREEMPTED
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_fit_multiworker")]
+pytestmark = pytest.mark.multiprocess
 
 WEIGHTS_TOLERANCE = 1e-5
 LOGS_TOLERANCE = 1e-4

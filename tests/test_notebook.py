@@ -19,7 +19,6 @@ from nbclient import NotebookClient
 from tests.conftest import REPO
 
 # One worker runs this module: its tests share costly module fixtures.
-pytestmark = pytest.mark.xdist_group("test_notebook")
 
 NOTEBOOK = REPO / "experiments" / "colab_tpu.ipynb"
 EPOCHS = 5

@@ -16,7 +16,6 @@ import zipfile
 import pytest
 
 # One worker runs this module: its tests share costly module fixtures.
-pytestmark = pytest.mark.xdist_group("test_packaging")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

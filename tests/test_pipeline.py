@@ -24,7 +24,6 @@ from tfdist.parallel.schedules import schedule
 from tfdist.training.fit_data import make_fit_data
 
 # One worker runs this module: its tests share costly module fixtures.
-pytestmark = pytest.mark.xdist_group("test_pipeline")
 
 TOLERANCE = 1e-5
 

@@ -30,7 +30,6 @@ from tfdist.training.fit_data import FitError  # noqa: E402
 # Ray Data's context warns of its own deprecated settings when the trainer sets it up.
 pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.data.context"),
-    pytest.mark.xdist_group("test_ray"),
 ]
 
 WEIGHTS_TOLERANCE = 1e-5

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import run_module
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("test_sharded_ps")]
+pytestmark = pytest.mark.multiprocess
 
 SHARD_BYTES = 16 * 1024
 

@@ -29,7 +29,6 @@ from tfdist.training.checkpoints import CheckpointMismatchError
 from tfdist.training.preemption import Preempted
 
 # One worker runs this module: its tests share costly module fixtures.
-pytestmark = pytest.mark.xdist_group("test_training")
 
 # Plain SGD, no shuffle: the same global batches in the same order on every strategy.
 EXACT = dict(

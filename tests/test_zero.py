@@ -23,7 +23,6 @@ from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
 from tfdist.parallel.zero import slot_bytes
 
 # One worker runs this module: its tests share costly module fixtures.
-pytestmark = pytest.mark.xdist_group("test_zero")
 
 TOLERANCE = 1e-5
 
