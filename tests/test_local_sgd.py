@@ -56,6 +56,23 @@ def replica_weights(model, strategy) -> list[list[np.ndarray]]:
     return [[c[d].numpy() for c in per_variable] for d in range(strategy.num_replicas_in_sync)]
 
 
+def test_fit_called_twice_keeps_each_replica_s_optimizer_state():
+    """Local SGD that averages every step is synchronous SGD; over two fit calls it trains
+    as Keras's two fit calls, momentum carried from the first into the second."""
+    want = keras_reference("sgd_momentum")
+    x, y = zero_cases.data()
+    want.fit(x, y, batch_size=zero_cases.GLOBAL_BATCH, shuffle=False, verbose=0)
+    strategy = mirrored(2)
+    with strategy.scope():
+        model = zero_cases.mlp("sgd_momentum")
+    for _ in range(2):
+        tfdist.fit(
+            model, x, y, batch_size=zero_cases.GLOBAL_BATCH, shuffle=False, verbose=0,
+            average_every=1,
+        )  # fmt: skip
+    assert zero_cases.max_diff(want.get_weights(), model.get_weights()) <= TOLERANCE
+
+
 @pytest.mark.parametrize("devices", [2, 4])
 def test_local_sgd_every_step_equals_synchronous_sgd(devices):
     want = keras_reference("sgd_momentum").get_weights()

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests import pipeline_cases
+from tests import keras_io_models, pipeline_cases
 from tests.conftest import run_module
 from tfdist.errors import FitError
 from tfdist.parallel import Pipeline, StageError, chain, split
@@ -198,6 +198,67 @@ def test_a_pipeline_resumed_from_step_checkpoints_trains_as_one_uninterrupted_ru
     assert int(model.optimizer.iterations.numpy()) == 2 * pipeline_cases.STEPS
     for want, got in zip(straight.optimizer.variables, model.optimizer.variables, strict=True):
         assert np.max(np.abs(want.numpy() - got.numpy())) <= TOLERANCE, got.name
+
+
+def test_fit_called_twice_trains_as_keras_fit_called_twice():
+    """The stages take the user's optimizer state when a fit begins and hand it back when it
+    ends, so a second fit goes on with Adam's moments as Keras's does."""
+    reference = pipeline_cases.mlp()
+    for _ in range(2):
+        reference.fit(pipeline_cases.data(), epochs=1, verbose=0, shuffle=False)
+    with mirrored(2).scope():
+        model = pipeline_cases.mlp()
+    pipeline = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2)
+    for _ in range(2):
+        tfdist.fit(model, pipeline_cases.data(), epochs=1, verbose=0, pipeline=pipeline)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+    assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+def test_the_keras_io_transformer_classifier_trains_in_four_micro_batches_as_keras_trains_it():
+    """keras.io's Transformer text classifier as keras.io writes it (subclassed blocks; two
+    Embeddings, whose gradients are sparse and are summed over the micro-batches row by
+    row), cut in 2 stages over 2 devices with 4 micro-batches (it crashed adding
+    IndexedSlices).
+
+    The reference is Keras's own fit over 4 replicas. Keras's Adam squares each row of a
+    sparse gradient apart, and the position embedding's rows are summed over the examples
+    that make one gradient: 4 micro-batches give 4 rows per position, as 4 replicas do,
+    where one device gives one (0.003 apart in loss after an epoch, Keras against Keras).
+    The padded model below has no such lookup and matches one device."""
+    with mirrored(4).scope():
+        reference = keras_io_models.transformer_classifier(dropout=0.0)
+    want = reference.fit(keras_io_models.reviews(), epochs=2, verbose=0, shuffle=False).history
+    with mirrored(2).scope():
+        model = keras_io_models.transformer_classifier(dropout=0.0)
+    (pooling,) = [
+        layer.name
+        for layer in model.layers
+        if isinstance(layer, keras.layers.GlobalAveragePooling1D)
+    ]
+    pipeline = Pipeline(cut_before=[pooling], micro_batches=4)
+    got = tfdist.fit(model, keras_io_models.reviews(), epochs=2, verbose=0, pipeline=pipeline)
+    assert got.history["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+
+
+def test_a_cut_where_a_keras_mask_flows_is_refused_and_one_after_it_trains():
+    """Embedding(mask_zero=True) before the block: a cut between them would leave the
+    padding's mask behind; after the block (which uses it up) the pipeline trains as Keras
+    does on one device."""
+    with mirrored(2).scope():
+        model = keras_io_models.padded_classifier()
+    data = keras_io_models.reviews(padded=True)
+    with pytest.raises(StageError, match="carries a Keras mask .* Cut after the layer that uses"):
+        tfdist.fit(model, data, verbose=0, pipeline=Pipeline(cut_before=["block"]))
+    reference = keras_io_models.padded_classifier()
+    want = reference.fit(data, epochs=2, verbose=0, shuffle=False).history
+    with mirrored(2).scope():
+        model = keras_io_models.padded_classifier()
+    pipeline = Pipeline(cut_before=["pool"], micro_batches=4)
+    got = tfdist.fit(model, data, epochs=2, verbose=0, pipeline=pipeline)
+    assert got.history["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
 
 
 # --- worker processes -----------------------------------------------------------------------------

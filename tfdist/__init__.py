@@ -6,6 +6,7 @@ The public API, listed explicitly:
   StepHook                                        a link between gradients and the update
   StepCheckpoint, RunRecord                       resume at the saved step; the run's record
   LearningRateWarmup, WarmupSchedule              the linear scaling rule with warmup
+  DeviceBytes                                     bytes of the variables on each device in fit
   this_task, TaskInfo, is_chief, num_workers,     this process's place in the job
   num_replicas, setup_logging                     ... and a one-call log set-up
   parse_tf_config, ClusterInfo, TFConfigError     the cluster TF_CONFIG describes
@@ -54,6 +55,7 @@ _EXPORTS = {
     "StepHook": "tfdist.training.runner",
     "predict": "tfdist.api.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",
+    "DeviceBytes": "tfdist.training.memory",
     "StepCheckpoint": "tfdist.training.checkpoints",
     "RunRecord": "tfdist.training.report",
     "WarmupSchedule": "tfdist.training.callbacks",

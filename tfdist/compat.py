@@ -452,6 +452,79 @@ def producer(tensor):
     return None if isinstance(operation, keras.layers.InputLayer) else operation
 
 
+def clone_uncompiled(model: keras.Model, clone_function) -> keras.Model:
+    """keras.models.clone_model(model, clone_function=...), the copy left uncompiled.
+
+    Why: Keras 3 compiles the clone of a compiled functional model from its compile config
+    and builds that optimizer over the clone's weights, where the caller (tensor_parallel)
+    has replaced layers whose parts an optimizer made under the strategy cannot take yet.
+    """
+    compiled = model.compiled
+    model.compiled = False
+    try:
+        return keras.models.clone_model(model, clone_function=clone_function)
+    finally:
+        model.compiled = compiled
+
+
+def held_layers(layer) -> list[tuple[str, keras.layers.Layer]]:
+    """The layers `layer` holds in public attributes (a Layer subclass's sublayers), by
+    attribute name, in the order they were set.
+
+    Why: Keras tracks a layer's sublayers in `_layers`, without the attribute names a copy
+    needs to put a replacement in the same place.
+    """
+    return [
+        (name, value)
+        for name, value in vars(layer).items()
+        if not name.startswith("_") and isinstance(value, keras.layers.Layer)
+    ]
+
+
+def replace_held_layer(layer, attribute: str, replacement) -> None:
+    """Sets `layer.<attribute>` to `replacement`, and stops tracking the layer it held (an
+    unbuilt layer left tracked would stay in `layer.layers`).
+
+    Why: Keras's Layer.__setattr__ tracks the new sublayer at the end of `_layers` and keeps
+    the old one there; the weights (get_weights) follow `_layers`' order.
+    """
+    old = getattr(layer, attribute)
+    at = next((i for i, sub in enumerate(layer._layers) if sub is old), None)
+    setattr(layer, attribute, replacement)
+    kept = [sub for sub in layer._layers if sub is not old and sub is not replacement]
+    if at is not None:  # in the old one's place, so the weights keep their order
+        kept.insert(at, replacement)
+    layer._layers[:] = kept
+
+
+def own_variables(layer) -> list:
+    """The variables a layer created itself (add_weight in its build), not its sublayers'.
+
+    Why: `layer.weights` gathers the sublayers' too; Keras keeps a layer's own in
+    `_trainable_variables` and `_non_trainable_variables`.
+    """
+    return [*layer._trainable_variables, *layer._non_trainable_variables]
+
+
+def keras_mask(tensor):
+    """The Keras mask a tensor carries (from Embedding(mask_zero=True), Masking, ...), on a
+    symbolic tensor too; None if none.
+
+    Why: Keras keeps it in `_keras_mask`, read and written through keras.src.backend's
+    get_keras_mask / set_keras_mask (no public name).
+    """
+    from keras.src import backend as keras_backend
+
+    return keras_backend.get_keras_mask(tensor)
+
+
+def set_keras_mask(tensor, mask) -> None:
+    """Makes `tensor` carry the Keras mask `mask` (see keras_mask)."""
+    from keras.src import backend as keras_backend
+
+    keras_backend.set_keras_mask(tensor, mask)
+
+
 # --- checkpointing of variables split across ps tasks (training/ps_shards.py) --------------------
 
 # Why: a ShardedVariable's slots and whole values are saved as one tensor each by objects of

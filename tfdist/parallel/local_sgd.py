@@ -92,6 +92,8 @@ class LocalUpdates(StepHook):
 
     def build(self, model: keras.Model, runner: Runner) -> None:
         self.model, self.strategy, self.is_chief = model, runner.strategy, runner.is_chief
+        if self.already_built(model, runner):
+            return  # a later fit: each replica keeps its optimizer's state
         optimizer = model.optimizer
         updates.check_copyable(optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError)
         layout = updates.one_replica_per_process(

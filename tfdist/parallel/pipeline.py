@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -450,6 +451,8 @@ class _StepProgram:
         self.mailbox: dict[tuple[int, int, str, int], tf.Tensor] = {}
         self.transfers: Transfers = runner.links.program()
         self.names: dict[str, list[str]] = {}  # replica -> its passes, in the order run
+        # (pipeline, stage) -> which of its weights' gradients are sparse (IndexedSlices).
+        self.sparse: dict[tuple[int, int], list[bool]] = {}
         self._passes = None  # the passes' program, built when the step is first traced
         self.function = tf.function(self.step)
 
@@ -506,8 +509,14 @@ class _StepProgram:
         at = 0
         for key in keys:
             r = self.local[key]
-            grads = outputs[at : at + len(r.trainable)]
-            at += len(r.trainable)
+            grads = []
+            for variable, sparse in zip(r.trainable, self.sparse[key], strict=True):
+                if sparse:
+                    grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], variable.shape))
+                    at += 2
+                else:
+                    grads.append(outputs[at])
+                    at += 1
             statistics = outputs[at : at + len(r.non_trainable)]
             at += len(r.non_trainable)
             results[key] = _Result(grads, statistics, outputs[at])
@@ -557,7 +566,12 @@ class _StepProgram:
         outputs = []
         for key in keys:
             own = live[key]
-            outputs += [*(own.grads or []), *own.statistics, tf.stack(own.times)]
+            # A sparse gradient (an Embedding's rows) leaves the program as its values and
+            # indices; `step` makes it an IndexedSlices again.
+            self.sparse[key] = [isinstance(g, tf.IndexedSlices) for g in own.grads or []]
+            for g in own.grads or []:
+                outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
+            outputs += [*own.statistics, tf.stack(own.times)]
         outputs += state
         return self.transfers.after_sends(outputs)
 
@@ -635,11 +649,11 @@ class _StepProgram:
         if own.grads is None:
             own.grads = weight_grads
         else:
-            own.grads = [a + b for a, b in zip(own.grads, weight_grads, strict=True)]
+            own.grads = [_added(a, b) for a, b in zip(own.grads, weight_grads, strict=True)]
         if not stage.first:
             self._send(r, m, "B", grads[-1])
             return grads[-1]
-        return own.grads[0] if own.grads else tf.constant(0.0)
+        return _dense_part(own.grads[0]) if own.grads else tf.constant(0.0)
 
     def _metrics(self, state, y, y_pred, sample_weight, loss, size):
         model, variables = self.model, self.runner.metric_variables
@@ -665,15 +679,19 @@ class _StepProgram:
             r = self.local[pipeline, index]
             grads = result.grads
             if pipelines > 1:
-                if runner.processes > 1:
-                    grads = runner._rings[index].all_reduce_many(grads)
+                if runner.processes > 1:  # sparse gradients travel dense between processes
+                    grads = runner._rings[index].all_reduce_many(
+                        [tf.convert_to_tensor(g) for g in grads]
+                    )
                 else:  # every pipeline's replica of this stage is on a device here
                     with tf.device(r.device):
                         grads = [
-                            tf.add_n([results[q, index].grads[j] for q in range(pipelines)])
+                            functools.reduce(
+                                _added, [results[q, index].grads[j] for q in range(pipelines)]
+                            )
                             for j in range(len(grads))
                         ]
-                grads = [g / pipelines for g in grads]
+                grads = [_scaled(g, 1.0 / pipelines) for g in grads]
             with tf.device(r.device):
                 done.append(_apply(r.optimizer, grads, r.trainable, user, schedule_lr))
                 for variable, value in zip(r.non_trainable, result.statistics, strict=True):
@@ -713,6 +731,33 @@ class _StepProgram:
             spec.shape, dtype=spec.dtype, group_key=self._link(r.pipeline, low),
             key=self._key(m, kind),
         )  # fmt: skip
+
+
+def _added(a, b):
+    """Two gradients of one weight, added. Sparse ones (an Embedding's looked-up rows) keep
+    every row of both, as the whole batch's gradient would hold them: Keras's optimizers
+    apply each row (Adam squares each one apart), so summing rows first would train
+    differently from the unsplit model."""
+    if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
+        if not (isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices)):
+            return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return a + b
+
+
+def _scaled(g, factor: float):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * tf.cast(factor, g.dtype)
+
+
+def _dense_part(g) -> tf.Tensor:
+    """A tensor that exists once `g` does (something to wait for)."""
+    return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
 def _apply(optimizer, grads, variables, user, schedule_lr: bool) -> tf.Tensor:

@@ -36,6 +36,7 @@ import enum
 import importlib
 import re
 import textwrap
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -267,6 +268,10 @@ MODES: tuple[Mode, ...] = (
 )
 
 
+# model -> {(mode, value): the hook that keeps optimizer state for that model}.
+_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def keywords() -> tuple[str, ...]:
     """Every mode's keyword, in the registry's order."""
     return tuple(m.keyword for m in MODES if m.keyword)
@@ -321,6 +326,10 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
         if not m.is_on(value):
             continue
         hook = m.build(value, model=model)
+        if hook is not None and model is not None and hook.keeps_optimizer_state:
+            # The same hook for every fit of this model with this option: its optimizer
+            # state goes on, as Keras's optimizer's slots do between fit calls.
+            hook = _KEPT.setdefault(model, {}).setdefault((m.name, repr(value)), hook)
         if hook is not None:
             placed.append((m.place, order, hook))
     return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]

@@ -63,7 +63,8 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
 
     Raises:
       StageError: a name is not a layer of the model, the cuts are out of order, a tensor
-        made before a cut is used after it, or a cut layer takes several tensors.
+        made before a cut is used after it, a cut layer takes several tensors, or a Keras
+        mask would cross a cut.
     """
     graph = compat.layer_graph(model)
     if graph is None:
@@ -177,6 +178,15 @@ def _boundary(layer, graph):
             f"Cannot cut before layer {layer.name!r}: it {count}, and a cut passes one tensor "
             "from a stage to the next. Cut before a layer that takes one tensor. "
             f"Received: cut before {layer.name!r}"
+        )
+    if compat.keras_mask(inputs[0]) is not None:
+        producer = compat.producer(inputs[0])
+        raise StageError(
+            f"Cannot cut before layer {layer.name!r}: what it takes carries a Keras mask (from "
+            "an Embedding(mask_zero=True) or Masking layer before it), and a cut passes the "
+            "activations alone, so the next stage would attend to, or pool over, the padding. "
+            "Cut after the layer that uses the mask up (a pooling layer, say). Received: cut "
+            f"before {layer.name!r}, after {getattr(producer, 'name', 'the inputs')!r}"
         )
     return inputs[0]
 

@@ -258,6 +258,8 @@ class ShardedUpdate(StepHook):
 
     def build(self, model: keras.Model, runner: Runner) -> None:
         self.model, self.strategy = model, runner.strategy
+        if self.already_built(model, runner):
+            return  # a later fit: the slices keep the optimizer's state
         optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
         self.optimizer = optimizer
         variables = list(model.trainable_variables)

@@ -101,6 +101,18 @@ class StepHook:
             the hook needs to know of the job.
         """
 
+    def already_built(self, model: keras.Model, runner: Runner) -> bool:
+        """Whether this hook was built for `model` on a layout like `runner`'s before: a
+        later fit of the same model, which goes on from the state the last one left (the
+        registry hands a hook that keeps optimizer state to every fit of its model, as
+        Keras's optimizer keeps its slots between fit calls). Records this build otherwise;
+        a hook with state of its own begins its `build` with it."""
+        key = (id(model), runner.layout)
+        if getattr(self, "_built_for", None) == key:
+            return True
+        self._built_for = key
+        return False
+
     def check_batch(self, per_replica_batch: int) -> None:
         """Refuses a per-replica batch the hook cannot work with (one accumulation cannot
         split evenly); called before training wherever the batch is known."""

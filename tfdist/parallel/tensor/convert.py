@@ -5,6 +5,8 @@ tfdist)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import keras
 import numpy as np
 
@@ -26,96 +28,184 @@ def tensor_parallel(model: keras.Model, *, degree: int | None = None) -> keras.M
 
     A Dense layer whose output feeds only another Dense becomes a ColumnParallelDense and
     that one a RowParallelDense (an MLP block: one exchange forward); an Embedding a
-    ParallelEmbedding; a MultiHeadAttention a ParallelMultiHeadAttention. The copy starts
-    from the model's weights (it computes the same function) and is not compiled.
+    ParallelEmbedding; a MultiHeadAttention a ParallelMultiHeadAttention. Inside a block
+    written as a Layer subclass (keras.io's TransformerBlock), the layers it holds as
+    attributes are split alike: its Embeddings and attention, and the Dense->Dense pairs of a
+    Sequential it holds. The copy starts from the model's weights (it computes the same
+    function) and is not compiled.
 
     Raises:
       TensorParallelError: a size does not divide by `degree` (units, vocabulary, heads),
         or the model is subclassed (no layer graph to rewrite).
     """
-    graph = compat.layer_graph(model)
-    if graph is None:
-        raise TensorParallelError(
-            f"tensor_parallel rewrites a Sequential or functional model's layer graph; "
-            f"{model.name!r} is subclassed. Build it with the split layers directly "
-            "(tfdist.parallel.ColumnParallelDense, ...). Received: " + type(model).__name__
-        )
+    graph = _graph_of(model, "tensor_parallel", "Build it with the split layers directly "
+                      "(tfdist.parallel.ColumnParallelDense, ...).")  # fmt: skip
     column, row = _mlp_pairs(model, graph)
-    made: dict[str, _Split] = {}
 
-    def clone(layer):
-        config = layer.get_config()
-        if layer.name in column or layer.name in row:
-            kind = ColumnParallelDense if layer.name in column else RowParallelDense
-            new = kind(
-                config["units"], activation=config["activation"], use_bias=config["use_bias"],
-                tensor_parallel=degree, name=layer.name,
-            )  # fmt: skip
-        elif isinstance(layer, keras.layers.Embedding) and not config.get("mask_zero"):
-            new = ParallelEmbedding(
-                config["input_dim"], config["output_dim"], tensor_parallel=degree, name=layer.name
-            )
-        elif isinstance(layer, keras.layers.MultiHeadAttention) and config["attention_axes"] in (
-            None, (1,), [1],
-        ):  # fmt: skip
-            new = ParallelMultiHeadAttention(
-                config["num_heads"], config["key_dim"], value_dim=config["value_dim"],
-                dropout=config["dropout"], use_bias=config["use_bias"],
-                output_shape=config["output_shape"], seed=config.get("seed"),
-                tensor_parallel=degree, name=layer.name,
-            )  # fmt: skip
-        else:
-            return layer.__class__.from_config(config)
-        made[layer.name] = new
-        return new
+    def split(layer, *, top: bool):
+        if isinstance(layer, keras.Sequential) and layer.built and not top:
+            return tensor_parallel(layer, degree=degree), None  # loads its own weights
+        made = _split(
+            layer, degree, column=top and layer.name in column, row=top and layer.name in row
+        )
+        return (made, lambda: _load_dense(made, layer)) if made is not None else None
 
-    copy = keras.models.clone_model(model, clone_function=clone)
-    for layer in model.layers:
-        if layer.name not in made:
-            if not isinstance(layer, keras.layers.InputLayer) and layer.weights:
-                copy.get_layer(layer.name).set_weights(layer.get_weights())
-            continue
-        _load_dense(made[layer.name], layer)
-    return copy
+    return _rewritten(model, split)
 
 
 def dense_model(model: keras.Model) -> keras.Model:
     """A copy of `model` with plain Keras layers for its split ones (Dense, Embedding,
-    MultiHeadAttention), the whole weights in them: for one device, or to save a model that
-    loads without tfdist. Call it outside any strategy's scope.
+    MultiHeadAttention), inside the blocks it holds too, the whole weights in them: for one
+    device, or to save a model that loads without tfdist. Call it outside any strategy's
+    scope.
 
     Raises:
       TensorParallelError: the model is subclassed (no layer graph to rewrite).
     """
-    if compat.layer_graph(model) is None:
+    _graph_of(model, "dense_model", "")
+
+    def dense(layer, *, top: bool):
+        if (
+            isinstance(layer, keras.Sequential)
+            and not top
+            and any(isinstance(inner, _Split) for inner in compat.all_layers(layer))
+        ):
+            return dense_model(layer), None
+        made = _dense_twin(layer)
+        if made is None:
+            return None
+        return made, lambda: made.set_weights(dense_weights(layer))
+
+    return _rewritten(model, dense)
+
+
+def _graph_of(model, function: str, fix: str):
+    graph = compat.layer_graph(model)
+    if graph is None:
         raise TensorParallelError(
-            f"dense_model rewrites a Sequential or functional model's layer graph; "
-            f"{model.name!r} is subclassed. Received: {type(model).__name__}"
+            f"{function} rewrites a Sequential or functional model's layer graph; "
+            f"{model.name!r} is subclassed. {fix} Received: {type(model).__name__}"
         )
+    return graph
+
+
+# (the layer that stands for a layer, and how to load its weights once built) or None.
+Replace = Callable[..., "tuple[keras.layers.Layer, Callable[[], None] | None] | None"]
+
+
+def _rewritten(model: keras.Model, replace: Replace) -> keras.Model:
+    """A copy of `model` whose layers `replace` gives stand-ins for, at the top of its graph
+    and inside the blocks it holds; everything else copied, weights included."""
+    # Weight loads, run once the copy is built (a split layer makes its parts when built).
+    loads: list[Callable[[], None]] = []
 
     def clone(layer):
-        if isinstance(layer, _SplitDense):
-            return keras.layers.Dense(
-                layer.units, activation=layer.activation, use_bias=layer.use_bias,
-                name=layer.name,
-            )  # fmt: skip
-        if isinstance(layer, ParallelEmbedding):
-            return keras.layers.Embedding(layer.input_dim, layer.output_dim, name=layer.name)
-        if isinstance(layer, ParallelMultiHeadAttention):
-            return keras.layers.MultiHeadAttention(
-                layer.num_heads, layer.key_dim, value_dim=layer.value_dim,
-                dropout=layer.dropout, use_bias=layer.use_bias,
-                output_shape=layer.output_size, name=layer.name,
-            )  # fmt: skip
-        return layer.__class__.from_config(layer.get_config())
+        if not isinstance(layer, keras.layers.Layer):
+            return layer  # an operation in the graph (keras.ops.not_equal, ...): no state
+        found = replace(layer, top=True)
+        if found is None:
+            return _copy(layer, replace, loads)
+        made, load = found
+        if load is not None:
+            loads.append(load)
+        return made
 
-    copy = keras.models.clone_model(model, clone_function=clone)
-    for layer in model.layers:
-        if isinstance(layer, keras.layers.InputLayer) or not layer.weights:
-            continue
-        weights = dense_weights(layer) if isinstance(layer, _Split) else layer.get_weights()
-        copy.get_layer(layer.name).set_weights(weights)
+    copy = compat.clone_uncompiled(model, clone)
+    for load in loads:
+        load()
     return copy
+
+
+def _copy(layer, replace: Replace, loads: list[Callable[[], None]]):
+    """A copy of a layer `replace` keeps (from its config, its name kept where its class
+    takes one). In a block of the user's (a Layer subclass that holds layers as
+    attributes) the layers it holds are replaced as the model's are, recursively; the
+    weights of everything kept are copied once the copy is built."""
+    config = layer.get_config()
+    try:
+        copy = layer.__class__.from_config({**config, "name": layer.name})
+    except TypeError:  # its __init__ takes no name: Keras names the copy
+        copy = layer.__class__.from_config(config)
+    if not _is_block(layer):
+        loads.append(lambda: copy.set_weights(layer.get_weights()) if layer.weights else None)
+        return copy
+    for attribute, inner in compat.held_layers(layer):
+        found = replace(inner, top=False)
+        if found is not None:
+            replacement, load = found
+            if load is not None:
+                loads.append(load)
+        elif _is_block(inner):
+            replacement = _copy(inner, replace, loads)
+        else:
+            held = getattr(copy, attribute)
+            loads.append(
+                lambda held=held, inner=inner: (
+                    held.set_weights(inner.get_weights()) if inner.weights else None
+                )
+            )
+            continue
+        compat.replace_held_layer(copy, attribute, replacement)
+    own = compat.own_variables(layer)
+    if own:
+        loads.append(
+            lambda: [
+                c.assign(o.value) for c, o in zip(compat.own_variables(copy), own, strict=True)
+            ]
+        )
+    return copy
+
+
+def _is_block(layer) -> bool:
+    """A Layer subclass of the user's that holds layers (not one of Keras's own layers)."""
+    return (
+        not type(layer).__module__.startswith("keras.")
+        and not isinstance(layer, keras.Model)
+        and bool(compat.held_layers(layer))
+    )
+
+
+def _split(layer, degree, *, column: bool = False, row: bool = False) -> _Split | None:
+    """The split layer that stands for `layer` (unbuilt), or None if it is not split."""
+    config = layer.get_config()
+    if column or row:
+        return (ColumnParallelDense if column else RowParallelDense)(
+            config["units"], activation=config["activation"], use_bias=config["use_bias"],
+            tensor_parallel=degree, name=layer.name,
+        )  # fmt: skip
+    if isinstance(layer, keras.layers.Embedding):
+        return ParallelEmbedding(
+            config["input_dim"], config["output_dim"], mask_zero=config.get("mask_zero", False),
+            tensor_parallel=degree, name=layer.name,
+        )  # fmt: skip
+    if isinstance(layer, keras.layers.MultiHeadAttention) and config["attention_axes"] in (
+        None, (1,), [1],
+    ):  # fmt: skip
+        return ParallelMultiHeadAttention(
+            config["num_heads"], config["key_dim"], value_dim=config["value_dim"],
+            dropout=config["dropout"], use_bias=config["use_bias"],
+            output_shape=config["output_shape"], seed=config.get("seed"),
+            tensor_parallel=degree, name=layer.name,
+        )  # fmt: skip
+    return None
+
+
+def _dense_twin(layer):
+    """The plain Keras layer a split one stands for (unbuilt), or None."""
+    if isinstance(layer, _SplitDense):
+        return keras.layers.Dense(
+            layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name
+        )
+    if isinstance(layer, ParallelEmbedding):
+        return keras.layers.Embedding(
+            layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero, name=layer.name
+        )
+    if isinstance(layer, ParallelMultiHeadAttention):
+        return keras.layers.MultiHeadAttention(
+            layer.num_heads, layer.key_dim, value_dim=layer.value_dim, dropout=layer.dropout,
+            use_bias=layer.use_bias, output_shape=layer.output_size, name=layer.name,
+        )  # fmt: skip
+    return None
 
 
 def _mlp_pairs(model, graph) -> tuple[set[str], set[str]]:

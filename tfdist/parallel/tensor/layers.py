@@ -137,7 +137,9 @@ class _Split(keras.layers.Layer):
 
 
 def _initial(initializer, shape, dtype) -> np.ndarray:
-    return np.asarray(keras.initializers.get(initializer)(shape, dtype=dtype))
+    # Eagerly, also when Keras first builds the layer while tracing a block's call.
+    with tf.init_scope():
+        return np.asarray(keras.initializers.get(initializer)(shape, dtype=dtype))
 
 
 class _SplitDense(_Split):
@@ -151,6 +153,7 @@ class _SplitDense(_Split):
     ):  # fmt: skip
         super().__init__(tensor_parallel=tensor_parallel, **kwargs)
         self.units, self.use_bias = units, use_bias
+        self.supports_masking = True  # a Keras mask passes through, as through Dense
         self.activation = keras.activations.get(activation)
         self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
 
@@ -259,16 +262,19 @@ class ParallelEmbedding(_Split):
 
     Each replica looks up the ids of its group's examples that fall in its 1/T of the
     vocabulary (zeros for the others); one exchange adds the parts and gives each replica
-    its own examples' whole vectors.
+    its own examples' whole vectors. With `mask_zero=True` id 0 is padding, masked as
+    keras.layers.Embedding masks it (the mask reaches the layers after it).
     """
 
     def __init__(
         self, input_dim: int, output_dim: int, *, embeddings_initializer="uniform",
-        tensor_parallel: int | None = None, **kwargs,
+        mask_zero: bool = False, tensor_parallel: int | None = None, **kwargs,
     ):  # fmt: skip
         super().__init__(tensor_parallel=tensor_parallel, **kwargs)
         self.input_dim, self.output_dim = input_dim, output_dim
         self.embeddings_initializer = embeddings_initializer
+        self.mask_zero = mask_zero
+        self.supports_masking = mask_zero
 
     def build(self, input_shape):
         shape = (self.input_dim, self.output_dim)
@@ -288,11 +294,17 @@ class ParallelEmbedding(_Split):
         partial = found * tf.cast(inside, found.dtype)[..., None]
         return reduce_scatter_to_group(partial, sizes, self.tensor_parallel)
 
+    def compute_mask(self, inputs, mask=None):
+        return keras.ops.not_equal(inputs, 0) if self.mask_zero else None
+
     def compute_output_shape(self, input_shape):
         return (*input_shape, self.output_dim)
 
     def get_config(self):
-        return {**super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim}
+        return {
+            **super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim,
+            "mask_zero": self.mask_zero,
+        }  # fmt: skip
 
 
 @keras.saving.register_keras_serializable(package="tfdist")
@@ -302,7 +314,9 @@ class ParallelMultiHeadAttention(_Split):
     output projection by heads (rows, its bias whole), one exchange after it.
 
     Takes `query`, `value`, optional `key` and `attention_mask` ([batch, Tq, Tk]) as the
-    Keras layer does, and computes the same function (attention dropout included).
+    Keras layer does, and honours the same masks: the Keras masks of `query`, `value` and
+    `key` (an `Embedding(mask_zero=True)` before it), and `use_causal_mask`. It computes the
+    same function (attention dropout included), and its output carries the query's mask.
     """
 
     def __init__(
@@ -318,6 +332,7 @@ class ParallelMultiHeadAttention(_Split):
         self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
         self._softmax = keras.layers.Softmax(axis=-1)
         self._dropout_layer = keras.layers.Dropout(dropout, seed=seed)
+        self.supports_masking = True  # takes the inputs' Keras masks; passes the query's on
 
     def build(self, query_shape, value_shape=None, key_shape=None):
         value_shape = value_shape or query_shape
@@ -351,9 +366,24 @@ class ParallelMultiHeadAttention(_Split):
         y = tf.einsum("abc,cde->abde", x, self.part(f"{name}_kernel"))
         return y + self.part(f"{name}_bias") if self.use_bias else y
 
-    def call(self, query, value=None, key=None, attention_mask=None, training=None):
+    def call(
+        self, query, value=None, key=None, query_mask=None, value_mask=None, key_mask=None,
+        attention_mask=None, training=None, use_causal_mask=False,
+    ):  # fmt: skip
         value = query if value is None else value
         key = value if key is None else key
+        # Keras's rule (MultiHeadAttention._compute_attention_mask): the query's mask by
+        # rows, the value's and the key's by columns, and the attention mask, all ANDed.
+        query_mask = compat.keras_mask(query) if query_mask is None else query_mask
+        own_query_mask = query_mask
+        for tensor in (query, value, key):  # used up here, as Keras's layer uses them up
+            compat.set_keras_mask(tensor, None)
+        attention_mask = _joined_masks(
+            attention_mask,
+            None if query_mask is None else tf.cast(query_mask, "bool")[:, :, None],
+            None if value_mask is None else tf.cast(value_mask, "bool")[:, None, :],
+            None if key_mask is None or key is value else tf.cast(key_mask, "bool")[:, None, :],
+        )
         sizes = None
         if self.in_step:
             degree = self.tensor_parallel
@@ -363,17 +393,27 @@ class ParallelMultiHeadAttention(_Split):
             key = value if same_key else gather_from_group(key, degree)[0]
             if attention_mask is not None:
                 attention_mask = gather_from_group(attention_mask, degree)[0]
+        if use_causal_mask:
+            length_q, length_v = tf.shape(query)[1], tf.shape(value)[1]
+            causal = tf.linalg.band_part(tf.ones([1, length_q, length_v], "bool"), -1, 0)
+            attention_mask = _joined_masks(attention_mask, causal)
         q = self._project("query", query) * (1.0 / math.sqrt(self.key_dim))
         k, v = self._project("key", key), self._project("value", value)
         scores = tf.einsum("aecd,abcd->acbe", k, q)  # [batch, heads, Tq, Tk]
         mask = None if attention_mask is None else tf.cast(attention_mask, "bool")[:, None]
-        scores = self._softmax(scores, mask=mask)
-        scores = self._dropout_layer(scores, training=training)
+        if self.dropout > 0:
+            scores = self._softmax(scores, mask=mask)
+            scores = self._dropout_layer(scores, training=training)
+        else:
+            scores = _attention_weights(scores, mask)
         context = tf.einsum("acbe,aecd->abcd", scores, v)  # [batch, Tq, heads, value_dim]
         partial = tf.einsum("abcd,cde->abe", context, self.part("output_kernel"))
         if sizes is not None:
             partial = reduce_scatter_to_group(partial, sizes, self.tensor_parallel)
-        return partial + self.output_bias if self.use_bias else partial
+        output = partial + self.output_bias if self.use_bias else partial
+        if own_query_mask is not None:
+            compat.set_keras_mask(output, own_query_mask)
+        return output
 
     def compute_output_shape(self, query_shape, value_shape=None, key_shape=None):
         return (*query_shape[:-1], self.output_size or query_shape[-1])
@@ -384,6 +424,28 @@ class ParallelMultiHeadAttention(_Split):
             "value_dim": self.value_dim, "dropout": self.dropout, "use_bias": self.use_bias,
             "output_shape": self.output_size,
         }  # fmt: skip
+
+
+def _attention_weights(scores, mask):
+    """Softmax over the keys as Keras's MultiHeadAttention takes it without dropout (through
+    ops.dot_product_attention): masked scores set to -0.7 x the dtype's largest, so a query
+    row with every key masked (a padding position) attends to all keys alike. (With dropout
+    Keras's Softmax layer gives such a row zeros; `call` uses that layer then.)"""
+    if mask is not None:
+        largest = 65500.0 if scores.dtype == tf.float16 else 3.38953e38
+        scores = tf.where(mask, scores, tf.constant(-0.7 * largest, scores.dtype))
+    return tf.nn.softmax(scores, axis=-1)
+
+
+def _joined_masks(*masks):
+    """The positions every given boolean mask allows (None where none is given)."""
+    given = [tf.cast(m, "bool") for m in masks if m is not None]
+    if not given:
+        return None
+    joined = given[0]
+    for mask in given[1:]:
+        joined = joined & mask
+    return joined
 
 
 SPLIT_LAYERS = (

@@ -55,20 +55,19 @@ def _group_rows(x, sizes, group: int, degree: int):
     return x[starts[group * degree] : starts[(group + 1) * degree]]
 
 
-# Every replica's batch size in the step being traced: gathered by the first split layer
-# that gathers its group's examples, and reused by the others (a row layer needs it to hand
-# the rows back: its input holds the group's rows, not its own count). Keyed by the graph
-# being built (a loop's body is a graph of its own) and the replica (mirrored strategies
-# trace their replicas in threads at once).
+# Every replica's row count at the last gather traced in the step: a row layer reads it to
+# hand the rows back (its input holds the group's rows, not its own count). Each gather
+# counts its own tensor's rows: not every split layer takes the batch (a position embedding
+# looks up the positions, the same on every replica). Keyed by the graph being built (a
+# loop's body is a graph of its own) and the replica (mirrored strategies trace their
+# replicas in threads at once).
 _SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _sizes(context, x, replica: int):
-    graph = tf.compat.v1.get_default_graph()
-    known = _SIZES.setdefault(graph, {})
-    if replica not in known:
-        known[replica] = context.all_gather(tf.shape(x)[:1], axis=0)
-    return known[replica]
+    sizes = context.all_gather(tf.shape(x)[:1], axis=0)
+    _SIZES.setdefault(tf.compat.v1.get_default_graph(), {})[replica] = sizes
+    return sizes
 
 
 def gather_from_group(x, degree: int):

@@ -33,12 +33,16 @@ class TensorParallelUpdate(StepHook):
     synchronous_only = True
     # It applies the parts' update and hands the other gradients on.
     applies_update = True
+    # Each replica's optimizer copy for its parts: Keras's BackupAndRestore cannot save it.
+    keeps_optimizer_state = True
 
     @property
     def name(self) -> str:
         return "the tensor-parallel layers' update"
 
     def build(self, model: keras.Model, runner: Runner) -> None:
+        if self.already_built(model, runner):
+            return  # a later fit: each part's optimizer keeps its state
         optimizer = model.optimizer
         who = "Tensor-parallel layers' parts"
         updates.check_copyable(optimizer, who=who, error=TensorParallelError)

@@ -1,0 +1,102 @@
+"""What each device holds during fit: the bytes of the variables on it, counted by
+tfdist.DeviceBytes, against the share each layout promises (Adam: weights and 2 slots).
+
+plain data parallelism   3 W on every device
+zero1 / zero2            W + 3 W / N (the whole weights, 1/N of a weight copy and the slots)
+tensor parallelism       3 (U + S / T): the weights it leaves whole (U) and its 1/T of those
+                         it splits (S)
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tfdist.parallel import tensor_parallel
+from tfdist.training.memory import device_name, variable_bytes
+
+# Extras (iteration counters, the learning rate, metric totals) are under 1% of these
+# models; the issue allows 15%.
+TOLERANCE = 0.05
+
+
+def mirrored(devices: int):
+    return tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(devices)]
+    )
+
+
+def mlp() -> keras.Model:
+    return keras.Sequential(
+        [
+            keras.Input((64,)),
+            keras.layers.Dense(256, activation="relu"),
+            keras.layers.Dense(256),
+            keras.layers.Dense(10),
+        ]
+    )
+
+
+def data():
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(64, 64)).astype("float32"), rng.integers(0, 10, size=64)
+
+
+def weight_bytes(model) -> int:
+    return sum(int(np.prod(w.shape)) * w.dtype.itemsize for w in model.get_weights())
+
+
+def held_during_fit(strategy, build, **keywords) -> tuple[dict[str, int], keras.Model]:
+    record = tfdist.DeviceBytes()
+    with strategy.scope():
+        model = build()
+        model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    x, y = data()
+    tfdist.fit(model, x, y, batch_size=16, verbose=0, callbacks=[record], **keywords)
+    return record.added, model
+
+
+def test_device_names_are_short_for_this_process_and_keep_the_task_for_others():
+    assert device_name("/job:localhost/replica:0/task:0/device:CPU:1") == "CPU:1"
+    assert device_name("/job:worker/replica:0/task:2/device:GPU:0") == "/job:worker/task:2/GPU:0"
+    assert device_name("") == "CPU:0"
+
+
+def test_a_variable_counts_on_its_device_and_a_mirrored_one_on_each_of_its_devices():
+    strategy = mirrored(2)
+    before = variable_bytes()
+    with strategy.scope():
+        held = keras.Variable(np.zeros((1000,), "float32"))  # noqa: F841 (kept alive)
+    after = variable_bytes()
+    grown = {d: after.get(d, 0) - before.get(d, 0) for d in after}
+    assert grown["CPU:0"] == grown["CPU:1"] == 4000
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+@pytest.mark.parametrize("mode", [None, "zero1", "zero2"])
+def test_each_device_holds_the_share_of_its_layout(devices, mode):
+    held, model = held_during_fit(mirrored(devices), mlp, shard_optimizer=mode)
+    weights = weight_bytes(model)
+    share = 3.0 if mode is None else 1.0 + 3.0 / devices
+    assert sorted(held) == [f"CPU:{i}" for i in range(devices)]
+    for device, size in held.items():
+        assert size / weights == pytest.approx(share, rel=TOLERANCE), (device, size / weights)
+
+
+@pytest.mark.parametrize("devices, degree", [(2, 2), (4, 2), (4, 4)])
+def test_split_layers_hold_their_part_on_each_device(devices, degree):
+    strategy = mirrored(devices)
+
+    def build():
+        return tensor_parallel(mlp(), degree=degree)
+
+    held, model = held_during_fit(strategy, build)
+    dense = tfdist.parallel.dense_model(model)
+    whole = weight_bytes(dense)
+    # The first two Dense layers form the split block; the last stays whole.
+    kept = sum(w.nbytes for w in dense.layers[-1].get_weights())
+    share = 3.0 * (kept + (whole - kept) / degree)
+    for device, size in held.items():
+        assert size == pytest.approx(share, rel=TOLERANCE), (device, size / whole)
