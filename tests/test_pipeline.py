@@ -351,6 +351,55 @@ def test_a_bad_cut_is_refused_before_training(cuts, message):
         split(pipeline_cases.mlp(), cuts)
 
 
+def nested_mlp() -> keras.Model:
+    """A head on a functional backbone, as keras-hub builds a task on its backbone."""
+    keras.utils.set_random_seed(3)
+    x = inputs = keras.Input((8,))
+    for index in range(3):
+        x = keras.layers.Dense(16, activation="tanh", name=f"block_{index}")(x)
+    backbone = keras.Model(inputs, x, name="backbone")
+    outer = keras.Input((8,))
+    outputs = keras.layers.Dense(3, name="head")(backbone(outer))
+    model = keras.Model(outer, outputs, name="task")
+    model.compile(
+        keras.optimizers.Adam(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def test_a_cut_inside_a_nested_model_is_named_by_its_path_and_trains_as_keras():
+    reference = nested_mlp()
+    want = reference.fit(pipeline_cases.data(), epochs=2, verbose=0, shuffle=False).history
+    with mirrored(2).scope():
+        model = nested_mlp()
+    stages = split(model, ["backbone/block_2"])
+    assert [len(s.trainable) for s in stages] == [4, 4]  # block_0, block_1 | block_2, head
+    pipeline = Pipeline(cut_before=["backbone/block_2"], micro_batches=2)
+    got = tfdist.fit(model, pipeline_cases.data(), epochs=2, verbose=0, pipeline=pipeline)
+    assert got.history["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+    # The user's model is untouched: still a head on its nested backbone.
+    assert [layer.name for layer in model.layers[1:]] == ["backbone", "head"]
+
+
+@pytest.mark.parametrize(
+    "path, message",
+    [
+        (
+            "backbone/block_9",
+            r"'backbone' has no layer 'block_9' \(did you mean 'block_\d'\?\)\. Its layers: block_0,",
+        ),
+        ("bone/block_1", r"'task' has no layer 'bone' \(did you mean 'backbone'\?\)"),
+        ("head/kernel", "'head' is a Dense, not a Sequential or functional model"),
+    ],
+)
+def test_a_path_that_does_not_exist_is_named_in_one_line(path, message):
+    with pytest.raises(StageError, match=message):
+        split(nested_mlp(), [path])
+
+
 def test_a_cut_that_data_flows_around_is_refused():
     a = keras.Input((4,))
     x = keras.layers.Dense(4, name="inner")(a)

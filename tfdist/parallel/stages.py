@@ -56,7 +56,9 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
     Args:
       model: a built Sequential or functional model.
       cut_before: names of the layers where stages 1, 2, ... begin, in the order the data
-        reaches them. None: the model is a chain of stage models (see `chain`), cut at each.
+        reaches them; a layer of a nested model by its path, "backbone/block_1" (the nested
+        models on the path then run layer by layer in the model's graph). None: the model
+        is a chain of stage models (see `chain`), cut at each.
 
     Returns:
       len(cut_before) + 1 stages.
@@ -75,6 +77,10 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
             "chain them: model = tfdist.parallel.chain([stage_0, stage_1, ...]). "
             f"Received: {type(model).__name__}"
         )
+    owner = model
+    if cut_before is not None and any("/" in name for name in cut_before):
+        model, cut_before = _flattened(model, list(cut_before))
+        graph = compat.layer_graph(model)
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     names = [layer.name for layer in layers]
     if cut_before is None:
@@ -125,7 +131,7 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
                 f"Keras said: {str(e).splitlines()[0]}. Received: cut_before={cut_before!r}"
             ) from None
         stages.append(sub)
-    return _indexed(model, stages)
+    return _indexed(owner, stages)
 
 
 def chain(stages: Sequence[keras.Model], *, name: str | None = None) -> keras.Model:
@@ -166,6 +172,74 @@ def chain(stages: Sequence[keras.Model], *, name: str | None = None) -> keras.Mo
     for stage in stages[1:]:
         x = stage(x)
     return keras.Model(inputs[0] if len(inputs) == 1 else inputs, x, name=name)
+
+
+def _flattened(model: keras.Model, cut_before: list[str]) -> tuple[keras.Model, list[str]]:
+    """`model` with the nested models that the cut paths pass through run layer by layer
+    in its own graph (the same layer objects: the same variables), and the cuts as names of
+    that graph's layers. A path joins layer names with "/" as Keras's variable paths do:
+    "gemma_backbone/decoder_block_1" is the layer decoder_block_1 of the nested model
+    gemma_backbone."""
+    inlined: set[int] = set()
+    names = []
+    for path in cut_before:
+        holder, parts = model, path.split("/")
+        for depth, part in enumerate(parts):
+            found = {
+                layer.name: layer
+                for layer in holder.layers
+                if not isinstance(layer, keras.layers.InputLayer)
+            }
+            layer = found.get(part)
+            if layer is None:
+                where = "/".join(parts[:depth]) or model.name
+                close = difflib.get_close_matches(part, list(found), n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise StageError(
+                    f"Cannot cut {model.name!r} before {path!r}: {where!r} has no layer "
+                    f"{part!r}{hint}. Its layers: {', '.join(found)}. A path names a nested "
+                    "model's layer as 'outer/inner'. Received: cut_before="
+                    f"{cut_before!r}"
+                )
+            if depth < len(parts) - 1:
+                if not isinstance(layer, keras.Model) or compat.layer_graph(layer) is None:
+                    raise StageError(
+                        f"Cannot cut {model.name!r} before {path!r}: {part!r} is a "
+                        f"{type(layer).__name__}, not a Sequential or functional model whose "
+                        "layers a cut can reach. Received: cut_before="
+                        f"{cut_before!r}"
+                    )
+                inlined.add(id(layer))
+                holder = layer
+        names.append(parts[-1])
+
+    def call(operation, *args, **kwargs):
+        if id(operation) in inlined:
+            given = args[0] if len(args) == 1 else list(args)
+            return operation._run_through_graph(given, call_fn=call)
+        return operation(*args, **kwargs)
+
+    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in model.inputs]
+    outputs = model._run_through_graph(inputs, call_fn=call)
+    structure = keras.tree.pack_sequence_as(model._inputs_struct, inputs)
+    try:
+        flat = keras.Model(structure, outputs, name=model.name)
+    except ValueError as e:
+        raise StageError(
+            f"Cannot run the nested models of {model.name!r} as one graph to cut it at "
+            f"{cut_before!r}: {str(e).splitlines()[0]}. Cut at the top level, or build the "
+            "model flat. Received: cut_before="
+            f"{cut_before!r}"
+        ) from None
+    flat_names = [layer.name for layer in flat.layers]
+    duplicated = sorted({name for name in names if flat_names.count(name) > 1})
+    if duplicated:
+        raise StageError(
+            f"Cannot cut {model.name!r} at {duplicated[0]!r}: run as one graph, the model has "
+            "two layers of that name (one nested, one not). Received: cut_before="
+            f"{cut_before!r}"
+        )
+    return flat, names
 
 
 def _boundary(layer, graph):
