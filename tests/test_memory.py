@@ -100,3 +100,45 @@ def test_split_layers_hold_their_part_on_each_device(devices, degree):
     share = 3.0 * (kept + (whole - kept) / degree)
     for device, size in held.items():
         assert size == pytest.approx(share, rel=TOLERANCE), (device, size / whole)
+
+
+@pytest.mark.parametrize("cuts", [["pipe_2"], ["pipe_1", "pipe_2"]], ids=["2 stages", "3 stages"])
+def test_a_pipeline_built_in_its_scope_holds_each_stage_on_its_device(cuts):
+    """Under pipeline.scope(strategy), the whole model and its optimizer's state live once
+    in host memory (CPU:0 here); each replica's device (CPU:1...) holds 3x its stage (Adam):
+    not the mirrored whole model beside it. It trains the weights the same pipeline trains
+    built under strategy.scope() (which test_pipeline.py holds to Keras's fit)."""
+    from tfdist.parallel import Pipeline
+
+    def build():
+        keras.utils.set_random_seed(1)
+        layers = [keras.layers.Dense(256, activation="tanh", name=f"pipe_{i}") for i in range(3)]
+        model = keras.Sequential([keras.Input((64,)), *layers, keras.layers.Dense(10)])
+        model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+        return model
+
+    stages = len(cuts) + 1
+    batch = 8 * stages  # the global batch splits over the replicas, then in 2 micro-batches
+    x, y = (a[: 4 * batch] for a in data())
+    strategy = tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(1, stages + 1)]
+    )
+    pipeline = Pipeline(cut_before=cuts, micro_batches=2)
+    with strategy.scope():
+        mirrored_model = build()
+    tfdist.fit(mirrored_model, x, y, batch_size=batch, verbose=0, pipeline=pipeline)
+    record = tfdist.DeviceBytes()
+    with pipeline.scope(strategy):
+        model = build()
+    tfdist.fit(model, x, y, batch_size=batch, verbose=0, callbacks=[record], pipeline=pipeline)
+    for want, got in zip(mirrored_model.get_weights(), model.get_weights(), strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-7)
+    weights = weight_bytes(model)
+    held = record.added
+    assert held["CPU:0"] / weights == pytest.approx(3.0, rel=TOLERANCE)  # the host copy
+    layer_bytes = [sum(w.nbytes for w in layer.get_weights()) for layer in model.layers]
+    starts = [0, *[[layer.name for layer in model.layers].index(c) for c in cuts], 4]
+    for stage in range(stages):
+        share = sum(layer_bytes[starts[stage] : starts[stage + 1]])
+        got = held[f"CPU:{stage + 1}"]
+        assert got == pytest.approx(3.0 * share, rel=TOLERANCE), (stage, got / weights)

@@ -467,6 +467,44 @@ def clone_uncompiled(model: keras.Model, clone_function) -> keras.Model:
         model.compiled = compiled
 
 
+def host_variable(strategy, device: str, **kwargs):
+    """A plain variable on `device`, made inside `strategy`'s scope without the strategy's
+    variable creator (which would mirror it on every replica's device).
+
+    Why: tf.Variable goes through the creator stack the scope set up; a ResourceVariable
+    made directly does not. Keras asks a variable for its `_distribute_strategy` to check
+    it belongs to the scope's strategy.
+    """
+    from tensorflow.python.ops.resource_variable_ops import ResourceVariable
+
+    kwargs.pop("colocate_with", None)
+    with tf.device(device):
+        variable = ResourceVariable(**kwargs)
+    variable._distribute_strategy = strategy
+    return variable
+
+
+def build_optimizer_plainly(optimizer, variables, device: str, run_outside) -> None:
+    """Builds `optimizer`'s state for plain `variables` on `device`, with no strategy.
+
+    Why: Keras's TensorFlow optimizer makes each slot inside its strategy's
+    `colocate_vars_with(variable)`, which a mirrored strategy allows only for its own
+    distributed variables; the optimizer keeps the strategy it was made under in
+    `_distribution_strategy`. `run_outside` runs a function where no scope is entered.
+    """
+    made_under = optimizer._distribution_strategy
+    optimizer._distribution_strategy = tf.distribute.get_strategy()
+
+    def build():
+        with tf.device(device):
+            optimizer.build(variables)
+
+    try:
+        run_outside(build)
+    finally:
+        optimizer._distribution_strategy = made_under
+
+
 def held_layers(layer) -> list[tuple[str, keras.layers.Layer]]:
     """The layers `layer` holds in public attributes (a Layer subclass's sublayers), by
     attribute name, in the order they were set.

@@ -19,8 +19,9 @@ whole batch, up to floating point (tests/test_pipeline.py checks it after 5 step
 
 Where things live. Each stage's weights, the state of its optimizer (a copy of the user's,
 same class and config) and its activations live on the stage's device, in variables of
-tfdist's own. The user's model and optimizer keep the whole model, written back when the
-runner settles (each epoch end, before each save): evaluation, callbacks, checkpoints and
+tfdist's own. The user's model and optimizer keep the whole model: once, in host memory,
+for a model built in `Pipeline.scope(strategy)`; mirrored on every device for one built
+under `strategy.scope()`. It is written back when the runner settles (each epoch end, before each save): evaluation, callbacks, checkpoints and
 `model.save` see one ordinary Keras model, and a restore reaches the stages when training
 begins. The loss is the compiled one (with its loss weights and sample weights), plus each
 stage's regularisation losses; the metrics are the compiled ones, updated on the last stage.
@@ -35,8 +36,10 @@ matches the unsplit model exactly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,6 +54,7 @@ from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split
+from tfdist.strategies.replicas import replica_layout
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state
@@ -60,6 +64,8 @@ from tfdist.training.steps import custom_train_step
 # Group keys of the stage-to-stage links (one 2-member group per neighbouring pair) and of
 # the rings that average a stage's gradients over the pipelines (one ring per stage, 1000
 # keys apart); collective/keys.py holds every range.
+log = logging.getLogger(__name__)
+
 LINK_GROUP_KEY_BASE = group_key_base("pipeline_links")
 STAGE_RING_GROUP_KEY_BASE = group_key_base("pipeline_stage_rings")
 
@@ -103,6 +109,27 @@ class Pipeline:
                     f"cut_before is a list of layer names. Received: the string {self.cut_before!r}"
                 )
             object.__setattr__(self, "cut_before", tuple(self.cut_before))
+
+    @contextlib.contextmanager
+    def scope(self, strategy: tf.distribute.Strategy):
+        """Build and compile the model here, in place of `strategy.scope()`, and each device
+        holds only its stage: the model's variables (and its optimizer's state, built when
+        fit begins) are made once, in this host's memory, not mirrored on every replica's
+        device. The stages train copies on their devices and write back at each epoch's
+        end and before each save.
+
+            with pipeline.scope(strategy):
+                model = build_model()
+                model.compile("adam", "sparse_categorical_crossentropy")
+            tfdist.fit(model, dataset, pipeline=pipeline)
+        """
+        host = host_device(strategy)
+
+        def creator(next_creator, **kwargs):
+            return compat.host_variable(strategy, host, **kwargs)
+
+        with strategy.scope(), tf.variable_creator_scope(creator):
+            yield
 
     def runner(self, model: keras.Model, strategy: tf.distribute.Strategy) -> PipelineRunner:
         """The runner tfdist.fit trains `model` with (not yet built)."""
@@ -170,6 +197,19 @@ class PipelineRunner(SyncRunner):
                 "without pipeline=. Received: a model with train_step overridden"
             )
         updates.check_copyable(model.optimizer, who="A pipeline's stages")
+        if _hosted(model):  # built under Pipeline.scope: its optimizer's state goes there too
+            host = host_device(self.strategy)
+            if not model.optimizer.built:
+                compat.build_optimizer_plainly(
+                    model.optimizer, model.trainable_variables, host, updates.outside_strategy
+                )
+            whole = sum(v.numpy().nbytes for v in model.variables)
+            log.info(
+                "The whole model (%.1f MB of weights) and its optimizer's state are kept in "
+                "host memory (%s); each device holds its stage.",
+                whole / 2**20,
+                host,
+            )
         super().build(sample_batch)  # the whole model and its optimizer: the host copy
         self.stages = split(model, options.cut_before)
         self._place()
@@ -731,6 +771,18 @@ class _StepProgram:
             spec.shape, dtype=spec.dtype, group_key=self._link(r.pipeline, low),
             key=self._key(m, kind),
         )  # fmt: skip
+
+
+def host_device(strategy: tf.distribute.Strategy) -> str:
+    """This process's CPU, where Pipeline.scope keeps the whole model."""
+    first = tf.DeviceSpec.from_string(replica_layout(strategy).devices[0])
+    return first.replace(device_type="CPU", device_index=0).to_string()
+
+
+def _hosted(model: keras.Model) -> bool:
+    """Whether the model's variables are plain ones (Pipeline.scope), not mirrored."""
+    weights = model.trainable_variables
+    return bool(weights) and not isinstance(weights[0].value, tf.distribute.DistributedValues)
 
 
 def _added(a, b):
