@@ -36,7 +36,6 @@ import enum
 import importlib
 import re
 import textwrap
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -268,8 +267,9 @@ MODES: tuple[Mode, ...] = (
 )
 
 
-# model -> {(mode, value): the hook that keeps optimizer state for that model}.
-_KEPT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# The attribute of a model that holds {(mode, value): the hook keeping optimizer state for
+# it}: on the model (not in a table here), so it lives and goes with the model it serves.
+_KEPT_ATTRIBUTE = "_tfdist_kept_hooks"
 
 
 def keywords() -> tuple[str, ...]:
@@ -329,7 +329,8 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
         if hook is not None and model is not None and hook.keeps_optimizer_state:
             # The same hook for every fit of this model with this option: its optimizer
             # state goes on, as Keras's optimizer's slots do between fit calls.
-            hook = _KEPT.setdefault(model, {}).setdefault((m.name, repr(value)), hook)
+            kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {})  # not tracked by Keras
+            hook = kept.setdefault((m.name, repr(value)), hook)
         if hook is not None:
             placed.append((m.place, order, hook))
     return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]

@@ -12,7 +12,8 @@ any batch end of a `fit`.
     record.peak          # {"CPU:0": 3145728, "CPU:1": 3145728}
     record.added         # the same, less what the devices held before fit began
 
-It counts variables, not tensors: activations and the gradients a step makes live in
+Each count walks Python's live objects (tens of milliseconds in a process with TensorFlow
+loaded): `DeviceBytes(every=N)` counts at every N-th batch. It counts variables, not tensors: activations and the gradients a step makes live in
 TensorFlow's allocator and are not seen here (tools/memory_bench.py reports peak RSS next
 to these counts). Variables of other models alive in the process count too: compare against
 `before` (taken when the callback is made), or read `added`.
