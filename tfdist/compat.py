@@ -505,6 +505,24 @@ def build_optimizer_plainly(optimizer, variables, device: str, run_outside) -> N
         optimizer._distribution_strategy = made_under
 
 
+def run_graph(model: keras.Model, inputs, call_fn):
+    """Runs a functional model's graph on `inputs`, each layer called through
+    `call_fn(layer, *args, **kwargs)`; returns its outputs.
+
+    Why: Keras's `Functional._run_through_graph` (what clone_model uses); no public name.
+    """
+    return model._run_through_graph(inputs, call_fn=call_fn)
+
+
+def inputs_like(model: keras.Model, inputs: list):
+    """`inputs` (one per model input, in order) in the structure of the model's inputs (a
+    dict, a list or one tensor).
+
+    Why: a functional model keeps that structure in `_inputs_struct`.
+    """
+    return keras.tree.pack_sequence_as(model._inputs_struct, inputs)
+
+
 def held_layers(layer) -> list[tuple[str, keras.layers.Layer]]:
     """The layers `layer` holds in public attributes (a Layer subclass's sublayers), by
     attribute name, in the order they were set.

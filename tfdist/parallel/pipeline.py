@@ -56,6 +56,7 @@ from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split
 from tfdist.strategies.replicas import replica_layout
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state
 from tfdist.training.runners.sync import SyncRunner
@@ -203,7 +204,7 @@ class PipelineRunner(SyncRunner):
                 compat.build_optimizer_plainly(
                     model.optimizer, model.trainable_variables, host, updates.outside_strategy
                 )
-            whole = sum(v.numpy().nbytes for v in model.variables)
+            whole = sum(nbytes(v) or 0 for v in model.variables)
             log.info(
                 "The whole model (%.1f MB of weights) and its optimizer's state are kept in "
                 "host memory (%s); each device holds its stage.",
@@ -787,9 +788,10 @@ def _hosted(model: keras.Model) -> bool:
 
 def _added(a, b):
     """Two gradients of one weight, added. Sparse ones (an Embedding's looked-up rows) keep
-    every row of both, as the whole batch's gradient would hold them: Keras's optimizers
-    apply each row (Adam squares each one apart), so summing rows first would train
-    differently from the unsplit model."""
+    every row of both: Keras's optimizers apply each row (Adam squares each one apart), and
+    this is what the whole batch's gradient holds for ids looked up per example, and what
+    Keras's own distributed fit holds for ids every replica looks up (positions). Between
+    worker processes the ring sums them dense (see `_update`)."""
     if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
         if not (isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices)):
             return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)

@@ -216,12 +216,12 @@ def _flattened(model: keras.Model, cut_before: list[str]) -> tuple[keras.Model, 
     def call(operation, *args, **kwargs):
         if id(operation) in inlined:
             given = args[0] if len(args) == 1 else list(args)
-            return operation._run_through_graph(given, call_fn=call)
+            return compat.run_graph(operation, given, call)
         return operation(*args, **kwargs)
 
     inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in model.inputs]
-    outputs = model._run_through_graph(inputs, call_fn=call)
-    structure = keras.tree.pack_sequence_as(model._inputs_struct, inputs)
+    outputs = compat.run_graph(model, inputs, call)
+    structure = compat.inputs_like(model, inputs)
     try:
         flat = keras.Model(structure, outputs, name=model.name)
     except ValueError as e:

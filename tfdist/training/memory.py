@@ -52,6 +52,13 @@ def live_variables() -> Iterable[tf.Variable]:
         yield obj
 
 
+def nbytes(variable) -> int | None:
+    """A variable's (tf.Variable's or Keras's) bytes from its shape and dtype (no copy of its value); None if its
+    shape is not fully known."""
+    size = tf.TensorShape(variable.shape).num_elements()
+    return None if size is None else size * tf.as_dtype(variable.dtype).size
+
+
 def variable_bytes() -> dict[str, int]:
     """{device: bytes of the variables placed on it}, over every live variable."""
     totals: dict[str, int] = {}
@@ -60,10 +67,9 @@ def variable_bytes() -> dict[str, int]:
             device = device_name(variable.device)
         except (ValueError, AttributeError):  # an uninitialised or deleted variable
             continue
-        size = variable.shape.num_elements()
-        if size is None:
-            continue
-        totals[device] = totals.get(device, 0) + size * variable.dtype.size
+        size = nbytes(variable)
+        if size is not None:
+            totals[device] = totals.get(device, 0) + size
     return totals
 
 
@@ -97,4 +103,4 @@ class DeviceBytes(keras.callbacks.Callback):
         return {d: size for d, size in grown.items() if size > 0}
 
 
-__all__ = ["DeviceBytes", "device_name", "live_variables", "variable_bytes"]
+__all__ = ["DeviceBytes", "device_name", "live_variables", "nbytes", "variable_bytes"]
