@@ -3,6 +3,7 @@ tfdist.DeviceBytes, against the share each layout promises (Adam: weights and 2 
 
 plain data parallelism   3 W on every device
 zero1 / zero2            W + 3 W / N (the whole weights, 1/N of a weight copy and the slots)
+zero3                    3 W / N (1/N of the weights and of the slots; the whole on the host)
 tensor parallelism       3 (U + S / T): the weights it leaves whole (U) and its 1/T of those
                          it splits (S)
 """
@@ -83,6 +84,33 @@ def test_each_device_holds_the_share_of_its_layout(devices, mode):
     assert sorted(held) == [f"CPU:{i}" for i in range(devices)]
     for device, size in held.items():
         assert size / weights == pytest.approx(share, rel=TOLERANCE), (device, size / weights)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_zero3_holds_its_slices_and_their_slots_and_the_host_the_whole(devices):
+    """Built under tfdist.host_scope: each replica holds 1/N of the weights and of Adam's two
+    slots, 3W/N; the whole model lives once on the host, CPU:0. Over 2 replicas (CPU:1,2) the
+    host is apart; over 4 (CPU:0-3) CPU:0 is the host and replica 0 both."""
+    strategy = tfdist.build_strategy(
+        "mirrored", cluster=None,
+        devices=[f"/cpu:{i}" for i in (range(1, 3) if devices == 2 else range(4))],
+    )  # fmt: skip
+    before = variable_bytes()
+    with tfdist.host_scope(strategy):
+        model = mlp()
+        model.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    built = variable_bytes()
+    weights = weight_bytes(model)
+    # Built: the whole model on the host, once; nothing on the replicas' devices.
+    assert built["CPU:0"] - before.get("CPU:0", 0) == pytest.approx(weights, rel=TOLERANCE)
+    for i in range(1, 4):
+        assert built.get(f"CPU:{i}", 0) - before.get(f"CPU:{i}", 0) <= TOLERANCE * weights
+    record = tfdist.DeviceBytes()
+    x, y = data()
+    tfdist.fit(model, x, y, batch_size=16, verbose=0, callbacks=[record], shard_optimizer="zero3")
+    for i in range(1, 3) if devices == 2 else range(4):
+        share = record.added[f"CPU:{i}"] / weights
+        assert share == pytest.approx(3.0 / devices, rel=TOLERANCE), (i, share)
 
 
 @pytest.mark.parametrize("devices, degree", [(2, 2), (4, 2), (4, 4)])

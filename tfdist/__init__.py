@@ -12,6 +12,7 @@ The public API, listed explicitly:
   parse_tf_config, ClusterInfo, TFConfigError     the cluster TF_CONFIG describes
   cluster_from_environment                        ... or the environment (TF_CONFIG, JobSet)
   build_strategy, StrategyOptions, StrategyError  the tf.distribute strategy for it
+  host_scope                                      build a model no device holds whole
   configure_cpu_devices                           split the CPU into logical devices
   serve_if_needed                                 run the worker / ps servers of a PS cluster
   route_stop_signals                              SIGTERM / SIGINT honoured at any moment
@@ -56,6 +57,7 @@ _EXPORTS = {
     "predict": "tfdist.api.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",
     "DeviceBytes": "tfdist.training.memory",
+    "host_scope": "tfdist.parallel.host",
     "StepCheckpoint": "tfdist.training.checkpoints",
     "RunRecord": "tfdist.training.report",
     "WarmupSchedule": "tfdist.training.callbacks",

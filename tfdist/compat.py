@@ -615,3 +615,20 @@ def keras_take():
     from keras.src.backend.tensorflow import numpy as keras_tf_numpy
 
     return keras_tf_numpy.take
+
+
+def replace_storage(variable: keras.Variable, storage) -> None:
+    """Makes `storage` (a tf.Variable, or an object that reads like one) what the Keras
+    variable reads and writes, in place of the tf.Variable it made.
+
+    Why: Keras's TensorFlow variable keeps its tf.Variable in `_value` and reads every value,
+    handle and checkpoint tensor through it; no public setter exists. ZeRO-3 gives a
+    layer's weight a storage of its own (the host copy, or the gathered slices while a
+    step is traced) without rebuilding the layer.
+    """
+    variable._value = storage
+
+
+def storage_of(variable: keras.Variable):
+    """The tf.Variable (or stand-in) a Keras variable reads: see replace_storage."""
+    return variable._value

@@ -6,7 +6,7 @@
 
 `matrix`: each worker trains every case of tests/zero_cases.py unsharded, then sharded
 (zero1, zero2, with accumulation), and writes the weights to OUT/matrix_<N workers>/<task>/.
-`resume EPOCHS`: Adam unsharded and with zero2 to EPOCHS, each resuming from its own
+`resume EPOCHS`: Adam unsharded, with zero2 and with zero3 to EPOCHS, each resuming from its own
 StepCheckpoint under OUT (see `resume`). Both run under one multi_worker_mirrored strategy;
 tests/test_zero.py compares what they wrote.
 """
@@ -33,6 +33,9 @@ RUNS = [
     ),
     ("lamb_plain", lambda: zero_cases.mlp("lamb"), None),
     ("lamb_zero2", lambda: zero_cases.mlp("lamb"), "zero2"),
+    # zero3 takes no clipping: Adam and SGD only.
+    ("sgd_momentum_zero3", lambda: zero_cases.mlp("sgd_momentum"), "zero3"),
+    ("adam_zero3", lambda: zero_cases.mlp("adam"), "zero3"),
 ]
 
 
@@ -44,7 +47,10 @@ def matrix(out: str, strategy) -> None:
     x, y = zero_cases.data()
     batch = zero_cases.GLOBAL_BATCH
     for name, build, shard in RUNS:
-        with strategy.scope():
+        # zero3's Adam is built where no device holds it whole; its SGD under the strategy's
+        # scope (moved to the host when fit begins).
+        scope = tfdist.host_scope if name == "adam_zero3" else type(strategy).scope
+        with scope(strategy):
             model = build()
         tfdist.fit(model, x, y, batch_size=batch, shuffle=False, verbose=0, shard_optimizer=shard)
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
@@ -65,14 +71,14 @@ def matrix(out: str, strategy) -> None:
 
 
 def resume(out: str, strategy, epochs: int) -> None:
-    """Trains Adam unsharded and with zero2 to `epochs`, each resuming from its own
+    """Trains Adam unsharded, with zero2 and with zero3 to `epochs`, each resuming from its own
     StepCheckpoint directory under OUT (written by an earlier launch, with any number of
     workers), and writes the weights to OUT/epoch<E>/<task>/."""
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     here = os.path.join(out, f"epoch{epochs}", f"{task['type']}_{task['index']}")
     os.makedirs(here, exist_ok=True)
     x, y = zero_cases.data()
-    for shard in (None, "zero2"):
+    for shard in (None, "zero2", "zero3"):
         with strategy.scope():
             model = zero_cases.mlp("adam")
         checkpoint = tfdist.StepCheckpoint(os.path.join(out, f"checkpoints_{shard or 'plain'}"))

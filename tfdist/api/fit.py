@@ -37,7 +37,7 @@ from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
 from tfdist.data.pipeline import explain_data_error
-from tfdist.errors import FitError
+from tfdist.errors import FitError, TfdistError
 from tfdist.parallel import registry
 from tfdist.strategies import strategy_kind
 from tfdist.training import chain
@@ -241,6 +241,25 @@ def _explained(runner) -> Iterator[None]:
         if explained is None:
             raise
         raise explained from None
+    except Exception as e:
+        # A mode that refuses what it finds while the step is traced raises tfdist's error
+        # there; autograph wraps it in a StagingError ("in user code: ..."): give the
+        # user tfdist's one line, not the trace.
+        cause = _tfdist_error_in(e)
+        if cause is None or cause is e:
+            raise
+        raise cause from None
+
+
+def _tfdist_error_in(error: BaseException) -> TfdistError | None:
+    """The TfdistError that `error` (autograph's wrapper) was raised from, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, TfdistError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 # --- checks at the boundary -------------------------------------------------------------------

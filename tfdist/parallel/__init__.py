@@ -4,6 +4,9 @@
   help, the hook's place in the chain, its checkpoint rules, its builder).
 - zero.py: ShardedUpdate, the optimizer's state (ZeRO stage 1) and the gradients (stage 2)
   sharded over the replicas of a synchronous strategy.
+- zero3.py: ShardedParameters, ZeRO stage 3: the weights sharded too, each gathered where a
+  layer reads it.
+- host.py: host_scope, where to build a model no device holds whole (ZeRO-3, a pipeline).
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
 - asynchronous.py: corrections for parameter-server training's stale updates:
   DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness).
@@ -60,6 +63,8 @@ _EXPORTS = {
     "tensor_parallel": "tfdist.parallel.tensor",
     "Partition": "tfdist.parallel.zero",
     "ShardedUpdate": "tfdist.parallel.zero",
+    "ShardedParameters": "tfdist.parallel.zero3",
+    "host_scope": "tfdist.parallel.host",
     "ShardingError": "tfdist.parallel.zero",
     "MODES": "tfdist.parallel.registry",
     "Mode": "tfdist.parallel.registry",

@@ -36,7 +36,6 @@ matches the unsplit model exactly.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -52,9 +51,9 @@ from tfdist.collective.keys import group_key_base
 from tfdist.collective.transport import ProcessLinks, ProcessRing, Transfers
 from tfdist.errors import FitError
 from tfdist.parallel import updates
+from tfdist.parallel.host import host_device, host_scope, hosted
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split
-from tfdist.strategies.replicas import replica_layout
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
@@ -111,26 +110,19 @@ class Pipeline:
                 )
             object.__setattr__(self, "cut_before", tuple(self.cut_before))
 
-    @contextlib.contextmanager
     def scope(self, strategy: tf.distribute.Strategy):
         """Build and compile the model here, in place of `strategy.scope()`, and each device
-        holds only its stage: the model's variables (and its optimizer's state, built when
+        holds only its stage: the model's weights (and its optimizer's state, built when
         fit begins) are made once, in this host's memory, not mirrored on every replica's
-        device. The stages train copies on their devices and write back at each epoch's
-        end and before each save.
+        device (tfdist.host_scope). The stages train copies on their devices and write back
+        at each epoch's end and before each save.
 
             with pipeline.scope(strategy):
                 model = build_model()
                 model.compile("adam", "sparse_categorical_crossentropy")
             tfdist.fit(model, dataset, pipeline=pipeline)
         """
-        host = host_device(strategy)
-
-        def creator(next_creator, **kwargs):
-            return compat.host_variable(strategy, host, **kwargs)
-
-        with strategy.scope(), tf.variable_creator_scope(creator):
-            yield
+        return host_scope(strategy)
 
     def runner(self, model: keras.Model, strategy: tf.distribute.Strategy) -> PipelineRunner:
         """The runner tfdist.fit trains `model` with (not yet built)."""
@@ -198,7 +190,7 @@ class PipelineRunner(SyncRunner):
                 "without pipeline=. Received: a model with train_step overridden"
             )
         updates.check_copyable(model.optimizer, who="A pipeline's stages")
-        if _hosted(model):  # built under Pipeline.scope: its optimizer's state goes there too
+        if hosted(model):  # built under Pipeline.scope: its optimizer's state goes there too
             host = host_device(self.strategy)
             if not model.optimizer.built:
                 compat.build_optimizer_plainly(
@@ -772,18 +764,6 @@ class _StepProgram:
             spec.shape, dtype=spec.dtype, group_key=self._link(r.pipeline, low),
             key=self._key(m, kind),
         )  # fmt: skip
-
-
-def host_device(strategy: tf.distribute.Strategy) -> str:
-    """This process's CPU, where Pipeline.scope keeps the whole model."""
-    first = tf.DeviceSpec.from_string(replica_layout(strategy).devices[0])
-    return first.replace(device_type="CPU", device_index=0).to_string()
-
-
-def _hosted(model: keras.Model) -> bool:
-    """Whether the model's variables are plain ones (Pipeline.scope), not mirrored."""
-    weights = model.trainable_variables
-    return bool(weights) and not isinstance(weights[0].value, tf.distribute.DistributedValues)
 
 
 def _added(a, b):

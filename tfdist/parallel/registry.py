@@ -225,14 +225,16 @@ MODES: tuple[Mode, ...] = (
     ),
     Mode(
         keyword="shard_optimizer",
-        summary="None, 'zero1' (the optimizer's state sharded over the replicas) or 'zero2' "
-        "(the gradients too); tfdist.parallel.zero. Synchronous strategies",
+        summary="None, 'zero1' (the optimizer's state sharded over the replicas), 'zero2' "
+        "(the gradients too) or 'zero3' (the weights too); tfdist.parallel.zero, zero3. "
+        "Synchronous strategies",
         help="Synchronous strategies: shard the optimizer's state over the replicas (zero1: "
-        "1/N of the slots per replica), and with zero2 the gradients too (reduce-scatter, then "
-        "all-gather). Same result as unsharded; see README 'Sharded optimizer state'.",
-        value=Choice(("zero1", "zero2")),
+        "1/N of the slots per replica), with zero2 the gradients too (reduce-scatter, then "
+        "all-gather), with zero3 the weights too (each gathered where a layer reads it). Same "
+        "result as unsharded; see README 'Sharded optimizer state'.",
+        value=Choice(("zero1", "zero2", "zero3")),
         place=Place.UPDATE,
-        builder="tfdist.parallel.zero:ShardedUpdate",
+        builder="tfdist.parallel.zero3:shard_hook",
         resume_must_match=True,
     ),
     Mode(

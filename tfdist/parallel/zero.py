@@ -37,23 +37,8 @@ on collective point-to-point transfers). The packed weights travel in buckets (l
 gradient ring's fusion), each exchanged and updated after the last is written back, so the
 update's temporaries are a bucket's worth.
 
-Stage 3 (the parameters themselves sharded, gathered layer by layer when used) is not
-built: Keras 3 on TensorFlow stops it in three places, each needing a fork rather than a
-hook.
-  1. Storage: under mirrored and multi_worker_mirrored every variable a layer creates is a
-     MirroredVariable, a whole copy per device; tf.distribute's only partitioned variable
-     (ShardedVariable) belongs to ParameterServerStrategy. A rank cannot hold 1/N of a
-     layer's kernel as that layer's weight.
-  2. Gather on use: a Keras 3 layer reads `self.kernel` inside `call`. The one place to
-     substitute values, keras.StatelessScope(state_mapping=...), takes every value up front
-     (the whole model gathered at once, not layer by layer), and inside it the layers read
-     tensors, not variables, so `tape.gradient(loss, model.trainable_variables)` - what
-     Keras's train_step and every user's own step differentiate - returns None.
-  3. Free after use: a gathered kernel feeds both the forward and the backward pass, so it
-     stays alive until the backward pass unless each layer's call is wrapped in a
-     tf.custom_gradient that gathers again - wrapping every Layer.__call__.
-tfdist could own the step (its own forward and gradients over gathered tensors), but then
-a model's own train_step would not run, which tfdist.fit promises.
+Stage 3, the weights sharded too, is zero3.py (ShardedParameters); `shard_optimizer="zero3"`
+builds it (zero3.shard_hook picks the stage).
 """
 
 from __future__ import annotations

@@ -154,6 +154,11 @@ class StepHook:
         update's optimizer slots), by checkpoint key; the runner adds it to its own."""
         return {}
 
+    def start(self) -> None:
+        """Where training starts, at every fit, after any checkpoint is restored: a hook
+        that keeps its own copy of the weights (ZeRO-3's slices) takes them from the model
+        here. Every lockstep worker calls it at the same point."""
+
     def settle(self) -> None:
         """Where the runner settles (each epoch end, before a save): a hook whose replicas'
         weights drift apart (local SGD, gossip) makes them one model again. Every lockstep

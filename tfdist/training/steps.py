@@ -245,5 +245,8 @@ class StepClock(StepHook):
 
     def updated(self, variable) -> tf.Tensor:
         """A tensor that exists once `variable` has its new value: reading it, which is
-        ordered after its update (same resource)."""
-        return tf.identity(variable.value)
+        ordered after its update (same resource). A weight whose storage is a stand-in
+        (ZeRO-3's gathered slices) says itself what to read: `read_after_update()`."""
+        storage = variable.value
+        read = getattr(storage, "read_after_update", None)
+        return read() if read is not None else tf.identity(storage)

@@ -326,6 +326,8 @@ class SyncRunner(Runner):
     def begin(self, global_step: int, *, total_steps=None, checkpoint_status=None) -> None:
         del global_step, total_steps  # synchronous updates count themselves
         self._checkpoint_status = checkpoint_status
+        for hook in self.hooks:
+            hook.start()
 
     def settle(self) -> None:
         # Before validation and the callbacks that save: one model, not one per replica.

@@ -1,0 +1,189 @@
+"""ZeRO stage 3 (tfdist.parallel.zero3): weights, gradients and optimizer state sharded over
+the replicas, against Keras's own fit on one device (same data, same order), over 2 and 3
+logical CPUs in this process. Worker processes: tests/test_zero.py's jobs; bytes per
+device: tests/test_memory.py.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tests import custom_step_models, fit_models, keras_io_models, zero_cases
+from tfdist.parallel import ShardedParameters, ShardingError
+
+TOLERANCE = 1e-5
+
+
+def replicas(n: int):
+    """n replicas on CPU:1..n (CPU:0 is the host, where host_scope keeps the whole model);
+    4 on CPU:0..3."""
+    first = 0 if n == 4 else 1
+    return tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(first, first + n)]
+    )
+
+
+def max_diff(a, b) -> float:
+    return max(float(np.abs(x - y).max()) for x, y in zip(a, b, strict=True))
+
+
+def keras_fit(case, epochs: int = 1, calls: int = 1):
+    """Keras's own fit on one device: the reference."""
+    model, data = case()
+    for _ in range(calls):
+        model.fit(data, epochs=epochs, verbose=0, shuffle=False)
+    return model
+
+
+def zero3_fit(case, strategy, *, host: bool, epochs: int = 1, calls: int = 1):
+    with tfdist.host_scope(strategy) if host else strategy.scope():
+        model, data = case()
+    for _ in range(calls):
+        tfdist.fit(model, data, epochs=epochs, verbose=0, shard_optimizer="zero3")
+    return model
+
+
+CASES = {
+    **fit_models.CASES,
+    **{f"custom_step_{name}": case for name, case in custom_step_models.CASES.items()},
+    "keras_io_padded_transformer": lambda: (
+        keras_io_models.padded_classifier(),
+        keras_io_models.reviews(padded=True),
+    ),
+}
+
+
+# A model whose loss is each replica's own mean, not scaled by the replicas, trains under a
+# strategy as Keras's fit under that strategy does (the replicas' gradients add up): the
+# reference for it is Keras's fit over the same replicas.
+PER_REPLICA_LOSS = {"custom_step_own_keys"}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_zero3_trains_the_models_users_bring_as_keras_fit_on_one_device(name):
+    """A CNN, two inputs and outputs with sample weights, a regulariser, an Embedding, two
+    models with their own train_step, keras.io's Transformer block behind a masking
+    Embedding: built under host_scope over 2 replicas; the CNN also under strategy.scope()
+    over 4 (its weights moved to the host when fit begins; 4 does not divide every weight)."""
+    layouts = [(2, True)]
+    if name == "cnn":
+        layouts.append((4, False))
+    for devices, host in layouts:
+        if name in PER_REPLICA_LOSS:
+            with replicas(devices).scope():
+                reference = keras_fit(CASES[name], epochs=2).get_weights()
+        elif devices == layouts[0][0]:
+            reference = keras_fit(CASES[name], epochs=2).get_weights()
+        model = zero3_fit(CASES[name], replicas(devices), host=host, epochs=2)
+        diff = max_diff(reference, model.get_weights())
+        assert diff <= TOLERANCE, (name, devices, host, diff)
+
+
+def test_fit_called_twice_trains_as_keras_fit_called_twice():
+    """The slices and their optimizer state go on from one fit to the next."""
+    case = CASES["cnn"]
+    reference = keras_fit(case, calls=2).get_weights()
+    model = zero3_fit(case, replicas(2), host=True, calls=2)
+    assert max_diff(reference, model.get_weights()) <= TOLERANCE
+    assert int(model.optimizer.iterations.numpy()) == 2 * fit_models.EXAMPLES // 32
+
+
+def test_each_replica_holds_a_slice_of_each_weight_and_of_its_slots():
+    strategy = replicas(2)
+    hook = ShardedParameters()
+    with tfdist.host_scope(strategy):
+        model, data = fit_models.cnn()
+    tfdist.fit(model, data, verbose=0, step_hooks=[hook])
+    weights = sum(int(np.prod(w.shape)) * 4 for w in model.get_weights())
+    held = hook.state_bytes()  # both replicas: the whole once, to a padding element a weight
+    padding = 2 * 4 * len(model.trainable_variables)
+    assert weights <= held["weight_slices"] <= weights + padding
+    assert 2 * weights <= held["optimizer_state"] <= 2 * (weights + padding)
+    for slices in hook.shards:  # each replica: 1/2 of every weight
+        for shard, variable in zip(slices, model.trainable_variables, strict=True):
+            assert int(shard.shape[0]) == -(-int(np.prod(variable.shape)) // 2)
+    # The whole model is on the host, CPU:0; the replicas are CPU:1 and CPU:2.
+    assert all(v.value.device.endswith("CPU:0") for v in model.trainable_variables)
+
+
+def test_predict_evaluate_and_save_after_fit_see_the_trained_weights(tmp_path):
+    strategy = replicas(2)
+    with tfdist.host_scope(strategy):
+        model, data = fit_models.cnn()
+    before = model.predict(data, verbose=0)
+    tfdist.fit(model, data, verbose=0, shard_optimizer="zero3", validation_data=data)
+    after = model.predict(data, verbose=0)
+    assert np.abs(after - before).max() > 1e-3  # trained, and predict sees it
+    path = tmp_path / "model.keras"
+    model.save(path)
+    loaded = keras.models.load_model(path)
+    np.testing.assert_allclose(loaded.predict(data, verbose=0), after, atol=1e-6)
+
+
+def test_a_checkpoint_resumes_with_another_number_of_replicas(tmp_path):
+    """Saved with 2 replicas after one epoch, resumed with 4 for the second: the same weights
+    as two epochs without a stop (the slots are saved whole)."""
+    case = CASES["regularised"]
+    reference = keras_fit(case, epochs=2).get_weights()
+    for devices, epochs in ((2, 1), (4, 2)):
+        with replicas(devices).scope():
+            model, data = case()
+        checkpoint = tfdist.StepCheckpoint(str(tmp_path / "checkpoints"))
+        tfdist.fit(
+            model, data, epochs=epochs, verbose=0, shard_optimizer="zero3",
+            callbacks=[checkpoint],
+        )  # fmt: skip
+    assert max_diff(reference, model.get_weights()) <= TOLERANCE
+
+
+def test_mixed_bfloat16_trains_as_plain_data_parallelism_does():
+    """Each replica computes in bfloat16 on its half of the batch, as under plain data
+    parallelism (one device's bfloat16 sums round differently, so it is no reference)."""
+
+    def train(shard):
+        keras.mixed_precision.set_global_policy("mixed_bfloat16")
+        try:
+            with tfdist.host_scope(replicas(2)) if shard else replicas(2).scope():
+                model = zero_cases.mlp("adam")
+        finally:
+            keras.mixed_precision.set_global_policy("float32")
+        x, y = zero_cases.data()
+        tfdist.fit(
+            model, x, y, batch_size=zero_cases.GLOBAL_BATCH, shuffle=False, verbose=0,
+            shard_optimizer=shard,
+        )  # fmt: skip
+        return model
+
+    plain, sharded = train(None), train("zero3")
+    assert sharded.layers[0].compute_dtype == "bfloat16"
+    assert max_diff(plain.get_weights(), sharded.get_weights()) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "optimizer, devices, fragment",
+    [
+        (lambda: keras.optimizers.Adam(clipnorm=1.0), 2, "clipnorm"),
+        (lambda: keras.optimizers.SGD(clipvalue=0.5), 2, "clipvalue"),
+        (lambda: keras.optimizers.Lamb(), 2, "Lamb reads whole weights"),
+        (keras.optimizers.Adam, 1, "this strategy has 1"),
+    ],
+)
+def test_what_zero3_cannot_do_is_one_clear_line(optimizer, devices, fragment):
+    with replicas(devices).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer(), "mse")
+    x = np.zeros((8, 4), "float32")
+    with pytest.raises(ShardingError, match=fragment):
+        tfdist.fit(model, x, x[:, :2], batch_size=4, verbose=0, shard_optimizer="zero3")
+
+
+def test_a_step_that_changes_the_gradients_is_refused_in_one_line():
+    """zero3 sums the gradients the backward pass made; a hook that scales them (here
+    accumulation, which weighs each micro-batch's) would be lost, so it is refused."""
+    with replicas(2).scope():
+        model, data = fit_models.regularised()
+    with pytest.raises(ShardingError, match="changed the gradient of sequential/dense"):
+        tfdist.fit(model, data, verbose=0, shard_optimizer="zero3", accumulate_steps=2)

@@ -1,0 +1,485 @@
+"""ZeRO stage 3: the weights, their gradients and the optimizer's state sharded over the
+replicas; each weight gathered whole only where a layer reads it.
+
+Stages 1 and 2 (zero.py) shard the optimizer's state and the gradients, but every replica
+still keeps every weight whole. Under stage 3 (Rajbhandari et al., 2020) each of the N
+replicas keeps 1/N of each weight (a flat, padded slice) and the slots for that slice, on
+its device: 3/N of the weights' bytes under Adam, against 3 for plain data parallelism.
+Each step:
+
+  1. Forward: where a layer reads a weight, its slices are all-gathered into the whole
+     weight, on that replica's device, for that use (a tensor of the step, freed when the
+     last op that needs it has run: the layer's gradient in the backward pass).
+  2. Backward: each replica's gradient of the whole weight is kept for the update (an
+     Embedding's looked-up rows stay sparse).
+  3. Update: every weight's gradient is summed over the replicas in one exchange, in the
+     weights' order on every replica, and each replica applies a copy of the user's
+     optimizer (same class and config, slots built for its slices) to its slices, as Keras's
+     optimizer would to the whole. (Summing inside the backward pass, slice by slice, would
+     need the replicas to reach each weight in the same order, and the tape visits a
+     Transformer's independent branches in an order that can differ between them.)
+
+How a layer reads a slice-held weight without being rewritten: while tfdist.fit traces the
+step, each trainable weight's storage (the tf.Variable a Keras variable reads) is a
+stand-in whose value is the gather above and whose resource handle is the replica's slice.
+`tape.gradient(loss, model.trainable_variables)` - Keras's train_step, and a model's own -
+therefore returns a gradient per slice (this replica's own examples' part of it), and
+`optimizer.apply` (the step's chain, which this hook ends) updates the slices from the
+gradients kept in step 2. A model's own train_step that differentiates its trainable
+variables and applies the result through its optimizer works unchanged; one that changes
+the gradients in between (scales, clips) is refused in one line, since the update sums what
+the backward pass made.
+
+The whole model lives in host memory (tfdist.host_scope, or moved there from a model built
+under `strategy.scope()` when fit begins): the slices are taken from it when training
+starts and written back at each epoch's end and before each save, so evaluation, callbacks,
+`model.save` and `predict` after fit see the trained weights. Checkpoints hold the slots
+whole, so a job saved with N replicas resumes with any other number.
+
+Over the local devices of a mirrored strategy or the worker processes of a
+multi_worker_mirrored job (one replica each); the gathers and reductions are the strategy's
+own collectives. Not built: gathering a layer's weights again in the backward pass
+(DeepSpeed frees them after the forward; here a gathered weight is held until its layer's
+gradient has been taken), reduce-scattering each gradient as soon as it exists (here the
+whole gradients wait for the update, as under plain data parallelism), and prefetching the
+next layer's gather.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.parallel import host, updates
+from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
+from tfdist.training.runner import Runner, StepHook
+
+NAME = "shard_optimizer='zero3'"
+
+
+def shard_hook(stage) -> StepHook:
+    """The hook fit's `shard_optimizer` asks for: zero1 and zero2 shard the optimizer's
+    state (and the gradients) of whole weights; zero3 the weights too."""
+    if stage in ("zero3", 3):
+        return ShardedParameters()
+    return ShardedUpdate(stage)
+
+
+class ShardedParameters(StepHook):
+    """A StepHook that shards the weights, gradients and optimizer state (ZeRO stage 3).
+
+    It ends the update chain: it applies each replica's slice of the gradients to that
+    replica's slice of the weights. See the module docstring for what a step does.
+
+    Example:
+
+        with tfdist.host_scope(strategy):
+            model = build_model()
+            model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        tfdist.fit(model, data, shard_optimizer="zero3")
+    """
+
+    synchronous_only = True
+    keeps_optimizer_state = True
+    applies_update = True
+    ends_chain = True
+
+    def __init__(self):
+        self.shards: list[list[keras.Variable]] = []
+        self._lock = threading.Lock()
+        self._readers = 0
+
+    @property
+    def name(self) -> str:
+        return NAME
+
+    # --- building -------------------------------------------------------------------------------
+
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        self.model, self.strategy = model, runner.strategy
+        if self.already_built(model, runner):
+            return  # a later fit: the slices keep the optimizer's state
+        optimizer = model.optimizer
+        _check_optimizer(optimizer)
+        layout = updates.one_replica_per_process(runner.layout, who=NAME, error=ShardingError)
+        if layout.replicas < 2:
+            raise ShardingError(
+                f"{NAME} shards the weights over the replicas, and this strategy has 1. Use 2 "
+                "or more devices (tfdist.configure_cpu_devices(2) for logical CPUs) or worker "
+                "processes, or drop shard_optimizer. Received: 1 replica"
+            )
+        self.ranks, self.first = layout.replicas, layout.first_replica
+        self.devices = list(layout.devices)
+        self.moved = host.move_to_host(model, runner.strategy)
+        self.variables = list(model.trainable_variables)
+        self.hosts = [compat.storage_of(v) for v in self.variables]
+        self.sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in self.variables]
+        self.lengths = [max(1, math.ceil(n / self.ranks)) for n in self.sizes]
+        self.decays = [
+            bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
+            for v in self.variables
+        ]
+        self.optimizer = optimizer
+        if not optimizer.built:
+            optimizer.build([])  # iterations and the learning rate; the slices keep the slots
+
+        def make():
+            shards, copies = [], []
+            for device in self.devices:
+                with tf.device(device):
+                    mine = [
+                        keras.Variable(
+                            np.zeros([k], v.dtype),
+                            dtype=v.dtype,
+                            name=f"zero3_v{i}",
+                            autocast=False,
+                        )  # fmt: skip
+                        for i, (v, k) in enumerate(zip(self.variables, self.lengths, strict=True))
+                    ]
+                    shards.append(mine)
+                    copies.append(updates.optimizer_copy(optimizer, mine))
+            return shards, copies
+
+        self.shards, self.copies = updates.outside_strategy(make)
+        self.slots: list[dict[tuple[int, str], keras.Variable]] = []
+        for copy in self.copies:
+            slots = {}
+            for slot in copy.variables:
+                found = re.search(r"zero3_v(\d+)_(\w+)$", slot.path)
+                if found:
+                    slots[int(found.group(1)), found.group(2)] = slot
+            self.slots.append(slots)
+        self.slot_names = sorted({name for slots in self.slots for _, name in slots})
+        self._gatherers: dict = {}
+        # Per traced graph: (local replica, weight) -> [(this replica's whole gradient,
+        # flat and padded; the part of it the tape was given)], one per read of the weight.
+        self._backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    # --- where training starts and settles --------------------------------------------------
+
+    def start(self) -> None:
+        """Each local replica takes its slices from the whole weights in host memory (after
+        any restore, at every fit: set_weights between fits holds)."""
+        for d, shards in enumerate(self.shards):
+            rank = self.first + d
+            for i, shard in enumerate(shards):
+                shard.assign(self._slice(self.hosts[i], i, rank))
+
+    def settle(self) -> None:
+        """The whole weights in host memory, from every replica's slices (collective)."""
+        for i, whole in enumerate(self._wholes(None)):
+            self.hosts[i].assign(whole)
+
+    def _slice(self, whole, i: int, rank: int) -> tf.Tensor:
+        k = self.lengths[i]
+        flat = tf.reshape(tf.convert_to_tensor(whole), [-1])
+        flat = tf.pad(flat, [[0, k * self.ranks - self.sizes[i]]])
+        return flat[rank * k : (rank + 1) * k]
+
+    def _wholes(self, slot: str | None) -> list[tf.Tensor]:
+        """Each weight's whole value (slot None), or each weight's whole `slot`, from every
+        replica's slices, all-gathered in one collective."""
+        if slot not in self._gatherers:
+            self._gatherers[slot] = tf.function(lambda: self._gather_all_replicas(slot))
+        flat = self._gatherers[slot]()
+        total = sum(self.lengths)
+        rows = tf.reshape(flat, [self.ranks, total])
+        out, at = [], 0
+        for i, k in enumerate(self.lengths):
+            column = tf.reshape(rows[:, at : at + k], [-1])[: self.sizes[i]]
+            out.append(tf.reshape(column, self.variables[i].shape))
+            at += k
+        return out
+
+    def _gather_all_replicas(self, slot: str | None):
+        def pick(d: int, i: int) -> keras.Variable:
+            return self.shards[d][i] if slot is None else self.slots[d][i, slot]
+
+        def replica():
+            d = self._local_index()
+            # Placed on the replica's device, as the strategy's collectives ask.
+            with tf.device(self.devices[d]):
+                parts = [tf.reshape(pick(d, i).value, [-1]) for i in range(len(self.variables))]
+                flat = tf.concat(parts, 0)
+                return tf.distribute.get_replica_context().all_gather(flat, axis=0)
+
+        gathered = self.strategy.run(replica)
+        return self.strategy.experimental_local_results(gathered)[0]
+
+    def _local_index(self) -> int:
+        context = tf.distribute.get_replica_context()
+        replica = tf.get_static_value(context.replica_id_in_sync_group)
+        if replica is None:
+            if len(self.devices) == 1:
+                return 0
+            raise ShardingError(f"{NAME} needs each replica's id when its step is traced.")
+        return int(replica) - self.first
+
+    # --- one step -------------------------------------------------------------------------------
+
+    def step(self, batch, train_step):
+        with self._reading_slices():
+            return train_step(batch)
+
+    def _reading_slices(self):
+        hook = self
+
+        class Reading:
+            def __enter__(self):
+                with hook._lock:
+                    if not hook._readers:
+                        for i, variable in enumerate(hook.variables):
+                            compat.replace_storage(variable, _Gathered(hook, i))
+                    hook._readers += 1
+
+            def __exit__(self, *exc):
+                with hook._lock:
+                    hook._readers -= 1
+                    if not hook._readers:
+                        for variable, storage in zip(hook.variables, hook.hosts, strict=True):
+                            compat.replace_storage(variable, storage)
+
+        return Reading()
+
+    def gathered(self, i: int) -> tf.Tensor:
+        """Weight `i` whole on this replica, all-gathered from every replica's slice.
+
+        Its backward pass keeps this replica's gradient of the whole weight for `apply`,
+        which reduces every weight's in one exchange, in the weights' order, and hands the
+        tape this replica's own part of its slice. Reducing inside the backward pass would
+        not do: the tape visits independent branches (a Transformer's query, key and value)
+        in an order that can differ between replicas, and collectives must be called in the
+        same order on each.
+        """
+        context = tf.distribute.get_replica_context()
+        d = self._local_index()
+        rank, k, n = self.first + d, self.lengths[i], self.sizes[i]
+        shape, ranks = self.variables[i].shape, self.ranks
+
+        @tf.custom_gradient
+        def gather(part):
+            whole = context.all_gather(part, axis=0)
+
+            def grad(upstream):
+                backward = self._backward.setdefault(tf.compat.v1.get_default_graph(), {})
+                entry = _Backward.of(upstream, shape, k * ranks, n, lo=rank * k, length=k)
+                backward.setdefault((d, i), []).append(entry)
+                return entry.mine
+
+            return tf.reshape(whole[:n], shape), grad
+
+        with tf.device(self.devices[d]):  # a read takes its variable's place, not a device
+            return gather(tf.identity(self.shards[d][i].value))  # read on the tape
+
+    def shard(self, i: int) -> keras.Variable:
+        return self.shards[self._local_index()][i]
+
+    def apply(self, grads_and_vars, apply_next):
+        del apply_next  # the end of the chain: this hook applies the update itself
+        context = tf.distribute.get_replica_context()
+        d = self._local_index()
+        given = {id(v): g for g, v in grads_and_vars}
+        backward = self._backward.pop(tf.compat.v1.get_default_graph(), {})
+        present = [i for i, v in enumerate(self.variables) if given.get(id(v)) is not None]
+        entries = {}
+        for i in present:
+            kept = backward.get((d, i), [])
+            _check_unchanged(given[id(self.variables[i])], [e.mine for e in kept], i, self)
+            entries[i] = kept
+        slices = self._summed_slices(context, d, entries)
+        user, copy = self.optimizer, self.copies[d]
+        learning_rate = user.learning_rate
+        weight_decay = user.weight_decay or 0.0
+        done = []
+        with tf.device(self.devices[d]):
+            copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
+            for i in present:
+                shard = self.shards[d][i]
+                lr = tf.cast(learning_rate, shard.dtype)
+                if self.decays[i]:  # decoupled decay, first (Keras's order)
+                    shard.assign(shard - shard * tf.cast(weight_decay, shard.dtype) * lr)
+                copy.update_step(slices[i], shard, lr)
+                done.append(tf.identity(shard.value))
+        with tf.control_dependencies(done):
+            user.iterations.assign_add(1)
+        return None
+
+    def _summed_slices(self, context, d: int, entries: dict) -> dict:
+        """This replica's slice of each weight's gradient summed over the replicas, from
+        each replica's whole gradients (`entries`: weight -> its reads' _Backward), in the
+        weights' order on every replica: the dense ones in one exchange, then each sparse
+        one (an Embedding's looked-up rows, kept row by row as Keras's optimizers take
+        them)."""
+        rank, out = self.first + d, {}
+        sparse = [i for i in entries if all(e.sparse for e in entries[i])]
+        dense = [i for i in entries if i not in sparse]
+        with tf.device(self.devices[d]):
+            local = [tf.add_n([e.dense() for e in entries[i]]) for i in dense]
+            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, local) if local else []
+            for i, total in zip(dense, reduced, strict=True):
+                k = self.lengths[i]
+                out[i] = total[rank * k : (rank + 1) * k]
+            for i in sparse:
+                values = tf.concat([e.values for e in entries[i]], 0)
+                where = tf.concat([e.where for e in entries[i]], 0)
+                values = context.all_gather(values, axis=0)
+                where = context.all_gather(where, axis=0)
+                out[i] = _in_range(values, where, rank * self.lengths[i], self.lengths[i])
+        return out
+
+    # --- checkpoints ----------------------------------------------------------------------------
+
+    def checkpoint_state(self) -> dict:
+        return {"sharded_optimizer_state": _WholeSlots(self)}
+
+    def whole_slots(self) -> dict[str, tf.Tensor]:
+        """Every slot of every weight, whole, by "v<index>_<slot>" (collective)."""
+        out = {}
+        for name in self.slot_names:
+            for i, whole in enumerate(self._wholes(name)):
+                out[f"v{i}_{name}"] = whole
+        return out
+
+    def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
+        for d, slots in enumerate(self.slots):
+            for (i, name), slot in slots.items():
+                slot.assign(self._slice(restored[f"v{i}_{name}"], i, self.first + d))
+
+    # --- what it holds --------------------------------------------------------------------------
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this process's replicas hold: their slices and the slices' slots."""
+
+        def count(variables):
+            return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in variables)
+
+        return {
+            "weight_slices": sum(count(shards) for shards in self.shards),
+            "optimizer_state": sum(count(slots.values()) for slots in self.slots),
+        }
+
+
+class _Gathered:
+    """A weight's storage while a zero3 step is traced: reading it gathers the weight from
+    the replicas' slices (ShardedParameters.gathered); its resource handle is this
+    replica's slice, so the tape's gradient for the weight is the slice's."""
+
+    def __init__(self, hook: ShardedParameters, index: int):
+        self.hook, self.index = hook, index
+        whole = hook.hosts[index]
+        self.dtype, self.shape, self.name = whole.dtype, whole.shape, whole.name
+        self._shared_name = whole._shared_name
+
+    @property
+    def handle(self):
+        return self.hook.shard(self.index).handle
+
+    @property
+    def device(self):
+        return self.hook.shard(self.index).value.device
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        value = self.hook.gathered(self.index)
+        if dtype is not None and tf.as_dtype(dtype) != value.dtype:
+            value = tf.cast(value, dtype)
+        return value
+
+    def read_value(self):
+        return self.__tf_tensor__()
+
+    def read_after_update(self) -> tf.Tensor:
+        """A tensor that exists once this replica's slice has its new value (a step's
+        clock reads it; reading the whole weight would gather it again)."""
+        return tf.identity(self.hook.shard(self.index).value)
+
+
+class _Backward:
+    """One read's gradient of a whole weight on one replica, kept for the update: dense
+    (flat, padded to N slices) or sparse (the looked-up rows' values, element by element,
+    and their places in the flat weight), and `mine`, the part the tape is given."""
+
+    def __init__(self, *, mine, flat=None, values=None, where=None, padded: int = 0):
+        self.mine, self.flat, self.values, self.where = mine, flat, values, where
+        self.sparse, self.padded = flat is None, padded
+
+    @classmethod
+    def of(cls, upstream, shape, padded: int, n: int, *, lo: int, length: int) -> _Backward:
+        if isinstance(upstream, tf.IndexedSlices):
+            width = n // int(shape[0])
+            values = tf.reshape(upstream.values, [-1])
+            rows = tf.cast(upstream.indices, tf.int64)[:, None] * width
+            where = tf.reshape(rows + tf.range(width, dtype=tf.int64)[None, :], [-1])
+            mine = tf.convert_to_tensor(_in_range(values, where, lo, length))
+            return cls(mine=mine, values=values, where=where, padded=padded)
+        flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
+        flat = tf.pad(flat, [[0, padded - n]])
+        return cls(mine=flat[lo : lo + length], flat=flat, padded=padded)
+
+    def dense(self) -> tf.Tensor:
+        if self.flat is not None:
+            return self.flat
+        return tf.math.unsorted_segment_sum(self.values, self.where, self.padded)
+
+
+def _in_range(values, where, lo: int, length: int) -> tf.IndexedSlices:
+    """The elements of a sparse gradient that fall in the slice [lo, lo + length), as a
+    sparse gradient of the slice (each looked-up element kept apart)."""
+    keep = (where >= lo) & (where < lo + length)
+    return tf.IndexedSlices(
+        tf.boolean_mask(values, keep),
+        tf.boolean_mask(where, keep) - lo,
+        dense_shape=tf.constant([length], tf.int64),
+    )
+
+
+def _check_unchanged(grad, mine: list, i: int, hook: ShardedParameters) -> None:
+    """Refuses a gradient the step changed between the tape and the update (scaled, clipped,
+    noised): zero3 reduces what the backward pass produced, so it would be lost."""
+
+    def ours(tensor) -> bool:
+        if any(tensor is m for m in mine):
+            return True
+        op = getattr(tensor, "op", None)
+        return (
+            op is not None
+            and op.type in ("AddN", "AddV2", "Identity")
+            and all(ours(t) for t in op.inputs)
+        )
+
+    if not mine or not ours(grad):
+        raise ShardingError(
+            f"{NAME} reduces each weight's gradient as the backward pass made it, but the "
+            f"step changed the gradient of {hook.variables[i].path} before the update (a "
+            "train_step or step hook that scales, clips or adds to gradients, or "
+            "accumulate_steps, which weighs each micro-batch's). Apply such changes in the "
+            "loss, or use zero2. Received: a changed gradient"
+        )
+
+
+def _check_optimizer(optimizer) -> None:
+    updates.check_copyable(optimizer, who=f"{NAME}'s slices", error=ShardingError)
+    if not isinstance(optimizer, _ELEMENTWISE):
+        raise ShardingError(
+            f"{NAME} cuts each weight into N equal flat slices, so its optimizer must update "
+            "each element from its own gradient and slots; "
+            f"{type(optimizer).__name__} reads whole weights (a trust ratio, factored "
+            "moments). Use Adam, AdamW, SGD, RMSprop, Lion, ..., or zero2 with "
+            f"partition='variables'. Received: {type(optimizer).__name__}"
+        )
+    for option in ("clipnorm", "clipvalue"):
+        if getattr(optimizer, option) is not None:
+            raise ShardingError(
+                f"{NAME} applies gradients that arrive summed over the replicas and sliced, so "
+                f"Keras's per-replica clipping ({option}) has no whole gradient to clip. Drop "
+                f"{option}, or use zero2. Received: {option}={getattr(optimizer, option)}"
+            )
+
+
+__all__ = ["ShardedParameters", "shard_hook"]
