@@ -252,13 +252,15 @@ def test_mixed_float16_loss_scaling_under_sharding_equals_unsharded(initial_scal
 def resumed_jobs(tmp_path_factory):
     """3 jobs, one after the other, on one StepCheckpoint directory each for plain, zero2 and
     zero3 Adam: 4 workers train an epoch and save; 2 resume for the next; 3 for the one after. The
-    3-worker job also trains every case of tests/zero_cases.py unsharded and sharded (a
-    job's start costs more than its cases; over 2 and 4 replicas they run in this process)."""
+    3-worker job also trains every case of tests/zero_cases.py unsharded and sharded, and the
+    2-worker job keras-hub's Gemma under zero3 (a job's start costs more than its cases; over
+    2 and 4 replicas they run in this process)."""
     out = tmp_path_factory.mktemp("zero_jobs")
     for epochs, workers in ((1, 4), (2, 2), (3, 3)):
         result = run_module(
             "tools.launch", "--workers", str(workers), "--timeout", "280", "--",
             sys.executable, "-m", "tests.workers.zero_worker", str(out), "resume", str(epochs),
+            *(["gemma"] if workers == 2 else []),
             *(["matrix"] if workers == 3 else []),
         )  # fmt: skip
         assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
@@ -290,6 +292,20 @@ def test_sharded_updates_equal_unsharded_training_across_worker_processes(resume
         two = weights(task, "two_outputs_plain")
         got = weights(task, "two_outputs_zero2_accumulate2")
         assert zero_cases.max_diff(two, got) <= TOLERANCE, task
+
+
+@pytest.mark.multiprocess
+def test_zero3_trains_keras_hubs_gemma_across_two_worker_processes_as_keras_on_one_device(
+    resumed_jobs,
+):
+    from tests import keras_hub_models
+
+    reference = keras_hub_models.gemma_causal_lm()
+    reference.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
+    for task in ("worker_0", "worker_1"):
+        arrays = np.load(resumed_jobs / "gemma_2" / f"{task}.npz")
+        got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+        assert zero_cases.max_diff(reference.get_weights(), got) <= TOLERANCE, task
 
 
 @pytest.mark.multiprocess

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests import custom_step_models, fit_models, keras_io_models, zero_cases
+from tests import custom_step_models, fit_models, keras_hub_models, keras_io_models, zero_cases
 from tfdist.parallel import ShardedParameters, ShardingError
 
 TOLERANCE = 1e-5
@@ -52,6 +52,11 @@ CASES = {
     "keras_io_padded_transformer": lambda: (
         keras_io_models.padded_classifier(),
         keras_io_models.reviews(padded=True),
+    ),
+    # keras-hub's layers (ReversibleEmbedding read twice: a lookup and the logits), GQA.
+    "keras_hub_gemma_causal_lm": lambda: (
+        keras_hub_models.gemma_causal_lm(),
+        keras_hub_models.token_data(),
     ),
 }
 

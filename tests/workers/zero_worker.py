@@ -3,11 +3,13 @@
   python -m tools.launch --workers 3 -- python -m tests.workers.zero_worker OUT matrix
   python -m tools.launch --workers 4 -- python -m tests.workers.zero_worker OUT resume EPOCHS
   python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT resume EPOCHS matrix
+  python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT gemma
 
 `matrix`: each worker trains every case of tests/zero_cases.py unsharded, then sharded
 (zero1, zero2, with accumulation), and writes the weights to OUT/matrix_<N workers>/<task>/.
 `resume EPOCHS`: Adam unsharded, with zero2 and with zero3 to EPOCHS, each resuming from its own
-StepCheckpoint under OUT (see `resume`). Both run under one multi_worker_mirrored strategy;
+StepCheckpoint under OUT (see `resume`). `gemma`: keras-hub's Gemma causal LM under zero3.
+All run under one multi_worker_mirrored strategy;
 tests/test_zero.py compares what they wrote.
 """
 
@@ -91,15 +93,32 @@ def resume(out: str, strategy, epochs: int) -> None:
             json.dump({"iterations": int(model.optimizer.iterations.numpy())}, f)
 
 
+def gemma(out: str, strategy) -> None:
+    """keras-hub's Gemma causal LM under zero3, built in host_scope, 2 epochs; writes the
+    weights to OUT/gemma_<N workers>/<task>.npz."""
+    from tests import keras_hub_models
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    here = os.path.join(out, f"gemma_{strategy.num_replicas_in_sync}")
+    os.makedirs(here, exist_ok=True)
+    with tfdist.host_scope(strategy):
+        model = keras_hub_models.gemma_causal_lm()
+    tfdist.fit(model, keras_hub_models.token_data(), epochs=2, verbose=0, shard_optimizer="zero3")
+    np.savez(os.path.join(here, f"{task['type']}_{task['index']}.npz"), *model.get_weights())
+
+
 def main(out: str, jobs: list[str]) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     if jobs[:1] == ["resume"]:
         resume(out, strategy, int(jobs[1]))
         jobs = jobs[2:]
+    if jobs[:1] == ["gemma"]:
+        gemma(out, strategy)
+        jobs = jobs[1:]
     if jobs == ["matrix"]:
         matrix(out, strategy)
     elif jobs:
-        sys.exit(f"expected [resume EPOCHS] [matrix]. Received: {' '.join(jobs)}")
+        sys.exit(f"expected [resume EPOCHS] [gemma] [matrix]. Received: {' '.join(jobs)}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,46 @@
+"""A keras-hub causal LM as users bring one: a small GemmaCausalLM of random weights (no
+download), its padding mask turned into sample weights, in a fixed order.
+
+Shared by tests/test_zero3.py (local replicas) and tests/workers/zero_worker.py (worker
+processes), so both train exactly what Keras's own fit trains on one device.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+VOCAB, LENGTH, EXAMPLES, GLOBAL_BATCH = 64, 8, 32, 8
+
+
+def gemma_causal_lm() -> keras.Model:
+    """2 decoder blocks, 2 query heads sharing 1 key/value head, tied embeddings; compiled
+    as keras-hub's examples compile it (logits, per-token sample weights)."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, head_dim=8,
+    )  # fmt: skip
+    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+    return model
+
+
+def token_data() -> tf.data.Dataset:
+    """(features, next tokens, weights): padded sequences whose padding weighs nothing."""
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, VOCAB, (EXAMPLES, LENGTH + 1)).astype("int32")
+    mask = np.arange(LENGTH + 1)[None, :] < rng.integers(4, LENGTH + 2, EXAMPLES)[:, None]
+    tokens = np.where(mask, tokens, 0)
+    features = {"token_ids": tokens[:, :-1], "padding_mask": mask[:, :-1]}
+    weights = mask[:, 1:].astype("float32")
+    return tf.data.Dataset.from_tensor_slices((features, tokens[:, 1:], weights)).batch(
+        GLOBAL_BATCH
+    )
