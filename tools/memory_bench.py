@@ -16,11 +16,21 @@ Output: a table, memory_bench.csv and memory_bench.png. Then, from the two sizes
 model each mode fits in a per-process memory budget (a straight line through the measured
 peaks against parameters, per mode and N).
 
-  python -m tools.memory_bench                         # about 10 minutes on 2 cores
-  python -m tools.memory_bench --sizes 10 --workers 1 2 --steps 3
+Then, in this process over 5 logical CPUs (CPU:0 the host, CPU:1-4 the replicas' devices),
+the bytes of the variables on each device during fit (tfdist.DeviceBytes) for every layout:
+plain, zero1/2/3, a pipeline of 2 and 4 stages and tensor parallelism of degree 2 and 4, N =
+2 and 4, as a multiple of the model's weight bytes; and from it the largest MLP of that shape
+whose variables fit a per-device budget (--device_budget_mib; activations and TensorFlow's
+own buffers come on top). zero3 and the pipeline are built in tfdist.host_scope: the host
+column is the whole model they keep in host memory.
 
-This is a benchmark, not a test: it reports figures and never fails on them. Stage 3
-(parameters sharded too) is not built; see tfdist/parallel/zero.py for why.
+  python -m tools.memory_bench                         # about 12 minutes on 2 cores
+  python -m tools.memory_bench --sizes 10 --workers 1 2 --steps 3
+  python -m tools.memory_bench --devices_only          # the per-device table alone
+
+This is a benchmark, not a test: it reports figures and never fails on them. In the worker
+processes the host and the replica's device are one CPU, so zero3's host copy counts in their
+RSS; the per-device table separates them.
 """
 
 from __future__ import annotations
@@ -38,7 +48,7 @@ import time  # noqa: E402
 
 from tools import harness  # noqa: E402
 
-MODES = ("plain", "zero1", "zero2")
+MODES = ("plain", "zero1", "zero2", "zero3")
 # Hidden layers (width, count) of the MLPs, 512 inputs and 10 outputs: ~10M and ~50M weights.
 SIZES = {10: (2048, 3), 50: (4000, 4)}
 INPUTS, CLASSES = 512, 10
@@ -86,7 +96,7 @@ def worker(args) -> None:
     import tensorflow as tf
 
     import tfdist
-    from tfdist.parallel import ShardedUpdate
+    from tfdist.parallel import ShardedParameters, ShardedUpdate
     from tfdist.parallel.zero import slot_bytes
 
     workers = args.workers
@@ -95,7 +105,7 @@ def worker(args) -> None:
     else:
         strategy = tfdist.build_strategy("one_device", cluster=None)
     width, layers = SIZES[args.size]
-    with strategy.scope():
+    with tfdist.host_scope(strategy) if args.mode == "zero3" else strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential(
             [keras.Input((INPUTS,))]
@@ -108,7 +118,10 @@ def worker(args) -> None:
     x = rng.normal(size=(batch * 4, INPUTS)).astype("float32")
     y = rng.integers(0, CLASSES, size=(batch * 4,)).astype("int32")
     data = tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(batch)
-    hooks = [ShardedUpdate(int(args.mode[-1]))] if args.mode != "plain" else []
+    hooks = {
+        "plain": [], "zero1": [ShardedUpdate(1)], "zero2": [ShardedUpdate(2)],
+        "zero3": [ShardedParameters()],
+    }[args.mode]  # fmt: skip
     built_rss = _rss("VmRSS")
     ends: list[float] = []
 
@@ -129,8 +142,12 @@ def worker(args) -> None:
         "plain": all_reduce,
         "zero1": (*all_reduce, "all_gather"),  # the gradients whole, then the weights
         "zero2": all_reduce,  # the gradients' slices, then the weights
+        # every weight gathered (its N-1 other slices received; sent: as an all-gather),
+        # then the gradients all-reduced (the strategy's collectives, not tfdist's ring)
+        "zero3": ("all_gather", *all_reduce),
     }[args.mode]
     sent = ring_bytes(length, ranks, 4, phases)
+    # zero2 forms only its slice's sum; zero3 all-reduces the whole gradients, then slices.
     gradient = params * 4 if args.mode != "zero2" else -(-params // ranks) * 4
     steps = [b - a for a, b in zip(ends[warmup - 1 :], ends[warmup:], strict=False)]
     task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
@@ -179,6 +196,12 @@ def main(argv=None) -> int:
         "--budget_gib", type=float, default=2.0, help="per-process memory budget for the "
         "largest-model estimate (default 2 GiB)",
     )  # fmt: skip
+    parser.add_argument(
+        "--device_budget_mib", type=float, default=64.0, help="per-device budget for the "
+        "largest model whose variables fit (default 64 MiB)",
+    )  # fmt: skip
+    parser.add_argument("--devices_only", action="store_true", help="only the per-device table")
+    parser.add_argument("--device_layout", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--out_csv", default="memory_bench.csv")
     parser.add_argument("--out_png", default="memory_bench.png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -193,6 +216,13 @@ def main(argv=None) -> int:
         worker(args)
         return 0
 
+    if args.device_layout:
+        layout, n = args.device_layout
+        print(json.dumps(device_layout(layout, int(n))))
+        return 0
+    if args.devices_only:
+        print_devices(device_rows(), args.device_budget_mib)
+        return 0
     rows = []
     for size in args.sizes:
         for workers in args.workers:
@@ -216,6 +246,7 @@ def main(argv=None) -> int:
     print_budget(rows, args.budget_gib)
     plot(rows, args.out_png)
     print(f"\nwrote {args.out_csv} and {args.out_png}")
+    print_devices(device_rows(), args.device_budget_mib)
     return 0
 
 
@@ -288,7 +319,12 @@ def plot(rows, path: str) -> None:
         state = [r["optimizer_state_bytes"] / 2**20 for r in mine]
         peak = [r["peak_rss_bytes"] / 2**20 for r in mine]
         colors = [
-            {"plain": "tab:gray", "zero1": "tab:blue", "zero2": "tab:green"}[r["mode"]]
+            {
+                "plain": "tab:gray",
+                "zero1": "tab:blue",
+                "zero2": "tab:green",
+                "zero3": "tab:red",
+            }[r["mode"]]  # fmt: skip
             for r in mine
         ]
         axes[0][col].bar(labels, state, color=colors)
@@ -301,6 +337,98 @@ def plot(rows, path: str) -> None:
             ax.tick_params(axis="x", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# --- the variables on each device, in this process -------------------------------------------
+
+# The per-device table's MLP: 512 inputs, 4 hidden layers of 1024 (the pipeline's cuts), 10
+# outputs: 3.7M weights.
+DEVICE_WIDTH, DEVICE_LAYERS = 1024, 4
+LAYOUTS = (
+    ("plain", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("pipeline", 2), ("tensor", 2),
+    ("plain", 4), ("zero1", 4), ("zero2", 4), ("zero3", 4), ("pipeline", 4), ("tensor", 4),
+)  # fmt: skip
+
+
+def device_rows() -> list[dict]:
+    """Per layout, each in a process of its own (nothing of another layout alive): the
+    variables' bytes on the host (CPU:0) and on each replica's device (CPU:1-N) at the peak
+    of fit, as multiples of the weights' bytes (Adam)."""
+    import subprocess
+
+    rows = []
+    for layout, n in LAYOUTS:
+        command = [sys.executable, "-m", "tools.memory_bench", "--device_layout", layout, str(n)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False)
+        if done.returncode:
+            raise SystemExit(f"{layout} x{n} failed:\n{done.stderr[-3000:]}")
+        row = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append(row)
+        print(f"  {layout} x{n}: " + " ".join(f"{s:.2f}" for s in row["shares"]), flush=True)
+    return rows
+
+
+def device_layout(layout: str, n: int) -> dict:
+    """One layout's row of the per-device table, in this process (5 logical CPUs)."""
+    import keras
+    import numpy as np
+
+    import tfdist
+    from tfdist.training.memory import variable_bytes
+
+    tfdist.configure_cpu_devices(5)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(64, INPUTS)).astype("float32")
+    y = rng.integers(0, CLASSES, size=64).astype("int32")
+    devices = [f"/cpu:{i}" for i in range(1, n + 1)]
+    strategy = tfdist.build_strategy("mirrored", cluster=None, devices=devices)
+    before = variable_bytes()
+    with tfdist.host_scope(strategy) if layout in ("zero3", "pipeline") else strategy.scope():
+        keras.utils.set_random_seed(0)
+        hidden = [
+            keras.layers.Dense(DEVICE_WIDTH, activation="relu", name=f"block_{i + 1}")
+            for i in range(DEVICE_LAYERS)
+        ]
+        model = keras.Sequential([keras.Input((INPUTS,)), *hidden, keras.layers.Dense(CLASSES)])
+        weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+        if layout == "tensor":
+            model = tfdist.parallel.tensor_parallel(model, degree=n)
+        model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    keywords: dict = {}
+    if layout.startswith("zero"):
+        keywords["shard_optimizer"] = layout
+    if layout == "pipeline":
+        cuts = ["block_3"] if n == 2 else ["block_2", "block_3", "block_4"]
+        keywords["pipeline"] = tfdist.parallel.Pipeline(cut_before=cuts, micro_batches=2)
+    record = tfdist.DeviceBytes()
+    tfdist.fit(model, x, y, batch_size=16 * n, verbose=0, callbacks=[record], **keywords)
+    shares = [
+        (record.peak.get(f"CPU:{i}", 0) - before.get(f"CPU:{i}", 0)) / weights
+        for i in range(1, n + 1)
+    ]
+    host = (record.peak.get("CPU:0", 0) - before.get("CPU:0", 0)) / weights
+    return {"layout": layout, "devices": n, "weights": weights, "host": host, "shares": shares}
+
+
+def print_devices(rows, budget_mib: float) -> None:
+    print(
+        f"\nVariables on each device during fit, x the weights' bytes (Adam; MLP 512 -> "
+        f"{DEVICE_LAYERS} x {DEVICE_WIDTH} -> {CLASSES}, {rows[0]['weights'] / 2**20:.1f} MiB "
+        "of weights; 5 logical CPUs, CPU:0 the host):"
+    )
+    print(f"{'layout':<9} {'N':>2} {'largest device':>14} {'host':>5}  each device")
+    for r in rows:
+        shares = " ".join(f"{s:.2f}" for s in r["shares"])
+        print(
+            f"{r['layout']:<9} {r['devices']:>2} {max(r['shares']):14.2f} {r['host']:5.2f}  {shares}"
+        )
+    print(
+        f"\nLargest model of this shape whose variables fit {budget_mib:g} MiB per device "
+        "(weights x its largest device's multiple; activations come on top):"
+    )
+    for r in rows:
+        largest = budget_mib * 2**20 / (4 * max(r["shares"]))
+        print(f"  {r['layout']:<9} N={r['devices']}  {largest / 1e6:6.1f}M parameters")
 
 
 if __name__ == "__main__":
