@@ -75,6 +75,7 @@ def parameter_servers(tmp_path_factory):
     return {mode: out / mode for mode in modes}, output
 
 
+@pytest.mark.xdist_group("fit_two_workers")
 def test_two_workers_match_keras_on_one_device(references, two_workers):
     tmp_path = two_workers[0]["equivalence"]
     for name, (weights, history, evaluation) in references.items():
@@ -87,6 +88,7 @@ def test_two_workers_match_keras_on_one_device(references, two_workers):
                 assert logs["evaluate"][key] == pytest.approx(value, abs=LOGS_TOLERANCE)
 
 
+@pytest.mark.xdist_group("fit_two_workers")
 def test_callbacks_stop_together_and_only_the_chief_writes(two_workers):
     tmp_path = two_workers[0]["callbacks"]
     (_, chief), (_, other) = (written(tmp_path, t, "cnn") for t in ("worker_0", "worker_1"))
@@ -116,6 +118,7 @@ def test_backup_and_restore_survives_a_killed_worker(references, tmp_path):
         assert max_diff(got, references["cnn"][0]) <= WEIGHTS_TOLERANCE
 
 
+@pytest.mark.xdist_group("fit_parameter_servers")
 def test_parameter_server_trains_a_user_model(parameter_servers):
     # 3 workers and 2 ps: the model's variables are whole (below ps_min_shard_bytes), placed
     # round-robin on the two ps tasks.
@@ -152,6 +155,7 @@ def test_variables_split_across_ps_tasks_train_and_back_up(tmp_path):
     assert "Traceback" not in result.stdout
 
 
+@pytest.mark.xdist_group("fit_two_workers")
 def test_custom_steps_on_two_workers_match_keras_under_mirrored(two_workers):
     """The keras.io custom-step model and a step with its own keys, on 2 worker processes,
     against Keras's own fit under mirrored over 2 replicas (the same batches)."""
@@ -177,6 +181,7 @@ def test_custom_steps_on_two_workers_match_keras_under_mirrored(two_workers):
                 assert logs["evaluate"][key] == pytest.approx(value, abs=WEIGHTS_TOLERANCE)
 
 
+@pytest.mark.xdist_group("fit_parameter_servers")
 def test_custom_steps_run_under_parameter_server(parameter_servers):
     """3 workers and 2 ps: the model's own train_step runs on the workers (its tracker and
     its step counter move), its own keys reach the history and the batch logs."""
@@ -215,6 +220,7 @@ def test_a_model_made_outside_the_scope_is_one_line_and_not_restarted(tmp_path):
     assert "restarting" not in output.lower().replace("not restarting", "")
 
 
+@pytest.mark.xdist_group("fit_two_workers")
 def test_batch_norm_moving_statistics_are_one_model_on_every_worker(two_workers):
     """Unsynchronised BatchNormalization keeps a copy per replica; tfdist warns once and
     averages them at every epoch end, so both workers save and evaluate the same model."""

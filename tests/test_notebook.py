@@ -72,11 +72,13 @@ def printed(cells) -> str:
     return "".join(cell_text(c) for c in cells if c.cell_type == "code")
 
 
+@pytest.mark.xdist_group("notebook")
 def test_the_kernel_is_this_interpreter(executed):
     cells, _ = executed
     assert cell_text(cells[-1]).strip() == sys.executable
 
 
+@pytest.mark.xdist_group("notebook")
 def test_notebook_skips_the_install_and_says_it_falls_back_from_tpu(executed):
     text = printed(executed[0])
     assert "tfdist is already installed; skipping the install." in text
@@ -88,6 +90,7 @@ def test_notebook_skips_the_install_and_says_it_falls_back_from_tpu(executed):
     assert f"22 steps per epoch x {EPOCHS} epochs" in text
 
 
+@pytest.mark.xdist_group("notebook")
 def test_notebook_trains_plots_and_saves_a_model_that_reloads(executed):
     cells, model_dir = executed
     text = printed(cells)

@@ -44,6 +44,7 @@ def fresh_env(wheel, tmp_path_factory):
     return root
 
 
+@pytest.mark.xdist_group("packaging_fresh_env")
 def test_the_wheel_declares_both_commands_and_holds_no_checkout_code(wheel):
     with zipfile.ZipFile(wheel) as archive:
         names = archive.namelist()
@@ -55,6 +56,7 @@ def test_the_wheel_declares_both_commands_and_holds_no_checkout_code(wheel):
     assert not [n for n in names if n.startswith(("experiments/", "tools/", "tests/"))]
 
 
+@pytest.mark.xdist_group("packaging_fresh_env")
 def test_installed_launcher_runs_a_two_worker_job_outside_the_checkout(fresh_env):
     script = fresh_env / "my_train.py"
     script.write_text(
@@ -75,6 +77,7 @@ def test_installed_launcher_runs_a_two_worker_job_outside_the_checkout(fresh_env
     assert "[launch] worker:1 exit 0" in result.stdout
 
 
+@pytest.mark.xdist_group("packaging_fresh_env")
 def test_installed_launcher_explains_a_bad_layout_with_its_own_name(fresh_env):
     result = subprocess.run(
         [str(fresh_env / "venv" / "bin" / "tfdist-launch"), "--ps", "1", "--", "python", "x.py"],
@@ -85,6 +88,7 @@ def test_installed_launcher_explains_a_bad_layout_with_its_own_name(fresh_env):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.xdist_group("packaging_fresh_env")
 def test_installed_k8s_command_writes_a_jobset_and_a_tfjob(fresh_env):
     venv_bin = fresh_env / "venv" / "bin"
     for engine, kind in (("jobset", "JobSet"), ("tfjob", "TFJob")):

@@ -280,6 +280,7 @@ def four_processes(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("pipeline_four_processes")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stages", [4, 2])
 def test_a_pipeline_across_four_worker_processes_trains_the_weights_keras_trains_unsplit(

@@ -92,6 +92,7 @@ def train_on_ray(loop, config: dict, storage, *, max_failures: int = 0, datasets
     return trainer.fit()
 
 
+@pytest.mark.xdist_group("ray_cluster")
 @pytest.mark.multiprocess
 def test_ray_train_trains_the_weights_of_tfdists_launcher(ray_cluster, launched, tmp_path):
     out = tmp_path / "out"
@@ -122,6 +123,7 @@ def test_ray_train_trains_the_weights_of_tfdists_launcher(ray_cluster, launched,
     assert int(model.optimizer.iterations.numpy()) == steps
 
 
+@pytest.mark.xdist_group("ray_cluster")
 @pytest.mark.multiprocess
 def test_a_run_ray_restarts_resumes_from_its_last_checkpoint(ray_cluster, launched, tmp_path):
     """worker_1 is SIGKILLed as epoch 3 begins; Ray restarts both workers from epoch 2's checkpoint."""
@@ -141,6 +143,7 @@ def test_a_run_ray_restarts_resumes_from_its_last_checkpoint(ray_cluster, launch
     assert result.metrics["epoch"] == ray_worker.EPOCHS
 
 
+@pytest.mark.xdist_group("ray_cluster")
 @pytest.mark.multiprocess
 def test_ray_data_shards_feed_the_workers(ray_cluster, tmp_path):
     x, y = ray_worker.examples()

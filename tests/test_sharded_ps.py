@@ -62,6 +62,7 @@ def on_two_ps(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("sharded_ps_two_ps")
 @pytest.mark.parametrize("ps", [2, 3])
 def test_sharded_variables_train_to_the_weights_of_whole_ones(
     reference, on_two_ps, tmp_path_factory, ps
@@ -93,6 +94,7 @@ def test_sharded_variables_train_to_the_weights_of_whole_ones(
         assert written["history"]["loss"] == history(reference, name)["loss"]
 
 
+@pytest.mark.xdist_group("sharded_ps_two_ps")
 @pytest.mark.parametrize("ps", [1, 3])
 def test_a_job_saved_with_two_ps_resumes_with_another_number(reference, on_two_ps, tmp_path, ps):
     # Saved after the first epoch with 2 ps; resumed with 3 ps, or 1 ps and whole variables.
@@ -110,6 +112,7 @@ def test_a_job_saved_with_two_ps_resumes_with_another_number(reference, on_two_p
         assert largest_difference(restored, weights(reference, f"{name}.epoch1")) <= 1e-6
 
 
+@pytest.mark.xdist_group("sharded_ps_two_ps")
 def test_the_exported_model_holds_whole_tensors_and_loads_without_tfdist(on_two_ps):
     # The sharded run's model, saved with model.save, in a process that never imports tfdist.
     script = (
@@ -127,6 +130,7 @@ def test_the_exported_model_holds_whole_tensors_and_loads_without_tfdist(on_two_
     assert largest_difference(weights(on_two_ps, "loaded"), weights(on_two_ps, "sgd_momentum")) == 0
 
 
+@pytest.mark.xdist_group("sharded_ps_two_ps")
 def test_an_optimizer_that_needs_whole_variables_is_refused_with_the_fix(on_two_ps):
     refused = json.loads((on_two_ps / "refused.json").read_text())
     # keras's Lamb scales each update by the variable's whole norm; clipnorm clips by it.

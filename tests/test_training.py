@@ -66,6 +66,7 @@ def one_device(data_dir):
     return weights_after("one_device", data_dir)
 
 
+@pytest.mark.xdist_group("training_one_device")
 @pytest.mark.parametrize(
     "devices", [("/cpu:0", "/cpu:1"), ("/cpu:0", "/cpu:1", "/cpu:2", "/cpu:3")]
 )
@@ -80,6 +81,7 @@ def test_mirrored_matches_one_device(one_device, data_dir, devices):
     assert result.train_loss == pytest.approx(one_device[0].train_loss, abs=TOLERANCE)
 
 
+@pytest.mark.xdist_group("training_one_device")
 def test_steps_per_execution_changes_nothing_but_speed(one_device, data_dir):
     config = TrainConfig(data_dir=data_dir, **{**EXACT, "steps_per_execution": 4})
     trainer = Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None))
@@ -87,6 +89,7 @@ def test_steps_per_execution_changes_nothing_but_speed(one_device, data_dir):
     assert max_diff(trainer.model.get_weights(), one_device[1]) <= TOLERANCE
 
 
+@pytest.mark.xdist_group("training_one_device")
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "exchange",
@@ -466,6 +469,7 @@ def test_a_damaged_latest_checkpoint_is_passed_over_for_the_one_before(
     )
 
 
+@pytest.mark.xdist_group("training_one_device")
 def test_a_run_on_a_non_local_filesystem_resumes_at_its_saved_step(data_dir, one_device):
     # ram:// is one of TensorFlow's own filesystems, as gs:// is (a TPU Node's only choice
     # of model_dir): the local glob or open would find nothing there and start from step 0.

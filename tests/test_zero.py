@@ -267,6 +267,7 @@ def resumed_jobs(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("zero_jobs")
 @pytest.mark.multiprocess
 def test_sharded_updates_equal_unsharded_training_across_worker_processes(resumed_jobs):
     workers = 3
@@ -294,6 +295,7 @@ def test_sharded_updates_equal_unsharded_training_across_worker_processes(resume
         assert zero_cases.max_diff(two, got) <= TOLERANCE, task
 
 
+@pytest.mark.xdist_group("zero_jobs")
 @pytest.mark.multiprocess
 def test_zero3_trains_keras_hubs_gemma_across_two_worker_processes_as_keras_on_one_device(
     resumed_jobs,
@@ -308,6 +310,7 @@ def test_zero3_trains_keras_hubs_gemma_across_two_worker_processes_as_keras_on_o
         assert zero_cases.max_diff(reference.get_weights(), got) <= TOLERANCE, task
 
 
+@pytest.mark.xdist_group("zero_jobs")
 @pytest.mark.multiprocess
 def test_a_sharded_job_resumes_with_other_numbers_of_workers_as_an_unsharded_one(resumed_jobs):
     """4 workers train an epoch and save; 2 resume for the next; 3 for the one after."""
