@@ -22,7 +22,8 @@ from tfdist.errors import FitError
 from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
 from tfdist.parallel.zero import slot_bytes
 
-# One worker runs this module: its tests share costly module fixtures.
+# The worker-process tests share one module fixture (three jobs) and one pytest worker
+# (their xdist_group).
 
 TOLERANCE = 1e-5
 
