@@ -158,8 +158,8 @@ class ShardedParameters(StepHook):
             self.slots.append(slots)
         self.slot_names = sorted({name for slots in self.slots for _, name in slots})
         self._gatherers: dict = {}
-        # Per traced graph: (local replica, weight) -> [(this replica's whole gradient,
-        # flat and padded; the part of it the tape was given)], one per read of the weight.
+        # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
+        # (this replica's whole gradient of it, and the part the tape was given).
         self._backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # --- where training starts and settles --------------------------------------------------
