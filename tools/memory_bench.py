@@ -383,17 +383,30 @@ def device_layout(layout: str, n: int) -> dict:
     devices = [f"/cpu:{i}" for i in range(1, n + 1)]
     strategy = tfdist.build_strategy("mirrored", cluster=None, devices=devices)
     before = variable_bytes()
-    with tfdist.host_scope(strategy) if layout in ("zero3", "pipeline") else strategy.scope():
+
+    def build():
         keras.utils.set_random_seed(0)
         hidden = [
             keras.layers.Dense(DEVICE_WIDTH, activation="relu", name=f"block_{i + 1}")
             for i in range(DEVICE_LAYERS)
         ]
-        model = keras.Sequential([keras.Input((INPUTS,)), *hidden, keras.layers.Dense(CLASSES)])
-        weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
-        if layout == "tensor":
-            model = tfdist.parallel.tensor_parallel(model, degree=n)
+        return keras.Sequential([keras.Input((INPUTS,)), *hidden, keras.layers.Dense(CLASSES)])
+
+    def compiled(model):
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
+        return model
+
+    if layout == "tensor":
+        # The dense model it converts is built outside the strategy (on CPU:0, the host): it
+        # stays alive beside its split copy, and mirrored it would count 1x on every device.
+        dense = build()
+        with strategy.scope():
+            model = compiled(tfdist.parallel.tensor_parallel(dense, degree=n))
+    else:
+        with tfdist.host_scope(strategy) if layout in ("zero3", "pipeline") else strategy.scope():
+            model = compiled(build())
+    dims = [INPUTS, *[DEVICE_WIDTH] * DEVICE_LAYERS, CLASSES]
+    weights = 4 * sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
     keywords: dict = {}
     if layout.startswith("zero"):
         keywords["shard_optimizer"] = layout
