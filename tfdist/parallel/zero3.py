@@ -47,6 +47,7 @@ next layer's gather.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import threading
@@ -117,9 +118,10 @@ class ShardedParameters(StepHook):
             )
         self.ranks, self.first = layout.replicas, layout.first_replica
         self.devices = list(layout.devices)
-        self.moved = host.move_to_host(model, runner.strategy)
+        host.move_to_host(model, runner.strategy)
         self.variables = list(model.trainable_variables)
         self.hosts = [compat.storage_of(v) for v in self.variables]
+        self._stand_ins = [_Gathered(self, i) for i in range(len(self.variables))]
         self.sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in self.variables]
         self.lengths = [max(1, math.ceil(n / self.ranks)) for n in self.sizes]
         self.decays = [
@@ -228,25 +230,23 @@ class ShardedParameters(StepHook):
         with self._reading_slices():
             return train_step(batch)
 
+    @contextlib.contextmanager
     def _reading_slices(self):
-        hook = self
-
-        class Reading:
-            def __enter__(self):
-                with hook._lock:
-                    if not hook._readers:
-                        for i, variable in enumerate(hook.variables):
-                            compat.replace_storage(variable, _Gathered(hook, i))
-                    hook._readers += 1
-
-            def __exit__(self, *exc):
-                with hook._lock:
-                    hook._readers -= 1
-                    if not hook._readers:
-                        for variable, storage in zip(hook.variables, hook.hosts, strict=True):
-                            compat.replace_storage(variable, storage)
-
-        return Reading()
+        """While any replica's step is traced (a mirrored strategy traces them in threads at
+        once), each weight reads through its stand-in; after the last, its host copy."""
+        with self._lock:
+            if not self._readers:
+                for variable, stand_in in zip(self.variables, self._stand_ins, strict=True):
+                    compat.replace_storage(variable, stand_in)
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if not self._readers:
+                    for variable, storage in zip(self.variables, self.hosts, strict=True):
+                        compat.replace_storage(variable, storage)
 
     def gathered(self, i: int) -> tf.Tensor:
         """Weight `i` whole on this replica, all-gathered from every replica's slice.
