@@ -36,7 +36,9 @@ def pytest_addoption(parser):
     )
 
 
+@pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    _check_groups(config, items)
     if not config.getoption("--fast"):
         return
     kept, left = [], []
@@ -45,6 +47,21 @@ def pytest_collection_modifyitems(config, items):
         (kept if fast else left).append(item)
     config.hook.pytest_deselected(items=left)
     items[:] = kept
+
+
+def _check_groups(config, items) -> None:
+    """Under --dist loadgroup, each test marked xdist_group must carry its group in its id
+    (pytest-xdist's way of sending a group to one worker); a pytest that ignores the
+    rename would run each shared multi-process fixture once per worker, silently."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    lost = [i.nodeid for i in items if i.get_closest_marker("xdist_group") and "@" not in i.nodeid]
+    if lost:
+        raise pytest.UsageError(
+            f"pytest-xdist could not group {len(lost)} test(s) marked xdist_group (e.g. "
+            f"{lost[0]}): this pytest does not keep the group in the test's id. Install the "
+            "versions setup.cfg's test extra names (pip install -e '.[test]')."
+        )
 
 
 def pytest_configure(config):
