@@ -16,11 +16,13 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests import keras_io_models, pipeline_cases
+from tests import keras_hub_models, keras_io_models, pipeline_cases
 from tests.conftest import run_module
+from tests.workers import pipeline_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Pipeline, StageError, chain, split
 from tfdist.parallel.schedules import schedule
+from tfdist.parallel.stages import tied
 from tfdist.training.fit_data import make_fit_data
 
 # One worker runs this module: its tests share costly module fixtures.
@@ -245,6 +247,47 @@ def test_the_keras_io_transformer_classifier_trains_in_four_micro_batches_as_ker
     assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def gemma_reference():
+    """Keras's own fit of keras-hub's Gemma causal LM on one device: (weights, history)
+    after `epochs` epochs, each computed once."""
+    done = {}
+
+    def fit(epochs: int):
+        if epochs not in done:
+            model = keras_hub_models.gemma_causal_lm()
+            history = model.fit(
+                keras_hub_models.token_data(), epochs=epochs, verbose=0, shuffle=False
+            )
+            done[epochs] = (model.get_weights(), history.history)
+        return done[epochs]
+
+    return fit
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_gemma_cut_inside_its_backbone_trains_as_keras_fit_on_one_device(devices, gemma_reference):
+    """keras-hub's Gemma causal LM (random weights, its padding mask as sample weights), cut
+    before its second decoder block: every stage reads the padding mask from the batch, and
+    the embedding the first stage looks tokens up in and the last stage's logits use (tied)
+    is held by both, its gradient summed. Built in Pipeline.scope: 1 pipeline of 2 stages,
+    or 2 pipelines."""
+    want, history = gemma_reference(epochs=2)
+    strategy = mirrored(devices)
+    with tfdist.host_scope(strategy):
+        model = keras_hub_models.gemma_causal_lm()
+    cut = f"{model.backbone.name}/decoder_block_1"
+    pipeline = Pipeline(cut_before=[cut], micro_batches=2)
+    stages = split(model, [cut])
+    embedding = model.backbone.token_embedding.embeddings
+    position = [id(v) for v in model.trainable_variables].index(id(embedding))
+    assert tied(stages) == {position: (0, 1)}
+    assert stages[1].inputs == (0,)  # the padding mask (before token_ids, by sorted keys)
+    got = tfdist.fit(model, keras_hub_models.token_data(), epochs=2, verbose=0, pipeline=pipeline)
+    assert max_diff(want, model.get_weights()) <= TOLERANCE
+    assert got.history["loss"] == pytest.approx(history["loss"], abs=1e-5)
+
+
 def test_a_cut_where_a_keras_mask_flows_is_refused_and_one_after_it_trains():
     """Embedding(mask_zero=True) before the block: a cut between them would leave the
     padding's mask behind; after the block (which uses it up) the pipeline trains as Keras
@@ -269,65 +312,79 @@ def test_a_cut_where_a_keras_mask_flows_is_refused_and_one_after_it_trains():
 
 @pytest.fixture(scope="module")
 def four_processes(tmp_path_factory):
-    """One job of 4 worker processes training both layouts, one after the other: 4 stages,
-    and 2 pipelines x 2 stages, each schedule with M = 1 and 4. Returns where it wrote."""
+    """One job of 4 worker processes training each run of pipeline_worker.RUNS, one after
+    the other. Returns where it wrote."""
     out = tmp_path_factory.mktemp("four_processes")
     result = run_module(
         "tools.launch", "--workers", "4", "--timeout", "400", "--",
-        sys.executable, "-m", "tests.workers.pipeline_worker", str(out), "4,2",
+        sys.executable, "-m", "tests.workers.pipeline_worker", str(out),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     return out
 
 
+def written(out, run: tuple) -> list[tuple[str, list[np.ndarray], dict]]:
+    """(task, weights, history) of each of the 4 workers for one run of the job."""
+    here = out / pipeline_worker.run_name(*run)
+    found = []
+    for task in [f"worker_{i}" for i in range(4)]:
+        arrays = np.load(here / f"{task}.npz")
+        weights = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+        found.append((task, weights, json.loads((here / f"{task}.json").read_text())))
+    return found
+
+
+MLP_RUNS = [run for run in pipeline_worker.RUNS if run[0] == "mlp" and run[4] is None]
+
+
 @pytest.mark.xdist_group("pipeline_four_processes")
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("stages", [4, 2])
+@pytest.mark.parametrize("run", MLP_RUNS, ids=lambda run: pipeline_worker.run_name(*run))
 def test_a_pipeline_across_four_worker_processes_trains_the_weights_keras_trains_unsplit(
-    reference, stages, four_processes
+    reference, run, four_processes
 ):
     """4 stages on 4 processes, or 2 pipelines x 2 stages: each schedule, M = 1 and 4."""
     want, history, _ = reference
-    for task in [f"worker_{i}" for i in range(4)]:
-        for order in ("gpipe", "1f1b"):
-            for micro_batches in (1, 4):
-                name = f"{order}_m{micro_batches}"
-                here = four_processes / str(stages) / task
-                arrays = np.load(here / f"{name}.npz")
-                got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
-                assert max_diff(want, got) <= TOLERANCE, (task, name)
-                logs = json.loads((here / f"{name}.json").read_text())
-                assert logs["loss"] == pytest.approx(history["loss"], abs=1e-6), (task, name)
+    for task, got, logs in written(four_processes, run):
+        assert max_diff(want, got) <= TOLERANCE, task
+        assert logs["loss"] == pytest.approx(history["loss"], abs=1e-6), task
 
 
+@pytest.mark.xdist_group("pipeline_four_processes")
 @pytest.mark.multiprocess
-def test_a_pipeline_across_two_processes_trains_in_mixed_bfloat16(tmp_path):
+def test_a_pipeline_across_processes_trains_in_mixed_bfloat16(four_processes):
     """Activations and their gradients cross between the processes in bfloat16, which
-    TensorFlow's collectives do not take (the transport sends its bits as float16): the two
-    processes train what the same pipeline trains over two local devices, where the stages
+    TensorFlow's collectives do not take (the transport sends its bits as float16): the
+    processes train what the same pipeline trains over four local devices, where the stages
     hand each other copies."""
-    result = run_module(
-        "tools.launch", "--workers", "2", "--timeout", "200", "--",
-        sys.executable, "-m", "tests.workers.pipeline_worker", str(tmp_path), "2",
-        "mixed_bfloat16",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    run = next(run for run in pipeline_worker.RUNS if run[4] == "mixed_bfloat16")
     previous = keras.mixed_precision.dtype_policy()
     keras.mixed_precision.set_dtype_policy("mixed_bfloat16")
     try:
-        with mirrored(2).scope():
+        with tfdist.host_scope(mirrored(4)):
             model = pipeline_cases.mlp()
         assert model.layers[0].compute_dtype == "bfloat16"
         pipeline = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2, schedule="1f1b")
         history = tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
     finally:
         keras.mixed_precision.set_dtype_policy(previous)
-    for task in ("worker_0", "worker_1"):
-        arrays = np.load(tmp_path / "2" / task / "1f1b_m2.npz")
-        got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    for task, got, logs in written(four_processes, run):
         assert max_diff(model.get_weights(), got) <= TOLERANCE, task
-        logs = json.loads((tmp_path / "2" / task / "1f1b_m2.json").read_text())
         assert logs["loss"] == pytest.approx(history.history["loss"], abs=1e-6), task
+
+
+@pytest.mark.xdist_group("pipeline_four_processes")
+@pytest.mark.multiprocess
+def test_gemma_cut_inside_its_backbone_trains_across_processes_as_keras_on_one_device(
+    four_processes, gemma_reference
+):
+    """2 pipelines x 2 stages on 4 processes; the tied embedding's gradient is summed over
+    the first and last stages' processes of both pipelines (a ring of 4)."""
+    run = next(run for run in pipeline_worker.RUNS if run[0] == "gemma")
+    want, history = gemma_reference(epochs=1)
+    for task, got, logs in written(four_processes, run):
+        assert max_diff(want, got) <= TOLERANCE, task
+        assert logs["loss"] == pytest.approx(history["loss"], abs=1e-5), task
 
 
 # --- bad splits: one clear error each -------------------------------------------------------------
@@ -406,11 +463,52 @@ def test_a_path_that_does_not_exist_is_named_in_one_line(path, message):
 
 def test_a_cut_that_data_flows_around_is_refused():
     a = keras.Input((4,))
-    x = keras.layers.Dense(4, name="inner")(a)
+    w = keras.layers.Dense(4, name="first")(a)
+    x = keras.layers.Dense(4, name="inner")(w)
     y = keras.layers.Dense(4, name="after")(x)
-    out = keras.layers.Add(name="skip")([a, y])  # the input reaches past the cut
+    out = keras.layers.Add(name="skip")([w, y])  # what `first` made reaches past the cut
     with pytest.raises(StageError, match="data flows around a cut"):
         split(keras.Model(a, out), ["after"])
+
+
+def test_a_model_input_used_after_a_cut_is_read_from_the_batch_and_trains_as_keras():
+    """The later stage takes the first stage's tensor and the model's second input (as a
+    decoder block takes a padding mask); the earlier stage never sees that input."""
+
+    def build():
+        keras.utils.set_random_seed(3)
+        features, scale = keras.Input((6,), name="features"), keras.Input((4,), name="scale")
+        h = keras.layers.Dense(4, activation="tanh", name="first")(features)
+        h = keras.layers.Multiply(name="scaled")([h, scale])
+        out = keras.layers.Dense(3, name="head")(h)
+        model = keras.Model({"features": features, "scale": scale}, out)
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+        return model
+
+    rng = np.random.default_rng(2)
+    x = {"features": rng.normal(size=(32, 6)), "scale": rng.normal(size=(32, 4))}
+    y = rng.normal(size=(32, 3))
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    reference = build()
+    reference.fit(data, epochs=2, verbose=0, shuffle=False)
+
+    stages = split(build(), ["scaled"])
+    assert [s.inputs for s in stages] == [(), (1,)]  # "scale", by the sorted dict keys
+    assert [t.name for t in stages[1].model.inputs][1:] == ["scale"]
+    with mirrored(2).scope():
+        model = build()
+    pipeline = Pipeline(cut_before=["scaled"], micro_batches=2)
+    tfdist.fit(model, data, epochs=2, verbose=0, pipeline=pipeline)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+
+
+def test_a_layer_whose_statistics_two_stages_use_is_refused():
+    a = keras.Input((4,))
+    norm = keras.layers.BatchNormalization(name="norm")
+    x = keras.layers.Dense(4, name="d1")(norm(a))
+    out = norm(keras.layers.Dense(4, name="d2")(x))
+    with pytest.raises(StageError, match="used by stage 0 and stage 1"):
+        split(keras.Model(a, out), ["d2"])
 
 
 def test_stages_whose_shapes_do_not_chain_are_refused():

@@ -442,6 +442,17 @@ def layer_inputs_in(graph, layer) -> list[list]:
     return [list(node.input_tensors) for node in layer._inbound_nodes if id(node) in nodes]
 
 
+def tensors_taken(graph) -> set[int]:
+    """The ids of every symbolic tensor some layer of a `layer_graph` takes.
+
+    Why: the same `_nodes_by_depth` as `layer_inputs_in`, every node's inputs.
+    """
+    return {
+        id(t) for depth in graph._nodes_by_depth.values() for node in depth
+        for t in node.input_tensors
+    }  # fmt: skip
+
+
 def producer(tensor):
     """The layer that made a symbolic tensor (None: a model input).
 

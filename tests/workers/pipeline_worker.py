@@ -1,13 +1,14 @@
 """A user's script with a pipeline, run by every worker of a launched job.
 
-  python -m tools.launch --workers 4 -- python -m tests.workers.pipeline_worker OUT 4,2
-  python -m tools.launch --workers 2 -- python -m tests.workers.pipeline_worker OUT 2 POLICY
+  python -m tools.launch --workers 4 -- python -m tests.workers.pipeline_worker OUT
 
-Each worker trains tests/pipeline_cases.py's model cut into each of STAGES stages over the
-job's workers (4 workers, 2 stages: 2 pipelines x 2 stages) with each schedule and M = 1
-and 4, or, given a Keras dtype POLICY (mixed_bfloat16), once under it with 1F1B and M = 2,
-and writes the weights and history to OUT/<stages>/<task>/ for tests/test_pipeline.py to
-compare.
+Each worker trains, one after the other, each run of RUNS over the job's 4 workers (4
+stages, the model built under strategy.scope(); or 2 pipelines x 2 stages, built under
+host_scope, what Pipeline.scope returns): tests/pipeline_cases.py's model under each
+schedule with M = 1 and 4, once under mixed_bfloat16 (activations cross the processes in
+bfloat16), and keras-hub's Gemma causal LM cut inside its backbone (its tied embedding held
+by the first and the last stage). It writes the weights and history to
+OUT/<run>/<task>.{npz,json} for tests/test_pipeline.py to compare.
 """
 
 from __future__ import annotations
@@ -22,38 +23,53 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import pipeline_cases  # noqa: E402
+from tests import keras_hub_models, pipeline_cases  # noqa: E402
+
+# (model, stages, schedule, micro-batches, dtype policy)
+RUNS = [
+    ("mlp", 4, "gpipe", 4, None),
+    ("mlp", 4, "1f1b", 1, None),
+    ("mlp", 2, "gpipe", 1, None),
+    ("mlp", 2, "1f1b", 4, None),
+    ("mlp", 2, "1f1b", 2, "mixed_bfloat16"),
+    ("gemma", 2, "1f1b", 2, None),
+]
 
 
-def main(out: str, layouts: list[int], policy: str | None = None) -> None:
+def run_name(model: str, stages: int, schedule: str, micro_batches: int, policy) -> str:
+    return f"{model}_{stages}_{schedule}_m{micro_batches}" + (f"_{policy}" if policy else "")
+
+
+def main(out: str) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     task = json.loads(os.environ["TF_CONFIG"])["task"]
-    runs = [(s, m) for s in ("gpipe", "1f1b") for m in (1, 4)]
-    if policy is not None:
-        keras.mixed_precision.set_dtype_policy(policy)
-        runs = [("1f1b", 2)]
-    for stages in layouts:
-        here = os.path.join(out, str(stages), f"{task['type']}_{task['index']}")
+    for run in RUNS:
+        here = os.path.join(out, run_name(*run))
         os.makedirs(here, exist_ok=True)
-        train(strategy, here, stages, runs)
-
-
-def train(strategy, here: str, stages: int, runs) -> None:
-    for schedule, micro_batches in runs:
-        with strategy.scope():
-            model = pipeline_cases.mlp()
-        pipeline = tfdist.parallel.Pipeline(
-            cut_before=pipeline_cases.CUTS[stages],
-            micro_batches=micro_batches,
-            schedule=schedule,
-            timeout_seconds=120,
-        )
-        history = tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
-        name = f"{schedule}_m{micro_batches}"
+        keras.mixed_precision.set_dtype_policy(run[4] or "float32")
+        model, history = train(strategy, *run[:4])
+        name = f"{task['type']}_{task['index']}"
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(here, f"{name}.json"), "w") as f:
             json.dump(history.history, f)
 
 
+def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: int):
+    # 4 stages: built as users of tf.distribute build (mirrored on every worker); 2 stages:
+    # in Pipeline.scope, each process's device holding only its stage.
+    scope = strategy.scope() if stages == 4 else tfdist.host_scope(strategy)
+    with scope:
+        if model_name == "gemma":
+            model, data = keras_hub_models.gemma_causal_lm(), keras_hub_models.token_data()
+            cuts = [f"{model.backbone.name}/decoder_block_1"]
+        else:
+            model, data = pipeline_cases.mlp(), pipeline_cases.data()
+            cuts = pipeline_cases.CUTS[stages]
+    pipeline = tfdist.parallel.Pipeline(
+        cut_before=cuts, micro_batches=micro_batches, schedule=schedule, timeout_seconds=120
+    )
+    return model, tfdist.fit(model, data, verbose=0, pipeline=pipeline)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], [int(n) for n in sys.argv[2].split(",")], *sys.argv[3:4])
+    main(sys.argv[1])

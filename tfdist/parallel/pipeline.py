@@ -26,6 +26,13 @@ under `strategy.scope()`. It is written back when the runner settles (each epoch
 begins. The loss is the compiled one (with its loss weights and sample weights), plus each
 stage's regularisation losses; the metrics are the compiled ones, updated on the last stage.
 
+A stage after the first reads the model's inputs it uses (a padding mask every decoder
+block takes) from the batch, as the first stage does. A weight used by several stages (an
+embedding tied to the output logits, as keras-hub's causal LMs have) is held by each of
+them, with optimizer state of its own; its gradient is summed over them (and over the
+pipelines), so the copies take the same steps and stay equal (Megatron-LM's tied
+embeddings).
+
 Limits (each refused with a message): models with their own `train_step` (a pipeline runs
 the layer graph, not the step), global_clipnorm (a norm over every stage), loss scaling,
 StepHooks (accumulation is the micro-batches already; sharded state is per stage already).
@@ -53,7 +60,7 @@ from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device, host_scope, hosted
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
-from tfdist.parallel.stages import Stage, StageError, split
+from tfdist.parallel.stages import Stage, StageError, split, tied
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
@@ -61,13 +68,16 @@ from tfdist.training.runners.common import batch_size, logs_from_state
 from tfdist.training.runners.sync import SyncRunner
 from tfdist.training.steps import custom_train_step
 
-# Group keys of the stage-to-stage links (one 2-member group per neighbouring pair) and of
-# the rings that average a stage's gradients over the pipelines (one ring per stage, 1000
-# keys apart); collective/keys.py holds every range.
 log = logging.getLogger(__name__)
+
+# Group keys of the stage-to-stage links (one 2-member group per neighbouring pair), of the
+# rings that average a stage's gradients over the pipelines (one ring per stage, 1000 keys
+# apart) and of the rings that sum a tied weight's gradients over the stages holding it
+# (one per set of holders); collective/keys.py holds every range.
 
 LINK_GROUP_KEY_BASE = group_key_base("pipeline_links")
 STAGE_RING_GROUP_KEY_BASE = group_key_base("pipeline_stage_rings")
+TIED_RING_GROUP_KEY_BASE = group_key_base("pipeline_tied_rings")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +168,9 @@ class PipelineRunner(SyncRunner):
         self._programs: dict[int, _StepProgram] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._loaded = False
-        self._rings: dict[int, ProcessRing] = {}
+        self.tied: dict[int, tuple[int, ...]] = {}  # weight -> the stages holding it
+        # By stage (its pipelines' replicas) and by a tied weight's holders (theirs).
+        self._rings: dict[int | tuple[int, ...], ProcessRing] = {}
         # Between worker processes: activations forward, their gradients back. TensorFlow's
         # collective runtime remembers each instance key's shape for the life of the
         # process, so each step program (one per micro-batch size) takes keys of its own.
@@ -205,6 +217,14 @@ class PipelineRunner(SyncRunner):
             )
         super().build(sample_batch)  # the whole model and its optimizer: the host copy
         self.stages = split(model, options.cut_before)
+        self.tied = tied(self.stages)
+        if self.tied:
+            names = sorted({model.trainable_variables[i].path for i in self.tied})
+            log.info(
+                "Weights used by several stages (tied) are held by each of them, their "
+                "gradients summed: %s",
+                ", ".join(names),
+            )
         self._place()
         self._state = self._zeros()
 
@@ -264,6 +284,18 @@ class PipelineRunner(SyncRunner):
                     timeout_seconds=self.options.timeout_seconds,
                     group_key_base=STAGE_RING_GROUP_KEY_BASE + 1000 * r.stage.index,
                 )
+            # A tied weight's gradient is summed over every replica of the stages holding
+            # it: one ring per set of holders, over the pipelines x holders processes.
+            sets = sorted(set(self.tied.values()))
+            for k, holders in enumerate(sets):
+                for r in self.replicas:
+                    if r.stage.index in holders:
+                        self._rings[holders] = ProcessRing(
+                            rank=r.pipeline * len(holders) + holders.index(r.stage.index),
+                            ranks=self.pipelines * len(holders),
+                            timeout_seconds=self.options.timeout_seconds,
+                            group_key_base=TIED_RING_GROUP_KEY_BASE + 1000 * k,
+                        )
 
     def check_callbacks(self, callbacks) -> None:
         super().check_callbacks(callbacks)
@@ -406,28 +438,29 @@ class PipelineRunner(SyncRunner):
         own = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
         targets = [*trainable, *non_trainable, *(v for v in user.variables if id(v) not in own)]
         index = {id(v): k for k, v in enumerate(targets)}
-        parts: dict[int, tf.Tensor] = {}  # target position -> this process's share
+        # Every replica gives its copy of each target it holds, and each target takes the
+        # mean of the copies: the pipelines' replicas of a weight (and a tied weight's
+        # holders) are equal, so their mean is that value exactly (float64 sums of a few
+        # equal float32s are exact); statistics (BatchNormalization's) are averaged.
+        sums = [np.zeros(v.shape, np.float64) for v in targets]
+        copies = np.zeros(len(targets), np.float64)
         for r in self.replicas:
-            first = r.pipeline == 0  # one copy of each stage's weights and optimizer state
-            for copy, i in zip(r.trainable, r.stage.trainable, strict=True):
-                if first:
-                    parts[index[id(trainable[i])]] = copy.value
-            for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
-                # Statistics (BatchNormalization's) are averaged over the pipelines.
-                k = index[id(non_trainable[i])]
-                share = tf.cast(copy.value, tf.float64) / self.pipelines
-                parts[k] = parts[k] + share if k in parts else share
-            for mine, theirs in self._slot_pairs[id(r)]:
-                if first:
-                    parts[index[id(theirs)]] = mine.value
-        arrays = [
-            np.asarray(parts[k], np.float64) if k in parts else np.zeros(v.shape, np.float64)
-            for k, v in enumerate(targets)
-        ]
+            pairs = [
+                *((c, trainable[i]) for c, i in zip(r.trainable, r.stage.trainable, strict=True)),
+                *(
+                    (c, non_trainable[i])
+                    for c, i in zip(r.non_trainable, r.stage.non_trainable, strict=True)
+                ),
+                *self._slot_pairs[id(r)],
+            ]
+            for mine, theirs in pairs:
+                k = index[id(theirs)]
+                sums[k] += np.asarray(mine.value, np.float64)
+                copies[k] += 1
         if self.processes > 1:
-            arrays = self._summed_over_workers(arrays)
-        for variable, value in zip(targets, arrays, strict=True):
-            variable.assign(np.asarray(value).astype(variable.dtype))
+            *sums, copies = self._summed_over_workers([*sums, copies])
+        for variable, total, count in zip(targets, sums, copies, strict=True):
+            variable.assign((np.asarray(total) / max(count, 1.0)).astype(variable.dtype))
         user.iterations.assign(self.replicas[0].optimizer.iterations.value)
 
 
@@ -574,6 +607,7 @@ class _StepProgram:
         state = [tf.zeros(v.shape, v.dtype) for v in runner.metric_variables]
         live: dict[tuple[int, int], _Passes] = {}
         self.mailbox = {}
+        self._traced_boundaries = self._trace_boundaries(x)
         at = batch_length
         for key in keys:
             r = self.local[key]
@@ -622,13 +656,17 @@ class _StepProgram:
         else:
             inputs = self._receive(r, m, "F", self._boundary_spec(stage.index - 1))
         inputs = self._begin(own, inputs)
+        given = inputs
+        if stage.inputs:  # the model's inputs this stage reads (a padding mask, say)
+            batch = tf.nest.flatten(self._micro(x, r.pipeline, m))
+            given = [inputs, *(batch[k] for k in stage.inputs)]
         objective = None
         with tf.GradientTape() as tape:
             tape.watch(own.weights)
             if not stage.first:
                 tape.watch(inputs)
             outputs, statistics, losses = stage.model.stateless_call(
-                own.weights, own.statistics, inputs, training=True, return_losses=True
+                own.weights, own.statistics, given, training=True, return_losses=True
             )
             regularization = tf.add_n(losses) / self.options.micro_batches if losses else None
             if last:
@@ -703,27 +741,30 @@ class _StepProgram:
         ]
 
     def _update(self, results: dict[tuple[int, int], _Result]) -> list[tf.Tensor]:
-        """Each replica's gradients averaged over the pipelines, then one optimizer step."""
+        """Each replica's gradients summed over the stages that hold the weight (tied
+        weights) and averaged over the pipelines, then one optimizer step."""
         runner, pipelines = self.runner, self.runner.pipelines
         user = self.model.optimizer
         schedule_lr = compat.learning_rate_schedule(user) is not None
         done = []
         for (pipeline, index), result in results.items():
             r = self.local[pipeline, index]
-            grads = result.grads
+            if runner.processes > 1:
+                grads = self._summed_between_processes(r, result.grads)
+            else:  # every replica of every stage is on a device here
+                with tf.device(r.device):
+                    grads = [
+                        functools.reduce(
+                            _added,
+                            [
+                                results[q, s].grads[runner.stages[s].trainable.index(i)]
+                                for q in range(pipelines)
+                                for s in runner.tied.get(i, (index,))
+                            ],
+                        )
+                        for i in r.stage.trainable
+                    ]
             if pipelines > 1:
-                if runner.processes > 1:  # sparse gradients travel dense between processes
-                    grads = runner._rings[index].all_reduce_many(
-                        [tf.convert_to_tensor(g) for g in grads]
-                    )
-                else:  # every pipeline's replica of this stage is on a device here
-                    with tf.device(r.device):
-                        grads = [
-                            functools.reduce(
-                                _added, [results[q, index].grads[j] for q in range(pipelines)]
-                            )
-                            for j in range(len(grads))
-                        ]
                 grads = [_scaled(g, 1.0 / pipelines) for g in grads]
             with tf.device(r.device):
                 done.append(_apply(r.optimizer, grads, r.trainable, user, schedule_lr))
@@ -731,12 +772,50 @@ class _StepProgram:
                     variable.assign(value)
         return done
 
+    def _summed_between_processes(self, r: _StageReplica, grads: list) -> list:
+        """`grads` summed over the pipelines' replicas of this stage (a ring per stage), and
+        a tied weight's over every replica of the stages that hold it (a ring per set of
+        holders); sparse gradients travel dense."""
+        runner = self.runner
+        out = list(grads)
+        groups: dict[tuple[int, ...], list[int]] = {}  # holders -> positions in `grads`
+        for j, i in enumerate(r.stage.trainable):
+            groups.setdefault(runner.tied.get(i, ()), []).append(j)
+        for holders, positions in groups.items():
+            if not holders and runner.pipelines == 1:
+                continue
+            ring = runner._rings[holders or r.stage.index]
+            summed = ring.all_reduce_many([tf.convert_to_tensor(grads[j]) for j in positions])
+            for j, g in zip(positions, summed, strict=True):
+                out[j] = g
+        return out
+
     # --- transfers between stages -----------------------------------------------------------------
 
     def _boundary_spec(self, stage: int) -> tf.TensorSpec:
-        """What stage `stage` gives the next one, for one micro-batch."""
+        """What stage `stage` gives the next one, for one micro-batch (a transfer between
+        processes needs its whole shape: a sequence length the model leaves open is
+        worked out from the batch, through the stages before)."""
         out = self.runner.stages[stage].model.outputs[0]
-        return tf.TensorSpec([self.micro, *out.shape[1:]], out.dtype)
+        shape = [self.micro, *out.shape[1:]]
+        if None in shape:
+            shape = self._traced_boundaries[stage].shape
+        return tf.TensorSpec(shape, out.dtype)
+
+    def _trace_boundaries(self, x) -> list:
+        """Each stage's output (but the last's) for one micro-batch of `x`, symbolically."""
+        given = tf.nest.map_structure(
+            lambda t: keras.KerasTensor((self.micro, *t.shape[1:]), t.dtype), x
+        )
+        flat, out, found = tf.nest.flatten(given), None, []
+        for stage in self.runner.stages[:-1]:
+            if stage.first:
+                inputs = given
+            else:
+                inputs = [out, *(flat[k] for k in stage.inputs)] if stage.inputs else out
+            out = stage.model.compute_output_spec(inputs)
+            found.append(out)
+        return found
 
     def _link(self, pipeline: int, low_stage: int) -> int:
         """The group key of the link between stages low_stage and low_stage + 1."""

@@ -1,8 +1,13 @@
 """Cutting a Keras model into pipeline stages, and chaining stage models into one model.
 
 A stage is a sub-model of the user's model that shares its layers (and so its variables):
-stage 0 takes the model's inputs, the last stage gives its outputs, and each stage between
-takes the one tensor its cut layer takes.
+stage 0 takes the model's inputs, the last stage gives its outputs, and each stage after the
+first takes the one tensor the stage before gives, plus any of the model's inputs it reads
+(every stage has the batch: a padding mask used by every block needs no transfer).
+
+A weight that several stages use (tied input and output embeddings, as keras-hub's causal
+LMs have) is held by each of them; the pipeline sums its gradient over them, so the copies
+stay equal (Megatron-LM's tied embeddings). `tied(stages)` names those weights.
 
     stages = split(model, cut_before=["block_2", "block_3", "head"])   # 4 stages
     model = chain([stage_0, stage_1, stage_2, stage_3])                # and back
@@ -35,15 +40,20 @@ class Stage:
     Attributes:
       index: its position, 0 for the stage that takes the model's inputs.
       model: a Keras model over the user's model's layers (their variables are shared).
+        Stage 0 takes the model's inputs; a later stage takes the tensor the stage before
+        gives, then the model's inputs listed in `inputs`.
       trainable: positions of its trainable variables in `model.trainable_variables` of the
         whole model, in the stage model's order.
       non_trainable: the same for non-trainable variables (BatchNormalization statistics).
+      inputs: positions in the whole model's `inputs` of those a later stage reads from
+        the batch (empty for stage 0, which takes them all).
     """
 
     index: int
     model: keras.Model
     trainable: tuple[int, ...]
     non_trainable: tuple[int, ...]
+    inputs: tuple[int, ...] = ()
 
     @property
     def first(self) -> bool:
@@ -105,33 +115,79 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
             )
     if len(set(cut_before)) != len(cut_before):
         raise StageError(f"A layer is named twice in cut_before. Received: {cut_before!r}")
-    boundaries = [_boundary(model.get_layer(name), graph) for name in cut_before]
+    boundaries = [_boundary(model.get_layer(name), graph, model.inputs) for name in cut_before]
     order = [names.index(name) for name in cut_before]
     if order != sorted(order):
         raise StageError(
             "cut_before must name the layers in the order the data reaches them "
             f"({', '.join(n for n in names if n in cut_before)}). Received: {cut_before!r}"
         )
-    ends = [list(model.inputs), *[[b] for b in boundaries]]
+    model_inputs = list(model.inputs)
+    ends = [model_inputs, *[[b, *model_inputs] for b in boundaries]]
     outs = [[b] for b in boundaries] + [list(model.outputs)]
-    stages = []
+    stages, reads = [], []
     for index, (inputs, outputs) in enumerate(zip(ends, outs, strict=True)):
-        try:
-            sub = keras.Model(
-                inputs[0] if len(inputs) == 1 else inputs,
-                outputs[0] if len(outputs) == 1 else outputs,
-                name=f"{model.name}_stage_{index}",
-            )
+        name = f"{model.name}_stage_{index}"
+        try:  # stage 0 takes the inputs as the model does (a dict, say)
+            sub = _model(compat.inputs_like(graph, inputs) if not index else inputs, outputs, name)
         except ValueError as e:
             where = f"before {cut_before[index - 1]!r}" if index else "at the model's inputs"
             raise StageError(
                 f"Stage {index} of {model.name!r} (starting {where}) needs a tensor made "
-                "before it begins: data flows around a cut (a skip connection, or a second "
-                "input used late). Cut before the block that forks, or after it joins. "
+                "before it begins: data flows around a cut (a skip connection; the model's "
+                "own inputs are no obstacle, every stage reads them from the batch). Cut "
+                "before the block that forks, or after it joins. "
                 f"Keras said: {str(e).splitlines()[0]}. Received: cut_before={cut_before!r}"
             ) from None
+        read = ()
+        if index:  # the model's inputs this stage reads: only those its layers take
+            taken = compat.tensors_taken(compat.layer_graph(sub))
+            read = tuple(k for k, t in enumerate(model_inputs) if id(t) in taken)
+            sub = _model([inputs[0], *(model_inputs[k] for k in read)], outputs, name)
         stages.append(sub)
-    return _indexed(owner, stages)
+        reads.append(read)
+    _check_disjoint(model, graph, stages, cut_before)
+    return _indexed(owner, stages, reads)
+
+
+def tied(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
+    """{position in the model's trainable_variables: the stages holding it} for each weight
+    that more than one stage uses (its gradient is the sum of theirs)."""
+    holders: dict[int, list[int]] = {}
+    for stage in stages:
+        for i in stage.trainable:
+            holders.setdefault(i, []).append(stage.index)
+    return {i: tuple(s) for i, s in sorted(holders.items()) if len(s) > 1}
+
+
+def _check_disjoint(model, graph, stages: list[keras.Model], cut_before) -> None:
+    """A later stage that takes the model's inputs must not run again a layer an earlier
+    stage ran (what Keras builds when a tensor of an earlier stage is used after a cut: it
+    recomputes it from those inputs). A layer is in as many stages as it has calls at most
+    (a tied embedding: a lookup in the first stage, the logits in the last)."""
+    seen: dict[int, list[int]] = {}
+    for index, sub in enumerate(stages):
+        for layer in sub.layers:
+            if isinstance(layer, keras.layers.InputLayer):
+                continue
+            holders = seen.setdefault(id(layer), [])
+            holders.append(index)
+            if len(holders) > len(compat.layer_inputs_in(graph, layer)):
+                raise StageError(
+                    f"Stage {index} of {model.name!r} (starting before "
+                    f"{cut_before[index - 1]!r}) needs what layer {layer.name!r} of stage "
+                    f"{holders[0]} made: data flows around a cut (a skip connection). Cut "
+                    "before the block that forks, or after it joins. Received: cut_before="
+                    f"{cut_before!r}"
+                )
+
+
+def _model(inputs, outputs: list, name: str) -> keras.Model:
+    return keras.Model(
+        inputs[0] if isinstance(inputs, list) and len(inputs) == 1 else inputs,
+        outputs[0] if len(outputs) == 1 else outputs,
+        name=name,
+    )
 
 
 def chain(stages: Sequence[keras.Model], *, name: str | None = None) -> keras.Model:
@@ -219,7 +275,7 @@ def _flattened(model: keras.Model, cut_before: list[str]) -> tuple[keras.Model, 
             return compat.run_graph(operation, given, call)
         return operation(*args, **kwargs)
 
-    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype) for t in model.inputs]
+    inputs = [keras.Input(batch_shape=t.shape, dtype=t.dtype, name=t.name) for t in model.inputs]
     outputs = compat.run_graph(model, inputs, call)
     structure = compat.inputs_like(model, inputs)
     try:
@@ -242,15 +298,22 @@ def _flattened(model: keras.Model, cut_before: list[str]) -> tuple[keras.Model, 
     return flat, names
 
 
-def _boundary(layer, graph):
-    """The one tensor the cut layer takes: what crosses from one stage to the next."""
+def _boundary(layer, graph, model_inputs):
+    """The one tensor the cut layer takes besides the model's inputs: what crosses from one
+    stage to the next."""
     calls = compat.layer_inputs_in(graph, layer)
-    inputs = calls[0] if len(calls) == 1 else None
+    given = {id(t) for t in model_inputs}
+    inputs = [t for t in calls[0] if id(t) not in given] if len(calls) == 1 else None
     if inputs is None or len(inputs) != 1:
-        count = "is called more than once" if len(calls) != 1 else f"takes {len(inputs)} tensors"
+        count = (
+            "is called more than once"
+            if len(calls) != 1
+            else f"takes {len(inputs)} tensors made by layers before it"
+        )
         raise StageError(
             f"Cannot cut before layer {layer.name!r}: it {count}, and a cut passes one tensor "
-            "from a stage to the next. Cut before a layer that takes one tensor. "
+            "from a stage to the next (besides the model's inputs, which every stage reads). "
+            "Cut before a layer that takes one such tensor. "
             f"Received: cut before {layer.name!r}"
         )
     if compat.keras_mask(inputs[0]) is not None:
@@ -265,26 +328,32 @@ def _boundary(layer, graph):
     return inputs[0]
 
 
-def _indexed(model: keras.Model, models: list[keras.Model]) -> list[Stage]:
+def _indexed(
+    model: keras.Model, models: list[keras.Model], reads: list[tuple[int, ...]] | None = None
+) -> list[Stage]:
     trainable = {id(v): i for i, v in enumerate(model.trainable_variables)}
     non_trainable = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
     owner: dict[int, int] = {}
     stages = []
     for index, sub in enumerate(models):
-        for v in [*sub.trainable_variables, *sub.non_trainable_variables]:
+        for v in sub.non_trainable_variables:  # a tied weight is fine; shared statistics not
             if id(v) in owner and owner[id(v)] != index:
                 raise StageError(
-                    f"Variable {v.path} is used by stage {owner[id(v)]} and stage {index} (a "
-                    "layer shared across a cut): each weight must live on one stage. Cut so "
-                    f"the shared layer's uses fall in one stage. Received: {len(models)} stages"
+                    f"Variable {v.path} (not trainable: a layer's statistics) is used by stage "
+                    f"{owner[id(v)]} and stage {index}, a layer shared across a cut: each "
+                    "stage would keep statistics of its own. Cut so the shared layer's uses "
+                    f"fall in one stage. Received: {len(models)} stages"
                 )
             owner[id(v)] = index
+        for v in sub.trainable_variables:
+            owner.setdefault(id(v), index)
         stages.append(
             Stage(
                 index=index,
                 model=sub,
                 trainable=tuple(trainable[id(v)] for v in sub.trainable_variables),
                 non_trainable=tuple(non_trainable[id(v)] for v in sub.non_trainable_variables),
+                inputs=reads[index] if reads else (),
             )
         )
     missed = [v.path for v in model.trainable_variables if id(v) not in owner]
