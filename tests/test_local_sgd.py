@@ -2,7 +2,7 @@
 Keras's own fit on one device and against their own definitions.
 
 In one process over 1, 2 and 4 logical CPUs (mirrored); with real worker processes
-(multi_worker_mirrored, 2 and 4 workers) through tests/workers/exchange_worker.py.
+(multi_worker_mirrored, 4 workers) through tests/workers/exchange_worker.py.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import tensorflow as tf
 import tfdist
 from tests import zero_cases
 from tests.conftest import run_module
+from tests.workers import exchange_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Gossip, LocalSGD
 from tfdist.training.runners import runner_for
@@ -260,35 +261,30 @@ def test_an_optimizer_local_copies_cannot_stand_for_is_refused():
 
 
 @pytest.mark.multiprocess
-def test_across_two_worker_processes_local_sgd_and_gossip_equal_synchronous_sgd(tmp_path):
-    result = run_module(
-        "tools.launch", "--workers", "2", "--timeout", "280", "--",
-        sys.executable, "-m", "tests.workers.exchange_worker", str(tmp_path), "sync",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    want = keras_reference("sgd_momentum").get_weights()
-    for task in ("worker_0", "worker_1"):
-        for case in ("plain", "average_every_1", "gossip_ring", "gossip_exponential"):
-            got = _weights(tmp_path / task / f"{case}.npz")
-            assert zero_cases.max_diff(want, got) <= TOLERANCE, (task, case)
-
-
-@pytest.mark.multiprocess
 def test_four_worker_processes_train_as_four_local_replicas(tmp_path):
-    """Local SGD and gossip over 4 worker processes (point-to-point transfers) equal the
-    same over 4 local devices (copies), and report the replicas' distance."""
+    """Over 4 worker processes (point-to-point transfers): plain training and local SGD
+    averaging every step equal Keras's fit on one device (both are synchronous SGD); local
+    SGD every 3 steps and gossip equal the same over 4 local devices (copies), and report
+    the replicas' distance."""
     result = run_module(
         "tools.launch", "--workers", "4", "--timeout", "280", "--",
-        sys.executable, "-m", "tests.workers.exchange_worker", str(tmp_path), "four",
+        sys.executable, "-m", "tests.workers.exchange_worker", str(tmp_path),
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    want = keras_reference("sgd_momentum", epochs=exchange_worker.EPOCHS).get_weights()
+    for rank in range(4):
+        for case in ("plain", "average_every_1"):
+            got = _weights(tmp_path / f"worker_{rank}" / f"{case}.npz")
+            assert zero_cases.max_diff(want, got) <= TOLERANCE, (rank, case)
     for case, make in (
         ("average_every_3", lambda: LocalSGD(3)),
         ("gossip_ring", lambda: Gossip("ring")),
         ("gossip_exponential", lambda: Gossip("exponential")),
     ):
         local = make()
-        want = train(mirrored(4), "sgd_momentum", local, epochs=2).get_weights()
+        want = train(
+            mirrored(4), "sgd_momentum", local, epochs=exchange_worker.EPOCHS
+        ).get_weights()
         distance = max(local.spreads)[0]
         assert distance > 0
         for rank in range(4):

@@ -170,3 +170,31 @@ def test_a_pipeline_built_in_its_scope_holds_each_stage_on_its_device(cuts):
         share = sum(layer_bytes[starts[stage] : starts[stage + 1]])
         got = held[f"CPU:{stage + 1}"]
         assert got == pytest.approx(3.0 * share, rel=TOLERANCE), (stage, got / weights)
+
+
+def test_gemma_cut_in_two_stages_holds_each_stage_and_the_tied_embedding_on_both():
+    """keras-hub's Gemma causal LM in Pipeline.scope over 2 devices, cut before its second
+    decoder block: each device holds 3x its stage (Adam), and the embedding tied to the
+    logits counts on both (each stage that uses it holds a copy and its slots); the host
+    holds the whole model once."""
+    from tests import keras_hub_models
+    from tfdist.parallel import Pipeline, split
+
+    strategy = tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:1", "/cpu:2"])
+    record = tfdist.DeviceBytes()  # counts what is made from here on
+    with tfdist.host_scope(strategy):
+        model = keras_hub_models.gemma_causal_lm()
+    cut = [f"{model.backbone.name}/decoder_block_1"]
+    pipeline = Pipeline(cut_before=cut, micro_batches=2)
+    tfdist.fit(model, keras_hub_models.token_data(), verbose=0, callbacks=[record],
+               pipeline=pipeline)  # fmt: skip
+    weights = weight_bytes(model)
+    trainable = model.trainable_variables
+    assert record.added["CPU:0"] / weights == pytest.approx(3.0, rel=TOLERANCE)
+    embedding = model.backbone.token_embedding.embeddings
+    for stage in split(model, cut):
+        held = [trainable[i] for i in stage.trainable]
+        assert any(v is embedding for v in held), stage.index
+        share = sum(int(np.prod(v.shape)) * 4 for v in held)
+        got = record.added[f"CPU:{stage.index + 1}"]
+        assert got == pytest.approx(3.0 * share, rel=TOLERANCE), (stage.index, got / weights)
