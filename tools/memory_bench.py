@@ -21,12 +21,14 @@ the bytes of the variables on each device during fit (tfdist.DeviceBytes) for ev
 plain, zero1/2/3, a pipeline of 2 and 4 stages and tensor parallelism of degree 2 and 4, N =
 2 and 4, as a multiple of the model's weight bytes; and from it the largest MLP of that shape
 whose variables fit a per-device budget (--device_budget_mib; activations and TensorFlow's
-own buffers come on top). zero3 and the pipeline are built in tfdist.host_scope: the host
+own buffers come on top). --device_model adds a functional CNN and keras-hub's Gemma causal
+LM (tied embeddings: a pipeline's first and last stages each hold them). zero3 and the pipeline are built in tfdist.host_scope: the host
 column is the whole model they keep in host memory.
 
   python -m tools.memory_bench                         # about 12 minutes on 2 cores
   python -m tools.memory_bench --sizes 10 --workers 1 2 --steps 3
   python -m tools.memory_bench --devices_only          # the per-device table alone
+  python -m tools.memory_bench --devices_only --device_model mlp cnn gemma
 
 This is a benchmark, not a test: it reports figures and never fails on them. In the worker
 processes the host and the replica's device are one CPU, so zero3's host copy counts in their
@@ -202,6 +204,10 @@ def main(argv=None) -> int:
     )  # fmt: skip
     parser.add_argument("--devices_only", action="store_true", help="only the per-device table")
     parser.add_argument("--device_layout", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--device_model", choices=DEVICE_MODELS, nargs="+", default=["mlp"],
+        help="the model(s) of the per-device table (default mlp)",
+    )  # fmt: skip
     parser.add_argument("--out_csv", default="memory_bench.csv")
     parser.add_argument("--out_png", default="memory_bench.png")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -218,10 +224,11 @@ def main(argv=None) -> int:
 
     if args.device_layout:
         layout, n = args.device_layout
-        print(json.dumps(device_layout(layout, int(n))))
+        print(json.dumps(device_layout(layout, int(n), args.device_model[0])))
         return 0
     if args.devices_only:
-        print_devices(device_rows(), args.device_budget_mib)
+        for model in args.device_model:
+            print_devices(device_rows(model), args.device_budget_mib)
         return 0
     rows = []
     for size in args.sizes:
@@ -246,7 +253,8 @@ def main(argv=None) -> int:
     print_budget(rows, args.budget_gib)
     plot(rows, args.out_png)
     print(f"\nwrote {args.out_csv} and {args.out_png}")
-    print_devices(device_rows(), args.device_budget_mib)
+    for model in args.device_model:
+        print_devices(device_rows(model), args.device_budget_mib)
     return 0
 
 
@@ -348,9 +356,65 @@ LAYOUTS = (
     ("plain", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("pipeline", 2), ("tensor", 2),
     ("plain", 4), ("zero1", 4), ("zero2", 4), ("zero3", 4), ("pipeline", 4), ("tensor", 4),
 )  # fmt: skip
+# The models of the per-device table: the MLP above; a functional CNN; keras-hub's Gemma
+# causal LM (random weights, tied embeddings; 4 decoder blocks). tensor_parallel(degree=)
+# splits the MLP's Dense pairs; the others' layers it does not split (layout maps: not yet).
+DEVICE_MODELS = ("mlp", "cnn", "gemma")
 
 
-def device_rows() -> list[dict]:
+def _device_model(name: str, n: int):
+    """(the model builder, the batch's x and y, the pipeline's cuts over n stages)."""
+    import keras
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    if name == "mlp":
+
+        def build():
+            keras.utils.set_random_seed(0)
+            hidden = [
+                keras.layers.Dense(DEVICE_WIDTH, activation="relu", name=f"block_{i + 1}")
+                for i in range(DEVICE_LAYERS)
+            ]
+            return keras.Sequential([keras.Input((INPUTS,)), *hidden, keras.layers.Dense(CLASSES)])
+
+        x = rng.normal(size=(64, INPUTS)).astype("float32")
+        cuts = ["block_3"] if n == 2 else ["block_2", "block_3", "block_4"]
+    elif name == "cnn":
+
+        def build():
+            keras.utils.set_random_seed(0)
+            inputs = keras.Input((16, 16, 3))
+            h = keras.layers.Conv2D(64, 3, padding="same", activation="relu", name="conv_1")(inputs)
+            h = keras.layers.Conv2D(128, 3, padding="same", activation="relu", name="conv_2")(h)
+            h = keras.layers.MaxPooling2D(name="pool")(h)
+            h = keras.layers.Conv2D(128, 3, padding="same", activation="relu", name="conv_3")(h)
+            h = keras.layers.GlobalAveragePooling2D(name="global_pool")(h)
+            h = keras.layers.Dense(512, activation="relu", name="fc")(h)
+            return keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(h))
+
+        x = rng.normal(size=(64, 16, 16, 3)).astype("float32")
+        cuts = ["conv_3"] if n == 2 else ["conv_2", "conv_3", "fc"]
+    else:
+        import keras_hub
+
+        def build():
+            keras.utils.set_random_seed(0)
+            backbone = keras_hub.models.GemmaBackbone(
+                vocabulary_size=4096, num_layers=4, num_query_heads=4, num_key_value_heads=1,
+                hidden_dim=256, intermediate_dim=1024, head_dim=64, name="gemma_backbone",
+            )  # fmt: skip
+            return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+
+        tokens = rng.integers(1, 4096, size=(64, 17)).astype("int32")
+        x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((64, 16), "int32")}
+        blocks = [2] if n == 2 else [1, 2, 3]
+        cuts = [f"gemma_backbone/decoder_block_{b}" for b in blocks]
+        return build, x, tokens[:, 1:], cuts
+    return build, x, rng.integers(0, CLASSES, size=64).astype("int32"), cuts
+
+
+def device_rows(model: str = "mlp") -> list[dict]:
     """Per layout, each in a process of its own (nothing of another layout alive): the
     variables' bytes on the host (CPU:0) and on each replica's device (CPU:1-N) at the peak
     of fit, as multiples of the weights' bytes (Adam)."""
@@ -358,60 +422,52 @@ def device_rows() -> list[dict]:
 
     rows = []
     for layout, n in LAYOUTS:
-        command = [sys.executable, "-m", "tools.memory_bench", "--device_layout", layout, str(n)]
+        if layout == "tensor" and model != "mlp":
+            continue
+        command = [sys.executable, "-m", "tools.memory_bench", "--device_layout", layout, str(n),
+                   f"--device_model={model}"]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=False)
         if done.returncode:
             raise SystemExit(f"{layout} x{n} failed:\n{done.stderr[-3000:]}")
         row = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append(row)
-        print(f"  {layout} x{n}: " + " ".join(f"{s:.2f}" for s in row["shares"]), flush=True)
+        print(
+            f"  {model} {layout} x{n}: " + " ".join(f"{s:.2f}" for s in row["shares"]), flush=True
+        )
     return rows
 
 
-def device_layout(layout: str, n: int) -> dict:
+def device_layout(layout: str, n: int, model_name: str = "mlp") -> dict:
     """One layout's row of the per-device table, in this process (5 logical CPUs)."""
     import keras
-    import numpy as np
 
     import tfdist
     from tfdist.training.memory import variable_bytes
 
     tfdist.configure_cpu_devices(5)
-    rng = np.random.default_rng(0)
-    x = rng.normal(size=(64, INPUTS)).astype("float32")
-    y = rng.integers(0, CLASSES, size=64).astype("int32")
+    build, x, y, cuts = _device_model(model_name, n)
     devices = [f"/cpu:{i}" for i in range(1, n + 1)]
     strategy = tfdist.build_strategy("mirrored", cluster=None, devices=devices)
+    # The model once, outside any strategy (on CPU:0): its weights' bytes are the unit, and
+    # it is what tensor_parallel converts. Made before the count begins, it counts nowhere.
+    dense = build()
+    weights = sum(int(w.nbytes) for w in dense.get_weights())
     before = variable_bytes()
-
-    def build():
-        keras.utils.set_random_seed(0)
-        hidden = [
-            keras.layers.Dense(DEVICE_WIDTH, activation="relu", name=f"block_{i + 1}")
-            for i in range(DEVICE_LAYERS)
-        ]
-        return keras.Sequential([keras.Input((INPUTS,)), *hidden, keras.layers.Dense(CLASSES)])
 
     def compiled(model):
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
         return model
 
     if layout == "tensor":
-        # The dense model it converts is built outside the strategy (on CPU:0, the host): it
-        # stays alive beside its split copy, and mirrored it would count 1x on every device.
-        dense = build()
         with strategy.scope():
             model = compiled(tfdist.parallel.tensor_parallel(dense, degree=n))
     else:
         with tfdist.host_scope(strategy) if layout in ("zero3", "pipeline") else strategy.scope():
             model = compiled(build())
-    dims = [INPUTS, *[DEVICE_WIDTH] * DEVICE_LAYERS, CLASSES]
-    weights = 4 * sum(a * b + b for a, b in zip(dims, dims[1:], strict=False))
     keywords: dict = {}
     if layout.startswith("zero"):
         keywords["shard_optimizer"] = layout
     if layout == "pipeline":
-        cuts = ["block_3"] if n == 2 else ["block_2", "block_3", "block_4"]
         keywords["pipeline"] = tfdist.parallel.Pipeline(cut_before=cuts, micro_batches=2)
     record = tfdist.DeviceBytes()
     tfdist.fit(model, x, y, batch_size=16 * n, verbose=0, callbacks=[record], **keywords)
@@ -420,14 +476,21 @@ def device_layout(layout: str, n: int) -> dict:
         for i in range(1, n + 1)
     ]
     host = (record.peak.get("CPU:0", 0) - before.get("CPU:0", 0)) / weights
-    return {"layout": layout, "devices": n, "weights": weights, "host": host, "shares": shares}
+    return {
+        "model": model_name, "layout": layout, "devices": n, "weights": weights, "host": host,
+        "shares": shares,
+    }  # fmt: skip
 
 
 def print_devices(rows, budget_mib: float) -> None:
+    described = {
+        "mlp": f"MLP 512 -> {DEVICE_LAYERS} x {DEVICE_WIDTH} -> {CLASSES}",
+        "cnn": "functional CNN, 3 convolutions and 2 Dense",
+        "gemma": "keras-hub Gemma causal LM, 4 blocks, tied embeddings",
+    }[rows[0]["model"]]
     print(
-        f"\nVariables on each device during fit, x the weights' bytes (Adam; MLP 512 -> "
-        f"{DEVICE_LAYERS} x {DEVICE_WIDTH} -> {CLASSES}, {rows[0]['weights'] / 2**20:.1f} MiB "
-        "of weights; 5 logical CPUs, CPU:0 the host):"
+        f"\nVariables on each device during fit, x the weights' bytes (Adam; {described}, "
+        f"{rows[0]['weights'] / 2**20:.1f} MiB of weights; 5 logical CPUs, CPU:0 the host):"
     )
     print(f"{'layout':<9} {'N':>2} {'largest device':>14} {'host':>5}  each device")
     for r in rows:
