@@ -778,8 +778,11 @@ class _StepProgram:
         holders); sparse gradients travel dense."""
         runner = self.runner
         out = list(grads)
-        groups: dict[tuple[int, ...], list[int]] = {}  # holders -> positions in `grads`
-        for j, i in enumerate(r.stage.trainable):
+        # holders -> positions in `grads`, in the model's order of the weights: every member
+        # of a ring passes the same weights in the same order (stages may list tied weights
+        # in orders of their own)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for j, i in sorted(enumerate(r.stage.trainable), key=lambda pair: pair[1]):
             groups.setdefault(runner.tied.get(i, ()), []).append(j)
         for holders, positions in groups.items():
             if not holders and runner.pipelines == 1:
