@@ -23,12 +23,12 @@ RANGES: dict[str, tuple[int, int]] = {
     "pipeline_links": (1_300_000, 100_000),
     # Pipeline rings averaging a stage's gradients over the pipelines: 1000 keys per stage.
     "pipeline_stage_rings": (1_400_000, 100_000),
-    # Pipeline rings summing a tied weight's gradient over its holders: 1000 keys per set.
-    "pipeline_tied_rings": (1_700_000, 100_000),
     # Local SGD's averaging ring: `ranks` keys.
     "local_sgd": (1_500_000, 100_000),
     # Gossip's directed edges (sender -> receiver): `ranks**2` keys.
     "neighbours": (1_600_000, 100_000),
+    # Pipeline rings summing a tied weight's gradient over its holders: 1000 keys per set.
+    "pipeline_tied_rings": (1_700_000, 100_000),
     # tools/allreduce_bench.py's use of TensorFlow's own all-reduce, as the baseline.
     "benchmarks": (2_000_000, 100_000),
 }
