@@ -22,8 +22,9 @@ plain, zero1/2/3, a pipeline of 2 and 4 stages and tensor parallelism of degree 
 2 and 4, as a multiple of the model's weight bytes; and from it the largest MLP of that shape
 whose variables fit a per-device budget (--device_budget_mib; activations and TensorFlow's
 own buffers come on top). --device_model adds a functional CNN and keras-hub's Gemma causal
-LM (tied embeddings: a pipeline's first and last stages each hold them). zero3 and the pipeline are built in tfdist.host_scope: the host
-column is the whole model they keep in host memory.
+LM (tied embeddings: a pipeline's first and last stages each hold them). zero3 and the
+pipeline are built in tfdist.host_scope: the host column is the whole model they keep in
+host memory.
 
   python -m tools.memory_bench                         # about 12 minutes on 2 cores
   python -m tools.memory_bench --sizes 10 --workers 1 2 --steps 3
@@ -410,8 +411,9 @@ def _device_model(name: str, n: int):
         x = {"token_ids": tokens[:, :-1], "padding_mask": np.ones((64, 16), "int32")}
         blocks = [2] if n == 2 else [1, 2, 3]
         cuts = [f"gemma_backbone/decoder_block_{b}" for b in blocks]
-        return build, x, tokens[:, 1:], cuts
-    return build, x, rng.integers(0, CLASSES, size=64).astype("int32"), cuts
+        return build, x, tokens[:, 1:], cuts  # next-token labels
+    y = rng.integers(0, CLASSES, size=64).astype("int32")
+    return build, x, y, cuts
 
 
 def device_rows(model: str = "mlp") -> list[dict]:
