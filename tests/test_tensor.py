@@ -434,3 +434,81 @@ def test_options_split_layers_cannot_honour_are_refused(optimizer, keywords, mes
         model.compile(optimizer(), keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     with pytest.raises(FitError, match=message):
         tfdist.fit(model, x, y, batch_size=16, verbose=0, **keywords)
+
+
+# --- keras-hub's own split: tensor_parallel(layout_map=Backbone.get_layout_map(mesh)) --------
+
+
+def gemma_layout(devices: int, degree: int):
+    """GemmaBackbone's layout map over a (data, model) mesh of the replicas' devices."""
+    import keras_hub
+
+    names = [f"cpu:{i}" for i in range(devices)]
+    mesh = keras.distribution.DeviceMesh((devices // degree, degree), ["batch", "model"], names)
+    return keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+
+
+@pytest.fixture(scope="module")
+def gemma_reference():
+    """Keras's own fit of keras-hub's Gemma causal LM on one device, 2 epochs."""
+    from tests import keras_hub_models
+
+    model = keras_hub_models.gemma_causal_lm()
+    history = model.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
+    return model, history.history
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
+    devices, gemma_reference
+):
+    """keras-hub's Gemma causal LM (random weights, its padding mask as sample weights), split
+    by GemmaBackbone.get_layout_map over a model axis of 2: 1 group of 2 replicas, or 2
+    groups (2-way tensor x 2-way data). Its embedding (the tied logits too), query, output
+    and MLP kernels are split; its single key/value head is held by both replicas of a
+    group; norms whole. On 4 devices fit is called twice, an epoch each, as users do."""
+    from tests import keras_hub_models
+    from tfdist.parallel.tensor.layout import plan_of
+
+    reference, history = gemma_reference
+    with tfdist.host_scope(mirrored(devices)):
+        model = keras_hub_models.gemma_causal_lm()
+    assert tensor_parallel(model, layout_map=gemma_layout(devices, 2)) is model
+    held = {v.path: p.parts for v, p in zip(model.trainable_variables, plan_of(model).placements)}
+    assert held["token_embedding/embeddings"] == 2
+    assert held["decoder_block_0/attention/query/kernel"] == 2
+    assert held["decoder_block_0/attention/key/kernel"] == 1  # 1 head: both replicas hold it
+    assert held["decoder_block_0/ffw_linear/kernel"] == 2
+    assert held["decoder_block_0/pre_ffw_norm/scale"] == 1
+    data = keras_hub_models.token_data()
+    if devices == 4:
+        losses = [tfdist.fit(model, data, verbose=0).history["loss"][0] for _ in range(2)]
+    else:
+        losses = tfdist.fit(model, data, epochs=2, verbose=0).history["loss"]
+    assert losses == pytest.approx(history["loss"], abs=1e-5)
+    for v, want, got in zip(reference.weights, reference.get_weights(), model.get_weights()):
+        assert np.max(np.abs(want - got)) <= TOLERANCE, v.path
+    # The model is the user's Keras model again outside the step: whole weights, plain calls.
+    tokens = next(iter(data))[0]
+    np.testing.assert_allclose(model(tokens), reference(tokens), atol=1e-4)
+
+
+def test_a_layout_map_keras_hub_writes_is_checked_before_training():
+    """One line each: a mesh without the model axis, both degree= and layout_map=, a weight
+    of a layer that cannot split, and heads that do not divide over the model axis."""
+    import keras_hub
+
+    from tests import keras_hub_models
+
+    model = keras_hub_models.gemma_causal_lm()
+    mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
+    with pytest.raises(TensorParallelError, match="has no 'model' axis"):
+        tensor_parallel(model, layout_map=keras.distribution.LayoutMap(mesh))
+    with pytest.raises(TensorParallelError, match="Pass degree= or layout_map=, not both"):
+        tensor_parallel(model, degree=2, layout_map=gemma_layout(2, 2))
+    norms = gemma_layout(2, 2)
+    norms[".*pre_ffw_norm/scale"] = ("model",)
+    with pytest.raises(TensorParallelError, match="belongs to a RMSNormalization"):
+        tensor_parallel(model, layout_map=norms)
+    with pytest.raises(TensorParallelError, match=r"attention_output/kernel has 2 along .* 4 parts"):
+        tensor_parallel(model, layout_map=gemma_layout(4, 4))

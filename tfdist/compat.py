@@ -640,6 +640,23 @@ def replace_storage(variable: keras.Variable, storage) -> None:
     variable._value = storage
 
 
+def replace_call(layer: keras.layers.Layer, call: Callable) -> None:
+    """Makes `call` what the layer's `__call__` runs, in place of its class's `call`, until
+    restore_call.
+
+    Why: Keras's Layer.__call__ runs `self.call(...)`, read from the instance; tensor
+    parallelism from a layout map puts exchanges around a layer's own computation while a
+    step is traced, without rebuilding the layer (keras-hub's layers build their sublayers
+    in code no copy could reach).
+    """
+    vars(layer)["call"] = call  # past Keras's attribute tracking: a function, not state
+
+
+def restore_call(layer: keras.layers.Layer) -> None:
+    """Undoes replace_call."""
+    vars(layer).pop("call", None)
+
+
 def storage_of(variable: keras.Variable):
     """The tf.Variable (or stand-in) a Keras variable reads: see replace_storage."""
     return variable._value

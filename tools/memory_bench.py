@@ -358,8 +358,9 @@ LAYOUTS = (
     ("plain", 4), ("zero1", 4), ("zero2", 4), ("zero3", 4), ("pipeline", 4), ("tensor", 4),
 )  # fmt: skip
 # The models of the per-device table: the MLP above; a functional CNN; keras-hub's Gemma
-# causal LM (random weights, tied embeddings; 4 decoder blocks). tensor_parallel(degree=)
-# splits the MLP's Dense pairs; the others' layers it does not split (layout maps: not yet).
+# causal LM (random weights, tied embeddings; 4 decoder blocks). Tensor parallelism splits
+# the MLP's Dense pairs (degree=) and Gemma as GemmaBackbone.get_layout_map says (its one
+# key/value head held whole by every replica); the CNN's convolutions it does not split.
 DEVICE_MODELS = ("mlp", "cnn", "gemma")
 
 
@@ -424,8 +425,8 @@ def device_rows(model: str = "mlp") -> list[dict]:
 
     rows = []
     for layout, n in LAYOUTS:
-        if layout == "tensor" and model != "mlp":
-            continue
+        if layout == "tensor" and model == "cnn":
+            continue  # convolutions: tensor_parallel splits Dense, Embedding and attention
         command = [sys.executable, "-m", "tools.memory_bench", "--device_layout", layout, str(n),
                    f"--device_model={model}"]  # fmt: skip
         done = subprocess.run(command, capture_output=True, text=True, check=False)
@@ -460,7 +461,15 @@ def device_layout(layout: str, n: int, model_name: str = "mlp") -> dict:
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
         return model
 
-    if layout == "tensor":
+    if layout == "tensor" and model_name == "gemma":  # keras-hub's own split of Gemma
+        import keras_hub
+
+        with tfdist.host_scope(strategy):
+            model = compiled(build())
+        mesh = keras.distribution.DeviceMesh((1, n), ["batch", "model"], devices)
+        layout_map = keras_hub.models.GemmaBackbone.get_layout_map(mesh)
+        tfdist.parallel.tensor_parallel(model, layout_map=layout_map)
+    elif layout == "tensor":
         with strategy.scope():
             model = compiled(tfdist.parallel.tensor_parallel(dense, degree=n))
     else:

@@ -43,6 +43,10 @@ in tfdist.fit's update chain (TensorParallelUpdate, added by tfdist.fit when the
 split layers); the other weights are all-reduced as usual. Under Keras's own fit the split
 weights would not be updated correctly: train with tfdist.fit.
 
+keras-hub's models say how they split: `tensor_parallel(model, layout_map=
+Backbone.get_layout_map(mesh))` trains a model built in tfdist.host_scope with every weight
+the map splits over the mesh's `model` axis held in parts, no layer rewritten (layout.py).
+
 Across worker processes: not built yet (each process would hold only its parts, and a
 checkpoint would need them gathered); local devices of one mirrored strategy only.
 
@@ -53,6 +57,7 @@ The package, one concern a module:
   layers.py     the split layers
   update.py     TensorParallelUpdate, the hook that updates their parts
   convert.py    tensor_parallel (a model's layers split) and dense_model (and back)
+  layout.py     tensor_parallel(layout_map=...): a Keras LayoutMap's split, and its hook
 """
 
 from tfdist.parallel.tensor.convert import dense_model, dense_weights, tensor_parallel

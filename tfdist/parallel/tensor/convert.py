@@ -19,12 +19,18 @@ from tfdist.parallel.tensor.layers import (
     _Split,
     _SplitDense,
 )
+from tfdist.parallel.tensor.layout import apply_layout_map
 from tfdist.parallel.tensor.mappings import TensorParallelError
 
 
-def tensor_parallel(model: keras.Model, *, degree: int | None = None) -> keras.Model:
+def tensor_parallel(
+    model: keras.Model, *, degree: int | None = None, layout_map=None, model_axis: str = "model"
+) -> keras.Model:
     """A copy of `model` with its Dense->Dense blocks, Embeddings and MultiHeadAttention
-    layers split over `degree` replicas (call it inside the strategy's scope).
+    layers split over `degree` replicas (call it inside the strategy's scope); or, given a
+    Keras `layout_map` (keras-hub's `Backbone.get_layout_map(mesh)`), `model` itself, marked
+    to train with every weight the map splits over the mesh's `model_axis` held in parts
+    (tfdist.parallel.tensor.layout: build the model in tfdist.host_scope).
 
     A Dense layer whose output feeds only another Dense becomes a ColumnParallelDense and
     that one a RowParallelDense (an MLP block: one exchange forward); an Embedding a
@@ -38,6 +44,13 @@ def tensor_parallel(model: keras.Model, *, degree: int | None = None) -> keras.M
       TensorParallelError: a size does not divide by `degree` (units, vocabulary, heads),
         or the model is subclassed (no layer graph to rewrite).
     """
+    if layout_map is not None:
+        if degree is not None:
+            raise TensorParallelError(
+                "Pass degree= or layout_map=, not both: a layout map's mesh gives the degree "
+                f"(its {model_axis!r} axis). Received: degree={degree} and a layout map"
+            )
+        return apply_layout_map(model, layout_map, model_axis)
     graph = _graph_of(model, "tensor_parallel", "Build it with the split layers directly "
                       "(tfdist.parallel.ColumnParallelDense, ...).")  # fmt: skip
     column, row = _mlp_pairs(model, graph)

@@ -108,8 +108,14 @@ class TensorParallelUpdate(StepHook):
         return {f"tensor_parallel_optimizer_{r}": copy for r, copy in enumerate(self.optimizers)}
 
 
-def update_for(model: keras.Model) -> TensorParallelUpdate | None:
-    """The update a model's split layers need in tfdist.fit's chain (None: it has none)."""
+def update_for(model: keras.Model) -> StepHook | None:
+    """The update a model's split layers need in tfdist.fit's chain (None: it has none):
+    LayoutParallel for a model tensor_parallel(layout_map=...) marked."""
+    from tfdist.parallel.tensor.layout import LayoutParallel, plan_of
+
+    plan = plan_of(model)
+    if plan is not None:
+        return LayoutParallel(plan)
     return TensorParallelUpdate() if split_layers(model) else None
 
 

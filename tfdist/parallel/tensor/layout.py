@@ -1,0 +1,631 @@
+"""Tensor parallelism from a Keras `LayoutMap`: the split keras-hub ships for its models.
+
+keras-hub's backbones say how their weights split over a device mesh
+(`GemmaBackbone.get_layout_map(mesh)`, Llama's, Qwen's): a `keras.distribution.LayoutMap`
+from variable paths to the mesh axis each dimension is split over. Keras honours it on JAX.
+Here, on TensorFlow, `tensor_parallel(model, layout_map=...)` reads the same map:
+
+    mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices=[...])
+    with tfdist.host_scope(strategy):               # mirrored over the 4 devices
+        model = keras_hub.models.GemmaCausalLM(backbone=GemmaBackbone(...))
+        model.compile(...)
+    tfdist.parallel.tensor_parallel(model, layout_map=GemmaBackbone.get_layout_map(mesh))
+    tfdist.fit(model, data)
+
+The size T of the mesh's `model` axis is the tensor-parallel degree: the replicas form groups
+of T consecutive replicas, and the groups train data parallel to each other (the map's
+`batch` axis). Each replica holds, on its device, its part of every weight the map splits
+over `model` (and that part's optimizer slots), and the other weights whole: 3/T of the
+split weights' bytes under Adam. The whole model stays in host memory (tfdist.host_scope),
+written back at each epoch's end and before each save, so `predict`, `evaluate` and
+`model.save` see a plain Keras model.
+
+No layer is rewritten. While tfdist.fit traces a step, each weight reads as this replica's
+part (its storage is a stand-in, as zero3's is), and the layers that own split weights run
+inside the exchanges Megatron-LM puts around them, by what the split does to the layer:
+
+  column   a Dense or EinsumDense whose split dimension reaches its output (Gemma's query,
+           key, value and gating kernels): its input is first gathered over the group's
+           examples (once per tensor: the query, key and value share one), and its output
+           is this replica's columns for those examples;
+  row      one whose split dimension is contracted (the attention's output projection, the
+           MLP's last kernel): its partial sums are added over the group, and each replica
+           keeps its own examples (a reduce-scatter); a bias it has is added once;
+  vocab    an Embedding split by its vocabulary: each replica looks up the ids in its range,
+           and the parts are added; keras-hub's ReversibleEmbedding, called in reverse for
+           the logits, gives each replica its columns of them, gathered;
+  heads    an attention layer that counts its heads in attributes (keras-hub's
+           `num_query_heads`, `num_key_value_heads`): its input and attention mask are
+           gathered over the group once, it runs with this replica's heads (its head counts
+           divided by T while the step is traced; key/value heads fewer than T are held
+           whole by the replicas that share them, as Megatron replicates them), and its
+           output is reduced as a row layer's.
+
+Gradients: a part's gradient counts its group's examples, so it is summed over the replicas
+that hold the same part (one per group; every replica for a weight held whole) and applied
+by each replica's copy of the user's optimizer. The result equals Keras's own fit on one
+device.
+
+Local devices of one mirrored strategy (not across worker processes); not with
+shard_optimizer or a pipeline (each applies the update its own way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+import threading
+import weakref
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.parallel import host, updates
+from tfdist.parallel.tensor.mappings import (
+    TensorParallelError,
+    gather_from_group,
+    gather_from_parts,
+    reduce_scatter_to_group,
+    replica_in_step,
+    step_sizes,
+)
+from tfdist.training.runner import Runner, StepHook
+
+# The attributes in which attention layers count their heads (keras-hub's).
+HEAD_COUNTS = ("num_query_heads", "num_key_value_heads", "num_heads")
+
+
+@dataclasses.dataclass
+class Placement:
+    """Where one trainable weight lives: split along `axis` into `parts` (replica r holds
+    part `index(r)`), or whole on every replica (axis None, one part). A row layer's bias
+    reads as 1/T of itself: the group adds T of them."""
+
+    axis: int | None
+    parts: int
+    degree: int
+    scale: float = 1.0
+
+    def index(self, replica: int) -> int:
+        """The part replica `replica` holds."""
+        rank = replica % self.degree
+        return rank * self.parts // self.degree
+
+    def piece(self, whole, index: int):
+        if self.axis is None:
+            return whole
+        return np.split(np.asarray(whole), self.parts, axis=self.axis)[index]
+
+
+@dataclasses.dataclass
+class LayoutPlan:
+    """What tensor_parallel(model, layout_map=...) found: the degree, each trainable
+    weight's placement (in model.trainable_variables' order) and each split layer's kind."""
+
+    degree: int
+    placements: list[Placement]
+    # (layer, kind): "column", "row", "vocab" or "heads".
+    layers: list[tuple[keras.layers.Layer, str]]
+
+    def split_bytes(self, model: keras.Model) -> tuple[int, int]:
+        """(bytes of the weights split over the group, bytes of those each replica holds
+        whole; a part replicas share counts as split over the parts)."""
+        split = whole = 0
+        for variable, placement in zip(model.trainable_variables, self.placements, strict=True):
+            size = int(np.prod(variable.shape)) * tf.as_dtype(variable.dtype).size
+            if placement.parts == 1:
+                whole += size
+            else:
+                split += size
+        return split, whole
+
+
+# model -> its plan (a model's attributes would be tracked by Keras).
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def plan_of(model: keras.Model) -> LayoutPlan | None:
+    return _PLANS.get(model)
+
+
+def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") -> keras.Model:
+    """Marks `model` to train split as `layout_map` says (see the module docstring); returns
+    the model itself. Checked here: every split divides, every layer it names can split."""
+    mesh = getattr(layout_map, "device_mesh", None)
+    if mesh is None or not hasattr(layout_map, "__getitem__"):
+        raise TensorParallelError(
+            "layout_map must be a keras.distribution.LayoutMap (keras-hub's "
+            "Backbone.get_layout_map(mesh) returns one). Received: "
+            f"{type(layout_map).__name__}"
+        )
+    if model_axis not in mesh.axis_names:
+        raise TensorParallelError(
+            f"The layout map's mesh has no {model_axis!r} axis to split weights over. Name "
+            "the tensor-parallel axis with model_axis=..., or build the mesh with it. "
+            f"Received: axes {list(mesh.axis_names)}"
+        )
+    if not model.built:
+        raise TensorParallelError(
+            f"tensor_parallel(layout_map=...) reads the paths of {model.name!r}'s weights, "
+            "and it has none yet. Build it first (call it on a batch, or model.build(shape))."
+        )
+    degree = int(mesh.shape[list(mesh.axis_names).index(model_axis)])
+    owners = {
+        id(v): layer for layer in compat.all_layers(model) for v in compat.own_variables(layer)
+    }
+    axes: dict[int, int] = {}  # weight -> its split axis, as the map names it
+    for variable in model.trainable_variables:
+        try:
+            layout = layout_map[variable.path]
+        except ValueError as e:
+            raise TensorParallelError(f"The layout map is ambiguous: {e}") from None
+        named = [] if layout is None else [i for i, a in enumerate(layout.axes) if a == model_axis]
+        if len(named) > 1:
+            raise TensorParallelError(
+                f"{variable.path} is split over {model_axis!r} along {len(named)} dimensions; "
+                f"tfdist splits a weight along one. Received: {layout.axes}"
+            )
+        if named:
+            axes[id(variable)] = named[0]
+    layers: dict[int, tuple[keras.layers.Layer, str]] = {}
+    placements: dict[int, Placement] = {}
+    by_id = {id(v): v for v in model.trainable_variables}
+    for variable in model.trainable_variables:
+        if id(variable) not in axes:
+            continue
+        layer = owners.get(id(variable))
+        kind, extra = _kind(layer, variable, axes[id(variable)], degree)
+        layers[id(layer)] = (layer, kind)
+        for key, placement in extra.items():
+            _check_divides(by_id[key], placement, degree, shared=kind == "column")
+        placements.update(extra)
+    regions = _head_regions(model, {id(layer) for layer, _ in layers.values()}, degree)
+    plan = LayoutPlan(
+        degree=degree,
+        placements=[
+            placements.get(id(v), Placement(None, 1, degree)) for v in model.trainable_variables
+        ],
+        layers=[*layers.values(), *((layer, "heads") for layer in regions)],
+    )
+    _PLANS[model] = plan
+    return model
+
+
+def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Placement]]:
+    """(the layer's kind, the placements of its weights) for a layer whose `variable` the
+    map splits along `axis`."""
+    name = variable.path
+    if isinstance(layer, keras.layers.Embedding):
+        reverse = getattr(layer, "reverse_embeddings", None)
+        vocabulary_axis = 1 if reverse is not None and variable is reverse else 0
+        if axis != vocabulary_axis:
+            raise TensorParallelError(
+                f"{name}: an Embedding splits by its vocabulary (axis {vocabulary_axis}); "
+                f"splitting its features is not built. Received: axis {axis}"
+            )
+        return "vocab", {id(variable): Placement(axis, degree, degree)}
+    linear = isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+    if not linear or variable is not layer.kernel:
+        raise TensorParallelError(
+            f"{name}: tensor_parallel(layout_map=...) splits the kernels of Dense and "
+            "EinsumDense layers and the tables of Embeddings; this weight belongs to a "
+            f"{type(layer).__name__}. Leave it out of the map. Received: {name} split"
+        )
+    if isinstance(layer, keras.layers.Dense):
+        inputs, kernel, output = "...a", "ab", "...b"
+    else:
+        inputs, kernel, output = re.split(r",|->", layer.equation.replace(" ", ""))
+    letter = kernel[axis]
+    placements = {id(variable): Placement(axis, degree, degree)}
+    bias = getattr(layer, "bias", None)
+    if letter in output:
+        if bias is not None:  # split with the columns where it runs along them
+            letters = [c for c in output if c in _bias_letters(layer, output)]
+            if letter in letters:
+                placements[id(bias)] = Placement(letters.index(letter), degree, degree)
+        return "column", placements
+    if keras.activations.serialize(layer.activation) not in ("linear", None):
+        raise TensorParallelError(
+            f"{layer.name} adds its partial sums over the group after its kernel, so its "
+            "activation would be applied to a part. Split it by its outputs instead, or "
+            f"move the activation to a layer of its own. Received: {layer.activation}"
+        )
+    del inputs
+    if bias is not None:
+        placements[id(bias)] = Placement(None, 1, degree, scale=1.0 / degree)
+    return "row", placements
+
+
+def _bias_letters(layer, output: str) -> str:
+    if isinstance(layer, keras.layers.Dense):
+        return output[-1]
+    return layer.bias_axes or ""
+
+
+def _check_divides(variable, placement: Placement, degree: int, *, shared: bool) -> None:
+    """A split dimension divides into T parts; a column layer's (`shared`) may be smaller
+    than T and divide it (key/value heads several replicas hold), never a row layer's or a
+    vocabulary (their parts are added)."""
+    if placement.axis is None:
+        return
+    size = int(variable.shape[placement.axis])
+    if size % degree == 0:
+        return
+    if shared and degree % size == 0:
+        placement.parts = size  # T / size replicas of a group hold each part
+        return
+    raise TensorParallelError(
+        f"{variable.path} has {size} along its split dimension {placement.axis}, which does "
+        f"not divide into {degree} parts (the mesh's model axis). Choose sizes divisible by "
+        f"{degree} (heads, units, vocabulary), or a smaller model axis. Received: shape "
+        f"{tuple(variable.shape)}"
+    )
+
+
+def _head_regions(model, split: set[int], degree: int) -> list[keras.layers.Layer]:
+    """The attention layers that run on the group's examples with this replica's heads:
+    layers that count heads and hold split layers, innermost first (a decoder block that
+    holds such an attention layer is not one)."""
+    found = []
+    for layer in compat.all_layers(model):
+        if layer is model or isinstance(layer, keras.Model):
+            continue
+        counts = [a for a in HEAD_COUNTS if isinstance(getattr(layer, a, None), int)]
+        held = compat.all_layers(layer)
+        if counts and any(id(inner) in split for inner in held if inner is not layer):
+            found.append(layer)
+    inner = [
+        layer
+        for layer in found
+        if not any(other is not layer and other in compat.all_layers(layer) for other in found)
+    ]
+    for layer in inner:
+        if getattr(layer, "query_head_dim_normalize", True) is False:
+            raise TensorParallelError(
+                f"{layer.name} scales its queries by hidden_dim // num_query_heads, which "
+                "its split heads would change. Use query_head_dim_normalize=True, or split "
+                "it with degree=... layers. Received: query_head_dim_normalize=False"
+            )
+        for attribute in HEAD_COUNTS:
+            count = getattr(layer, attribute, None)
+            if isinstance(count, int) and count % degree and degree % count:
+                raise TensorParallelError(
+                    f"{layer.name} has {attribute}={count}, which does not split over "
+                    f"{degree} replicas. Use a count divisible by {degree}. "
+                    f"Received: {attribute}={count}"
+                )
+    return inner
+
+
+def _local_heads(count: int, degree: int) -> int:
+    return count // degree if count % degree == 0 else 1
+
+
+# --- training ---------------------------------------------------------------------------------
+
+
+class LayoutParallel(StepHook):
+    """Trains a model that tensor_parallel(layout_map=...) marked: each replica's parts and
+    their optimizer slots on its device, the whole model in host memory. It ends the chain
+    (it applies every weight's update). See the module docstring."""
+
+    synchronous_only = True
+    applies_update = True
+    ends_chain = True
+    keeps_optimizer_state = True
+
+    def __init__(self, plan: LayoutPlan):
+        self.plan = plan
+        self._lock = threading.Lock()
+        self._readers = 0
+        self._region = threading.local()
+        self._gathers: dict = {}
+
+    @property
+    def name(self) -> str:
+        return "tensor_parallel(layout_map=...)"
+
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        if self.already_built(model, runner):
+            return  # a later fit: the parts keep their optimizer state
+        optimizer, who = model.optimizer, "Tensor-parallel parts"
+        updates.check_copyable(optimizer, who=who, error=TensorParallelError)
+        if optimizer.clipnorm is not None or getattr(optimizer, "global_clipnorm", None):
+            raise TensorParallelError(
+                f"{who} are updated one replica at a time, so the norm of a whole weight "
+                "(clipnorm) is not known where a part is updated. Use clipvalue, or no "
+                f"clipping. Received: clipnorm={optimizer.clipnorm}"
+            )
+        layout = runner.layout
+        if layout.processes > 1 or layout.single_program:
+            raise TensorParallelError(
+                "tensor_parallel(layout_map=...) splits weights over the local devices of "
+                "one mirrored strategy; across worker processes or TPU cores it is not "
+                f"built. Received: {layout.processes} processes"
+            )
+        degree, replicas = self.plan.degree, layout.replicas
+        if replicas % degree:
+            raise TensorParallelError(
+                f"The layout map's model axis is {degree}, which does not divide the "
+                f"strategy's {replicas} replicas into groups. Build the mesh with a model "
+                f"axis that divides {replicas}. Received: model axis {degree}"
+            )
+        self.model, self.replicas, self.devices = model, replicas, list(layout.devices)
+        host.move_to_host(model, runner.strategy)
+        self.variables = list(model.trainable_variables)
+        if len(self.variables) != len(self.plan.placements):
+            raise TensorParallelError(
+                "The model's trainable weights changed after tensor_parallel(layout_map=...) "
+                "read them. Call it again after changing the model."
+            )
+        self.hosts = [compat.storage_of(v) for v in self.variables]
+        self.decays = [
+            bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
+            for v in self.variables
+        ]
+        self.optimizer = optimizer
+        if not optimizer.built:
+            optimizer.build([])  # iterations and the learning rate; the parts keep the slots
+
+        def make():
+            parts, copies = [], []
+            for r, device in enumerate(self.devices):
+                with tf.device(device):
+                    mine = [
+                        keras.Variable(
+                            p.piece(np.zeros(v.shape, v.dtype), p.index(r)), dtype=v.dtype,
+                            name=f"tp_v{i}_part{p.index(r)}", autocast=False,
+                        )  # fmt: skip
+                        for i, (v, p) in enumerate(
+                            zip(self.variables, self.plan.placements, strict=True)
+                        )
+                    ]
+                    parts.append(mine)
+                    copies.append(updates.optimizer_copy(optimizer, mine))
+            return parts, copies
+
+        self.parts, self.copies = updates.outside_strategy(make)
+        self._stand_ins = [_Part(self, i) for i in range(len(self.variables))]
+
+    # --- where training starts and settles ----------------------------------------------------
+
+    def start(self) -> None:
+        """Each replica takes its parts from the whole weights in host memory."""
+        for r, parts in enumerate(self.parts):
+            for i, (part, placement) in enumerate(zip(parts, self.plan.placements, strict=True)):
+                part.assign(placement.piece(self.hosts[i].numpy(), placement.index(r)))
+
+    def settle(self) -> None:
+        """The whole weights in host memory, from the first group's parts."""
+        for i, placement in enumerate(self.plan.placements):
+            if placement.axis is None:
+                whole = self.parts[0][i].numpy()
+            else:
+                holders = [next(r for r in range(self.plan.degree) if placement.index(r) == j)
+                           for j in range(placement.parts)]  # fmt: skip
+                whole = np.concatenate(
+                    [self.parts[r][i].numpy() for r in holders], axis=placement.axis
+                )
+            self.hosts[i].assign(whole)
+
+    # --- one step -----------------------------------------------------------------------------
+
+    def step(self, batch, train_step):
+        with self._traced():
+            return train_step(batch)
+
+    @contextlib.contextmanager
+    def _traced(self):
+        """While any replica's step is traced (a mirrored strategy traces them in threads
+        at once): each weight reads as the replica's part, the split layers run inside
+        their exchanges, and attention layers count this replica's heads."""
+        with self._lock:
+            if not self._readers:
+                self._enter()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._readers -= 1
+                if not self._readers:
+                    self._exit()
+
+    def _enter(self) -> None:
+        degree = self.plan.degree
+        for variable, stand_in in zip(self.variables, self._stand_ins, strict=True):
+            compat.replace_storage(variable, stand_in)
+        self._heads = []
+        for layer, kind in self.plan.layers:
+            compat.replace_call(layer, _CALLS[kind](self, layer, layer.call))
+            if kind == "heads":
+                for attribute in HEAD_COUNTS:
+                    count = getattr(layer, attribute, None)
+                    if isinstance(count, int):
+                        self._heads.append((layer, attribute, count))
+                        setattr(layer, attribute, _local_heads(count, degree))
+
+    def _exit(self) -> None:
+        for variable, storage in zip(self.variables, self.hosts, strict=True):
+            compat.replace_storage(variable, storage)
+        for layer, _ in self.plan.layers:
+            compat.restore_call(layer)
+        for layer, attribute, count in self._heads:
+            setattr(layer, attribute, count)
+        self._gathers.clear()
+
+    def in_region(self) -> bool:
+        return getattr(self._region, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def region(self):
+        self._region.depth = getattr(self._region, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._region.depth -= 1
+
+    def group_rows(self, x):
+        """(the group's examples of `x`, every replica's batch size): gathered once per
+        tensor per replica's step (the query, key and value read one gather)."""
+        replica, _ = replica_in_step()
+        key = (tf.compat.v1.get_default_graph(), replica, x.ref())
+        if key not in self._gathers:
+            self._gathers[key] = gather_from_group(x, self.plan.degree)
+        return self._gathers[key]
+
+    def part(self, i: int) -> keras.Variable:
+        replica, _ = replica_in_step()
+        return self.parts[replica][i]
+
+    # --- the update -----------------------------------------------------------------------------
+
+    def apply(self, grads_and_vars, apply_next):
+        del apply_next  # the end of the chain: every weight's update is applied here
+        from tfdist.parallel.tensor.update import _summed_over
+
+        context = tf.distribute.get_replica_context()
+        replica, _ = replica_in_step()
+        given = {id(v): g for g, v in grads_and_vars}
+        parts = self.parts[replica]
+        grads = [given.get(id(v)) for v in self.variables]
+        present = [i for i, g in enumerate(grads) if g is not None]
+        summed: dict[int, tf.Tensor] = {}
+        # One exchange per way of holding (parts per weight): the same calls on every replica.
+        for count in sorted({self.plan.placements[i].parts for i in present}):
+            chosen = [i for i in present if self.plan.placements[i].parts == count]
+            placement = self.plan.placements[chosen[0]]
+            mine = placement.index(replica)
+            copies = [r for r in range(self.replicas) if placement.index(r) == mine]
+            got = _summed_over(
+                context, [grads[i] for i in chosen], [tuple(parts[i].shape) for i in chosen], copies
+            )
+            summed.update(zip(chosen, got, strict=True))
+        user, copy = self.optimizer, self.copies[replica]
+        done = []
+        with tf.device(self.devices[replica]):
+            copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
+            for i in present:
+                part = parts[i]
+                lr = tf.cast(user.learning_rate, part.dtype)
+                if self.decays[i]:  # decoupled decay first, as Keras applies it
+                    part.assign(part - part * tf.cast(user.weight_decay, part.dtype) * lr)
+                copy.update_step(summed[i], part, lr)
+                done.append(tf.identity(part.value))
+        with tf.control_dependencies(done):
+            user.iterations.assign_add(1)
+        return None
+
+    def checkpoint_state(self) -> dict:
+        return {f"tensor_layout_optimizer_{r}": copy for r, copy in enumerate(self.copies)}
+
+
+class _Part:
+    """A weight's storage while a step is traced: it reads as this replica's part (a row
+    layer's bias as 1/T of it), and its handle is the part's, so the tape's gradient for
+    the weight is the part's."""
+
+    def __init__(self, hook: LayoutParallel, index: int):
+        self.hook, self.index = hook, index
+        whole = hook.hosts[index]
+        self.dtype, self.shape, self.name = whole.dtype, whole.shape, whole.name
+        self._shared_name = whole._shared_name
+        self.scale = hook.plan.placements[index].scale
+
+    @property
+    def handle(self):
+        return self.hook.part(self.index).handle
+
+    @property
+    def device(self):
+        return self.hook.part(self.index).value.device
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        value = tf.identity(self.hook.part(self.index).value)  # a read, on the tape
+        if self.scale != 1.0:
+            value = value * tf.constant(self.scale, value.dtype)
+        if dtype is not None and tf.as_dtype(dtype) != value.dtype:
+            value = tf.cast(value, dtype)
+        return value
+
+    def read_value(self):
+        return self.__tf_tensor__()
+
+    def read_after_update(self) -> tf.Tensor:
+        return tf.identity(self.hook.part(self.index).value)
+
+
+# --- the exchanges around each kind of split layer -------------------------------------------
+
+
+def _column(hook: LayoutParallel, layer, call):
+    def column(inputs, *args, **kwargs):
+        if replica_in_step() is None or hook.in_region():
+            return call(inputs, *args, **kwargs)
+        return call(hook.group_rows(inputs)[0], *args, **kwargs)
+
+    return column
+
+
+def _row(hook: LayoutParallel, layer, call):
+    def row(inputs, *args, **kwargs):
+        partial = call(inputs, *args, **kwargs)
+        if replica_in_step() is None or hook.in_region():
+            return partial
+        return reduce_scatter_to_group(partial, step_sizes(layer.name), hook.plan.degree)
+
+    return row
+
+
+def _vocab(hook: LayoutParallel, layer, call):
+    degree = hook.plan.degree
+
+    def vocab(inputs, *args, **kwargs):
+        if replica_in_step() is None:
+            return call(inputs, *args, **kwargs)
+        replica, _ = replica_in_step()
+        if kwargs.get("reverse", args[0] if args else False):  # the logits: my columns
+            x, sizes = hook.group_rows(inputs)
+            return gather_from_parts(call(x, *args, **kwargs), sizes, degree)
+        ids, sizes = hook.group_rows(inputs)
+        rows = layer.input_dim // degree
+        local = tf.cast(ids, "int32") - (replica % degree) * rows
+        inside = (local >= 0) & (local < rows)
+        found = call(tf.where(inside, local, 0), *args, **kwargs)
+        partial = found * tf.cast(inside, found.dtype)[..., None]
+        return reduce_scatter_to_group(partial, sizes, degree)
+
+    return vocab
+
+
+def _heads(hook: LayoutParallel, layer, call):
+    def heads(inputs, *args, **kwargs):
+        if replica_in_step() is None:
+            return call(inputs, *args, **kwargs)
+        x, sizes = hook.group_rows(inputs)
+
+        def rows(value):  # a mask or cache beside the input: per example too
+            if isinstance(value, tf.Tensor) and value.shape.rank:
+                return hook.group_rows(value)[0]
+            return value
+
+        args = [rows(a) for a in args]
+        kwargs = {k: rows(v) for k, v in kwargs.items()}
+        with hook.region():
+            partial = call(x, *args, **kwargs)
+        if not isinstance(partial, tf.Tensor):
+            raise TensorParallelError(
+                f"{layer.name} returned {type(partial).__name__} in a training step; a split "
+                "attention layer must return one tensor there (no cache)."
+            )
+        return reduce_scatter_to_group(partial, sizes, hook.plan.degree)
+
+    return heads
+
+
+_CALLS = {"column": _column, "row": _row, "vocab": _vocab, "heads": _heads}
+
+__all__ = ["LayoutParallel", "LayoutPlan", "Placement", "apply_layout_map", "plan_of"]
