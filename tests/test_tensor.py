@@ -474,7 +474,8 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     with tfdist.host_scope(mirrored(devices)):
         model = keras_hub_models.gemma_causal_lm()
     assert tensor_parallel(model, layout_map=gemma_layout(devices, 2)) is model
-    held = {v.path: p.parts for v, p in zip(model.trainable_variables, plan_of(model).placements)}
+    placements = zip(model.trainable_variables, plan_of(model).placements, strict=True)
+    held = {v.path: p.parts for v, p in placements}
     assert held["token_embedding/embeddings"] == 2
     assert held["decoder_block_0/attention/query/kernel"] == 2
     assert held["decoder_block_0/attention/key/kernel"] == 1  # 1 head: both replicas hold it
@@ -486,7 +487,8 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     else:
         losses = tfdist.fit(model, data, epochs=2, verbose=0).history["loss"]
     assert losses == pytest.approx(history["loss"], abs=1e-5)
-    for v, want, got in zip(reference.weights, reference.get_weights(), model.get_weights()):
+    weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
+    for v, want, got in weights:
         assert np.max(np.abs(want - got)) <= TOLERANCE, v.path
     # The model is the user's Keras model again outside the step: whole weights, plain calls.
     tokens = next(iter(data))[0]
@@ -496,8 +498,6 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
 def test_a_layout_map_keras_hub_writes_is_checked_before_training():
     """One line each: a mesh without the model axis, both degree= and layout_map=, a weight
     of a layer that cannot split, and heads that do not divide over the model axis."""
-    import keras_hub
-
     from tests import keras_hub_models
 
     model = keras_hub_models.gemma_causal_lm()
@@ -510,5 +510,7 @@ def test_a_layout_map_keras_hub_writes_is_checked_before_training():
     norms[".*pre_ffw_norm/scale"] = ("model",)
     with pytest.raises(TensorParallelError, match="belongs to a RMSNormalization"):
         tensor_parallel(model, layout_map=norms)
-    with pytest.raises(TensorParallelError, match=r"attention_output/kernel has 2 along .* 4 parts"):
+    with pytest.raises(
+        TensorParallelError, match=r"attention_output/kernel has 2 along .* 4 parts"
+    ):
         tensor_parallel(model, layout_map=gemma_layout(4, 4))

@@ -71,6 +71,7 @@ from tfdist.parallel.tensor.mappings import (
     reduce_scatter_to_group,
     replica_in_step,
     step_sizes,
+    summed_over,
 )
 from tfdist.training.runner import Runner, StepHook
 
@@ -376,8 +377,10 @@ class LayoutParallel(StepHook):
                 with tf.device(device):
                     mine = [
                         keras.Variable(
-                            p.piece(np.zeros(v.shape, v.dtype), p.index(r)), dtype=v.dtype,
-                            name=f"tp_v{i}_part{p.index(r)}", autocast=False,
+                            p.piece(np.zeros(v.shape, v.dtype), p.index(r)),
+                            dtype=v.dtype,
+                            name=f"tp_v{i}_part{p.index(r)}",
+                            autocast=False,
                         )  # fmt: skip
                         for i, (v, p) in enumerate(
                             zip(self.variables, self.plan.placements, strict=True)
@@ -485,8 +488,6 @@ class LayoutParallel(StepHook):
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: every weight's update is applied here
-        from tfdist.parallel.tensor.update import _summed_over
-
         context = tf.distribute.get_replica_context()
         replica, _ = replica_in_step()
         given = {id(v): g for g, v in grads_and_vars}
@@ -500,7 +501,7 @@ class LayoutParallel(StepHook):
             placement = self.plan.placements[chosen[0]]
             mine = placement.index(replica)
             copies = [r for r in range(self.replicas) if placement.index(r) == mine]
-            got = _summed_over(
+            got = summed_over(
                 context, [grads[i] for i in chosen], [tuple(parts[i].shape) for i in chosen], copies
             )
             summed.update(zip(chosen, got, strict=True))

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import weakref
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import FitError
@@ -140,6 +141,39 @@ def scatter_to_parts(x, degree: int, width: int):
     return tf.ensure_shape(x[..., rank * width : (rank + 1) * width], [*x.shape[:-1], width])
 
 
+def summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
+    """Each of `grads` summed over the replicas `copies` (each replica passes its own).
+
+    The dense ones travel packed in one gather. A sparse gradient (an embedding's lookups)
+    stays sparse: its rows are gathered, not added, as Keras's own optimizers take them
+    (Adam squares each looked-up row's gradient apart, so a densified sum would train
+    differently from Keras on one device).
+    """
+    if len(copies) == 1:
+        return list(grads)
+    out = list(grads)
+    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
+    if dense:
+        flat = tf.concat([tf.reshape(tf.convert_to_tensor(grads[i]), [-1]) for i in dense], 0)
+        everyone = context.all_gather(flat[None], axis=0)  # [replicas, elements]
+        total = tf.add_n([everyone[r] for r in copies])
+        sizes = [int(np.prod(shapes[i])) for i in dense]
+        for i, piece in zip(dense, tf.split(total, sizes), strict=True):
+            out[i] = tf.reshape(piece, shapes[i])
+    for i, grad in enumerate(grads):
+        if isinstance(grad, tf.IndexedSlices):
+            counts = context.all_gather(tf.shape(grad.indices)[:1], axis=0)
+            values = context.all_gather(grad.values, axis=0)
+            indices = context.all_gather(grad.indices, axis=0)
+            starts = tf.concat([[0], tf.cumsum(counts)], 0)
+            out[i] = tf.IndexedSlices(
+                tf.concat([values[starts[r] : starts[r + 1]] for r in copies], 0),
+                tf.concat([indices[starts[r] : starts[r + 1]] for r in copies], 0),
+                grad.dense_shape,
+            )
+    return out
+
+
 __all__ = [
     "TensorParallelError",
     "gather_from_group",
@@ -148,4 +182,5 @@ __all__ = [
     "replica_in_step",
     "scatter_to_parts",
     "step_sizes",
+    "summed_over",
 ]

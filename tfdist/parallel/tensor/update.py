@@ -11,12 +11,12 @@ be updated correctly.
 from __future__ import annotations
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import updates
 from tfdist.parallel.tensor.layers import split_layers
-from tfdist.parallel.tensor.mappings import TensorParallelError
+from tfdist.parallel.tensor.layout import LayoutParallel, plan_of
+from tfdist.parallel.tensor.mappings import TensorParallelError, summed_over
 from tfdist.training.runner import Runner, StepHook
 
 
@@ -91,7 +91,7 @@ class TensorParallelUpdate(StepHook):
         grads = [
             tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, parts, strict=True)
         ]
-        summed = _summed_over(context, grads, [tuple(v.shape) for v in parts], copies)
+        summed = summed_over(context, grads, [tuple(v.shape) for v in parts], copies)
         copy, user = self.optimizers[replica], self.user
         with tf.device(parts[0].value.device):
             # The user's optimizer counts the step after this hook (Adam's bias correction
@@ -111,45 +111,10 @@ class TensorParallelUpdate(StepHook):
 def update_for(model: keras.Model) -> StepHook | None:
     """The update a model's split layers need in tfdist.fit's chain (None: it has none):
     LayoutParallel for a model tensor_parallel(layout_map=...) marked."""
-    from tfdist.parallel.tensor.layout import LayoutParallel, plan_of
-
     plan = plan_of(model)
     if plan is not None:
         return LayoutParallel(plan)
     return TensorParallelUpdate() if split_layers(model) else None
-
-
-def _summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
-    """Each of `grads` summed over the replicas `copies` (each replica passes its own).
-
-    The dense ones travel packed in one gather. A sparse gradient (an embedding's lookups)
-    stays sparse: its rows are gathered, not added, as Keras's own optimizers take them
-    (Adam squares each looked-up row's gradient apart, so a densified sum would train
-    differently from Keras on one device).
-    """
-    if len(copies) == 1:
-        return list(grads)
-    out = list(grads)
-    dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
-    if dense:
-        flat = tf.concat([tf.reshape(tf.convert_to_tensor(grads[i]), [-1]) for i in dense], 0)
-        everyone = context.all_gather(flat[None], axis=0)  # [replicas, elements]
-        total = tf.add_n([everyone[r] for r in copies])
-        sizes = [int(np.prod(shapes[i])) for i in dense]
-        for i, piece in zip(dense, tf.split(total, sizes), strict=True):
-            out[i] = tf.reshape(piece, shapes[i])
-    for i, grad in enumerate(grads):
-        if isinstance(grad, tf.IndexedSlices):
-            counts = context.all_gather(tf.shape(grad.indices)[:1], axis=0)
-            values = context.all_gather(grad.values, axis=0)
-            indices = context.all_gather(grad.indices, axis=0)
-            starts = tf.concat([[0], tf.cumsum(counts)], 0)
-            out[i] = tf.IndexedSlices(
-                tf.concat([values[starts[r] : starts[r + 1]] for r in copies], 0),
-                tf.concat([indices[starts[r] : starts[r + 1]] for r in copies], 0),
-                grad.dense_shape,
-            )
-    return out
 
 
 __all__ = ["TensorParallelUpdate", "update_for"]
