@@ -279,6 +279,37 @@ def test_sigterm_in_a_users_script_backs_up_at_that_step_and_the_rerun_resumes_t
         assert max_diff(got, references["cnn"][0]) <= WEIGHTS_TOLERANCE
 
 
+@pytest.mark.parametrize("layout", ["zero3", "pipeline"])
+def test_a_killed_shard_or_stage_is_one_line_and_the_restart_equals_the_uninterrupted_run(
+    references, tmp_path, layout
+):
+    """Under zero3 (each process holds half of every weight) or a 2-stage pipeline (a stage
+    each), worker:1 is SIGKILLed at step 11 of 16: worker:0 stops with one line naming it
+    and the checkpoint a restart resumes from; the restarted job resumes at step 10 and ends
+    on the weights of Keras's uninterrupted fit on one device."""
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "tools.launch", "--workers", "2", "--grace", "120",
+            "--max_restarts", "1", "--timeout", "400", "--",
+            sys.executable, "-m", "tests.workers.stop_worker", f"sigkill_{layout}", str(tmp_path),
+        ],
+        cwd=REPO, capture_output=True, text=True, timeout=450,
+        env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "[launch] worker:1 was killed by SIGKILL" in output
+    lines = [line for line in output.splitlines() if line.startswith("[worker:0] error:")]
+    assert len(lines) == 1 and "Lost worker:1" in lines[0], output[-4000:]
+    assert "resumes from" in lines[0] and lines[0].count("ckpt-10") == 1, lines[0]
+    assert "Traceback" not in output
+    assert output.count("Restored ") == 2 and "ckpt-10" in output.split("Restored ")[1]
+    for task in ("worker_0", "worker_1"):
+        arrays = np.load(tmp_path / task / "cnn.npz")
+        got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+        assert max_diff(got, references["cnn"][0]) <= WEIGHTS_TOLERANCE, task
+
+
 def test_a_killed_worker_in_a_users_script_is_one_line_naming_it_on_the_survivor(tmp_path):
     """worker:1 is SIGKILLed mid-epoch; worker:0, blocked in the step's all-reduce, stops
     within a minute with one line naming worker:1 and the restartable code, no traceback."""

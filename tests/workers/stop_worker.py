@@ -3,11 +3,17 @@ of it is stopped mid-epoch 2, for tests/test_fit_multiworker.py:
 
   tfdist-launch --workers 2 --max_restarts 1 -- python -m tests.workers.stop_worker sigterm OUT
   tfdist-launch --workers 2 --grace 120 -- python -m tests.workers.stop_worker sigkill OUT
+  tfdist-launch --workers 2 --grace 120 --max_restarts 1 -- \
+      python -m tests.workers.stop_worker sigkill_zero3 OUT          # or sigkill_pipeline
 
 sigterm: worker:1 receives SIGTERM once, at epoch 2 batch 3; every worker backs up at the same
   step (BackupAndRestore), exits with the restartable code, and the restarted job resumes
   there and finishes.
 sigkill: worker:1 is SIGKILLed at epoch 2 batch 3; worker:0 is left waiting for it.
+sigkill_zero3, sigkill_pipeline: the same kill, with the model's weights sharded over the two
+  processes (zero3, built in tfdist.host_scope) or cut into a stage on each (a pipeline of
+  2 stages); a tfdist.StepCheckpoint every 2 steps, so the restarted job resumes at step 10
+  of 16 and trains the rest.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import numpy as np  # noqa: E402
 from tests import fit_models  # noqa: E402
 
 SIGNALS = {"sigterm": signal.SIGTERM, "sigkill": signal.SIGKILL}
+MODES = [*SIGNALS, "sigkill_zero3", "sigkill_pipeline"]
 AT = (1, 2)  # (epoch, batch), both from 0
 
 
@@ -56,12 +63,21 @@ def main(mode: str, out: str) -> None:
     shared = os.path.join(out, "shared")
     os.makedirs(shared, exist_ok=True)
     strategy = tfdist.build_strategy("multi_worker_mirrored")
-    with strategy.scope():
+    layout = mode.partition("_")[2]
+    keywords = {}
+    with tfdist.host_scope(strategy) if layout else strategy.scope():
         model, data = fit_models.cnn()
-    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"))]
+    if layout:
+        callbacks = [tfdist.StepCheckpoint(os.path.join(shared, "run"), every_n_steps=2)]
+    else:
+        callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"))]
+    if layout == "zero3":
+        keywords["shard_optimizer"] = "zero3"
+    elif layout == "pipeline":  # the convolution on worker:0, Flatten and Dense on worker:1
+        keywords["pipeline"] = tfdist.parallel.Pipeline(cut_before=[model.layers[1].name])
     if name == "worker_1":
-        callbacks.append(SignalOnce(os.path.join(shared, "signalled"), SIGNALS[mode]))
-    tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0, callbacks=callbacks)
+        callbacks.append(SignalOnce(os.path.join(shared, "signalled"), SIGNALS[mode[:7]]))
+    tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0, callbacks=callbacks, **keywords)
     os.makedirs(os.path.join(out, name), exist_ok=True)
     np.savez(os.path.join(out, name, "cnn.npz"), *model.get_weights())
 
@@ -69,6 +85,6 @@ def main(mode: str, out: str) -> None:
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("tfdist").setLevel(logging.INFO)
-    if len(sys.argv) != 3 or sys.argv[1] not in SIGNALS:
-        sys.exit(f"usage: stop_worker {{{','.join(SIGNALS)}}} OUT")
+    if len(sys.argv) != 3 or sys.argv[1] not in MODES:
+        sys.exit(f"usage: stop_worker {{{','.join(MODES)}}} OUT")
     main(sys.argv[1], sys.argv[2])
