@@ -3,10 +3,14 @@
 Over 2 and 4 replicas of a mirrored strategy on 4 logical CPUs (2-way tensor x 2-way data,
 and 4-way tensor): forward outputs and gradients inside the strategy's step, and a small
 transformer classifier, converted by `tensor_parallel`, trained through tfdist.fit against
-the unsplit model trained by Keras's own fit on one device.
+the unsplit model trained by Keras's own fit on one device; and keras-hub's Gemma split by
+its own layout map (`tensor_parallel(layout_map=...)`), against Keras's fit, with the bytes
+each device holds during fit.
 """
 
 from __future__ import annotations
+
+import gc
 
 import keras
 import numpy as np
@@ -463,18 +467,27 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     devices, gemma_reference
 ):
     """keras-hub's Gemma causal LM (random weights, its padding mask as sample weights), split
-    by GemmaBackbone.get_layout_map over a model axis of 2: 1 group of 2 replicas, or 2
-    groups (2-way tensor x 2-way data). Its embedding (the tied logits too), query, output
-    and MLP kernels are split; its single key/value head is held by both replicas of a
-    group; norms whole. On 4 devices fit is called twice, an epoch each, as users do."""
+    by GemmaBackbone.get_layout_map over a model axis of 2: 1 group of 2 replicas (on CPU:1
+    and CPU:2, the host CPU:0 apart), or 2 groups (2-way tensor x 2-way data). Its embedding
+    (the tied logits too), query, output and MLP kernels are split; its single key/value
+    head is held by both replicas of a group; norms whole. On 4 devices fit is called
+    twice, an epoch each, as users do. During fit each replica's device holds 3x its share
+    (Adam: its parts and what it holds whole, with their slots), and the host the model."""
     from tests import keras_hub_models
     from tfdist.parallel.tensor.layout import plan_of
 
     reference, history = gemma_reference
-    with tfdist.host_scope(mirrored(devices)):
+    replicas = range(1, 3) if devices == 2 else range(4)
+    strategy = tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in replicas]
+    )
+    gc.collect()  # nothing of an earlier test freed during the count
+    record = tfdist.DeviceBytes()  # counts what is made from here on
+    with tfdist.host_scope(strategy):
         model = keras_hub_models.gemma_causal_lm()
     assert tensor_parallel(model, layout_map=gemma_layout(devices, 2)) is model
-    placements = zip(model.trainable_variables, plan_of(model).placements, strict=True)
+    plan = plan_of(model)
+    placements = zip(model.trainable_variables, plan.placements, strict=True)
     held = {v.path: p.parts for v, p in placements}
     assert held["token_embedding/embeddings"] == 2
     assert held["decoder_block_0/attention/query/kernel"] == 2
@@ -483,9 +496,12 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     assert held["decoder_block_0/pre_ffw_norm/scale"] == 1
     data = keras_hub_models.token_data()
     if devices == 4:
-        losses = [tfdist.fit(model, data, verbose=0).history["loss"][0] for _ in range(2)]
+        losses = [
+            tfdist.fit(model, data, verbose=0, callbacks=[record]).history["loss"][0]
+            for _ in range(2)
+        ]
     else:
-        losses = tfdist.fit(model, data, epochs=2, verbose=0).history["loss"]
+        losses = tfdist.fit(model, data, epochs=2, verbose=0, callbacks=[record]).history["loss"]
     assert losses == pytest.approx(history["loss"], abs=1e-5)
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
     for v, want, got in weights:
@@ -493,6 +509,16 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     # The model is the user's Keras model again outside the step: whole weights, plain calls.
     tokens = next(iter(data))[0]
     np.testing.assert_allclose(model(tokens), reference(tokens), atol=1e-4)
+    # Memory: the parts, not the whole, on each device.
+    split, whole = plan.split_bytes(model)  # the single key/value head: whole on each
+    assert split / (split + whole) > 0.8  # what the map splits is most of the model
+    share = whole + split / 2
+    for device in replicas:
+        if device:  # CPU:0 over 4 replicas is also the host
+            got = record.added[f"CPU:{device}"]
+            assert got == pytest.approx(3.0 * share, rel=0.05), (device, got / share)
+    if devices == 2:
+        assert record.added["CPU:0"] == pytest.approx(split + whole, rel=0.05)
 
 
 def test_a_layout_map_keras_hub_writes_is_checked_before_training():
