@@ -33,6 +33,25 @@ def gemma_causal_lm() -> keras.Model:
     return model
 
 
+def llama_causal_lm() -> keras.Model:
+    """2 decoder layers, 4 query heads sharing 1 key/value head, logits from a table of their
+    own (untied); compiled as gemma_causal_lm is."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.LlamaBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32,
+    )  # fmt: skip
+    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    model.compile(
+        optimizer=keras.optimizers.Adam(0.01),
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        weighted_metrics=["accuracy"],
+    )
+    return model
+
+
 def token_data() -> tf.data.Dataset:
     """(features, next tokens, weights): padded sequences whose padding weighs nothing."""
     rng = np.random.default_rng(0)

@@ -521,6 +521,35 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
         assert record.added["CPU:0"] == pytest.approx(split + whole, rel=0.05)
 
 
+def test_llama_splits_by_heads_where_its_own_map_splits_by_width():
+    """keras-hub's Llama map splits the attention's query, key and value kernels by the
+    model's width (GSPMD inserts what that needs); tfdist splits attention by heads, so it
+    refuses that in one line naming the dimension to split instead. With those kernels split
+    by heads, the causal LM (4 query heads sharing 1 key/value head, untied logits) trains
+    as Keras's fit on one device."""
+    import keras_hub
+
+    from tests import keras_hub_models
+
+    names = ["cpu:0", "cpu:1"]
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], names)
+    layout = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    with tfdist.host_scope(mirrored(2)):
+        model = keras_hub_models.llama_causal_lm()
+    with pytest.raises(TensorParallelError, match=r"by its heads.*Split it along its heads"):
+        tensor_parallel(model, layout_map=layout)
+    attention = "transformer_layer.*self_attention.*(query|key|value).kernel"
+    del layout[attention]
+    layout[attention] = (None, "model", None)  # (width, heads, head size): by heads
+    tensor_parallel(model, layout_map=layout)
+    reference = keras_hub_models.llama_causal_lm()
+    want = reference.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
+    got = tfdist.fit(model, keras_hub_models.token_data(), epochs=2, verbose=0)
+    assert got.history["loss"] == pytest.approx(want.history["loss"], abs=1e-5)
+    for want_w, got_w in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert np.max(np.abs(want_w - got_w)) <= TOLERANCE
+
+
 def test_a_layout_map_keras_hub_writes_is_checked_before_training():
     """One line each: a mesh without the model axis, both degree= and layout_map=, a weight
     of a layer that cannot split, and heads that do not divide over the model axis."""

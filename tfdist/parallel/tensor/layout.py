@@ -33,13 +33,16 @@ inside the exchanges Megatron-LM puts around them, by what the split does to the
            keeps its own examples (a reduce-scatter); a bias it has is added once;
   vocab    an Embedding split by its vocabulary: each replica looks up the ids in its range,
            and the parts are added; keras-hub's ReversibleEmbedding, called in reverse for
-           the logits, gives each replica its columns of them, gathered;
+           the logits, gives each replica its columns of them, gathered (from the tied table,
+           or from its own reverse table where the map splits that);
   heads    an attention layer that counts its heads in attributes (keras-hub's
            `num_query_heads`, `num_key_value_heads`): its input and attention mask are
            gathered over the group once, it runs with this replica's heads (its head counts
            divided by T while the step is traced; key/value heads fewer than T are held
            whole by the replicas that share them, as Megatron replicates them), and its
-           output is reduced as a row layer's.
+           output is reduced as a row layer's. Its kernels must be split by heads: a map
+           that splits them by the model's width (keras-hub's Llama map, which GSPMD runs)
+           is refused in one line naming the dimension to split instead.
 
 Gradients: a part's gradient counts its group's examples, so it is summed over the replicas
 that hold the same part (one per group; every replica for a weight held whole) and applied
@@ -54,6 +57,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import re
 import threading
 import weakref
@@ -183,7 +187,7 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
         for key, placement in extra.items():
             _check_divides(by_id[key], placement, degree, shared=kind == "column")
         placements.update(extra)
-    regions = _head_regions(model, {id(layer) for layer, _ in layers.values()}, degree)
+    regions = _head_regions(model, {id(layer) for layer, _ in layers.values()}, degree, axes)
     plan = LayoutPlan(
         degree=degree,
         placements=[
@@ -216,9 +220,9 @@ def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Place
             f"{type(layer).__name__}. Leave it out of the map. Received: {name} split"
         )
     if isinstance(layer, keras.layers.Dense):
-        inputs, kernel, output = "...a", "ab", "...b"
-    else:
-        inputs, kernel, output = re.split(r",|->", layer.equation.replace(" ", ""))
+        kernel, output = "ab", "...b"
+    else:  # "btd,ndh->btnh": the input's, the kernel's and the output's letters
+        kernel, output = re.split(r",|->", layer.equation.replace(" ", ""))[1:]
     letter = kernel[axis]
     placements = {id(variable): Placement(axis, degree, degree)}
     bias = getattr(layer, "bias", None)
@@ -234,7 +238,6 @@ def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Place
             "activation would be applied to a part. Split it by its outputs instead, or "
             f"move the activation to a layer of its own. Received: {layer.activation}"
         )
-    del inputs
     if bias is not None:
         placements[id(bias)] = Placement(None, 1, degree, scale=1.0 / degree)
     return "row", placements
@@ -266,7 +269,30 @@ def _check_divides(variable, placement: Placement, degree: int, *, shared: bool)
     )
 
 
-def _head_regions(model, split: set[int], degree: int) -> list[keras.layers.Layer]:
+def _check_split_by_heads(region, split_axes: dict[int, int]) -> None:
+    """Inside an attention layer tfdist splits the heads: each split kernel there must be
+    split along a dimension of a head count's size (keras-hub's Llama map splits its query,
+    key and value kernels by the model's width instead, which GSPMD can run and this cannot)."""
+    counts = {getattr(region, a) for a in HEAD_COUNTS if isinstance(getattr(region, a, None), int)}
+    for inner in compat.all_layers(region):
+        kernel = getattr(inner, "kernel", None)
+        if inner is region or kernel is None or id(kernel) not in split_axes:
+            continue
+        axis = split_axes[id(kernel)]
+        if int(kernel.shape[axis]) not in counts:
+            heads = [i for i, n in enumerate(kernel.shape) if int(n) in counts]
+            raise TensorParallelError(
+                f"{kernel.path}: inside {region.name} tfdist splits attention by its heads, "
+                f"and the map splits this kernel along dimension {axis} (of "
+                f"{int(kernel.shape[axis])}), not a head count ({sorted(counts)}). Split it "
+                f"along its heads (dimension {heads[0] if heads else '?'}) in the map. "
+                f"Received: shape {tuple(kernel.shape)}"
+            )
+
+
+def _head_regions(
+    model, split: set[int], degree: int, split_axes: dict[int, int]
+) -> list[keras.layers.Layer]:
     """The attention layers that run on the group's examples with this replica's heads:
     layers that count heads and hold split layers, innermost first (a decoder block that
     holds such an attention layer is not one)."""
@@ -284,6 +310,7 @@ def _head_regions(model, split: set[int], degree: int) -> list[keras.layers.Laye
         if not any(other is not layer and other in compat.all_layers(layer) for other in found)
     ]
     for layer in inner:
+        _check_split_by_heads(layer, split_axes)
         if getattr(layer, "query_head_dim_normalize", True) is False:
             raise TensorParallelError(
                 f"{layer.name} scales its queries by hidden_dim // num_query_heads, which "
@@ -441,15 +468,28 @@ class LayoutParallel(StepHook):
         degree = self.plan.degree
         for variable, stand_in in zip(self.variables, self._stand_ins, strict=True):
             compat.replace_storage(variable, stand_in)
-        self._heads = []
+        self._heads = []  # (layer, attribute, its value): set back when the trace ends
         for layer, kind in self.plan.layers:
             compat.replace_call(layer, _CALLS[kind](self, layer, layer.call))
+            if kind == "row" and layer.input_spec is not None:
+                # Keras checks the input's width against the whole kernel's (Dense): this
+                # replica's part takes its share of the features.
+                self._heads.append((layer, "input_spec", layer.input_spec))
+                layer.input_spec = None
             if kind == "heads":
-                for attribute in HEAD_COUNTS:
-                    count = getattr(layer, attribute, None)
-                    if isinstance(count, int):
-                        self._heads.append((layer, attribute, count))
-                        setattr(layer, attribute, _local_heads(count, degree))
+                local = {
+                    attribute: _local_heads(count, degree)
+                    for attribute in HEAD_COUNTS
+                    if isinstance(count := getattr(layer, attribute, None), int)
+                }
+                if isinstance(getattr(layer, "num_key_value_groups", None), int):
+                    # Llama repeats each key/value head for its queries: here, this replica's
+                    local["num_key_value_groups"] = (
+                        local["num_query_heads"] // local["num_key_value_heads"]
+                    )
+                for attribute, count in local.items():
+                    self._heads.append((layer, attribute, getattr(layer, attribute)))
+                    setattr(layer, attribute, count)
 
     def _exit(self) -> None:
         for variable, storage in zip(self.variables, self.hosts, strict=True):
@@ -479,6 +519,11 @@ class LayoutParallel(StepHook):
         if key not in self._gathers:
             self._gathers[key] = gather_from_group(x, self.plan.degree)
         return self._gathers[key]
+
+    def is_split(self, variable) -> bool:
+        """Whether the replicas hold `variable` in parts."""
+        i = next(i for i, v in enumerate(self.variables) if v is variable)
+        return self.plan.placements[i].parts > 1
 
     def part(self, i: int) -> keras.Variable:
         replica, _ = replica_in_step()
@@ -563,7 +608,10 @@ class _Part:
 
 
 def _column(hook: LayoutParallel, layer, call):
-    def column(inputs, *args, **kwargs):
+    first = _first_argument(call)
+
+    def column(*args, **kwargs):
+        inputs, args, kwargs = first(args, kwargs)
         if replica_in_step() is None or hook.in_region():
             return call(inputs, *args, **kwargs)
         return call(hook.group_rows(inputs)[0], *args, **kwargs)
@@ -572,7 +620,10 @@ def _column(hook: LayoutParallel, layer, call):
 
 
 def _row(hook: LayoutParallel, layer, call):
-    def row(inputs, *args, **kwargs):
+    first = _first_argument(call)
+
+    def row(*args, **kwargs):
+        inputs, args, kwargs = first(args, kwargs)
         partial = call(inputs, *args, **kwargs)
         if replica_in_step() is None or hook.in_region():
             return partial
@@ -582,15 +633,24 @@ def _row(hook: LayoutParallel, layer, call):
 
 
 def _vocab(hook: LayoutParallel, layer, call):
+    first = _first_argument(call)
     degree = hook.plan.degree
+    table_split = hook.is_split(layer.embeddings)
+    reverse_table = getattr(layer, "reverse_embeddings", None)  # untied logits: a table apart
+    logits_split = hook.is_split(layer.embeddings if reverse_table is None else reverse_table)
 
-    def vocab(inputs, *args, **kwargs):
+    def vocab(*args, **kwargs):
+        inputs, args, kwargs = first(args, kwargs)
         if replica_in_step() is None:
             return call(inputs, *args, **kwargs)
         replica, _ = replica_in_step()
         if kwargs.get("reverse", args[0] if args else False):  # the logits: my columns
+            if not logits_split:
+                return call(inputs, *args, **kwargs)
             x, sizes = hook.group_rows(inputs)
             return gather_from_parts(call(x, *args, **kwargs), sizes, degree)
+        if not table_split:
+            return call(inputs, *args, **kwargs)
         ids, sizes = hook.group_rows(inputs)
         rows = layer.input_dim // degree
         local = tf.cast(ids, "int32") - (replica % degree) * rows
@@ -603,7 +663,10 @@ def _vocab(hook: LayoutParallel, layer, call):
 
 
 def _heads(hook: LayoutParallel, layer, call):
-    def heads(inputs, *args, **kwargs):
+    first = _first_argument(call)
+
+    def heads(*args, **kwargs):
+        inputs, args, kwargs = first(args, kwargs)
         if replica_in_step() is None:
             return call(inputs, *args, **kwargs)
         x, sizes = hook.group_rows(inputs)
@@ -625,6 +688,20 @@ def _heads(hook: LayoutParallel, layer, call):
         return reduce_scatter_to_group(partial, sizes, hook.plan.degree)
 
     return heads
+
+
+def _first_argument(call):
+    """A function that takes a call's first argument out of (args, kwargs), however it was
+    passed (keras-hub's Llama passes its attention layer's input by name)."""
+    name = next(iter(inspect.signature(call).parameters))
+
+    def first(args, kwargs):
+        if args:
+            return args[0], args[1:], kwargs
+        kwargs = dict(kwargs)
+        return kwargs.pop(name), (), kwargs
+
+    return first
 
 
 _CALLS = {"column": _column, "row": _row, "vocab": _vocab, "heads": _heads}
