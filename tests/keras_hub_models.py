@@ -24,18 +24,12 @@ def gemma_causal_lm() -> keras.Model:
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
         hidden_dim=16, intermediate_dim=32, head_dim=8,
     )  # fmt: skip
-    model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-    model.compile(
-        optimizer=keras.optimizers.Adam(0.01),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        weighted_metrics=["accuracy"],
-    )
-    return model
+    return _compiled(keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None))
 
 
 def llama_causal_lm() -> keras.Model:
     """2 decoder layers, 4 query heads sharing 1 key/value head, logits from a table of their
-    own (untied); compiled as gemma_causal_lm is."""
+    own (untied); compiled as gemma_causal_lm is. Shared with tests/test_tensor.py."""
     import keras_hub
 
     keras.utils.set_random_seed(0)
@@ -43,7 +37,11 @@ def llama_causal_lm() -> keras.Model:
         vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=1,
         hidden_dim=16, intermediate_dim=32,
     )  # fmt: skip
-    model = keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None)
+    return _compiled(keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None))
+
+
+def _compiled(model: keras.Model) -> keras.Model:
+    """As keras-hub's examples compile a causal LM: logits, per-token sample weights."""
     model.compile(
         optimizer=keras.optimizers.Adam(0.01),
         loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),

@@ -1,7 +1,9 @@
 """What the modes that update weights themselves share (pipeline stages, tensor-parallel
 parts, ZeRO's slices): a copy of the user's optimizer for the weights a replica keeps, built
 outside the strategy; the checks that such a copy can stand for the user's optimizer; and
-one update step through the copy's `update_step`, as Keras's `apply` takes it.
+one update step through the copy's `update_step`, as Keras's `apply` takes it. And for the
+modes whose weights read as a replica's own variable while a step is traced (ZeRO-3's
+slices, a layout map's parts): that variable's stand-in storage, and the span of the trace.
 
 A copy is the user's optimizer's class and config, its slots built for the weights it is
 given (plain variables on one device). Its step goes through `update_step` directly, not
@@ -10,8 +12,9 @@ given (plain variables on one device). Its step goes through `update_step` direc
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import keras
 import tensorflow as tf
@@ -97,6 +100,98 @@ def update_step(optimizer, grads, variables, *, learning_rate, weight_decay) -> 
         if weight_decay and compat.uses_weight_decay(optimizer, variable):
             variable.assign(variable - variable * tf.cast(weight_decay, variable.dtype) * lr)
         optimizer.update_step(grad, variable, lr)
+
+
+def decoupled_decays(optimizer, variables) -> list[bool]:
+    """For each of `variables`, whether the optimizer decays it (weight_decay, and the
+    variable not excluded): a copy built for other variables (slices, parts) cannot tell by
+    their names."""
+    return [
+        bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v) for v in variables
+    ]
+
+
+def apply_with_copy(user, copy, grads, variables, decays, device) -> None:
+    """One update of a replica's own `variables` by its `copy` of the `user`'s optimizer, as
+    Keras's apply makes it (decoupled decay first, where `decays`), the copy counting the
+    user's steps; then the user's optimizer counts the step (it ends the chain)."""
+    done = []
+    with tf.device(device):
+        copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
+        weight_decay = user.weight_decay or 0.0
+        for grad, variable, decay in zip(grads, variables, decays, strict=True):
+            lr = tf.cast(user.learning_rate, variable.dtype)
+            if decay:
+                variable.assign(variable - variable * tf.cast(weight_decay, variable.dtype) * lr)
+            copy.update_step(grad, variable, lr)
+            done.append(tf.identity(variable.value))
+    with tf.control_dependencies(done):
+        user.iterations.assign_add(1)
+
+
+class TraceSpan:
+    """`enter` when the first replica's step begins to be traced, `leave` after the last
+    (a mirrored strategy traces its replicas in threads at once): while a mode's weights
+    read through stand-ins.
+
+        with span():
+            return train_step(batch)
+    """
+
+    def __init__(self, enter: Callable[[], None], leave: Callable[[], None]):
+        self._enter, self._leave = enter, leave
+        self._lock = threading.Lock()
+        self._tracing = 0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[None]:
+        with self._lock:
+            if not self._tracing:
+                self._enter()
+            self._tracing += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._tracing -= 1
+                if not self._tracing:
+                    self._leave()
+
+
+class StandIn:
+    """A Keras weight's storage while a step is traced (compat.replace_storage): its value
+    is what `read` gives on this replica, and its handle is `own()`, this replica's own
+    variable, so the tape's gradient for the weight is that variable's."""
+
+    def __init__(self, whole, own: Callable[[], keras.Variable]):
+        self.own = own
+        self.dtype, self.shape, self.name = whole.dtype, whole.shape, whole.name
+        self._shared_name = whole._shared_name
+
+    def read(self) -> tf.Tensor:
+        raise NotImplementedError
+
+    @property
+    def handle(self):
+        return self.own().handle
+
+    @property
+    def device(self):
+        return self.own().value.device
+
+    def __tf_tensor__(self, dtype=None, name=None):
+        value = self.read()
+        if dtype is not None and tf.as_dtype(dtype) != value.dtype:
+            value = tf.cast(value, dtype)
+        return value
+
+    def read_value(self):
+        return self.__tf_tensor__()
+
+    def read_after_update(self) -> tf.Tensor:
+        """A tensor that exists once this replica's variable has its new value (a step's
+        clock reads it; reading the weight itself could gather it again)."""
+        return tf.identity(self.own().value)
 
 
 def one_replica_per_process(

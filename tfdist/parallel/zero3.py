@@ -47,10 +47,8 @@ next layer's gather.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-import threading
 import weakref
 
 import keras
@@ -94,8 +92,10 @@ class ShardedParameters(StepHook):
 
     def __init__(self):
         self.shards: list[list[keras.Variable]] = []
-        self._lock = threading.Lock()
-        self._readers = 0
+        # While a step is traced each weight reads through its stand-in; then its host copy.
+        self._reading_slices = updates.TraceSpan(
+            lambda: self._storages(self._stand_ins), lambda: self._storages(self.hosts)
+        )
 
     @property
     def name(self) -> str:
@@ -124,10 +124,7 @@ class ShardedParameters(StepHook):
         self._stand_ins = [_Gathered(self, i) for i in range(len(self.variables))]
         self.sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in self.variables]
         self.lengths = [max(1, math.ceil(n / self.ranks)) for n in self.sizes]
-        self.decays = [
-            bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
-            for v in self.variables
-        ]
+        self.decays = updates.decoupled_decays(optimizer, self.variables)
         self.optimizer = optimizer
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the slices keep the slots
@@ -230,23 +227,9 @@ class ShardedParameters(StepHook):
         with self._reading_slices():
             return train_step(batch)
 
-    @contextlib.contextmanager
-    def _reading_slices(self):
-        """While any replica's step is traced (a mirrored strategy traces them in threads at
-        once), each weight reads through its stand-in; after the last, its host copy."""
-        with self._lock:
-            if not self._readers:
-                for variable, stand_in in zip(self.variables, self._stand_ins, strict=True):
-                    compat.replace_storage(variable, stand_in)
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._readers -= 1
-                if not self._readers:
-                    for variable, storage in zip(self.variables, self.hosts, strict=True):
-                        compat.replace_storage(variable, storage)
+    def _storages(self, storages) -> None:
+        for variable, storage in zip(self.variables, storages, strict=True):
+            compat.replace_storage(variable, storage)
 
     def gathered(self, i: int) -> tf.Tensor:
         """Weight `i` whole on this replica, all-gathered from every replica's slice.
@@ -294,21 +277,11 @@ class ShardedParameters(StepHook):
             _check_unchanged(given[id(self.variables[i])], [e.mine for e in kept], i, self)
             entries[i] = kept
         slices = self._summed_slices(context, d, entries)
-        user, copy = self.optimizer, self.copies[d]
-        learning_rate = user.learning_rate
-        weight_decay = user.weight_decay or 0.0
-        done = []
-        with tf.device(self.devices[d]):
-            copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
-            for i in present:
-                shard = self.shards[d][i]
-                lr = tf.cast(learning_rate, shard.dtype)
-                if self.decays[i]:  # decoupled decay, first (Keras's order)
-                    shard.assign(shard - shard * tf.cast(weight_decay, shard.dtype) * lr)
-                copy.update_step(slices[i], shard, lr)
-                done.append(tf.identity(shard.value))
-        with tf.control_dependencies(done):
-            user.iterations.assign_add(1)
+        updates.apply_with_copy(
+            self.optimizer, self.copies[d], [slices[i] for i in present],
+            [self.shards[d][i] for i in present], [self.decays[i] for i in present],
+            self.devices[d],
+        )  # fmt: skip
         return None
 
     def _summed_slices(self, context, d: int, entries: dict) -> dict:
@@ -366,38 +339,17 @@ class ShardedParameters(StepHook):
         }
 
 
-class _Gathered:
+class _Gathered(updates.StandIn):
     """A weight's storage while a zero3 step is traced: reading it gathers the weight from
     the replicas' slices (ShardedParameters.gathered); its resource handle is this
     replica's slice, so the tape's gradient for the weight is the slice's."""
 
     def __init__(self, hook: ShardedParameters, index: int):
+        super().__init__(hook.hosts[index], lambda: hook.shard(index))
         self.hook, self.index = hook, index
-        whole = hook.hosts[index]
-        self.dtype, self.shape, self.name = whole.dtype, whole.shape, whole.name
-        self._shared_name = whole._shared_name
 
-    @property
-    def handle(self):
-        return self.hook.shard(self.index).handle
-
-    @property
-    def device(self):
-        return self.hook.shard(self.index).value.device
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        value = self.hook.gathered(self.index)
-        if dtype is not None and tf.as_dtype(dtype) != value.dtype:
-            value = tf.cast(value, dtype)
-        return value
-
-    def read_value(self):
-        return self.__tf_tensor__()
-
-    def read_after_update(self) -> tf.Tensor:
-        """A tensor that exists once this replica's slice has its new value (a step's
-        clock reads it; reading the whole weight would gather it again)."""
-        return tf.identity(self.hook.shard(self.index).value)
+    def read(self) -> tf.Tensor:
+        return self.hook.gathered(self.index)
 
 
 class _Backward:

@@ -347,8 +347,9 @@ class LayoutParallel(StepHook):
 
     def __init__(self, plan: LayoutPlan):
         self.plan = plan
-        self._lock = threading.Lock()
-        self._readers = 0
+        # While a replica's step is traced: each weight reads as the replica's part, the
+        # split layers run inside their exchanges, attention layers count its heads.
+        self._traced = updates.TraceSpan(self._enter, self._exit)
         self._region = threading.local()
         self._gathers: dict = {}
 
@@ -390,10 +391,7 @@ class LayoutParallel(StepHook):
                 "read them. Call it again after changing the model."
             )
         self.hosts = [compat.storage_of(v) for v in self.variables]
-        self.decays = [
-            bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
-            for v in self.variables
-        ]
+        self.decays = updates.decoupled_decays(optimizer, self.variables)
         self.optimizer = optimizer
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the parts keep the slots
@@ -446,23 +444,6 @@ class LayoutParallel(StepHook):
     def step(self, batch, train_step):
         with self._traced():
             return train_step(batch)
-
-    @contextlib.contextmanager
-    def _traced(self):
-        """While any replica's step is traced (a mirrored strategy traces them in threads
-        at once): each weight reads as the replica's part, the split layers run inside
-        their exchanges, and attention layers count this replica's heads."""
-        with self._lock:
-            if not self._readers:
-                self._enter()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._readers -= 1
-                if not self._readers:
-                    self._exit()
 
     def _enter(self) -> None:
         degree = self.plan.degree
@@ -550,58 +531,31 @@ class LayoutParallel(StepHook):
                 context, [grads[i] for i in chosen], [tuple(parts[i].shape) for i in chosen], copies
             )
             summed.update(zip(chosen, got, strict=True))
-        user, copy = self.optimizer, self.copies[replica]
-        done = []
-        with tf.device(self.devices[replica]):
-            copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
-            for i in present:
-                part = parts[i]
-                lr = tf.cast(user.learning_rate, part.dtype)
-                if self.decays[i]:  # decoupled decay first, as Keras applies it
-                    part.assign(part - part * tf.cast(user.weight_decay, part.dtype) * lr)
-                copy.update_step(summed[i], part, lr)
-                done.append(tf.identity(part.value))
-        with tf.control_dependencies(done):
-            user.iterations.assign_add(1)
+        updates.apply_with_copy(
+            self.optimizer, self.copies[replica], [summed[i] for i in present],
+            [parts[i] for i in present], [self.decays[i] for i in present],
+            self.devices[replica],
+        )  # fmt: skip
         return None
 
     def checkpoint_state(self) -> dict:
         return {f"tensor_layout_optimizer_{r}": copy for r, copy in enumerate(self.copies)}
 
 
-class _Part:
+class _Part(updates.StandIn):
     """A weight's storage while a step is traced: it reads as this replica's part (a row
     layer's bias as 1/T of it), and its handle is the part's, so the tape's gradient for
     the weight is the part's."""
 
     def __init__(self, hook: LayoutParallel, index: int):
-        self.hook, self.index = hook, index
-        whole = hook.hosts[index]
-        self.dtype, self.shape, self.name = whole.dtype, whole.shape, whole.name
-        self._shared_name = whole._shared_name
+        super().__init__(hook.hosts[index], lambda: hook.part(index))
         self.scale = hook.plan.placements[index].scale
 
-    @property
-    def handle(self):
-        return self.hook.part(self.index).handle
-
-    @property
-    def device(self):
-        return self.hook.part(self.index).value.device
-
-    def __tf_tensor__(self, dtype=None, name=None):
-        value = tf.identity(self.hook.part(self.index).value)  # a read, on the tape
+    def read(self) -> tf.Tensor:
+        value = tf.identity(self.own().value)  # a read, on the tape
         if self.scale != 1.0:
             value = value * tf.constant(self.scale, value.dtype)
-        if dtype is not None and tf.as_dtype(dtype) != value.dtype:
-            value = tf.cast(value, dtype)
         return value
-
-    def read_value(self):
-        return self.__tf_tensor__()
-
-    def read_after_update(self) -> tf.Tensor:
-        return tf.identity(self.hook.part(self.index).value)
 
 
 # --- the exchanges around each kind of split layer -------------------------------------------
