@@ -292,30 +292,26 @@ class BoundedStaleness(StepHook):
             )  # fmt: skip
 
     def begin_step(self, step: AsyncStep) -> list[tf.Tensor]:
-        self._step, self._in_turn = step, False
+        self._step = step
         return [self._wait_for(step.ticket - self.max_staleness)]
 
     def before_update(self, step: AsyncStep) -> list[tf.Tensor]:
-        self._in_turn = True
         return [self._wait_for(step.ticket)]
 
     def apply(self, grads_and_vars, apply_next):
-        if not self._in_turn:
-            # A model's own train_step applies its update inside the step, where the runner
-            # has no before_update to call: the update waits for its turn here.
-            with tf.control_dependencies([self._wait_for(self._step.ticket)]):
-                grads_and_vars = [
-                    (tf.nest.map_structure(tf.identity, g, expand_composites=True), v)
-                    for g, v in grads_and_vars
-                ]
+        # The runner's claim of this update (after its turn came) is ahead in the chain, and
+        # the update runs after it.
         result = apply_next(list(grads_and_vars))
-        # Written once every variable's update has run (ops on one variable run in order).
+        # Written once every variable's update has run (ops on one variable run in order)
+        # and the update is counted: a step that waits for it then reads a counter that
+        # holds it, so its staleness stays within the bound.
         done = [
             tf.raw_ops.VarIsInitializedOp(resource=_resource(v).handle)
             for g, v in grads_and_vars
             if g is not None
         ]
-        with tf.control_dependencies([*done, *([result] if tf.is_tensor(result) else [])]):
+        done += [self._step.staleness, *([result] if tf.is_tensor(result) else [])]
+        with tf.control_dependencies(done):
             self.written.assign(tf.maximum(self.written.read_value(), self._step.ticket + 1))
         return result
 

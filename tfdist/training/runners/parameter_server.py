@@ -48,6 +48,32 @@ log = logging.getLogger(__name__)
 PS_MAX_STALENESS = 0
 
 
+class ClaimUpdate(StepHook):
+    """The link of an asynchronous step's chain, ahead of the user's hooks, that counts its
+    update: once the gradients exist and the hooks' before_update waits are over, it claims
+    the update counter (the step's staleness), and the update, under a staleness-aware
+    rate's scaling, runs after the claim. A hook's `apply` (bounded staleness marking the
+    update written) so always sees `step.staleness` set, and anything that follows the
+    update follows its claim: a step that reads the weights once another's update is
+    written also sees that update counted."""
+
+    def __init__(self, runner: ParameterServerRunner, step: AsyncStep, read: tf.Tensor):
+        self.runner, self.step, self.read = runner, step, read
+
+    def apply(self, grads_and_vars, apply_next):
+        if self.step.staleness is None:  # one claim a step, at its first update
+            grads = [g for g, _ in grads_and_vars if g is not None]
+            self.runner._claim(self.step, self.read, after=grads)
+        schedule = compat.learning_rate_schedule(self.runner.model.optimizer)
+        scaled = (
+            schedule.scaled(self.step.staleness)
+            if isinstance(schedule, StalenessAwareSchedule)
+            else contextlib.nullcontext()
+        )
+        with scaled, tf.control_dependencies([self.step.staleness]):
+            return apply_next(list(grads_and_vars))
+
+
 class ParameterServerRunner(StatelessMetricsRunner):
     """parameter_server: closures of `n` steps scheduled on any free worker; see the module."""
 
@@ -83,30 +109,31 @@ class ParameterServerRunner(StatelessMetricsRunner):
         marks = StepMarks(asked, batch)
         step = AsyncStep(ticket)
         # The counter is read before the step reads the weights, and claimed once its
-        # gradients exist: the updates that landed in between are its staleness. Hooks
-        # may wait before either (bounded staleness) and remember what was read.
+        # gradients exist, just before its update: the updates that landed in between are
+        # its staleness. Hooks may wait before either (bounded staleness) and remember what
+        # was read.
         read = self._read(step)
         with tf.control_dependencies([read]):
             gradients, state = self._stateless_gradients(batch, state)
-        staleness = self._claim(step, read, after=[g for g, _ in gradients])
-        schedule = compat.learning_rate_schedule(self.model.optimizer)
-        scaled = (
-            schedule.scaled(staleness)
-            if isinstance(schedule, StalenessAwareSchedule)
-            else contextlib.nullcontext()
-        )
-        with scaled, updates_through(self.model.optimizer, [marks.clock, *self.hooks]):
+        chain = [marks.clock, ClaimUpdate(self, step, read), *self.hooks]
+        with updates_through(self.model.optimizer, chain):
             self.model.optimizer.apply_gradients(gradients)
-        return state, staleness, marks.end(after=[state, staleness])
+        return state, step.staleness, marks.end(after=[state, step.staleness])
 
     def _user_step_with_staleness(self, batch, asked, state, ticket):
         marks = StepMarks(asked, batch)
-        # The model's own train_step applies its gradients itself: its update is claimed
-        # once the step has run, which counts the updates that landed while it ran.
-        read = self._read(AsyncStep(ticket))
+        # The model's own train_step applies its gradients itself, through the same chain:
+        # its update is claimed there too, once its gradients exist.
+        step = AsyncStep(ticket)
+        read = self._read(step)
         with tf.control_dependencies([read]):
-            outputs, state = self._user_step(self.model.train_step, batch, state, clock=marks.clock)
-        staleness = self.counter.claim(read, after=[*state, *tf.nest.flatten(outputs)])
+            outputs, state = self._user_step(
+                self.model.train_step, batch, state, clock=marks.clock,
+                claim=ClaimUpdate(self, step, read),
+            )  # fmt: skip
+        if step.staleness is None:  # a step that updated nothing counts as it ends
+            self._claim(step, read, after=[*state, *tf.nest.flatten(outputs)])
+        staleness = step.staleness
         return outputs, state, staleness, marks.end(after=[outputs, state, staleness])
 
     def _read(self, step: AsyncStep) -> tf.Tensor:

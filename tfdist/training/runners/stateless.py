@@ -221,13 +221,16 @@ class StatelessMetricsRunner(Runner):
             self.model.test_step(batch)
         return [scope.get_current_value(v) for v in self.metric_variables]
 
-    def _user_step(self, step, batch, state, *, clock: StepClock | None = None):
+    def _user_step(
+        self, step, batch, state, *, clock: StepClock | None = None, claim: StepHook | None = None
+    ):
         """Runs the model's own `step` on `batch`, its metric variables held in `state`.
 
         Returns (what the step returned, the metric state it leads to). A training step is
-        timed by a `clock` (a StepMarks' clock), which goes first in its update chain.
+        timed by a `clock` (a StepMarks' clock), which goes first in its update chain; an
+        asynchronous step's `claim` of its update comes next.
         """
-        hooks = [clock, *self.hooks] if clock is not None else self.hooks
+        hooks = [h for h in (clock, claim) if h is not None] + list(self.hooks)
         with (
             MetricState(self.metric_variables, state) as scope,
             updates_through(self.model.optimizer, hooks),
