@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -175,5 +176,9 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
         timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
     assert result.returncode == 143, result.stderr[-2000:]
-    assert "preempted: SIGTERM at step 5; nothing saved" in result.stderr, result.stderr[-2000:]
+    # The signal is sent at step 4's end; Python runs its handler between bytecodes, so on a
+    # busy machine step 5 may have begun: the stop comes at the boundary after the handler.
+    stopped = re.search(r"preempted: SIGTERM at step (\d+); nothing saved", result.stderr)
+    assert stopped, result.stderr[-2000:]
+    assert 5 <= int(stopped.group(1)) < 16, result.stderr[-2000:]  # 16: the run's last step
     assert "Traceback" not in result.stderr
