@@ -60,7 +60,7 @@ def two_workers(tmp_path_factory):
     """One job of 2 workers (multi_worker_mirrored) running the modes these tests check:
     (the directory each mode wrote to, by mode; the job's output)."""
     out = tmp_path_factory.mktemp("two_workers")
-    modes = ("equivalence", "callbacks", "custom", "batch_norm")
+    modes = ("equivalence", "callbacks", "custom", "batch_norm", "dropin")
     output = launch(",".join(modes), out, "--workers", "2")
     return {mode: out / mode for mode in modes}, output
 
@@ -70,7 +70,7 @@ def parameter_servers(tmp_path_factory):
     """One parameter-server job (a chief, 3 workers, 2 ps) running the user model and the
     custom steps: (the directory each mode wrote to, by mode; the job's output)."""
     out = tmp_path_factory.mktemp("parameter_servers")
-    modes = ("ps", "custom_ps")
+    modes = ("ps", "custom_ps", "dropin_ps")
     output = launch(",".join(modes), out, "--chief", "--workers", "3", "--ps", "2")
     return {mode: out / mode for mode in modes}, output
 
@@ -86,6 +86,26 @@ def test_two_workers_match_keras_on_one_device(references, two_workers):
                 np.testing.assert_allclose(logs["history"][key], values, atol=LOGS_TOLERANCE)
             for key, value in evaluation.items():
                 assert logs["evaluate"][key] == pytest.approx(value, abs=LOGS_TOLERANCE)
+
+
+@pytest.mark.xdist_group("fit_two_workers")
+def test_the_multi_worker_tutorial_s_model_fit_with_the_one_line_trains_as_tfdist_fit(
+    two_workers,
+):
+    """The tensorflow.org multi-worker tutorial's script, with `tfdist.patch_keras()` added:
+    its model.fit, evaluate and predict give what tfdist's own calls give, on both workers."""
+    tmp_path = two_workers[0]["dropin"]
+    want, want_logs = written(tmp_path, "worker_0", "tfdist")
+    for task in ("worker_0", "worker_1"):
+        got, logs = written(tmp_path, task, "dropin")
+        assert max_diff(got, want) <= WEIGHTS_TOLERANCE, task
+        assert logs["history"] == pytest.approx(want_logs["history"]), task
+        assert logs["history"]["loss"][-1] < logs["history"]["loss"][0]
+        predicted_rows = logs["evaluate"].pop("predicted_rows")
+        assert predicted_rows == 128  # one global batch, every row on every worker
+        assert logs["evaluate"] == pytest.approx(want_logs["evaluate"]), task
+        assert "multi_worker_mirrored across worker processes" in logs["without"]
+        assert "tfdist.patch_keras()" in logs["without"]
 
 
 @pytest.mark.xdist_group("fit_two_workers")
@@ -179,6 +199,16 @@ def test_custom_steps_on_two_workers_match_keras_under_mirrored(two_workers):
                     assert got_batch[key] == pytest.approx(value, abs=WEIGHTS_TOLERANCE)
             for key, value in evaluation.items():
                 assert logs["evaluate"][key] == pytest.approx(value, abs=WEIGHTS_TOLERANCE)
+
+
+@pytest.mark.xdist_group("fit_parameter_servers")
+def test_the_parameter_server_tutorial_s_model_fit_with_the_one_line_trains(parameter_servers):
+    """3 workers and 2 ps: the tutorial's model.fit(dataset_fn, epochs, steps_per_epoch),
+    with `tfdist.patch_keras()` added, trains through tfdist.fit (which Keras 3 cannot run)."""
+    _, logs = written(parameter_servers[0]["dropin_ps"], "chief_0", "dropin")
+    losses = logs["history"]["loss"]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+    assert {"accuracy", "staleness_max"} <= set(logs["history"])  # tfdist's record of the run
 
 
 @pytest.mark.xdist_group("fit_parameter_servers")

@@ -3,6 +3,7 @@
 The public API, listed explicitly:
 
   fit, evaluate, predict, FitError                train / evaluate / predict any Keras model
+  patch_keras                                     ... or keep model.fit: one line routes it
   StepHook                                        a link between gradients and the update
   StepCheckpoint, RunRecord                       resume at the saved step; the run's record
   LearningRateWarmup, WarmupSchedule              the linear scaling rule with warmup
@@ -53,6 +54,7 @@ _EXPORTS = {
     "FitError": "tfdist.errors",
     "evaluate": "tfdist.api.fit",
     "fit": "tfdist.api.fit",
+    "patch_keras": "tfdist.api.keras_patch",
     "StepHook": "tfdist.training.runner",
     "predict": "tfdist.api.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",

@@ -7,8 +7,8 @@
 
 MODES is one mode or several, comma-separated, run one after another on one strategy (a
 job's start costs more than most of its modes): the multi-worker ones (equivalence,
-callbacks, backup, custom, cnn, batch_norm, outside_scope) on a multi_worker_mirrored
-strategy, the parameter-server ones (ps, custom_ps) on a parameter_server one. Each task
+callbacks, backup, custom, cnn, batch_norm, outside_scope, dropin) on a multi_worker_mirrored
+strategy, the parameter-server ones (ps, custom_ps, dropin_ps) on a parameter_server one. Each task
 writes what a mode trained to OUT/<task>/ (one mode) or OUT/<mode>/<task>/ (several) for
 tests/test_fit_multiworker.py to check.
 """
@@ -186,8 +186,91 @@ def parameter_server(out: str, strategy) -> None:
     save(out, "mlp", model, {"history": history.history, "evaluate": evaluation})
 
 
+def tutorial_cnn() -> keras.Model:
+    """The tensorflow.org multi-worker tutorial's `build_and_compile_cnn_model`, for the
+    digits' 8x8 images (its 28x28 MNIST would be downloaded)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [
+            keras.Input(shape=(8, 8)),
+            keras.layers.Reshape(target_shape=(8, 8, 1)),
+            keras.layers.Conv2D(8, 3, activation="relu"),
+            keras.layers.Flatten(),
+            keras.layers.Dense(32, activation="relu"),
+            keras.layers.Dense(10),
+        ]
+    )
+    model.compile(
+        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+        optimizer=keras.optimizers.SGD(learning_rate=0.01),
+        metrics=["accuracy"],
+    )
+    return model
+
+
+def digits_dataset(global_batch_size: int) -> tf.data.Dataset:
+    """The tutorial's `mnist_dataset`, on the digits: scaled, repeated, batched (no shuffle,
+    so both routes see one order)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x, y = (digits.images / 16.0).astype("float32"), digits.target.astype("int64")
+    return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(global_batch_size)
+
+
+def dropin(out: str, strategy) -> None:
+    """The multi-worker tutorial's script as written for Keras 3, with the one line added:
+    model.fit / evaluate / predict as the tutorial calls them; beside it, the same model
+    trained by tfdist.fit, for the test to compare. Without the line, model.fit stops at once
+    with one line."""
+    dataset = digits_dataset(64 * strategy.num_replicas_in_sync)
+    with strategy.scope():
+        multi_worker_model = tutorial_cnn()
+    try:
+        multi_worker_model.fit(dataset, epochs=2, steps_per_epoch=6, verbose=0)
+        without_the_line = "trained"
+    except tfdist.FitError as error:
+        without_the_line = str(error)
+    tfdist.patch_keras()
+    history = multi_worker_model.fit(dataset, epochs=2, steps_per_epoch=6, verbose=0)
+    evaluation = multi_worker_model.evaluate(dataset, steps=2, verbose=0, return_dict=True)
+    logits = multi_worker_model.predict(dataset.map(lambda x, y: x), steps=1, verbose=0)
+    evaluation["predicted_rows"] = int(logits.shape[0])
+    record = {"history": history.history, "evaluate": evaluation, "without": without_the_line}
+    save(out, "dropin", multi_worker_model, record)
+    tfdist.patch_keras(False)
+    with strategy.scope():
+        model = tutorial_cnn()
+    history = tfdist.fit(model, dataset, epochs=2, steps_per_epoch=6, verbose=0)
+    evaluation = tfdist.evaluate(model, dataset, steps=2, verbose=0, return_dict=True)
+    save(out, "tfdist", model, {"history": history.history, "evaluate": evaluation})
+
+
+def dropin_ps(out: str, strategy) -> None:
+    """The parameter-server tutorial's `model.fit` shape, with the one line added: a
+    dataset_fn of per-replica batches (its DatasetCreator is gone from Keras 3), epochs and
+    steps_per_epoch, a callback."""
+    tfdist.patch_keras()
+
+    def dataset_fn(input_context):
+        batch = input_context.get_per_replica_batch_size(64)
+        data = digits_dataset(batch).unbatch()
+        data = data.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        return data.shuffle(256, seed=input_context.input_pipeline_id).batch(batch).prefetch(2)
+
+    with strategy.scope():
+        model = tutorial_cnn()
+    history = model.fit(
+        dataset_fn, epochs=3, steps_per_epoch=10, verbose=0,
+        callbacks=[keras.callbacks.TerminateOnNaN()],
+    )  # fmt: skip
+    save(out, "dropin", model, {"history": history.history})
+
+
 MODES = {
     "equivalence": equivalence,
+    "dropin": dropin,
+    "dropin_ps": dropin_ps,
     "callbacks": callbacks,
     "backup": backup,
     "custom": custom_steps,
@@ -197,7 +280,7 @@ MODES = {
     "ps": parameter_server,
     "custom_ps": custom_steps,
 }
-PARAMETER_SERVER_MODES = {"ps", "custom_ps"}
+PARAMETER_SERVER_MODES = {"ps", "custom_ps", "dropin_ps"}
 
 
 def main(modes: list[str], out: str) -> None:

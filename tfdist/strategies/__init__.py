@@ -25,6 +25,8 @@ One module per concern:
                        rank), as runners and split layers ask it
   defaults.py          what 'auto' means for settings that depend on the hardware
   smoke.py             a few exact training steps of a tiny model under any strategy
+  keras_guard.py       Keras's own model.fit/evaluate/predict, guarded (or routed to tfdist)
+                       where they cannot train under a strategy or on a split model
 
 Builders change no TensorFlow class and keep nothing about the strategies they build in
 module globals: what a later step needs to know (the TF_CONFIG names of a parameter-server

@@ -20,6 +20,7 @@ import tensorflow as tf
 
 from tfdist import devices as _devices
 from tfdist.cluster import FROM_ENV, ClusterInfo, cluster_from_environment
+from tfdist.strategies import keras_guard
 from tfdist.strategies.multi_worker import build_multi_worker_mirrored, joins_worker_processes
 from tfdist.strategies.options import (
     StrategyError,
@@ -71,7 +72,8 @@ def build_strategy(
       **option_values: StrategyOptions fields, e.g. ``all_reduce="hierarchical_copy"``.
 
     Returns:
-      The strategy. One log line says what was built.
+      The strategy. One log line says what was built. Keras's own `model.fit`, `evaluate`
+      and `predict` are guarded from here on (tfdist/strategies/keras_guard.py).
 
     Raises:
       StrategyError: unknown name, contradictory options, or a strategy the cluster or the
@@ -110,6 +112,9 @@ def build_strategy(
         )
     strategy = _BUILDERS[requested](cluster, options)
     log.info("%s", describe_strategy(strategy, cluster))
+    # From here Keras's own model.fit may meet a strategy it cannot train under: it says so
+    # in one line (or, after tfdist.patch_keras(), trains through tfdist.fit).
+    keras_guard.install()
     return strategy
 
 

@@ -19,8 +19,9 @@ from tfdist.parallel.tensor.layers import (
     _Split,
     _SplitDense,
 )
-from tfdist.parallel.tensor.layout import apply_layout_map
+from tfdist.parallel.tensor.layout import SPLIT_BY_TFDIST, apply_layout_map
 from tfdist.parallel.tensor.mappings import TensorParallelError
+from tfdist.strategies import keras_guard
 
 
 def tensor_parallel(
@@ -63,7 +64,9 @@ def tensor_parallel(
         )
         return (made, lambda: _load_dense(made, layer)) if made is not None else None
 
-    return _rewritten(model, split)
+    split_model = _rewritten(model, split)
+    keras_guard.mark_split(split_model, SPLIT_BY_TFDIST)
+    return split_model
 
 
 def dense_model(model: keras.Model) -> keras.Model:

@@ -77,6 +77,7 @@ from tfdist.parallel.tensor.mappings import (
     step_sizes,
     summed_over,
 )
+from tfdist.strategies import keras_guard
 from tfdist.training.runner import Runner, StepHook
 
 # The attributes in which attention layers count their heads (keras-hub's).
@@ -130,6 +131,10 @@ class LayoutPlan:
 
 # model -> its plan (a model's attributes would be tracked by Keras).
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+# Why Keras's own model.fit cannot train a model split here (tfdist/strategies/keras_guard.py).
+SPLIT_BY_TFDIST = "its weights are split by tfdist's tensor parallelism"
 
 
 def plan_of(model: keras.Model) -> LayoutPlan | None:
@@ -196,6 +201,7 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
         layers=[*layers.values(), *((layer, "heads") for layer in regions)],
     )
     _PLANS[model] = plan
+    keras_guard.mark_split(model, SPLIT_BY_TFDIST)
     return model
 
 

@@ -1,0 +1,121 @@
+"""Keras's own `model.fit`, `evaluate` and `predict`, guarded where they cannot train.
+
+Keras 3's own methods fail across the worker processes of multi_worker_mirrored ("Attempt to
+convert a value (PerReplica...", keras#20585), cannot run parameter_server, report wrong
+losses and metrics under central_storage, and cannot train a model whose layers tfdist split.
+Once tfdist builds a strategy or splits a model it puts guarded methods on keras.Model: each
+runs Keras's own method wherever that can train and, where it cannot, hands the call to the
+router `tfdist.patch_keras()` sets (tfdist.api.keras_patch: tfdist.fit and its siblings), or
+without one stops at once with one line naming the fix, instead of Keras's traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from collections.abc import Callable, Collection
+from typing import Any
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.errors import FitError
+
+METHODS = ("fit", "evaluate", "predict")
+
+# (method name, model, args, kwargs) -> what the method returns.
+Router = Callable[[str, keras.Model, tuple, dict], Any]
+
+_LOCK = threading.Lock()
+_KERAS: dict[str, Callable[..., Any]] = {}  # Keras's own methods, as keras.Model had them
+_SPLIT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> why
+_router: dict[str, Any] = {"route": None, "keywords": frozenset()}
+
+
+def keras_method(name: str) -> Callable[..., Any]:
+    """Keras's own `keras.Model.<name>`, guarded or not."""
+    return _KERAS.get(name) or getattr(keras.Model, name)
+
+
+def mark_split(model: keras.Model, why: str) -> None:
+    """Records that `model`'s layers or weights are split the way only tfdist trains
+    (tensor parallelism), and puts the guard in place."""
+    _SPLIT[model] = why
+    install()
+
+
+def set_router(route: Router | None, keywords: Collection[str] = ()) -> None:
+    """Where a guarded call goes when Keras's own method cannot train (None: a one-line
+    FitError); a call naming one of `keywords` (tfdist's modes) goes there too."""
+    install()
+    _router.update(route=route, keywords=frozenset(keywords) if route else frozenset())
+
+
+def routed() -> bool:
+    return _router["route"] is not None
+
+
+def install() -> None:
+    """Puts the guarded methods on keras.Model, once per process."""
+    with _LOCK:
+        if _KERAS:
+            return
+        for name in METHODS:
+            _KERAS[name] = getattr(keras.Model, name)
+            setattr(keras.Model, name, _guarded(name, _KERAS[name]))
+
+
+def why_keras_cannot_train(strategy: tf.distribute.Strategy) -> str | None:
+    """Why Keras 3's own methods cannot be trusted under `strategy`, or None where they can
+    (one device, mirrored, multi_worker_mirrored in one process, TPU).
+
+    Measured with Keras 3.15: across worker processes multi_worker_mirrored fails; under
+    central_storage the weights train right but the loss and metrics fit and evaluate report
+    are wrong (0.769 for 0.823 over the same steps); parameter_server runs only through a
+    coordinator, which Keras 3 does not drive.
+    """
+    if isinstance(strategy, tf.distribute.experimental.ParameterServerStrategy):
+        return "it was made under parameter_server, whose steps only a coordinator runs"
+    if isinstance(strategy, tf.distribute.experimental.CentralStorageStrategy):
+        return "it was made under central_storage, where Keras's loss and metrics come out wrong"
+    multi_worker = isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if multi_worker and compat.sync_worker_count(strategy) > 1:
+        return "it was made under multi_worker_mirrored across worker processes"
+    return None
+
+
+def why_not_keras(model: keras.Model) -> str | None:
+    """Why Keras's own methods cannot train `model`, or None where they can."""
+    if model in _SPLIT:
+        return _SPLIT[model]
+    strategy = compat.strategy_of(model)
+    if strategy is None and tf.distribute.has_strategy():
+        strategy = tf.distribute.get_strategy()
+    return None if strategy is None else why_keras_cannot_train(strategy)
+
+
+def _guarded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        route = _router["route"]
+        modes = [k for k in kwargs if k in _router["keywords"]]
+        why = why_not_keras(self)
+        if why is None and not modes:
+            return method(self, *args, **kwargs)
+        if route is not None:
+            return route(name, self, args, kwargs)
+        raise FitError(
+            f"Model {self.name!r} cannot train with Keras's own model.{name}: {why}. Call "
+            f"tfdist.{name}(model, ...) with the same arguments, or add `tfdist.patch_keras()` "
+            f"at the top of the script to send model.{name} there."
+        )
+
+    return guarded
+
+
+__all__ = [
+    "METHODS", "install", "keras_method", "mark_split", "routed", "set_router",
+    "why_keras_cannot_train", "why_not_keras",
+]  # fmt: skip
