@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 
+import keras
 import numpy as np
 import pytest
 
@@ -106,6 +107,11 @@ def test_the_multi_worker_tutorial_s_model_fit_with_the_one_line_trains_as_tfdis
         assert logs["evaluate"] == pytest.approx(want_logs["evaluate"]), task
         assert "multi_worker_mirrored across worker processes" in logs["without"]
         assert "tfdist.patch_keras()" in logs["without"]
+        # model.save on one path from both workers: written once, by the chief.
+        assert logs["opened_for_writing"] == (1 if task == "worker_0" else 0), task
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert max_diff(loaded.get_weights(), written(tmp_path, "worker_0", "dropin")[0]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras", "worker_0", "worker_1"]
 
 
 @pytest.mark.xdist_group("fit_two_workers")

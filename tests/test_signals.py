@@ -181,4 +181,5 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     stopped = re.search(r"preempted: SIGTERM at step (\d+); nothing saved", result.stderr)
     assert stopped, result.stderr[-2000:]
     assert 5 <= int(stopped.group(1)) < 16, result.stderr[-2000:]  # 16: the run's last step
+    assert "nothing to save" in result.stderr and "saving a checkpoint" not in result.stderr
     assert "Traceback" not in result.stderr

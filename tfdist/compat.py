@@ -94,6 +94,16 @@ def sync_worker_count(strategy: tf.distribute.Strategy) -> int:
 
     Why: MultiWorkerMirroredStrategy's extended object keeps the count in `_num_workers`.
     """
+    return worker_count(strategy)
+
+
+def worker_count(strategy: tf.distribute.Strategy) -> int:
+    """The worker processes a strategy trains on: those stepping together under
+    multi_worker_mirrored, those a parameter-server coordinator schedules steps on (1 for a
+    strategy of one process).
+
+    Why: both strategies' extended objects keep the count in `_num_workers`.
+    """
     return int(getattr(strategy.extended, "_num_workers", 1) or 1)
 
 

@@ -236,7 +236,20 @@ def dropin(out: str, strategy) -> None:
     evaluation = multi_worker_model.evaluate(dataset, steps=2, verbose=0, return_dict=True)
     logits = multi_worker_model.predict(dataset.map(lambda x, y: x), steps=1, verbose=0)
     evaluation["predicted_rows"] = int(logits.shape[0])
-    record = {"history": history.history, "evaluate": evaluation, "without": without_the_line}
+    # As keras.io writes it: every worker calls model.save on one path; only the chief's
+    # write may reach it (each worker counts the files it opens there for writing).
+    path = os.path.join(os.path.dirname(out), "model.keras")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    opened = []
+    sys.addaudithook(
+        lambda event, args: event == "open" and os.fspath(args[0]) == path
+        and args[1] not in (None, "r", "rb") and opened.append(args[1])
+    )  # fmt: skip
+    multi_worker_model.save(path)
+    record = {
+        "history": history.history, "evaluate": evaluation, "without": without_the_line,
+        "opened_for_writing": len(opened),
+    }  # fmt: skip
     save(out, "dropin", multi_worker_model, record)
     tfdist.patch_keras(False)
     with strategy.scope():

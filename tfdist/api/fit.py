@@ -44,7 +44,7 @@ from tfdist.training import chain
 from tfdist.training.controller import Controller
 from tfdist.training.fit_data import FitData, make_fit_data, split_arrays, unpack
 from tfdist.training.runner import StepHook
-from tfdist.training.runners import runner_for
+from tfdist.training.runners import mode_defaults, runner_for
 
 log = logging.getLogger(__name__)
 
@@ -121,9 +121,11 @@ def fit(
     """
     unknown = {k: v for k, v in options.items() if k not in registry.keywords()}
     _reject_unknown("fit", unknown, _FIT_KEYWORDS)
+    strategy = _checked_model(model, strategy, "fit")
+    # A mode left out (or 'auto') takes what the binary's 'auto' takes under this strategy.
+    options = registry.resolve_auto(options, mode_defaults(strategy))
     for problem in registry.problems(options):
         raise FitError(problem)
-    strategy = _checked_model(model, strategy, "fit")
     _check_count("epochs", epochs, minimum=0)
     _check_count("initial_epoch", initial_epoch, minimum=0)
     for name, value in (
@@ -152,8 +154,12 @@ def fit(
         chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
     chain.check_callbacks(hooks, callbacks)
     runner.build(data.sample_batch, hooks)
-    if data.global_batch is not None and runner.is_chief:
-        log.info("%s", plan_batches(strategy, data.global_batch).describe())
+    if runner.is_chief:
+        if data.global_batch is not None:
+            log.info("%s", plan_batches(strategy, data.global_batch).describe())
+        named = [hook.name for hook in hooks]
+        if named:
+            log.info("Between each step's gradients and its update: %s", ", ".join(named))
     steps = steps_per_epoch or data.num_batches
     if runner.needs_epoch_length and steps is None:
         raise FitError(
@@ -178,7 +184,11 @@ fit.__signature__ = inspect.signature(fit).replace(
     parameters=[
         *(p for p in inspect.signature(fit).parameters.values() if p.kind != p.VAR_KEYWORD),
         *(
-            inspect.Parameter(m.keyword, inspect.Parameter.KEYWORD_ONLY, default=m.default)
+            inspect.Parameter(
+                m.keyword,
+                inspect.Parameter.KEYWORD_ONLY,
+                default=registry.AUTO if m.auto else m.default,
+            )
             for m in registry.MODES
             if m.keyword
         ),

@@ -203,7 +203,8 @@ MODES: tuple[Mode, ...] = (
     Mode(
         keyword="max_staleness",
         summary="parameter_server: no update is applied more than this many updates stale "
-        "(0: every update to the weights it was computed from)",
+        "(0: every update to the weights it was computed from; None: unbounded). Default "
+        "'auto': {auto}",
         help="parameter_server only: no update more than this many updates stale (a step waits "
         "for the steps before it; 0: every update applies to the weights it was computed "
         "from); 'none': unbounded. 'auto': {auto}. The parameter-server default measured best "
@@ -338,6 +339,20 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
     return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]
 
 
+AUTO = "auto"
+
+
+def resolve_auto(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    """`options` with each mode that takes 'auto' and was left out (or given 'auto') set to
+    `defaults`' value for it (the runner's mode_defaults; a keyword not there: off). So
+    tfdist.fit and the binary start from the same value."""
+    resolved = dict(options)
+    for m in MODES:
+        if m.auto and resolved.get(m.keyword, AUTO) == AUTO:
+            resolved[m.keyword] = defaults.get(m.keyword)
+    return resolved
+
+
 def resume_settings(options: Mapping[str, Any]) -> dict[str, Any]:
     """The modes' values a resumed checkpoint must have been written under."""
     return {m.keyword: options.get(m.keyword, m.default) for m in MODES if m.resume_must_match}
@@ -347,11 +362,13 @@ def fill_docstring(doc: str, *, modes: Sequence[Mode] = MODES) -> str:
     """`doc` with its "{modes}" line replaced by one Args entry per mode's keyword, at that
     line's indentation (continuations 2 deeper), wrapped at 96 columns."""
 
+    from tfdist.training.runners import describe_mode_default
+
     def entries(match: re.Match) -> str:
         indent = match.group(1)
         return "\n".join(
             textwrap.fill(
-                f"{m.keyword}: {m.summary}.",
+                f"{m.keyword}: {m.summary.replace('{auto}', describe_mode_default(m.keyword))}.",
                 width=96,
                 initial_indent=indent,
                 subsequent_indent=indent + "  ",
@@ -364,6 +381,7 @@ def fill_docstring(doc: str, *, modes: Sequence[Mode] = MODES) -> str:
 
 
 __all__ = [
+    "AUTO",
     "MODES",
     "Choice",
     "Mode",
@@ -377,6 +395,7 @@ __all__ = [
     "keywords",
     "layout_of",
     "mode",
+    "resolve_auto",
     "problems",
     "resume_settings",
 ]

@@ -101,7 +101,7 @@ class Controller:
                 f"training in tfdist.fit (epochs {self.initial_epoch + 1}-{self.epochs})"
             ),
             fit_callbacks.writes_redirected(self.callbacks, is_chief=is_chief) as redirect,
-            PreemptionWatcher(runner.agree) as self.watcher,
+            PreemptionWatcher(runner.agree, saves=self._saves_on_stop()) as self.watcher,
         ):
             self.redirect = redirect
             callback_list = keras.callbacks.CallbackList(
@@ -212,6 +212,14 @@ class Controller:
         return stop
 
     # --- preemption -------------------------------------------------------------------------------
+
+    def _saves_on_stop(self) -> bool:
+        """Whether a stop signal would save anything (what `_preempted` saves through)."""
+        return any(
+            callable(getattr(c, "backup_now", None))
+            or isinstance(c, keras.callbacks.BackupAndRestore)
+            for c in self.callbacks
+        )
 
     def _preempted(self, epoch: int, step: int) -> None:
         """A stop signal reached a worker: every worker saves at this step, then stops."""

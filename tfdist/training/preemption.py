@@ -74,8 +74,11 @@ class PreemptionWatcher:
     in the main thread (elsewhere the watcher stays inert).
     """
 
-    def __init__(self, agree: Callable[[bool], bool]):
+    def __init__(self, agree: Callable[[bool], bool], *, saves: bool = True):
         self._agree = agree
+        # Whether the stop saves anything (a checkpoint callback or BackupAndRestore): the
+        # line a signal prints says so only then.
+        self.saves = saves
         self.signum: int | None = None
         # Until a step has run there is nothing to save: a signal then ends the process.
         self.stepped = False
@@ -117,7 +120,14 @@ class PreemptionWatcher:
         if not self.stepped and signals.router() is not None:
             signals.router().stop(signum, "before the first training step")
         self.signum = signum
-        log.warning("%s received: saving a checkpoint at the next step boundary", name)
+        if self.saves:
+            log.warning("%s received: saving a checkpoint at the next step boundary", name)
+        else:
+            log.warning(
+                "%s received: stopping at the next step boundary (nothing to save: no "
+                "model_dir, no BackupAndRestore callback)",
+                name,
+            )
 
     def agreed(self) -> bool:
         """Whether any worker was signalled; every worker must call this at the same step."""
