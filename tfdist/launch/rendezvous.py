@@ -18,13 +18,15 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from tfdist.launch.plan import Task, UsageError
 from tfdist.layout import TASK_TYPES
 
 DEFAULT_PORT = 29500  # torchrun's MASTER_PORT default
 _MAX_LINE = 1 << 20
+# How often a node waiting for the others says what it waits for.
+WAITING_EVERY_S = 30.0
 
 
 class RendezvousError(UsageError):
@@ -141,9 +143,19 @@ class Master:
 
     def _serve(self) -> None:
         connections: dict[int, tuple[socket.socket, Offer]] = {}
+        self._socket.settimeout(1.0)  # to tell the waiting nodes who is missing, now and then
+        said = 0.0
+        answer = None
         try:
             while len(connections) < self.nnodes:
-                connection, _ = self._socket.accept()
+                if connections and time.monotonic() - said >= WAITING_EVERY_S:
+                    self._tell_waiting(connections)
+                    said = time.monotonic()
+                try:
+                    connection, _ = self._socket.accept()
+                except TimeoutError:
+                    continue
+                connection.settimeout(10.0)
                 try:
                     offer = Offer.from_json(_read_line(connection))
                 except (OSError, ValueError, KeyError, TypeError):
@@ -151,18 +163,30 @@ class Master:
                     continue
                 problem = self._check(offer, connections)
                 if problem:
+                    # A node started otherwise cannot be part of this job, and the job cannot
+                    # complete without it: every node, this one included, stops with the line.
+                    self.error = problem
                     _send(connection, {"error": problem})
                     connection.close()
-                    continue
+                    answer = {"error": problem}
+                    break
                 connections[offer.node_rank] = (connection, offer)
-            offers = [connections[rank][1] for rank in range(self.nnodes)]
-            answer = {"cluster": assemble(offers)}
+                said = 0.0  # who is still missing changed: say so at once
+            else:
+                offers = [connections[rank][1] for rank in range(self.nnodes)]
+                answer = {"cluster": assemble(offers)}
         except OSError:  # closed: the launcher is going away
             answer = {"error": "node 0 stopped before every node joined"}
         for connection, _ in connections.values():
             with contextlib.suppress(OSError):
                 _send(connection, answer)
                 connection.close()
+
+    def _tell_waiting(self, connections: Mapping[int, tuple[socket.socket, Offer]]) -> None:
+        missing = [rank for rank in range(self.nnodes) if rank not in connections]
+        for connection, _ in connections.values():
+            with contextlib.suppress(OSError):
+                _send(connection, {"waiting": missing})
 
     def _check(self, offer: Offer, joined: Mapping[int, tuple[socket.socket, Offer]]) -> str:
         if offer.nnodes != self.nnodes:
@@ -183,31 +207,70 @@ class Master:
         return ""
 
 
-def join(master: tuple[str, int], offer: Offer, *, timeout: float) -> dict[str, list[str]]:
+def join(
+    master: tuple[str, int],
+    offer: Offer,
+    *,
+    timeout: float,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
+) -> dict[str, list[str]]:
     """Offers this node's tasks to the master and returns the whole cluster.
 
-    Retries the connection until `timeout` (node 0 may start after this node).
+    Retries the connection until `timeout` (node 0 may start after this node). Says at once,
+    and every WAITING_EVERY_S seconds, what it waits for (node 0, or the nodes node 0 has not
+    heard from).
 
     Raises:
-      RendezvousError: the master refused the offer, or did not answer within `timeout`.
+      RendezvousError: the master refused the offer (or another node's), or did not answer
+        within `timeout`.
     """
     deadline = time.monotonic() + timeout
-    while True:
+    where = f"{master[0]}:{master[1]}"
+    said = time.monotonic()
+    say(
+        f"[launch] node 0: gathering --nnodes {offer.nnodes} at --master_addr {where}"
+        if offer.node_rank == 0
+        else f"[launch] node {offer.node_rank}: waiting for node 0 at --master_addr {where}"
+    )
+    answer = None
+    while answer is None:
         try:
             with socket.create_connection(master, timeout=5.0) as connection:
-                connection.settimeout(max(1.0, deadline - time.monotonic()))
                 _send(connection, offer)
-                answer = json.loads(_read_line(connection))
-                break
+                lines = _Lines(connection)
+                while True:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    connection.settimeout(min(left, WAITING_EVERY_S + 5.0))
+                    try:
+                        message = json.loads(lines.next())
+                    except TimeoutError:
+                        continue  # joined: keep the place (an offer again would be refused)
+                    if "waiting" not in message:
+                        answer = message
+                        break
+                    missing = ", ".join(str(rank) for rank in message["waiting"])
+                    say(
+                        f"[launch] node {offer.node_rank}: joined node 0 at {where}; waiting for "
+                        f"node(s) {missing} of --nnodes {offer.nnodes} "
+                        f"({time.monotonic() - deadline + timeout:.0f} s so far)"
+                    )
         except (OSError, ValueError):
             if time.monotonic() >= deadline:
                 raise RendezvousError(
                     f"node {offer.node_rank} found no complete job at --master_addr "
-                    f"{master[0]}:{master[1]} within {timeout:g} s: start tfdist-launch with "
+                    f"{where} within {timeout:g} s: start tfdist-launch with "
                     f"--node_rank 0 on that host, and every other node (--nnodes "
                     f"{offer.nnodes}); check that the address is reachable, or raise "
                     "--rdzv_timeout"
                 ) from None
+            if time.monotonic() - said >= WAITING_EVERY_S:
+                said = time.monotonic()
+                say(
+                    f"[launch] node {offer.node_rank}: still waiting for node 0 at {where} "
+                    f"({time.monotonic() - deadline + timeout:.0f} s of --rdzv_timeout {timeout:g})"
+                )
             time.sleep(0.5)
     if "error" in answer:
         raise RendezvousError(str(answer["error"]))
@@ -223,13 +286,24 @@ def _send(connection: socket.socket, message) -> None:
     connection.sendall(text.encode() + b"\n")
 
 
+class _Lines:
+    """The newline-ended messages of a connection, one at a time (several may come in one
+    read; a timeout keeps what was read of the next)."""
+
+    def __init__(self, connection: socket.socket):
+        self.connection, self.buffer = connection, b""
+
+    def next(self) -> str:
+        while b"\n" not in self.buffer:
+            chunk = self.connection.recv(65536)
+            if not chunk:
+                raise OSError("connection closed")
+            self.buffer += chunk
+            if len(self.buffer) > _MAX_LINE:
+                raise ValueError("line too long")
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line.decode()
+
+
 def _read_line(connection: socket.socket) -> str:
-    data = b""
-    while not data.endswith(b"\n"):
-        chunk = connection.recv(65536)
-        if not chunk:
-            raise OSError("connection closed")
-        data += chunk
-        if len(data) > _MAX_LINE:
-            raise ValueError("line too long")
-    return data.decode()
+    return _Lines(connection).next()
