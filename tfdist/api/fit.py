@@ -42,6 +42,7 @@ from tfdist.parallel import registry
 from tfdist.strategies import strategy_kind
 from tfdist.training import chain
 from tfdist.training.controller import Controller
+from tfdist.training.data_checks import check_batch
 from tfdist.training.fit_data import FitData, make_fit_data, split_arrays, unpack
 from tfdist.training.runner import StepHook
 from tfdist.training.runners import mode_defaults, runner_for
@@ -375,6 +376,7 @@ def _validation(validation_data, batch_size, strategy) -> FitData:
 
 
 def _check_labels(model, data: FitData, what: str) -> None:
+    check_batch(model, data.sample_batch, what)
     _, y, _ = unpack(data.sample_batch)
     if y is None and compat.compiled_loss(model) is not None:
         raise FitError(

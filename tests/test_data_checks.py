@@ -1,0 +1,83 @@
+"""Data mistakes met before training: one line each, naming what the model takes and what came.
+
+The same models train when the data is right, including the shapes Keras itself adapts
+(a missing last axis of 1), so a check never refuses what Keras's fit would train.
+"""
+
+from __future__ import annotations
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfdist
+from tfdist.errors import FitError
+
+
+def dense(width: int = 32, loss="sparse_categorical_crossentropy") -> keras.Model:
+    model = keras.Sequential([keras.Input((width,)), keras.layers.Dense(4)])
+    model.compile("sgd", loss)
+    return model
+
+
+def two_inputs() -> keras.Model:
+    image, tag = keras.Input((6,), name="image"), keras.Input((2,), name="tag")
+    model = keras.Model({"image": image, "tag": tag}, keras.layers.Dense(1)(image + tag[:, :1]))
+    model.compile("sgd", "mse")
+    return model
+
+
+X = np.zeros((64, 32), "float32")
+IDS = np.zeros((64,), "int64")
+ONE_HOT = np.eye(4, dtype="float32")[IDS]
+
+
+@pytest.mark.parametrize(
+    "model, data, message",
+    [
+        (dense, lambda: (np.zeros((64, 31), "float32"), IDS),
+         r"Input '.*' takes shape \(None, 32\) \(the batch first\); `x` yields \(16, 31\)\. "
+         r"Received: inputs of shape \(16, 31\)"),
+        (dense, lambda: tf.data.Dataset.from_tensor_slices((X, IDS)),
+         r"takes batches of shape \(None, 32\), but `x` yields single examples of shape "
+         r"\(32,\): batch the dataset"),
+        (dense, lambda: (X, ONE_HOT),
+         r"The loss sparse_categorical_crossentropy takes class ids, shape \(None,\), but `x` "
+         r"yields one-hot labels of shape \(16, 4\)"),
+        (lambda: dense(loss=keras.losses.CategoricalCrossentropy()), lambda: (X, IDS),
+         r"The loss CategoricalCrossentropy takes one-hot labels of shape \(None, 4\), but "
+         r"`x` yields class ids of shape \(16,\)"),
+        (two_inputs, lambda: ({"image": np.zeros((64, 6), "float32")}, np.zeros((64, 1))),
+         r"The model's inputs are named \['image', 'tag'\]; `x` yields a dict with keys "
+         r"\['image'\], without \['tag'\]"),
+        (two_inputs,
+         lambda: ({"image": np.zeros((64, 6)), "tag": np.zeros((64, 2)), "id": np.zeros(64)},
+                  np.zeros((64, 1))),
+         r"with \['id'\] the model does not take"),
+        (lambda: dense(4), lambda: (np.array([["a"] * 4] * 64), IDS),
+         r"takes float32 values; `x` yields strings"),
+    ],
+    ids=["width", "unbatched", "one_hot_for_sparse", "ids_for_categorical", "missing_key",
+         "extra_key", "strings"],
+)  # fmt: skip
+def test_a_data_mistake_is_one_line_naming_both_sides(model, data, message):
+    built, given = model(), data()
+    arguments = given if isinstance(given, tuple) else (given,)
+    batch = {} if isinstance(given, tf.data.Dataset) else {"batch_size": 16}
+    with pytest.raises(FitError, match=message) as raised:
+        tfdist.fit(built, *arguments, verbose=0, **batch)
+    assert "\n" not in str(raised.value)
+
+
+def test_the_shapes_keras_adapts_still_train():
+    """(b, 8, 8) for Input((8, 8, 1)); ids of shape (b, 1) for a sparse loss; a dict in
+    the model's own names."""
+    images = keras.Sequential(
+        [keras.Input((8, 8, 1)), keras.layers.Flatten(), keras.layers.Dense(3)]
+    )
+    images.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    tfdist.fit(images, np.zeros((32, 8, 8), "float32"), np.zeros((32, 1)), batch_size=8, verbose=0)
+    model = two_inputs()
+    features = {"image": np.zeros((32, 6), "float32"), "tag": np.zeros((32, 2), "float32")}
+    tfdist.fit(model, features, np.zeros((32, 1)), batch_size=8, verbose=0)
