@@ -76,6 +76,12 @@ def test_synthetic_has_the_asked_shape_and_is_seeded():
     [
         ("mnist", {}, r"Unknown dataset 'mnist'\. Valid names: digits, synthetic, tfds:NAME"),
         (
+            "images:/data/pets",
+            {},
+            r"Convert it to TFRecords first: python -m tools\.make_tfrecords --source "
+            r"images:/data/pets --out_dir OUT, then train with --dataset=tfrecord:OUT\.",
+        ),
+        (
             "synthetic",
             {"image_shape": (32, 32)},
             r"image_shape must be \(height, width, channels\)",

@@ -257,7 +257,14 @@ def _prepare(name: str, *, data_dir: str | None, **kwargs) -> ImageDataset:
 
         return prepare_tfds(name[len(TFDS_PREFIX) :], data_dir=data_dir, **kwargs)
     if name not in _PREPARERS:
+        convert = ""
+        if name.startswith(("images:", "npz:")):  # a source tools.make_tfrecords converts
+            convert = (
+                " Convert it to TFRecords first: python -m tools.make_tfrecords --source "
+                f"{name} --out_dir OUT, then train with --dataset=tfrecord:OUT."
+            )
         raise DataError(
-            f"Unknown dataset {name!r}. Valid names: {', '.join(dataset_names())}. Received: name={name!r}"
+            f"Unknown dataset {name!r}. Valid names: {', '.join(dataset_names())}.{convert} "
+            f"Received: name={name!r}"
         )
     return _PREPARERS[name](data_dir=data_dir, **kwargs)
