@@ -107,6 +107,10 @@ def test_the_multi_worker_tutorial_s_model_fit_with_the_one_line_trains_as_tfdis
         assert logs["evaluate"] == pytest.approx(want_logs["evaluate"]), task
         assert "multi_worker_mirrored across worker processes" in logs["without"]
         assert "tfdist.patch_keras()" in logs["without"]
+        # Keras's own predict (not guarded: it works there) gives every row on every worker,
+        # as tfdist.predict does.
+        assert logs["keras_predict"]["rows"] == 128, logs["keras_predict"]
+        assert logs["keras_predict"]["diff"] <= 1e-6, logs["keras_predict"]
         # model.save on one path from both workers: written once, by the chief.
         assert logs["opened_for_writing"] == (1 if task == "worker_0" else 0), task
     loaded = keras.models.load_model(tmp_path / "model.keras")

@@ -231,6 +231,13 @@ def dropin(out: str, strategy) -> None:
         without_the_line = "trained"
     except tfdist.FitError as error:
         without_the_line = str(error)
+    images = dataset.map(lambda x, y: x)
+    keras_logits = multi_worker_model.predict(images, steps=1, verbose=0)  # Keras's own
+    tfdist_logits = tfdist.predict(multi_worker_model, images, steps=1, verbose=0)
+    keras_predict = {
+        "rows": int(keras_logits.shape[0]),
+        "diff": float(np.max(np.abs(keras_logits - tfdist_logits))),
+    }
     tfdist.patch_keras()
     history = multi_worker_model.fit(dataset, epochs=2, steps_per_epoch=6, verbose=0)
     evaluation = multi_worker_model.evaluate(dataset, steps=2, verbose=0, return_dict=True)
@@ -248,7 +255,7 @@ def dropin(out: str, strategy) -> None:
     multi_worker_model.save(path)
     record = {
         "history": history.history, "evaluate": evaluation, "without": without_the_line,
-        "opened_for_writing": len(opened),
+        "opened_for_writing": len(opened), "keras_predict": keras_predict,
     }  # fmt: skip
     save(out, "dropin", multi_worker_model, record)
     tfdist.patch_keras(False)

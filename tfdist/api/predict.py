@@ -1,9 +1,10 @@
 """`tfdist.predict`: a model's predictions, in order, under any strategy it was made in.
 
 Keras's own `model.predict` splits the data over the strategy's replicas and gathers the
-outputs back; under multi_worker_mirrored each worker sees only its shard of the data, and
-under parameter_server Keras 3 cannot run it at all. Predictions in a training script are
-usually wanted whole, on the process that writes them, so `tfdist.predict` runs the model's
+outputs back (under multi_worker_mirrored every worker gets every row, measured in
+tests/test_fit_multiworker.py); under parameter_server Keras 3 cannot run it at all.
+Predictions in a training script are usually wanted whole, on the process that writes them,
+and under every strategy alike, so `tfdist.predict` runs the model's
 own `predict_step` on this process's default device, reading the trained weights where
 they live (a replica's copy, or the parameter servers), over all of the data, in order.
 Every task that calls it gets every prediction; call it on the chief only, or split the
