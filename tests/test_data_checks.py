@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist.data import DataError, PipelineOptions, tfrecord_dataset, write_tfrecords
 from tfdist.errors import FitError
 
 
@@ -81,3 +82,22 @@ def test_the_shapes_keras_adapts_still_train():
     model = two_inputs()
     features = {"image": np.zeros((32, 6), "float32"), "tag": np.zeros((32, 2), "float32")}
     tfdist.fit(model, features, np.zeros((32, 1)), batch_size=8, verbose=0)
+
+
+def test_a_corrupt_record_met_in_fit_is_tfdist_s_one_line(tmp_path):
+    """A truncated TFRecord shard of the user's tfdist pipeline, met by the first batch or
+    mid-training alike: tfdist's DataError (one line; exit 2 through tfdist's error hook, so
+    launchers do not restart it), not TensorFlow's InvalidArgumentError."""
+    write_tfrecords({"id": np.arange(40, dtype=np.int64)}, str(tmp_path), name="data", num_shards=2)
+    shard = tmp_path / "data-00001-of-00002.tfrecord"
+    shard.write_bytes(shard.read_bytes()[:-25])  # cut into the last record
+    options = PipelineOptions(repeat=False, shuffle_buffer=0, drop_remainder=False)
+    data = tfrecord_dataset(str(tmp_path), batch_size=4, options=options).map(
+        lambda example: (tf.cast(example["id"], tf.float32)[:, None], example["id"] % 2)
+    )
+    model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    with pytest.raises(DataError) as raised:
+        tfdist.fit(model, data, verbose=0)
+    assert str(raised.value).startswith(f'"{shard}" holds 19 readable record(s)')
+    assert "\n" not in str(raised.value) and "\\'" not in str(raised.value)

@@ -293,4 +293,4 @@ def explain_data_error(error: tf.errors.OpError) -> DataError | None:
     training loop can show it alone.
     """
     match = re.search(r"tfdist: (.*?)\]", error.message, flags=re.S)
-    return DataError(match.group(1).replace('\\"', '"')) if match else None
+    return DataError(match.group(1).replace('\\"', '"').replace("\\'", "'")) if match else None

@@ -25,6 +25,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.data.pipeline import explain_data_error
 from tfdist.data.streams import numbered_streams, worker_shuffle
 from tfdist.errors import FitError
 
@@ -401,6 +402,11 @@ def _first_batch(dataset: tf.data.Dataset, what: str):
         return next(iter(dataset.take(1)))
     except StopIteration:
         raise FitError(f"`{what}` yields no batch: the dataset is empty.") from None
+    except tf.errors.InvalidArgumentError as error:
+        explained = explain_data_error(error)  # a corrupt record in a tfdist pipeline
+        if explained is None:
+            raise
+        raise explained from None
 
 
 def _batch_size_of(batch) -> int | None:
