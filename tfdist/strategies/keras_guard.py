@@ -65,10 +65,6 @@ def set_router(route: Router | None, keywords: Collection[str] = ()) -> None:
     _router.update(route=route, keywords=frozenset(keywords) if route else frozenset())
 
 
-def routed() -> bool:
-    return _router["route"] is not None
-
-
 def install() -> None:
     """Puts the guarded methods on keras.Model, once per process."""
     with _LOCK:
@@ -174,6 +170,6 @@ def _written_once(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 __all__ = [
-    "METHODS", "WRITERS", "Reason", "install", "keras_method", "mark_split", "routed", "set_router",
+    "METHODS", "WRITERS", "Reason", "install", "keras_method", "mark_split", "set_router",
     "why_keras_cannot_train", "why_not_keras",
 ]  # fmt: skip
