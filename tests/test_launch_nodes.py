@@ -9,12 +9,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from tests.conftest import REPO, free_ports
+from tfdist.launch.rendezvous import Master, Offer, RendezvousError, join
 
 TIMEOUT = 300
 
@@ -86,6 +88,41 @@ def test_nodes_started_differently_both_stop_within_seconds_with_one_line():
         assert code == 2, output
         assert output.strip().splitlines()[-1] == mismatch, output
     assert "[launch] node 1: waiting for node 0 at --master_addr 127.0.0.1:" in out1
+
+
+@pytest.mark.parametrize("first", ["refused node", "node 0"])
+def test_a_refusal_reaches_node_0_whichever_offer_comes_first(first):
+    """The race the subprocess test above cannot steer: when the refused offer reaches the
+    master before node 0's own, node 0 still hears the refusal at once (it waited out
+    --rdzv_timeout before)."""
+    (port,) = free_ports(1)
+    flags = {"workers": 2, "chief": False, "evaluator": False}
+    master = Master(("127.0.0.1", port), 2, flags)
+    master.start()
+    refused = Offer(1, 2, {**flags, "workers": 3}, {"worker": ["127.0.0.1:1"] * 3})
+    mine = Offer(0, 2, flags, {"worker": ["127.0.0.1:4", "127.0.0.1:5"]})
+    offers = [refused, mine] if first == "refused node" else [mine, refused]
+    heard = {}
+    start = time.monotonic()
+    try:
+        joins = [threading.Thread(target=_join_into, args=(heard, port, offer)) for offer in offers]
+        for thread in joins:
+            thread.start()
+            time.sleep(0.2)  # the order the parameter names
+        for thread in joins:
+            thread.join(20)
+    finally:
+        master.close()
+    assert time.monotonic() - start < 10
+    assert heard.keys() == {0, 1}
+    assert all("node 1 was started with --workers 3" in line for line in heard.values()), heard
+
+
+def _join_into(heard: dict, port: int, offer: Offer) -> None:
+    try:
+        join(("127.0.0.1", port), offer, timeout=15, say=lambda line: None)
+    except RendezvousError as error:
+        heard[offer.node_rank] = str(error)
 
 
 def test_a_waiting_node_names_the_nodes_it_waits_for():

@@ -181,6 +181,23 @@ class Master:
             with contextlib.suppress(OSError):
                 _send(connection, answer)
                 connection.close()
+        if "error" in answer:
+            self._refuse_late(answer)
+
+    def _refuse_late(self, answer: dict) -> None:
+        """Whoever joins after the refusal (node 0's own offer, when the bad one came first)
+        hears the same line, until the launcher closes the socket: none waits for nothing."""
+        while True:
+            try:
+                connection, _ = self._socket.accept()
+            except TimeoutError:
+                continue
+            except OSError:  # closed
+                return
+            with contextlib.suppress(OSError, ValueError), connection:
+                connection.settimeout(10.0)
+                _read_line(connection)  # its offer, read so that closing sends no reset
+                _send(connection, answer)
 
     def _tell_waiting(self, connections: Mapping[int, tuple[socket.socket, Offer]]) -> None:
         missing = [rank for rank in range(self.nnodes) if rank not in connections]
