@@ -12,7 +12,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 
 import tfdist
-from tfdist import signals
+from tfdist import logs, signals
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
 from tfdist.exit_codes import EXIT_USAGE, end_process
@@ -156,9 +156,11 @@ def _check_cpu_devices_apply(cluster: ClusterInfo | None) -> None:
 
 
 def setup_logging() -> None:
-    """Shows tfdist's INFO lines; TensorFlow (which logs through absl) only from WARNING up."""
+    """Shows tfdist's INFO lines in tfdist's one format (absl's handler takes it: TensorFlow's
+    warnings read alike); TensorFlow (which logs through absl) only from WARNING up."""
     absl_logging.set_verbosity(absl_logging.WARNING)
-    logging.getLogger("tfdist").setLevel(logging.INFO)
+    logs.use_format_of_tfdist()
+    logging.getLogger("tfdist").setLevel(logs.task_level())
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
 
 

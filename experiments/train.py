@@ -79,7 +79,7 @@ flags.DEFINE_string("dataset", _DEFAULTS.dataset, f"Dataset: {', '.join(dataset_
 flags.DEFINE_string(
     "data_dir",
     None,
-    "Where datasets live (digits TFRecords are written there on first use; TFDS data must be prepared there). Default: $TFDIST_DATA_DIR or ~/.cache/tfdist.",
+    "Where datasets live (the digits and images:DIR folders are written there as TFRecords on first use; TFDS data must be prepared there). Default: $TFDIST_DATA_DIR or ~/.cache/tfdist.",
 )
 flags.DEFINE_bool(
     "skip_corrupt",

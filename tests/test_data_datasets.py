@@ -76,11 +76,12 @@ def test_synthetic_has_the_asked_shape_and_is_seeded():
     [
         ("mnist", {}, r"Unknown dataset 'mnist'\. Valid names: digits, synthetic, tfds:NAME"),
         (
-            "images:/data/pets",
+            "npz:/data/pets.npz",
             {},
             r"Convert it to TFRecords first: python -m tools\.make_tfrecords --source "
-            r"images:/data/pets --out_dir OUT, then train with --dataset=tfrecord:OUT\.",
+            r"npz:/data/pets.npz --out_dir OUT, then train with --dataset=tfrecord:OUT\.",
         ),
+        ("images:/no/such/folder", {}, r"No such folder: /no/such/folder\."),
         (
             "synthetic",
             {"image_shape": (32, 32)},

@@ -623,10 +623,12 @@ def test_a_task_that_exits_with_a_usage_error_is_never_restarted(tmp_path):
     result, _ = run_launch(launch_argv("--workers", "2", "--max_restarts", "2", command=command))
 
     assert result.returncode == exit_codes.EXIT_USAGE, result.stdout + result.stderr
+    lines = launch_lines(result.stdout)
     cause = "[launch] worker:1 stopped on a usage error (exit code 2: see its error line)"
-    assert launch_lines(result.stdout)[-1] == (
-        f"{cause}; a restart cannot fix the command, so not restarting"
-    )
+    assert [line for line in lines if "usage error" in line] == [
+        f"{cause}; stopping the other tasks",
+        "[launch] not restarting: worker:1's usage error would come back every time",
+    ], lines  # the cause once, then the decision
     assert attempts(tmp_path, "worker-1") == 1
 
 
@@ -643,7 +645,7 @@ def test_the_binarys_flag_error_ends_a_parameter_server_job_without_restarts():
         line.endswith("error: flag --epochs=0: 0 is not a positive integer. Run with --help to "
                       "see the flags.") for line in errors
     ), errors  # fmt: skip
-    assert "a restart cannot fix the command, so not restarting" in result.stdout
+    assert "not restarting: " in result.stdout and "usage error would come back" in result.stdout
     assert "restarting the job" not in result.stdout and "cannot survive" not in result.stdout
     assert "Traceback" not in result.stdout
 

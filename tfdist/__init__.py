@@ -32,14 +32,18 @@ TF_CONFIG checker) start without paying for a TensorFlow import.
 Importing tfdist makes an uncaught TfdistError end a script as it ends the binaries: its
 one-line message, no traceback, and exit code 2 for a mistake (which launchers do not
 restart) or the restartable code for a lost peer (tfdist.exit_codes.install_error_hook;
-TFDIST_TRACEBACK=1 shows the traceback).
+TFDIST_TRACEBACK=1 shows the traceback). It also shows tfdist's own log lines without a
+logging call: the chief's INFO lines, every task's warnings (tfdist.logs; TFDIST_LOG_LEVEL
+turns them down).
 """
 
 import importlib
 
+from tfdist import logs
 from tfdist.exit_codes import install_error_hook
 
 install_error_hook()
+logs.install_default()
 
 __version__ = "0.1.0"
 
@@ -68,7 +72,7 @@ _EXPORTS = {
     "is_chief": "tfdist.task",
     "num_workers": "tfdist.task",
     "num_replicas": "tfdist.task",
-    "setup_logging": "tfdist.task",
+    "setup_logging": "tfdist.logs",
     "serve_if_needed": "tfdist.roles",
     "route_stop_signals": "tfdist.signals",
     "StrategyError": "tfdist.strategies",

@@ -15,9 +15,6 @@ pod's or Slurm's variables: `cluster_from_environment`), without importing Tenso
 from __future__ import annotations
 
 import dataclasses
-import logging
-import os
-import sys
 
 from tfdist.cluster import CHIEF, WORKER, cluster_from_environment
 
@@ -75,27 +72,3 @@ def num_replicas(strategy=None) -> int:
     import tensorflow as tf  # deferred: the helpers above need no TensorFlow
 
     return (strategy or tf.distribute.get_strategy()).num_replicas_in_sync
-
-
-def setup_logging(level: int | str = logging.INFO, *, quiet_workers: bool = False) -> None:
-    """Shows tfdist's log lines (the strategy built, the batch arithmetic, warnings) at
-    `level`, TensorFlow's own only from WARNING up; one call, first thing in main().
-
-    Args:
-      level: the level of tfdist's lines, e.g. logging.INFO or "DEBUG".
-      quiet_workers: on every task but the chief, print nothing but errors: standard
-        output (the user's prints, progress) goes nowhere and log lines below ERROR are
-        dropped, so a job of N workers does not print everything N times. Errors (and
-        tfdist's one-line error messages, on standard error) still show on every task.
-    """
-    logging.basicConfig(
-        level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    logging.getLogger("tfdist").setLevel(level)
-    for name in ("tensorflow", "absl"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TensorFlow's C++ start-up lines
-    if quiet_workers and not is_chief():
-        logging.getLogger().setLevel(logging.ERROR)
-        logging.getLogger("tfdist").setLevel(logging.ERROR)
-        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of the process)

@@ -72,7 +72,7 @@ def digits_source(argument: str, *, split: str, data_dir: str | None) -> Source:
     import numpy as np
     from sklearn.datasets import load_digits
 
-    from tfdist.data.datasets import DIGITS_SPLIT_SEED, DIGITS_TEST_FRACTION
+    from tfdist.data.contract import split_index
 
     if split not in DIGITS_SPLITS:
         raise UsageError(
@@ -82,12 +82,7 @@ def digits_source(argument: str, *, split: str, data_dir: str | None) -> Source:
     digits = load_digits()
     images = digits.images.astype(np.uint8)[..., np.newaxis]  # pixel values 0..16
     labels = digits.target.astype(np.int64)
-    index = np.arange(len(labels))
-    if split != "all":
-        # The same seeded permutation as prepare_digits, so --split test is its test set.
-        order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(labels))
-        n_test = int(round(len(labels) * DIGITS_TEST_FRACTION))
-        index = np.sort(order[:n_test] if split == "test" else order[n_test:])
+    index = split_index(len(labels), split)  # prepare_digits's split: --split test is its test
     examples = {"image": images[index], "label": labels[index], "id": index.astype(np.int64)}
     return Source(
         examples,
@@ -97,91 +92,25 @@ def digits_source(argument: str, *, split: str, data_dir: str | None) -> Source:
     )
 
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif")
-
-
 def images_source(directory: str, *, split: str, data_dir: str | None) -> Source:
     """A folder with one sub-folder of images per class, as Keras's
-    image_dataset_from_directory reads it: labels number the class folders in sorted order.
-    Split into train and test (20%) by the same seeded permutation as the digits."""
+    image_dataset_from_directory reads it (tfdist.data.images: labels number the class
+    folders in sorted order; train and test split as for the digits)."""
     del data_dir
-    import numpy as np
+    from tfdist.data.images import image_folder
 
-    from tfdist.data.datasets import DIGITS_SPLIT_SEED, DIGITS_TEST_FRACTION
-
-    if not directory:
-        raise UsageError("--source images: needs a folder, e.g. --source images:/data/pets")
-    if not os.path.isdir(directory):
-        raise UsageError(f"No such folder: {directory}. Received: --source images:{directory}")
     if split not in DIGITS_SPLITS:
         raise UsageError(
             f"--split must be one of {', '.join(DIGITS_SPLITS)} for --source images (test is "
             f"a fixed 20%, train the rest). Received: --split={split}"
         )
-    classes = sorted(
-        entry.name for entry in os.scandir(directory)
-        if entry.is_dir() and not entry.name.startswith(".")
-    )  # fmt: skip
-    files, labels = [], []
-    for label, name in enumerate(classes):
-        found = sorted(
-            entry.path for entry in os.scandir(os.path.join(directory, name))
-            if entry.is_file() and entry.name.lower().endswith(IMAGE_SUFFIXES)
-        )  # fmt: skip
-        files += found
-        labels += [label] * len(found)
-    if not files:
-        raise UsageError(
-            f"{directory} holds no images in class sub-folders ({', '.join(IMAGE_SUFFIXES)}). "
-            "Put each class's images in a folder of its own: DIR/cat/1.png, DIR/dog/2.png, ..."
-        )
-    index = np.arange(len(files))
-    if split != "all":
-        order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(files))
-        n_test = int(round(len(files) * DIGITS_TEST_FRACTION))
-        index = np.sort(order[:n_test] if split == "test" else order[n_test:])
-    examples = _decoded_images([files[i] for i in index], [labels[i] for i in index])
+    folder = image_folder(directory, split)
     return Source(
-        examples,
-        len(index),
-        f"{len(classes)} classes of images in {directory} ({split})",
-        {"classes": classes, "image_scale": 1 / 255},
+        folder.examples(),
+        len(folder.files),
+        f"{len(folder.classes)} classes of images in {directory} ({split})",
+        {"classes": folder.classes, "image_scale": 1 / 255},
     )
-
-
-def _decoded_images(files: list[str], labels: list[int]) -> Iterator[dict[str, Any]]:
-    """Each file decoded to uint8 [H, W, C], with its label; all must share one shape."""
-    import numpy as np
-    import tensorflow as tf
-
-    first = None
-    for path, label in zip(files, labels, strict=True):
-        try:
-            with open(path, "rb") as f:
-                image = tf.io.decode_image(f.read(), expand_animations=False).numpy()
-        except tf.errors.OpError as e:
-            raise UsageError(
-                f"Cannot decode {path} as an image ({e.message.strip().splitlines()[0]}). "
-                "Remove it or replace it with a PNG, JPEG, BMP or GIF file."
-            ) from None
-        if image.dtype != np.uint8:  # 16-bit PNGs
-            image = (image.astype(np.float64) / np.iinfo(image.dtype).max * 255).round()
-            image = image.astype(np.uint8)
-        if first is None:
-            first = image.shape
-        elif image.shape[:2] != first[:2]:
-            raise UsageError(
-                f"{path} is {image.shape[0]}x{image.shape[1]}, but the first image was "
-                f"{first[0]}x{first[1]}: every image of a dataset needs one size. Resize them "
-                "(e.g. with Pillow or ImageMagick) before converting."
-            )
-        elif image.shape[2] != first[2]:
-            raise UsageError(
-                f"{path} has {image.shape[2]} colour channel(s), but the first image had "
-                f"{first[2]}: every image of a dataset needs the same ones (1 grey, 3 RGB, "
-                "4 RGBA). Convert them to one mode before converting."
-            )
-        yield {"image": image, "label": np.int64(label)}
 
 
 def npz_source(path: str, *, split: str, data_dir: str | None) -> Source:

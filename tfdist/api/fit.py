@@ -40,7 +40,7 @@ from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
 from tfdist.parallel import registry
 from tfdist.strategies import strategy_kind
-from tfdist.training import chain
+from tfdist.training import chain, fit_callbacks
 from tfdist.training.controller import Controller
 from tfdist.training.data_checks import check_batch
 from tfdist.training.fit_data import FitData, make_fit_data, split_arrays, unpack
@@ -227,7 +227,7 @@ def evaluate(
     _check_labels(model, data, "x")
     runner = runner_for(model, strategy)
     runner.build(data.sample_batch)
-    callback_list = keras.callbacks.CallbackList(
+    callback_list = fit_callbacks.callback_list(
         callbacks, add_progbar=verbose != 0 and runner.is_chief, verbose=verbose, epochs=1,
         steps=steps or data.num_batches, model=model,
     )  # fmt: skip

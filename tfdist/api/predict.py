@@ -20,6 +20,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import FitError
+from tfdist.task import is_chief
+from tfdist.training import fit_callbacks
 from tfdist.training.fit_data import DEFAULT_BATCH_SIZE
 
 
@@ -40,7 +42,8 @@ def predict(
         whose elements are x or (x, y[, sample_weight]); or a dataset function, called with
         a default tf.distribute.InputContext.
       batch_size: for arrays, the examples per step (default 32).
-      verbose: "auto", 0 or 1 (a progress bar), as for `model.predict`.
+      verbose: "auto", 0 or 1 (a progress bar, drawn by the chief only), as for
+        `model.predict`.
       steps: stop after this many batches (default: all of the data).
       callbacks: Keras callbacks; their predict hooks are called as `model.predict` calls
         them.
@@ -62,8 +65,8 @@ def predict(
             raise FitError(f"steps must be a whole number >= 1. Received: steps={steps!r}")
         dataset = dataset.take(steps)
     known = int(dataset.cardinality())
-    callback_list = keras.callbacks.CallbackList(
-        callbacks, add_progbar=verbose != 0, verbose=verbose, epochs=1,
+    callback_list = fit_callbacks.callback_list(
+        callbacks, add_progbar=verbose != 0 and is_chief(), verbose=verbose, epochs=1,
         steps=known if known >= 0 else None, model=model,
     )  # fmt: skip
     step = tf.function(lambda batch: model.predict_step(batch))

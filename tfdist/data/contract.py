@@ -11,12 +11,26 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Protocol
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.data.pipeline import PipelineOptions
 from tfdist.data.records import DataError
 
 SPLITS = ("train", "test")
+# The fixed train/test split of the data tfdist splits itself (the digits, image folders):
+# a seeded permutation, TEST_FRACTION of it the test split, so every worker and run agree.
+TEST_FRACTION = 0.2
+SPLIT_SEED = 0
+
+
+def split_index(n: int, split: str) -> np.ndarray:
+    """The sorted indices of `split` ('train', 'test', or 'all') among n examples."""
+    if split == "all":
+        return np.arange(n)
+    order = np.random.default_rng(SPLIT_SEED).permutation(n)
+    n_test = int(round(n * TEST_FRACTION))
+    return np.sort(order[:n_test] if split == "test" else order[n_test:])
 
 
 @dataclasses.dataclass(frozen=True)

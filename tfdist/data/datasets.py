@@ -8,6 +8,8 @@ Every dataset yields batches of ``(image, label)``: ``image`` float32 [batch, H,
   synthetic   random images and labels of any shape and count, for benchmarks
   tfds:NAME   a TensorFlow Datasets dataset already prepared in a data_dir (never downloads)
   tfrecord:DIR  the train and test splits tools.make_tfrecords wrote to DIR (your own data)
+  images:DIR  a folder of images, one sub-folder per class (Keras's image_dataset_from_
+              directory layout); converted to TFRecords in the data_dir on first use
 
     >>> data = prepare_dataset("digits", data_dir="/tmp/tfdist-data")   # writes TFRecords once
     >>> data.info.num_examples
@@ -24,7 +26,8 @@ from collections.abc import Callable, Mapping
 import numpy as np
 import tensorflow as tf
 
-from tfdist.data.contract import SPLITS, DatasetInfo, ImageDataset, check_split
+from tfdist.data.contract import SPLITS, DatasetInfo, ImageDataset, check_split, split_index
+from tfdist.data.images import IMAGES_PREFIX, prepare_image_folder
 from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
 from tfdist.data.records import META_SUFFIX, DataError, find_records, write_tfrecords
 from tfdist.storage import PATH_ERRORS, check_writable_directory
@@ -72,8 +75,6 @@ class TFRecordImages:
 
 
 DIGITS_SHARDS = {"train": 4, "test": 2}
-DIGITS_TEST_FRACTION = 0.2
-DIGITS_SPLIT_SEED = 0
 
 
 def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
@@ -93,10 +94,8 @@ def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
         digits = load_digits()
         images = digits.images.astype(np.uint8)[..., np.newaxis]  # pixel values 0..16
         labels = digits.target.astype(np.int64)
-        order = np.random.default_rng(DIGITS_SPLIT_SEED).permutation(len(labels))
-        n_test = int(round(len(labels) * DIGITS_TEST_FRACTION))
-        for split, index in (("test", order[:n_test]), ("train", order[n_test:])):
-            index = np.sort(index)
+        for split in ("test", "train"):
+            index = split_index(len(labels), split)
             write_tfrecords(
                 {"image": images[index], "label": labels[index], "id": index.astype(np.int64)},
                 directory,
@@ -220,15 +219,16 @@ TFDS_PREFIX = "tfds:"
 
 
 def dataset_names() -> list[str]:
-    return [*_PREPARERS, TFDS_PREFIX + "NAME", TFRECORD_PREFIX + "DIR"]
+    return [*_PREPARERS, TFDS_PREFIX + "NAME", TFRECORD_PREFIX + "DIR", IMAGES_PREFIX + "DIR"]
 
 
 def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> ImageDataset:
     """The dataset called `name`, prepared for reading (digits writes its TFRecords once).
 
     Args:
-      name: 'digits', 'synthetic', 'tfds:NAME' or 'tfrecord:DIR' (what tools.make_tfrecords
-        wrote to DIR: its train and test splits).
+      name: 'digits', 'synthetic', 'tfds:NAME', 'tfrecord:DIR' (what tools.make_tfrecords
+        wrote to DIR: its train and test splits) or 'images:DIR' (a folder of class folders,
+        converted into data_dir on first use).
       data_dir: where datasets live; default $TFDIST_DATA_DIR or ~/.cache/tfdist (for TFDS,
         TFDS's own default).
       **kwargs: options of the dataset (synthetic: image_shape, num_classes, num_examples,
@@ -252,13 +252,21 @@ def prepare_dataset(name: str, *, data_dir: str | None = None, **kwargs) -> Imag
 def _prepare(name: str, *, data_dir: str | None, **kwargs) -> ImageDataset:
     if name.startswith(TFRECORD_PREFIX) and name[len(TFRECORD_PREFIX) :]:
         return prepare_tfrecord_dir(name[len(TFRECORD_PREFIX) :], **kwargs)
+    if name.startswith(IMAGES_PREFIX):
+        folder = name[len(IMAGES_PREFIX) :]
+        if not folder:
+            raise DataError(
+                f"{IMAGES_PREFIX} needs a folder, e.g. --dataset={IMAGES_PREFIX}/data/pets"
+            )
+        written = prepare_image_folder(folder, data_dir or default_data_dir())
+        return prepare_tfrecord_dir(written, **kwargs)
     if name.startswith(TFDS_PREFIX):
         from tfdist.data.tfds import prepare_tfds  # deferred: importing TFDS takes seconds
 
         return prepare_tfds(name[len(TFDS_PREFIX) :], data_dir=data_dir, **kwargs)
     if name not in _PREPARERS:
         convert = ""
-        if name.startswith(("images:", "npz:")):  # a source tools.make_tfrecords converts
+        if name.startswith("npz:"):  # a source tools.make_tfrecords converts
             convert = (
                 " Convert it to TFRecords first: python -m tools.make_tfrecords --source "
                 f"{name} --out_dir OUT, then train with --dataset=tfrecord:OUT."

@@ -20,11 +20,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-import sys
 from collections.abc import Callable, Sequence
 
 import tensorflow as tf
 
+from tfdist import logs
 from tfdist.data.records import (
     DataError,
     RecordFiles,
@@ -198,20 +198,26 @@ def _shard(
             why = "fewer files than pipelines"
         else:
             why = f"by file the shares would be {'/'.join(map(str, sizes))} examples"
-        log.info(
+        logs.once(
+            log,
+            logging.INFO,
             "Input pipeline %d of %d reads every %d%s example of %d file(s) (sharded by "
             "example: %s)",
             pipeline, pipelines, pipelines, _ordinal_suffix(pipelines), n, why,
         )  # fmt: skip
         return files.paths, files.counts, pipelines
     mine = shares[pipeline]
-    log.info(
+    logs.once(
+        log,
+        logging.INFO,
         "Input pipeline %d of %d reads %d of %d files, %d examples (sharded by file; the "
         "pipelines' shares: %s examples)",
         pipeline, pipelines, len(mine), n, sizes[pipeline], "/".join(map(str, sizes)),
     )  # fmt: skip
     if not even:
-        log.warning(
+        logs.once(
+            log,
+            logging.WARNING,
             "Sharding by file as asked gives uneven shares (%s examples): the pipelines with "
             "less data repeat theirs more often. shard_by='auto' shards by example instead.",
             "/".join(map(str, sizes)),
@@ -261,11 +267,11 @@ def _checked_records(path, expected, compression: str, *, skip: bool) -> tf.data
         ok = tf.logical_or(tf.logical_not(is_end), tf.equal(count, expected))
         if skip:
             message = tf.strings.format(
-                "WARNING tfdist: skipped {} unreadable record(s) of {} in {} (skip_corrupt=True): "
+                "skipped {} unreadable record(s) of {} in {} (skip_corrupt=True): "
                 "the file is truncated or corrupt from there on.",
                 (expected - count, expected, path),
             )
-            done = tf.cond(ok, lambda: tf.constant(True), lambda: _print_and_true(message))
+            done = tf.cond(ok, lambda: tf.constant(True), lambda: _warn_once(message))
         else:
             message = tf.strings.format(
                 "tfdist: {} holds {} readable record(s) but its metadata says {}: the file is "
@@ -280,9 +286,16 @@ def _checked_records(path, expected, compression: str, *, skip: bool) -> tf.data
     return blocks.concatenate(end).scan(tf.constant(0, tf.int64), check).unbatch()
 
 
-def _print_and_true(message):
-    with tf.control_dependencies([tf.print(message, output_stream=sys.stderr)]):
-        return tf.constant(True)
+def _warn_once(message: tf.Tensor) -> tf.Tensor:
+    """Warns once per process (each epoch reads the file again), through tfdist's logger."""
+
+    def warn(text) -> bool:
+        logs.once(log, logging.WARNING, "%s", text.numpy().decode())
+        return True
+
+    done = tf.py_function(warn, [message], tf.bool)
+    done.set_shape([])
+    return done
 
 
 def explain_data_error(error: tf.errors.OpError) -> DataError | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -94,6 +95,39 @@ def _worker_failure_mode(choice: str | None, parameter_server: bool) -> str:
 
 def _plural(items: Sequence[object], noun: str) -> str:
     return f"{len(items)} {noun}" + ("" if len(items) == 1 else "s")
+
+
+# TensorFlow's native start-up block: absl's notice before its logging is set up, the INFO
+# lines logged before that (stamped "I0000 00:00:<seconds since 1970>", which no Python
+# absl line is) and the CPU-instructions notice. Each of TensorFlow's two native libraries
+# prints it, so every process printed it twice.
+_NATIVE_INFO = re.compile(rb"^I0000 00:00:\d+\.\d+ +\d+ (\S+:\d+\] .*)$")
+_NATIVE_NOTICES = (
+    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+    b"To enable the following instructions: ",
+)
+
+
+class OncePerProcess:
+    """Drops a task's repeats of TensorFlow's native start-up lines (the same source line
+    and message, whatever its time stamp): the block shows once per process."""
+
+    def __init__(self):
+        self._seen: set[bytes] = set()
+
+    def repeats(self, line: bytes) -> bool:
+        text = line.rstrip(b"\r\n")
+        match = _NATIVE_INFO.match(text)
+        if match:
+            key = match.group(1)
+        elif text.startswith(_NATIVE_NOTICES):
+            key = text
+        else:
+            return False
+        if key in self._seen:
+            return True
+        self._seen.add(key)
+        return False
 
 
 class Launcher:
@@ -232,7 +266,8 @@ class Launcher:
             self._say(f"received {_signal_name(self._signals[0])}; not restarting")
             return code
         if returncode == EXIT_USAGE:  # the command is wrong: every restart would fail alike
-            self._say(f"{cause}; a restart cannot fix the command, so not restarting")
+            # Its failure was said when it happened; say only the decision.
+            self._say(f"not restarting: {task.name}'s usage error would come back every time")
             return code
         if self._restarts == self._max_restarts:
             if self._max_restarts:
@@ -447,8 +482,11 @@ class Launcher:
 
     def _relay(self, task: Task, pipe: BinaryIO) -> None:
         prefix = f"[{task.name}] ".encode()
+        said_once = OncePerProcess()
         with pipe:
             for line in pipe:
+                if said_once.repeats(line):
+                    continue
                 self._write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
 
     def _say(self, message: str) -> None:

@@ -104,7 +104,7 @@ class Controller:
             PreemptionWatcher(runner.agree, saves=self._saves_on_stop()) as self.watcher,
         ):
             self.redirect = redirect
-            callback_list = keras.callbacks.CallbackList(
+            callback_list = fit_callbacks.callback_list(
                 self.callbacks, add_history=True, add_progbar=progress_bar, verbose=self.verbose,
                 epochs=self.epochs, steps=self.steps, model=model,
             )  # fmt: skip
@@ -133,6 +133,7 @@ class Controller:
                         callback_list.on_test_end(val_logs)
                         epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                     callback_list.on_epoch_end(epoch, epoch_logs)
+                    self._report_step_times(epoch)  # under the progress bar's closing line
                     training_logs = epoch_logs
                     if self._agreed_stop():
                         break
@@ -201,7 +202,6 @@ class Controller:
             if self.data.num_batches and self.pass_position >= self.data.num_batches:
                 self.iterator = None
         runner.settle()
-        self._report_step_times(epoch)
         return runner.logs()
 
     def _agreed_stop(self) -> bool:

@@ -7,6 +7,9 @@ where the user asked. On the other workers the file-writing callbacks Keras ship
 directory removed at the end — the rule tf.distribute applies to checkpoints. A worker
 still *reads* BackupAndRestore's backup from the shared directory, so every worker resumes
 from the chief's state.
+
+`callback_list` is Keras's CallbackList whose progress bar tells tfdist.logs when its line
+is open, so that a log line never lands inside it.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import tempfile
 from collections.abc import Iterator, Sequence
 
 import keras
+
+from tfdist import logs as tfdist_logs
 
 log = logging.getLogger(__name__)
 
@@ -136,3 +141,51 @@ class _Redirect:
         if self.scratch is not None:
             shutil.rmtree(self.scratch, ignore_errors=True)
             self.scratch = None
+
+
+def callback_list(callbacks, *, verbose, **params) -> keras.callbacks.CallbackList:
+    """Keras's CallbackList (`add_progbar`, `add_history` and the params as Keras takes them),
+    whose progress bar, if it draws one, tells tfdist.logs when its line is left open: a log
+    line then ends the bar's line instead of landing inside it."""
+    callback_list = keras.callbacks.CallbackList(callbacks, verbose=verbose, **params)
+    if getattr(callback_list, "_progbar", None) is not None and verbose not in (0, 2):
+        callback_list.callbacks.append(_BarLine())  # after the bar: it has drawn by then
+        callback_list.callbacks[-1].set_model(params.get("model"))
+    return callback_list
+
+
+class _BarLine(keras.callbacks.Callback):
+    """Tells tfdist.logs whether Keras's progress bar has a line open (drawn in place)."""
+
+    async_safe = True  # Keras may dispatch batch ends on a thread; this only sets a flag
+
+    def __init__(self):
+        super().__init__()
+        self._fitting = False
+
+    def on_train_begin(self, logs=None):
+        self._fitting = True
+
+    def on_train_batch_end(self, batch, logs=None):
+        tfdist_logs.progress_bar_open(True)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if not self._fitting:  # inside fit, Keras draws no bar for validation
+            tfdist_logs.progress_bar_open(True)
+
+    def on_predict_batch_end(self, batch, logs=None):
+        tfdist_logs.progress_bar_open(True)
+
+    def on_epoch_end(self, epoch, logs=None):
+        tfdist_logs.progress_bar_open(False)  # the bar has ended its line
+
+    def on_train_end(self, logs=None):
+        self._fitting = False
+        tfdist_logs.progress_bar_open(False)
+
+    def on_test_end(self, logs=None):
+        if not self._fitting:
+            tfdist_logs.progress_bar_open(False)
+
+    def on_predict_end(self, logs=None):
+        tfdist_logs.progress_bar_open(False)

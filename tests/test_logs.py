@@ -1,0 +1,192 @@
+"""tfdist's log lines by default (tfdist.logs), and the launcher's one start-up block per task.
+
+The rules run in small Python processes that import tfdist without TensorFlow (the default
+handler is installed at import, before any user logging call, which pytest's own handlers
+would hide in process). One job under tfdist-launch shows a user's script, with no logging
+call at all, printing the waiting line and the step-time line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+from tfdist.launch.supervisor import OncePerProcess
+
+pytestmark = pytest.mark.fast
+
+LINE = re.compile(r"^\d\d:\d\d:\d\d (INFO|WARNING|ERROR) tfdist: (.*)$")
+
+
+def run_script(source: str, env: dict[str, str] | None = None) -> str:
+    """Standard output and error of `source`, merged as a terminal or a launcher sees them."""
+    result = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(source)],
+        cwd=REPO, env={"PATH": "/usr/bin:/bin", **(env or {})},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=60,
+    )  # fmt: skip
+    output = result.stdout.decode()  # as written: a progress bar's "\r" stays
+    assert result.returncode == 0, output
+    return output
+
+
+SAYS = """
+    import logging
+    import tfdist
+    log = logging.getLogger("tfdist.some.module")
+    log.info("the strategy was built")
+    log.warning("a warning")
+"""
+
+
+def two_workers(index: int) -> dict[str, str]:
+    cluster = {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}
+    return {
+        "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+    }
+
+
+def test_a_script_that_imports_tfdist_shows_its_lines_in_one_format():
+    lines = run_script(SAYS).splitlines()
+    assert [LINE.match(line).groups() for line in lines] == [
+        ("INFO", "the strategy was built"),
+        ("WARNING", "a warning"),
+    ], lines
+
+
+def test_only_the_chief_says_info_unless_asked():
+    assert "the strategy was built" in run_script(SAYS, two_workers(0))
+    quiet = run_script(SAYS, two_workers(1)).splitlines()
+    assert [LINE.match(line).group(2) for line in quiet] == ["a warning"], quiet
+    everyone = run_script(SAYS, {**two_workers(1), "TFDIST_LOG_WORKERS": "all"})
+    assert "the strategy was built" in everyone
+
+
+def test_a_variable_turns_the_lines_down_and_a_bad_one_says_so():
+    assert [LINE.match(x).group(2) for x in run_script(SAYS, {"TFDIST_LOG_LEVEL": "warning"})
+            .splitlines()] == ["a warning"]  # fmt: skip
+    bad = run_script(SAYS, {"TFDIST_LOG_LEVEL": "LOUD"}).splitlines()
+    assert bad[0] == "tfdist: TFDIST_LOG_LEVEL='LOUD' is not a level; use DEBUG, INFO, WARNING " \
+        "or ERROR. Using INFO."  # fmt: skip
+    assert len(bad) == 3
+
+
+def test_a_user_s_own_logging_set_up_gets_each_line_once_in_its_format():
+    lines = run_script(
+        """
+        import logging
+        import tfdist
+        logging.basicConfig(format="%(levelname)s|%(name)s|%(message)s")
+        logging.getLogger("tfdist.some.module").info("the strategy was built")
+        """
+    ).splitlines()
+    assert lines == ["INFO|tfdist.some.module|the strategy was built"]
+
+
+def test_setup_logging_and_absl_binaries_use_the_one_format():
+    lines = run_script(
+        """
+        import logging
+        from absl import app
+        import tfdist
+
+        def main(argv):
+            tfdist.setup_logging()
+            logging.getLogger("tfdist.x").info("from tfdist")
+            logging.getLogger("mine").warning("from the user")
+
+        app.run(main)
+        """
+    ).splitlines()
+    assert [LINE.match(lines[0]).group(2), lines[1][8:]] == [
+        "from tfdist",
+        " WARNING mine: from the user",
+    ], lines
+
+
+def test_a_line_never_lands_inside_a_progress_bar_and_repeats_are_said_once():
+    output = run_script(
+        """
+        import logging, sys
+        import tfdist
+        from tfdist import logs
+        log = logging.getLogger("tfdist.x")
+        sys.stdout.write("\\r3/8 - loss: 0.7034")  # a bar drawn in place, its line open
+        sys.stdout.flush()
+        logs.progress_bar_open(True)
+        for _ in range(3):
+            logs.once(log, logging.INFO, "Input pipeline %d of %d", 0, 2)
+        sys.stdout.write("\\r8/8 - loss: 0.5\\n")
+        """
+    )
+    lines = output.split("\n")  # the bar's carriage returns are not line ends
+    assert lines[0] == "\r3/8 - loss: 0.7034", lines
+    assert LINE.match(lines[1]).group(2) == "Input pipeline 0 of 2", lines
+    assert lines[2:] == ["\r8/8 - loss: 0.5", ""], lines
+
+
+def test_the_launcher_passes_tensorflow_s_start_up_block_once_per_process():
+    block = [
+        b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+        b"I0000 00:00:1795753085.320249    2450 port.cc:153] oneDNN custom operations are on.",
+        b"I0000 00:00:1795753085.320801    2450 cudart_stub.cc:31] Could not find cuda drivers",
+    ]
+    again = [
+        block[0],
+        block[1].replace(b"085.320249", b"087.425833"),
+        block[2].replace(b"085.320801", b"087.426511"),
+    ]
+    other = [b"E0000 00:00:1795753089.58 2450 cuda_platform.cc:52] failed call to cuInit",
+             b"I1127 04:18:09.582033 1402 peers.py:315] Waiting for worker:1",
+             b"10:00:00 INFO tfdist: epoch 1"]  # fmt: skip
+    filtered = OncePerProcess()
+    kept = [line for line in block + again + other + other if not filtered.repeats(line)]
+    assert kept == block + other + other, kept  # the block once; every other line as it came
+
+
+USER_SCRIPT = """
+import os, time
+import numpy as np
+import keras
+import tfdist
+
+if tfdist.this_task().index == 1:
+    time.sleep(3)  # a peer that starts late: the chief waits for it, and says so
+strategy = tfdist.build_strategy("multi_worker_mirrored")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+x = np.random.default_rng(0).random((256, 8), dtype=np.float32)
+tfdist.fit(model, x, (x.sum(axis=1) > 4).astype("int32"), epochs=2, batch_size=32)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_script_without_a_logging_call_shows_the_waiting_and_step_time_lines(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(USER_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", "python", str(script)],
+        cwd=REPO, capture_output=True, timeout=240,
+    )  # fmt: skip
+    output = result.stdout.decode()
+    assert result.returncode == 0, output[-3000:]
+    lines = output.split("\n")
+    chief = [LINE.match(x[11:]) for x in lines if x.startswith("[worker:0] ")]
+    said = [m.group(2) for m in chief if m]
+    assert any(re.fullmatch(r"Waiting for worker:1 \(127\.0\.0\.1:\d+\) to start \(\d+ s left\)",
+                            x) for x in said), said  # fmt: skip
+    assert [x.split(":")[0] for x in said if x.startswith("Epoch ")] == ["Epoch 1", "Epoch 2"]
+    # The other worker is quiet below WARNING; nobody's line lands inside a progress bar.
+    assert not [x for x in lines if x.startswith("[worker:1] ") and LINE.match(x[11:])]
+    assert not [x for x in lines if "loss:" in x and " tfdist: " in x], output[-3000:]
+    # TensorFlow's start-up notice once per process, where it came twice.
+    for task in ("worker:0", "worker:1"):
+        notices = [x for x in lines if x.startswith(f"[{task}] WARNING: All log messages")]
+        assert len(notices) == 1, output[:3000]
