@@ -160,7 +160,7 @@ def setup_logging() -> None:
     warnings read alike); TensorFlow (which logs through absl) only from WARNING up."""
     absl_logging.set_verbosity(absl_logging.WARNING)
     logs.use_format_of_tfdist()
-    logging.getLogger("tfdist").setLevel(logs.task_level())
+    logging.getLogger("tfdist").setLevel(logs.level_from_environment())
     logging.getLogger("tensorflow").setLevel(logging.WARNING)
 
 

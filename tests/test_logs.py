@@ -62,10 +62,16 @@ def test_a_script_that_imports_tfdist_shows_its_lines_in_one_format():
 
 def test_only_the_chief_says_info_unless_asked():
     assert "the strategy was built" in run_script(SAYS, two_workers(0))
-    quiet = run_script(SAYS, two_workers(1)).splitlines()
-    assert [LINE.match(line).group(2) for line in quiet] == ["a warning"], quiet
+    says_what_it_waits_for = textwrap.dedent(SAYS) + (
+        'log.info("Waiting for worker:0", extra=tfdist.logs.EVERY_TASK)\n'
+    )
+    quiet = run_script(says_what_it_waits_for, two_workers(1)).splitlines()
+    assert [LINE.match(x).group(2) for x in quiet] == ["a warning", "Waiting for worker:0"], quiet
     everyone = run_script(SAYS, {**two_workers(1), "TFDIST_LOG_WORKERS": "all"})
     assert "the strategy was built" in everyone
+    ps_job = {"chief": ["h:1"], "worker": ["h:2"], "ps": ["h:3"]}
+    ps = {"TF_CONFIG": json.dumps({"cluster": ps_job, "task": {"type": "ps", "index": 0}})}
+    assert "the strategy was built" in run_script(SAYS, ps)  # a role of its own: it says
 
 
 def test_a_variable_turns_the_lines_down_and_a_bad_one_says_so():

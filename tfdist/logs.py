@@ -8,8 +8,9 @@ batch arithmetic, the step-time breakdown, the corrections in force, faults. The
 
 on standard error (under tfdist-launch each line also gets its task's `[worker:0] `).
 
-- Only the chief prints INFO; the other tasks print WARNING and up, so a job of N workers
-  does not say everything N times (TFDIST_LOG_WORKERS=all shows every task's lines).
+- Workers other than the chief print WARNING and up (and what they wait for), so a job of N
+  workers does not say everything N times; TFDIST_LOG_WORKERS=all shows every task's lines.
+  The chief, the ps tasks and the evaluator print INFO.
 - TFDIST_LOG_LEVEL turns the lines down or up (WARNING, ERROR, DEBUG; default INFO).
 - Once the user configures logging (logging.basicConfig, absl's app.run, a handler of
   their own on the root logger), the default handler steps aside and tfdist's records go
@@ -51,8 +52,8 @@ def formatter() -> logging.Formatter:
 
 def use_format_of_tfdist() -> None:
     """absl's handler on the root logger (a binary run by absl's app.run) takes tfdist's
-    format; a root logger without handlers gets tfdist's console handler. A handler the user
-    set up keeps its format."""
+    format and quiet workers (TaskFilter); a root logger without handlers gets tfdist's
+    console handler. A handler the user set up keeps its format."""
     root = logging.getLogger()
     if not root.handlers:  # as logging.basicConfig, in tfdist's format
         root.addHandler(ConsoleHandler())
@@ -61,6 +62,8 @@ def use_format_of_tfdist() -> None:
     for handler in root.handlers:
         if type(handler).__name__ == "ABSLHandler":  # not a format the user chose
             handler.setFormatter(formatter())
+            if not any(isinstance(f, TaskFilter) for f in handler.filters):
+                handler.addFilter(TaskFilter())
 
 
 def progress_bar_open(is_open: bool) -> None:
@@ -104,35 +107,52 @@ class ConsoleHandler(logging.StreamHandler):
 
 class _DefaultHandler(ConsoleHandler):
     """The handler importing tfdist installs: steps aside once the root logger has a handler
-    (the user configured logging), and holds INFO back on tasks that are not the chief."""
+    (the user configured logging), and holds INFO back on workers that are not the chief."""
 
-    def __init__(self, level: int):
+    def __init__(self):
         super().__init__()
-        self._level = level
-        self._threshold: int | None = None
+        self.addFilter(TaskFilter())
 
     def handle(self, record: logging.LogRecord) -> bool:
         if logging.getLogger().handlers:
             return False  # the record propagates to the user's handlers
-        if self._threshold is None:
-            self._threshold = task_level(self._level)
-        if record.levelno < self._threshold:
-            return False
         return super().handle(record)
 
 
-def task_level(level: int | None = None) -> int:
-    """`level` (default: TFDIST_LOG_LEVEL's) on the chief or a process on its own; at least
-    WARNING on every other task, unless TFDIST_LOG_WORKERS=all."""
-    level = level_from_environment() if level is None else level
-    if os.environ.get(WORKERS_ENV, "").strip().lower() == "all":
-        return level
-    try:
-        from tfdist.task import is_chief
+# Passed as `extra=` to a line every task should say even when quiet: what it waits for,
+# what it serves.
+EVERY_TASK = {"every_task": True}
 
-        return level if is_chief() else max(level, logging.WARNING)
+
+class TaskFilter(logging.Filter):
+    """On a worker that is not the chief, tfdist's lines below WARNING are held back (the
+    chief says them for the job) unless marked EVERY_TASK or TFDIST_LOG_WORKERS=all. Other
+    loggers' records, and the chief's, ps's and evaluator's, pass."""
+
+    def __init__(self):
+        super().__init__()
+        self._quiet: bool | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING or getattr(record, "every_task", False):
+            return True
+        if not (record.name == "tfdist" or record.name.startswith("tfdist.")):
+            return True
+        if self._quiet is None:
+            self._quiet = _quiet_task()
+        return not self._quiet
+
+
+def _quiet_task() -> bool:
+    if os.environ.get(WORKERS_ENV, "").strip().lower() == "all":
+        return False
+    try:
+        from tfdist.task import this_task
+
+        task = this_task()
+        return task.type == "worker" and not task.is_chief
     except Exception:  # a malformed TF_CONFIG is reported where it is used, not here
-        return level
+        return False
 
 
 def level_from_environment() -> int:
@@ -191,7 +211,6 @@ def install_default() -> None:
     logger = logging.getLogger("tfdist")
     if any(isinstance(h, _DefaultHandler) for h in logger.handlers):
         return
-    level = level_from_environment()
     if logger.level == logging.NOTSET:
-        logger.setLevel(level)
-    logger.addHandler(_DefaultHandler(level))
+        logger.setLevel(level_from_environment())
+    logger.addHandler(_DefaultHandler())

@@ -25,6 +25,7 @@ import re
 import socket
 import time
 
+from tfdist import logs
 from tfdist.cluster import CHIEF, PS, WORKER, ClusterInfo
 from tfdist.errors import TfdistError
 
@@ -312,7 +313,7 @@ class _Placeholder:
 
 def _report(missing: dict[str, str], deadline: float | None, now: float) -> None:
     left = "no time limit" if deadline is None else f"{deadline - now:.0f} s left"
-    log.info("Waiting for %s to start (%s)", _listed(missing), left)
+    log.info("Waiting for %s to start (%s)", _listed(missing), left, extra=logs.EVERY_TASK)
 
 
 def _listed(tasks: dict[str, str]) -> str:

@@ -18,7 +18,7 @@ import os
 import signal
 import threading
 
-from tfdist import signals
+from tfdist import logs, signals
 from tfdist.cluster import FROM_ENV, PS, WORKER, ClusterInfo, cluster_from_environment
 from tfdist.peers import explain_server_error
 
@@ -73,7 +73,10 @@ def serve_if_needed(
         if explained is None:
             raise
         raise explained from None
-    log.info("Serving as %s until the job ends (%s)", cluster.describe(), server.target)
+    log.info(
+        "Serving as %s until the job ends (%s)", cluster.describe(), server.target,
+        extra=logs.EVERY_TASK,
+    )  # fmt: skip
     stop = stop or threading.Event()
     # server.join() blocks inside C++ where Python signal handlers never run; waiting on an
     # event instead lets a signal end serving. In a program that routed its stop signals
