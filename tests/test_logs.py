@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO
-from tfdist.launch.supervisor import OncePerProcess
+from tfdist.launch.supervisor import OncePerProcess, RuntimeLines
 
 pytestmark = pytest.mark.fast
 
@@ -196,3 +196,39 @@ def test_a_script_without_a_logging_call_shows_the_waiting_and_step_time_lines(t
     for task in ("worker:0", "worker:1"):
         notices = [x for x in lines if x.startswith(f"[{task}] WARNING: All log messages")]
         assert len(notices) == 1, output[:3000]
+
+
+ABORT = [
+    b"E1127 04:29:09.929320   16692 ring_alg.cc:291] Aborting RingReduce with UNAVAILABLE: recvmsg",
+    b"Additional GRPC error information from remote target /job:worker/replica:0/task:1 while",
+    b':UNKNOWN:Error received from peer  {grpc_message:"recvmsg:Connection reset by peer"}',
+    b"E1127 04:29:09.929388   16692 base_collective_executor.cc:252] StartAbort UNAVAILABLE: "
+    b"The following tasks are unhealthy (stopped sending heartbeats):",
+    b"/job:worker/replica:0/task:1",
+    b"The tasks have crashed. Check the task logs for an earlier error, or scheduler events",
+]
+LOST = b"error: Lost worker:1 (127.0.0.1:43417) during training: it closed its connection"
+GOODBYE = b"E1127 04:30:00.100000   1 coordination_service_agent.cc:1] Failed to send RPC to " \
+    b"coordination service"  # fmt: skip
+
+
+def relayed(lines: list[bytes], returncode: int, later=(b"epoch", LOST)) -> tuple[list, int]:
+    """What the launcher prints of `lines`: those starting with `later` come a second after
+    the line before (a new write), the others with it (a message of several lines)."""
+    runtime, now, out = RuntimeLines(), 0.0, []
+    for line in lines:
+        now += 1.0 if line.startswith(later) else 0.001
+        out += runtime.passed(line, now)
+    return out + runtime.at_exit(returncode), runtime.dropped
+
+
+def test_a_lost_peer_s_line_comes_first_without_the_runtime_s_abort_lines():
+    assert relayed([b"epoch 1", *ABORT, LOST], 1) == ([b"epoch 1", LOST], 6)
+    # Without a line of tfdist's to explain them, they are all there is: shown.
+    assert relayed([b"epoch 1", *ABORT], 1) == ([b"epoch 1", *ABORT], 0)
+    # Followed by ordinary output, they are shown where they came.
+    assert relayed([*ABORT[:1], b"epoch 2"], 0) == ([*ABORT[:1], b"epoch 2"], 0)
+    # A clean finish drops only the coordination service's goodbyes.
+    assert relayed([b"final: done", GOODBYE, ABORT[3]], 0) == ([b"final: done", ABORT[3]], 0)
+    everything = RuntimeLines(show_all=True)
+    assert [x for line in [*ABORT, LOST] for x in everything.passed(line)] == [*ABORT, LOST]

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
-from typing import BinaryIO
 
 from tfdist.exit_codes import EXIT_PREEMPTED, EXIT_USAGE, RESTART_COUNT_ENV
 from tfdist.launch.plan import (
@@ -128,6 +127,71 @@ class OncePerProcess:
             return True
         self._seen.add(key)
         return False
+
+
+NATIVE_LOGS_ENV = "TFDIST_NATIVE_LOGS"
+# TensorFlow's runtime error and warning lines once it runs (dated: E1127 04:29:09.929320 ...),
+# and the lines that continue them (gRPC's details of a failed call).
+_RUNTIME_LINE = re.compile(rb"^[EWF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+# A runtime message of several lines arrives in one write: lines this soon after it continue it.
+_CONTINUES_WITHIN_S = 0.2
+_TFDIST_LINE = re.compile(rb"^\d\d:\d\d:\d\d [A-Z]+ \S+: ")  # tfdist.logs.FORMAT
+_AFTER_A_CLEAN_FINISH = re.compile(rb"coordination.?service|heartbeat|PollForError", re.I)
+# tfdist's one line at the end of a task (tfdist.exit_codes.end_process).
+_TFDIST_ERROR = re.compile(rb"^(error|preempted|interrupted): ")
+
+
+class RuntimeLines:
+    """Holds TensorFlow's runtime error lines back until the task's next line says whether
+    they matter, so that tfdist's own line comes first when a peer is lost.
+
+    - Followed by an ordinary line: released before it, in order.
+    - Followed by the task's own one-line error (`error: ...`): dropped, and counted (the
+      runtime's abort lines only repeat, less clearly, what that line says).
+    - At a clean exit (0): the coordination service's complaints that its peers have gone
+      (the chief exits first) are dropped; others are released.
+    - At any other exit without an error line of its own: released (they are all there is).
+    """
+
+    def __init__(self, *, show_all: bool = False):
+        self.show_all = show_all
+        self.held: list[bytes] = []
+        self.dropped = 0
+        self._last_held = 0.0
+
+    def passed(self, line: bytes, now: float | None = None) -> list[bytes]:
+        """The lines to print now, given the task's next line (arrived at `now`)."""
+        if self.show_all:
+            return [line]
+        now = time.monotonic() if now is None else now
+        continues = (
+            self.held
+            and now - self._last_held < _CONTINUES_WITHIN_S
+            and not _TFDIST_ERROR.match(line)
+            and not _TFDIST_LINE.match(line)
+        )
+        if _RUNTIME_LINE.match(line) or continues:
+            self.held.append(line)
+            self._last_held = now
+            return []
+        held, self.held = self.held, []
+        if held and _TFDIST_ERROR.match(line):
+            self.dropped += len(held)
+            return [line]
+        return [*held, line]
+
+    def at_exit(self, returncode: int | None) -> list[bytes]:
+        """The held lines to print once the task has exited with `returncode`."""
+        held, self.held = self.held, []
+        if returncode != 0:
+            return held
+        kept, dropping = [], False
+        for line in held:
+            if _RUNTIME_LINE.match(line):
+                dropping = bool(_AFTER_A_CLEAN_FINISH.search(line))
+            if not dropping:
+                kept.append(line)
+        return kept
 
 
 class Launcher:
@@ -340,9 +404,7 @@ class Launcher:
             start_new_session=True,  # a group of its own: stopping it reaches its children
         )
         self._procs[task] = proc
-        self._readers[task] = threading.Thread(
-            target=self._relay, args=(task, proc.stdout), daemon=True
-        )
+        self._readers[task] = threading.Thread(target=self._relay, args=(task, proc), daemon=True)
         self._readers[task].start()
 
     def _supervise(self, deadline: float) -> tuple[int, tuple[Task, int] | None]:
@@ -480,14 +542,31 @@ class Launcher:
             if signal.getsignal(signum) is not signal.SIG_IGN
         }
 
-    def _relay(self, task: Task, pipe: BinaryIO) -> None:
+    def _relay(self, task: Task, proc: subprocess.Popen) -> None:
         prefix = f"[{task.name}] ".encode()
         said_once = OncePerProcess()
-        with pipe:
+        runtime = RuntimeLines(show_all=os.environ.get(NATIVE_LOGS_ENV, "") == "all")
+
+        def write(line: bytes) -> None:
+            self._write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+
+        with proc.stdout as pipe:
             for line in pipe:
                 if said_once.repeats(line):
                     continue
-                self._write(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+                for out in runtime.passed(line):
+                    write(out)
+        try:
+            returncode = proc.wait(timeout=_DRAIN_SECONDS)
+        except subprocess.TimeoutExpired:  # its output closed early: show what was held
+            returncode = None
+        for out in runtime.at_exit(returncode):
+            write(out)
+        if runtime.dropped:
+            self._say(
+                f"{task.name}: {runtime.dropped} line(s) of TensorFlow's runtime log held back "
+                f"(they came before its own error line; {NATIVE_LOGS_ENV}=all shows them)"
+            )
 
     def _say(self, message: str) -> None:
         self._write(f"[launch] {message}\n".encode())
