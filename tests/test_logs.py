@@ -229,6 +229,6 @@ def test_a_lost_peer_s_line_comes_first_without_the_runtime_s_abort_lines():
     # Followed by ordinary output, they are shown where they came.
     assert relayed([*ABORT[:1], b"epoch 2"], 0) == ([*ABORT[:1], b"epoch 2"], 0)
     # A clean finish drops only the coordination service's goodbyes.
-    assert relayed([b"final: done", GOODBYE, ABORT[3]], 0) == ([b"final: done", ABORT[3]], 0)
+    assert relayed([b"final: done", GOODBYE, ABORT[0]], 0) == ([b"final: done", ABORT[0]], 0)
     everything = RuntimeLines(show_all=True)
     assert [x for line in [*ABORT, LOST] for x in everything.passed(line)] == [*ABORT, LOST]
