@@ -135,6 +135,12 @@ def test_callbacks_stop_together_and_only_the_chief_writes(two_workers):
     assert rows[0].split(",") == ["epoch", "accuracy", "loss", "val_accuracy", "val_loss"]
     for part in ("train", "validation", "step_time"):  # step_time: tfdist's breakdown
         assert len(list((shared / "tb" / part).glob("events.out.tfevents.*"))) == 1
+    # ModelCheckpoint(verbose=1) speaks for the chief's writes only: worker 1 writes into
+    # scratch, silently.
+    output = two_workers[1]
+    saying = [x for x in output.splitlines() if "saving model to" in x]
+    assert saying and all(x.startswith("[worker:0] ") for x in saying), saying
+    assert "tfdist-worker-" not in output
 
 
 def test_backup_and_restore_survives_a_killed_worker(references, tmp_path):

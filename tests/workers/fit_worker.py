@@ -111,7 +111,9 @@ def callbacks(out: str, strategy) -> None:
         callbacks=[
             stop,
             keras.callbacks.ModelCheckpoint(
-                os.path.join(shared, "ckpt-{epoch:02d}.weights.h5"), save_weights_only=True
+                os.path.join(shared, "ckpt-{epoch:02d}.weights.h5"),
+                save_weights_only=True,
+                verbose=1,  # says "saving model to ..." on the chief only
             ),
             keras.callbacks.CSVLogger(os.path.join(shared, "log.csv"), append=True),
             keras.callbacks.TensorBoard(os.path.join(shared, "tb")),

@@ -119,6 +119,9 @@ class _Redirect:
                 if isinstance(callback, kind):
                     for attribute in attributes:
                         self._move(callback, attribute)
+                    if getattr(callback, "verbose", 0):  # "saving model to <scratch>" misleads
+                        self._saved.append((callback, "verbose", callback.verbose))
+                        callback.verbose = 0
 
     def after_restore(self) -> None:
         if self.is_chief:
