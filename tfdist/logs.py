@@ -56,7 +56,9 @@ def use_format_of_tfdist() -> None:
     console handler. A handler the user set up keeps its format."""
     root = logging.getLogger()
     if not root.handlers:  # as logging.basicConfig, in tfdist's format
-        root.addHandler(ConsoleHandler())
+        console = ConsoleHandler()
+        console.addFilter(TaskFilter())
+        root.addHandler(console)
         root.setLevel(logging.WARNING)
         return
     for handler in root.handlers:
@@ -182,9 +184,11 @@ def once(logger: logging.Logger, level: int, message: str, *args) -> None:
 
 def setup_logging(level: int | str = logging.INFO, *, quiet_workers: bool = False) -> None:
     """Shows tfdist's log lines (the strategy built, the batch arithmetic, warnings) at
-    `level` on every task, TensorFlow's own only from WARNING up; one call, first thing in
-    main(). tfdist's lines show without it (the chief's INFO, every task's warnings): call it
-    to set their level in code, to see every task's lines, or to silence the other workers.
+    `level`, TensorFlow's own only from WARNING up, in tfdist's format (absl's handler, under
+    absl's app.run, takes it); one call, first thing in main(). tfdist's lines show without
+    it: call it to set their level in code, to give absl's handler the format, or to silence
+    the other workers altogether. As by default, workers other than the chief say only
+    warnings and what they wait for (TFDIST_LOG_WORKERS=all: everything).
 
     Args:
       level: the level of tfdist's lines, e.g. logging.INFO or "DEBUG".
