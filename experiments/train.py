@@ -181,6 +181,14 @@ def _define_mode_flags() -> None:
             words = ["none", *value.choices, *([AUTO] if mode.auto else [])]
             default = AUTO if mode.auto else (mode.default or "none")
             flags.DEFINE_enum(name, default, words, text)
+        elif isinstance(value, registry.Options):  # "name=value,name=value"
+            flags.DEFINE_string(name, None, f"{text} Takes {value.describe()}, as name=value,...")
+            flags.register_validator(
+                name,
+                lambda raw, mode=mode: raw is None or mode.value.problem(mode.keyword, raw) is None,
+                message=f"--{name} takes {value.describe()}, as name=value,... (e.g. "
+                f"--{name}={','.join(f'{k}=1' for k in value.fields)}).",
+            )
         elif mode.auto:  # a number, 'none' or 'auto': resolved once the strategy is built
             flags.DEFINE_string(name, AUTO, text)
             flags.register_validator(
@@ -291,6 +299,8 @@ def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
             values[mode.keyword] = defaults.get(mode.keyword, mode.default)
         elif raw == "none":
             values[mode.keyword] = None
+        elif isinstance(raw, str) and isinstance(mode.value, registry.Options):
+            values[mode.keyword] = mode.value.parse(raw)
         elif isinstance(raw, str) and not isinstance(mode.value, registry.Choice):
             values[mode.keyword] = _number(raw)
     if values["model"] == "resnet":

@@ -14,6 +14,8 @@
   weights (post-local SGD too).
 - gossip.py: Gossip, a local step, then each replica averages with its peers (a ring, or
   a time-varying exponential graph): no all-reduce, no server.
+- admm.py: ADMM, consensus ADMM SGD: local steps on each replica's own loss plus a penalty,
+  then a consensus and dual update every k steps.
 - schedules.py: pipeline schedules (GPipe, 1F1B) and their simulation: the step's length,
   the bubble, the activations each stage holds.
 - stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
@@ -36,6 +38,7 @@ loads no mode.
 from tfdist.lazy import lazy_exports
 
 _EXPORTS = {
+    "ADMM": "tfdist.parallel.admm",
     "Accumulate": "tfdist.parallel.accumulate",
     "ASYNC_CORRECTIONS": "tfdist.parallel.asynchronous",
     "AsyncCorrectionError": "tfdist.parallel.asynchronous",

@@ -121,7 +121,67 @@ class RunnerFactoryValue:
         return self.example
 
 
-Value = Choice | Number | RunnerFactoryValue
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """Several named settings: a dict (fit) or "name=value,name=value" (the flag); each
+    setting checked by its own Value, those with a default optional. The mode's builder
+    gets the dict, defaults filled in."""
+
+    fields: Mapping[str, Number]
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def parse(self, text: str) -> dict[str, Any] | str:
+        """The dict "name=value,..." spells, or the text itself when it spells none."""
+        parsed: dict[str, Any] = {}
+        for part in text.split(","):
+            name, equals, raw = part.strip().partition("=")
+            if not equals:
+                return text
+            for kind in (int, float):
+                try:
+                    parsed[name.strip()] = kind(raw)
+                    break
+                except ValueError:
+                    pass
+            else:
+                parsed[name.strip()] = raw.strip()
+        return parsed
+
+    def problem(self, keyword: str, value: Any) -> str | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            value = self.parse(value)
+        if not isinstance(value, Mapping):
+            return f"{keyword} must be {self.describe()}. Received: {keyword}={value!r}"
+        unknown = sorted(set(value) - set(self.fields))
+        missing = sorted(set(self.fields) - set(value) - set(self.defaults))
+        if unknown or missing:
+            what = "; ".join(
+                [f"unknown {', '.join(unknown)}"] * bool(unknown)
+                + [f"missing {', '.join(missing)}"] * bool(missing)
+            )
+            return f"{keyword} takes {self.describe()} ({what}). Received: {keyword}={value!r}"
+        for name, setting in value.items():
+            problem = self.fields[name].problem(f"{keyword}[{name!r}]", setting)
+            if problem or setting is None:
+                return problem or f"{keyword}[{name!r}] must be {self.fields[name].describe()}"
+        return None
+
+    def filled(self, value: Mapping[str, Any] | str) -> dict[str, Any]:
+        """`value` (dict or flag text) with the defaults of the settings it leaves out."""
+        given = self.parse(value) if isinstance(value, str) else dict(value)
+        return {**self.defaults, **given}
+
+    def describe(self) -> str:
+        def one(name: str) -> str:
+            optional = f", default {self.defaults[name]!r}" if name in self.defaults else ""
+            return f"{name} ({self.fields[name].describe()}{optional})"
+
+        return "a dict of " + ", ".join(one(name) for name in self.fields)
+
+
+Value = Choice | Number | Options | RunnerFactoryValue
 
 
 # --- the entries --------------------------------------------------------------------------------
@@ -171,6 +231,8 @@ class Mode:
         target: Any = importlib.import_module(module)
         for part in attribute.split("."):
             target = getattr(target, part)
+        if isinstance(self.value, Options):
+            value = self.value.filled(value)
         return target(value) if self.keyword else target(model)
 
     def is_on(self, value: Any) -> bool:
@@ -259,6 +321,19 @@ MODES: tuple[Mode, ...] = (
         value=Choice(("ring", "exponential")),
         place=Place.UPDATE,
         builder="tfdist.parallel.gossip:Gossip",
+    ),
+    Mode(
+        keyword="admm",
+        summary="ADMM SGD, a dict {'rho': ..., 'every': ...}: each replica takes local "
+        "steps on its own loss plus rho/2 ||w - z + u||^2, and every `every` steps a "
+        "consensus z and the duals u join them (tfdist.parallel.admm)",
+        help="Synchronous strategies: consensus ADMM (Boyd et al., 2011). Each replica takes "
+        "local steps on its own data's loss plus rho/2 ||w - z + u||^2; every `every` steps "
+        "one all-reduce sets the consensus z and the duals u. Converges to the optimum of the "
+        "whole data although no example crosses between replicas.",
+        value=Options({"rho": Number(minimum=0.0), "every": Whole(minimum=1)}, {"every": 1}),
+        place=Place.UPDATE,
+        builder="tfdist.parallel.admm:from_options",
     ),
     Mode(
         keyword="pipeline",
@@ -386,6 +461,7 @@ __all__ = [
     "Choice",
     "Mode",
     "Number",
+    "Options",
     "Place",
     "RunnerFactoryValue",
     "Whole",
