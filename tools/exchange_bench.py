@@ -13,13 +13,17 @@ binary on the digits cnn, with the same examples (--epochs of 22 steps of 64), s
   local4/16      local SGD, weights averaged every 4 / 16 steps (--average_every)
   gossip_ring    gossip SGD on a ring of the workers (--gossip=ring)
   gossip_exp     gossip SGD on the one-peer exponential graph (--gossip=exponential)
+  admm4          consensus ADMM, rho 0.1, a consensus step every 4 steps (--admm; Boyd et
+                 al., 2011): each worker on its own data, joined by z and the duals
 
 Every variant runs with no straggler and with one worker slowed 2x (tfdist-launch --slow
 worker:1=2), for each optimizer (Adam 0.003; SGD 0.05 with momentum 0.9), --repeats times,
 interleaved (repeat 1 of every variant, then repeat 2, ...) so the machine's drift hits
-all alike. Reported, medians over the repeats:
+all alike. Repeat r trains with --seed + r (the initial weights and the data's order), sync
+included, so each median is over distinct runs. Reported, medians over the repeats:
 
   test acc       test accuracy after the same number of examples
+  spread         the repeats' lowest and highest test accuracy
   ex/s           training examples per second (the binary's own figure, over the run)
   train s        training seconds (the sum of the epochs' times, without evaluation; the
                  first epoch at the second's rate, leaving out the one-off tracing)
@@ -74,6 +78,7 @@ VARIANTS = {
     "local16": ("multi_worker_mirrored", ["--average_every=16"]),
     "gossip_ring": ("multi_worker_mirrored", ["--gossip=ring"]),
     "gossip_exp": ("multi_worker_mirrored", ["--gossip=exponential"]),
+    "admm4": ("multi_worker_mirrored", ["--admm=rho=0.1,every=4"]),
 }
 QUICK_VARIANTS = ["sync", "ps", "ps_dc", "ps_stale1", "local4", "gossip_ring"]
 COLUMNS = [
@@ -83,12 +88,15 @@ COLUMNS = [
 ]  # fmt: skip
 
 
-def run_job(args, *, variant: str, optimizer: str, slow: float, scratch: str) -> dict:
+def run_job(
+    args, *, variant: str, optimizer: str, slow: float, scratch: str, repeat: int = 0
+) -> dict:
     """Trains once through the launcher; returns summary.json with the job's wall time."""
     strategy, extra = VARIANTS[variant]
     rate, momentum = OPTIMIZERS[optimizer]
     flags = [
-        f"--strategy={strategy}", "--model=cnn", f"--epochs={args.epochs}", f"--seed={args.seed}",
+        f"--strategy={strategy}", "--model=cnn", f"--epochs={args.epochs}",
+        f"--seed={args.seed + repeat}",
         f"--optimizer={optimizer}", f"--learning_rate={rate}", f"--momentum={momentum}",
         "--eval_every=1", f"--data_dir={os.path.join(scratch, 'data')}", *extra,
     ]  # fmt: skip
@@ -162,7 +170,7 @@ def seconds_to(curve: list, accuracy: float) -> float:
 def table(rows: list[dict]) -> str:
     header = (
         f"{'optimizer':9s} {'straggler':9s} {'variant':12s} {'runs':>4s} {'test acc':>8s} "
-        f"{'vs sync':>7s} {'ex/s':>6s} {'train s':>7s} {'KiB/step':>8s} {'how':8s} "
+        f"{'spread':>13s} {'vs sync':>7s} {'ex/s':>6s} {'train s':>7s} {'KiB/step':>8s} {'how':8s} "
         f"{'stale':>5s} {'acc@sync s':>10s} {'s to 95%':>8s}"
     )
     lines = [header + "   (medians)", "-" * len(header)]
@@ -182,9 +190,11 @@ def table(rows: list[dict]) -> str:
             target = 0.95 * harness.median(sync, "eval_accuracy")
             to_target = statistics.median(seconds_to(json.loads(r["curve"]), target) for r in mine)
         stale = [r["staleness_mean"] for r in mine if r["staleness_mean"] is not None]
+        accuracies = [float(r["eval_accuracy"]) for r in mine]
+        spread = f"{min(accuracies):.3f}-{max(accuracies):.3f}"
         lines.append(
             f"{optimizer:9s} {straggler:9s} {variant:12s} {len(mine):4d} {accuracy:8.4f} "
-            f"{versus:+7.4f} {harness.median(mine, 'examples_per_second'):6.0f} "
+            f"{spread:>13s} {versus:+7.4f} {harness.median(mine, 'examples_per_second'):6.0f} "
             f"{harness.median(mine, 'train_seconds'):7.1f} {harness.median(mine, 'bytes_per_step') / 1024:8.1f} "
             f"{mine[0]['bytes_how']:8s} "
             f"{(statistics.median(stale) if stale else float('nan')):5.2f} {at_sync:10.4f} "
@@ -276,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                             continue  # it lowers SGD's momentum; Adam has none to lower
                         summary = run_job(
                             args, variant=variant, optimizer=optimizer, slow=slow,
-                            scratch=scratch,
+                            scratch=scratch, repeat=repeat,
                         )  # fmt: skip
                         summary["exchange_weights"] = weights
                         row = row_of(

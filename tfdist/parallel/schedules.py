@@ -11,6 +11,12 @@ own forward. A schedule gives each stage the order of its 2M passes:
 - 1F1B (PipeDream-Flush; Narayanan et al., 2021): stage s runs S-s-1 forwards to fill the
   pipe, then alternates one forward and one backward, then drains the backwards. The
   bubble is the same, but a stage holds at most S-s micro-batches' activations, not M.
+- Interleaved 1F1B (the same paper, section 2.2): the model is cut into S*v stages and
+  device d holds v of them, the chunks d, d+S, d+2S, ... A pass of chunk c on device d is
+  the pass of stage c*S + d. Each device runs its chunks' passes in 1F1B order, S
+  micro-batches of one chunk before moving to the next, so the pipe fills v times faster:
+  the bubble falls to (S-1)/(v*M + S-1) of the step, (S-1)/(v*M) of the work, for M a
+  multiple of S (as Megatron-LM requires), at the cost of v times the sends.
 
 `simulate` runs a schedule against the dependencies with given pass times and reports
 the step's length, the bubble and the activations each stage held at most: the numbers a
@@ -30,18 +36,20 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 @dataclasses.dataclass(frozen=True)
 class Pass:
-    """One pass of one micro-batch on a stage: forward ('F') or backward ('B')."""
+    """One pass of one micro-batch on a device: forward ('F') or backward ('B'), of its
+    chunk `chunk` (0 but in the interleaved schedule: the stage chunk * S + device)."""
 
     kind: str
     micro_batch: int
+    chunk: int = 0
 
     def __str__(self) -> str:
-        return f"{self.kind}{self.micro_batch}"
+        return f"{self.kind}{self.micro_batch}" + (f"c{self.chunk}" if self.chunk else "")
 
 
 def gpipe(stages: int, micro_batches: int) -> list[list[Pass]]:
@@ -69,19 +77,63 @@ def one_f_one_b(stages: int, micro_batches: int) -> list[list[Pass]]:
     return plans
 
 
-def schedule(name: str, stages: int, micro_batches: int) -> list[list[Pass]]:
-    """The schedule called `name` ('gpipe' or '1f1b')."""
+def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Pass]]:
+    """Device d (of S): its v chunks' passes in 1F1B order (Megatron-LM's interleaved
+    schedule). The k-th forward is of chunk (k // S) % v and micro-batch
+    (k // (S v)) S + k % S; the k-th backward of the chunks in reverse. The warm-up is
+    (S - d - 1) 2 + (v - 1) S forwards."""
+    _check(stages, micro_batches)
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
+        raise ValueError(f"chunks must be a whole number >= 1. Received: chunks={chunks!r}")
+    if micro_batches % stages:
+        raise ValueError(
+            f"the interleaved schedule takes micro-batches in groups of the {stages} devices "
+            f"of a pipeline: micro_batches must be a multiple of {stages}. Received: "
+            f"micro_batches={micro_batches}"
+        )
+    total = micro_batches * chunks
+
+    def nth(kind: str, k: int) -> Pass:
+        chunk = (k // stages) % chunks
+        if kind == "B":
+            chunk = chunks - 1 - chunk
+        return Pass(kind, (k // (stages * chunks)) * stages + k % stages, chunk)
+
+    plans = []
+    for device in range(stages):
+        warmup = min((stages - device - 1) * 2 + (chunks - 1) * stages, total)
+        if chunks == 1:
+            warmup = min(stages - device - 1, total)
+        plan = [nth("F", k) for k in range(warmup)]
+        for k in range(total - warmup):
+            plan += [nth("F", warmup + k), nth("B", k)]
+        plan += [nth("B", k) for k in range(total - warmup, total)]
+        plans.append(plan)
+    return plans
+
+
+def schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Pass]]:
+    """The schedule called `name` ('gpipe', '1f1b' or 'interleaved', whose devices hold
+    `chunks` stages each), one pass order per device."""
     builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    if name == "interleaved":
+        return interleaved(stages, micro_batches, chunks)
     if name not in builders:
         raise ValueError(
             f"schedule must be one of {', '.join(SCHEDULES)}. Received: schedule={name!r}"
         )
+    if chunks != 1:
+        raise ValueError(
+            f"chunks apply to the interleaved schedule; {name!r} holds one stage per device. "
+            f"Received: chunks={chunks!r}"
+        )
     return builders[name](stages, micro_batches)
 
 
-def bubble_formula(stages: int, micro_batches: int) -> float:
-    """The idle share of a pipelined step, (S-1)/(M+S-1), for backward = forward time."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_formula(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle share of a pipelined step, (S-1)/(v M + S-1) with v chunks per device
+    ((S-1)/(M+S-1) for GPipe and 1F1B), for backward = forward time."""
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,11 +142,11 @@ class Timeline:
 
     Attributes:
       length: when the last pass ends.
-      busy: each stage's time spent in passes.
-      bubble: the idle share of all stages' time, 1 - sum(busy) / (S * length).
-      peak_activations: each stage's most micro-batches held at once (forward done,
+      busy: each device's time spent in passes.
+      bubble: the idle share of all devices' time, 1 - sum(busy) / (S * length).
+      peak_activations: each device's most micro-batch chunks held at once (forward done,
         backward not yet).
-      starts: when each stage's passes started, in its schedule's order.
+      starts: when each device's passes started, in its schedule's order.
     """
 
     length: float
@@ -109,17 +161,19 @@ def simulate(
     forward_time: Callable[[int], float] | float = 1.0,
     backward_time: Callable[[int], float] | float = 1.0,
 ) -> Timeline:
-    """Runs `plans` (one pass order per stage) as early as the dependencies allow.
+    """Runs `plans` (one pass order per device) as early as the dependencies allow.
 
     Args:
       plans: from `schedule`.
-      forward_time: a forward pass's time, or a function of the stage giving it.
+      forward_time: a forward pass's time, or a function of the stage giving it (the
+        stage chunk * S + device, the device itself but in the interleaved schedule).
       backward_time: the same for a backward pass.
 
     Raises:
       ValueError: the schedule deadlocks (a stage waits for a pass that never comes first).
     """
     stages = len(plans)
+    chunks = 1 + max((p.chunk for plan in plans for p in plan), default=0)
     times = {"F": _per_stage(forward_time), "B": _per_stage(backward_time)}
     done: dict[tuple[str, int, int], float] = {}  # (kind, stage, micro-batch) -> end
     clock = [0.0] * stages
@@ -133,12 +187,13 @@ def simulate(
             if cursor[stage] == len(plans[stage]):
                 continue
             step = plans[stage][cursor[stage]]
-            ready = _ready(step, stage, stages, done)
+            virtual = step.chunk * stages + stage
+            ready = _ready(step, virtual, stages * chunks, done)
             if ready is None:
                 continue
             start = max(clock[stage], ready)
-            end = start + times[step.kind](stage)
-            done[step.kind, stage, step.micro_batch] = end
+            end = start + times[step.kind](virtual)
+            done[step.kind, virtual, step.micro_batch] = end
             starts[stage].append(start)
             clock[stage], cursor[stage] = end, cursor[stage] + 1
             held[stage] += 1 if step.kind == "F" else -1
@@ -149,7 +204,10 @@ def simulate(
             waiting = [str(plans[s][cursor[s]]) for s in range(stages) if cursor[s] < len(plans[s])]
             raise ValueError(f"the schedule deadlocks: stages wait on {', '.join(waiting)}")
     length = max(clock)
-    busy = tuple(sum(times[p.kind](stage) for p in plans[stage]) for stage in range(stages))
+    busy = tuple(
+        sum(times[p.kind](p.chunk * stages + stage) for p in plans[stage])
+        for stage in range(stages)
+    )
     bubble = 1.0 - sum(busy) / (stages * length) if length else 0.0
     return Timeline(length, busy, bubble, tuple(peak), tuple(tuple(s) for s in starts))
 
