@@ -58,6 +58,7 @@ def max_diff(want, got) -> float:
         (4, "1f1b", 4),
         (2, "1f1b", 4),
         (2, "gpipe", 2),
+        (4, "interleaved", 2),  # 2 pipelines x 2 devices, each holding 2 of the 4 stages
     ],
 )
 def test_a_pipeline_trains_the_weights_keras_trains_unsplit(
@@ -69,8 +70,9 @@ def test_a_pipeline_trains_the_weights_keras_trains_unsplit(
     with mirrored().scope():
         model = pipeline_cases.mlp()
     pipeline = Pipeline(
-        cut_before=pipeline_cases.CUTS[stages], micro_batches=micro_batches, schedule=schedule
-    )
+        cut_before=pipeline_cases.CUTS[stages], micro_batches=micro_batches, schedule=schedule,
+        chunks_per_device=2 if schedule == "interleaved" else 1,
+    )  # fmt: skip
     got = tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
     assert max_diff(want, model.get_weights()) <= TOLERANCE
     for name, values in history.items():
@@ -79,6 +81,35 @@ def test_a_pipeline_trains_the_weights_keras_trains_unsplit(
     assert len(model.optimizer.variables) == len(slots)  # iterations, rate, Adam's slots
     for v, want in zip(model.optimizer.variables, slots, strict=True):
         assert np.max(np.abs(v.numpy() - want)) <= TOLERANCE, v.name
+
+
+def test_interleaved_1f1b_over_four_devices_with_two_chunks_each_trains_as_keras_unsplit():
+    """Eight stages (an MLP of 8 Dense layers), device d holding stages d and d + 4, 4
+    micro-batches: the weights, the logs and the passes' order Keras and the schedule give."""
+
+    def deep() -> keras.Model:
+        keras.utils.set_random_seed(2)
+        layers = [keras.layers.Dense(12, activation="tanh", name=f"e{i}") for i in range(7)]
+        model = keras.Sequential([keras.Input((8,)), *layers, keras.layers.Dense(3, name="e7")])
+        model.compile(
+            keras.optimizers.Adam(0.01),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+        )
+        return model
+
+    unsplit = deep()
+    history = unsplit.fit(pipeline_cases.data(), epochs=2, verbose=0, shuffle=False)
+    strategy = mirrored()
+    with strategy.scope():
+        model = deep()
+    pipeline = Pipeline(
+        cut_before=[f"e{i}" for i in range(1, 8)], micro_batches=4, schedule="interleaved",
+        chunks_per_device=2,
+    )  # fmt: skip
+    got = tfdist.fit(model, pipeline_cases.data(), epochs=2, verbose=0, pipeline=pipeline)
+    assert max_diff(unsplit.get_weights(), model.get_weights()) <= TOLERANCE
+    assert got.history["loss"] == pytest.approx(history.history["loss"], abs=1e-6)
 
 
 def test_fit_called_inside_the_strategy_s_scope_trains_the_same(reference):
@@ -96,8 +127,15 @@ def test_fit_called_inside_the_strategy_s_scope_trains_the_same(reference):
     assert got.history["loss"] == pytest.approx(history["loss"], abs=1e-6)
 
 
-def test_the_pipeline_runs_each_stage_s_passes_in_its_schedule_s_order():
-    pipeline = Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=4, schedule="1f1b")
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_the_pipeline_runs_each_stage_s_passes_in_its_schedule_s_order(chunks):
+    """1F1B over 4 devices; interleaved: 2 pipelines of 2 devices, each holding 2 stages
+    (stage k on device k mod 2), each device running its passes one at a time."""
+    name = "interleaved" if chunks > 1 else "1f1b"
+    pipeline = Pipeline(
+        cut_before=pipeline_cases.CUTS[4], micro_batches=4, schedule=name,
+        chunks_per_device=chunks,
+    )  # fmt: skip
     strategy = mirrored()
     with strategy.scope():
         model = pipeline_cases.mlp()
@@ -106,24 +144,31 @@ def test_the_pipeline_runs_each_stage_s_passes_in_its_schedule_s_order():
     runner.build(data.sample_batch)
     runner.begin(0)
     runner.train(runner.iterator(data), 1, bounded=True, logs=None)
-    plan = schedule("1f1b", 4, 4)
-    for (_, stage), passes in runner.last_passes.items():
-        assert [name for name, _, _ in passes] == [str(p) for p in plan[stage]]
-        ends = [end for _, _, end in passes]
-        starts = [start for _, start, _ in passes]
-        assert all(s >= e for s, e in zip(starts[1:], ends[:-1], strict=True))  # one at a time
+    width = 4 // chunks
+    plan = schedule(name, width, 4, chunks=chunks)
+    on_device: dict[tuple[int, int], list[tuple[float, float]]] = {}
+    for (pipeline_index, stage), passes in runner.last_passes.items():
+        mine = [p for p in plan[stage % width] if p.chunk == stage // width]
+        assert [name for name, _, _ in passes] == [f"{p.kind}{p.micro_batch}" for p in mine]
+        on_device.setdefault((pipeline_index, stage % width), []).extend(
+            (start, end) for _, start, end in passes
+        )
+    for spans in on_device.values():  # one pass at a time on each device
+        spans.sort()
+        assert all(s >= e for (s, _), (_, e) in zip(spans[1:], spans[:-1], strict=True))
     # A stage's forward of micro-batch m starts after the stage before it started it (and
     # had its output: the stamp waits for it). Not after that stage's end stamp: the end is
     # an op of its own after the output, which the next stage's start need not wait for
     # (under load it was stamped 2 ms after the next stage began).
     started = {
-        (stage, name): start for (_, stage), passes in runner.last_passes.items()
+        (pipeline_index, stage, name): start
+        for (pipeline_index, stage), passes in runner.last_passes.items()
         for name, start, _ in passes
     }  # fmt: skip
-    for (_, stage), passes in runner.last_passes.items():
+    for (pipeline_index, stage), passes in runner.last_passes.items():
         for name, start, _ in passes:
             if name.startswith("F") and stage > 0:
-                assert start >= started[stage - 1, name]
+                assert start >= started[pipeline_index, stage - 1, name]
 
 
 def test_a_functional_model_with_batch_normalization_and_two_inputs_trains_as_keras_does():
@@ -525,6 +570,14 @@ def test_micro_batches_that_do_not_divide_the_batch_are_refused():
         fit_with(Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=3))
 
 
+def test_interleaved_stages_and_micro_batches_that_do_not_fit_the_devices_are_refused():
+    with pytest.raises(StageError, match="cut the model into a multiple of 2 stages"):
+        fit_with(Pipeline(cut_before=["d2", "d3"], schedule="interleaved", chunks_per_device=2))
+    with pytest.raises(StageError, match="micro_batches must be a multiple of 2"):
+        fit_with(Pipeline(cut_before=pipeline_cases.CUTS[4], schedule="interleaved",
+                          chunks_per_device=2, micro_batches=1))  # fmt: skip
+
+
 def test_stages_that_do_not_divide_the_replicas_are_refused():
     with pytest.raises(StageError, match="3 stages need a multiple of 3 replicas.* has 4"):
         fit_with(Pipeline(cut_before=["d2", "d3"]))
@@ -582,7 +635,9 @@ def test_an_optimizer_with_a_global_norm_is_refused():
     "options, message",
     [
         ({"micro_batches": 0}, "micro_batches must be a whole number >= 1"),
-        ({"schedule": "zb"}, "schedule must be one of gpipe, 1f1b"),
+        ({"schedule": "zb"}, "schedule must be one of gpipe, 1f1b, interleaved"),
+        ({"chunks_per_device": 2}, "chunks_per_device applies to schedule='interleaved'"),
+        ({"schedule": "interleaved", "chunks_per_device": 0}, "chunks_per_device must be"),
         ({"cut_before": "d2"}, "cut_before is a list of layer names"),
     ],
 )

@@ -92,7 +92,11 @@ class Pipeline:
       micro_batches: M, the micro-batches each pipeline's share of a batch is cut into
         (it must divide that share). More shrinks the bubble, (S-1)/(M+S-1).
       schedule: 'gpipe' (every forward, then every backward: M micro-batches' activations
-        held) or '1f1b' (a forward and a backward in turn: at most S-s held on stage s).
+        held), '1f1b' (a forward and a backward in turn: at most S-s held on stage s) or
+        'interleaved' (1F1B over `chunks_per_device` stages per device: the bubble falls to
+        (S-1)/(vM+S-1); M a multiple of the devices per pipeline; local devices only).
+      chunks_per_device: v, the stages each device holds under the interleaved schedule:
+        the model is cut into S*v stages and device d of a pipeline holds stages d, d+S, ...
       timeout_seconds: how long a transfer between worker processes may wait for its peer
         (None: forever), so a lost stage ends the step with an error instead of a hang.
 
@@ -104,14 +108,23 @@ class Pipeline:
     micro_batches: int = 1
     schedule: str = "1f1b"
     timeout_seconds: float | None = None
+    chunks_per_device: int = 1
 
     def __post_init__(self):
-        m = self.micro_batches
+        m, v = self.micro_batches, self.chunks_per_device
         if not isinstance(m, int) or isinstance(m, bool) or m < 1:
             raise ValueError(f"micro_batches must be a whole number >= 1. Received: {m!r}")
         if self.schedule not in SCHEDULES:
             raise ValueError(
                 f"schedule must be one of {', '.join(SCHEDULES)}. Received: {self.schedule!r}"
+            )
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"chunks_per_device must be a whole number >= 1. Received: {v!r}")
+        if v > 1 and self.schedule != "interleaved":
+            raise ValueError(
+                "chunks_per_device applies to schedule='interleaved' (each device holds several "
+                f"stages); {self.schedule!r} holds one stage per device. Received: "
+                f"chunks_per_device={v}"
             )
         if self.cut_before is not None:
             if isinstance(self.cut_before, str):
@@ -164,6 +177,7 @@ class PipelineRunner(SyncRunner):
         self.stages: list[Stage] = []
         self.replicas: list[_StageReplica] = []  # this process's
         self.pipelines = 1
+        self.devices_per_pipeline = 1
         self._state: list[np.ndarray] = []
         self._programs: dict[int, _StepProgram] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
@@ -240,20 +254,45 @@ class PipelineRunner(SyncRunner):
                 f"{len(devices)} devices each. Run one process per device. "
                 f"Received: {replicas} replicas"
             )
-        if replicas % len(stages):
+        chunks = self.options.chunks_per_device
+        if len(stages) % chunks:
             raise StageError(
-                f"{len(stages)} stages need a multiple of {len(stages)} replicas (D pipelines x "
-                f"{len(stages)} stages); the strategy has {replicas}. Cut the model into a "
+                f"chunks_per_device={chunks} puts {chunks} stages on each device: cut the model "
+                f"into a multiple of {chunks} stages. Received: {len(stages)} stages"
+            )
+        if chunks > 1 and processes > 1:
+            raise FitError(
+                "The interleaved schedule runs over one process's devices (each device holds "
+                f"{chunks} stages); this job has {processes} worker processes. Use "
+                "schedule='1f1b' across processes. Received: chunks_per_device="
+                f"{chunks}"
+            )
+        width = self.devices_per_pipeline = len(stages) // chunks
+        if replicas % width:
+            raise StageError(
+                f"{len(stages)} stages need a multiple of {width} replicas (D pipelines x "
+                f"{width} devices); the strategy has {replicas}. Cut the model into a "
                 "number of stages that divides the replicas, or change the devices/workers. "
                 f"Received: {len(stages)} stages over {replicas} replicas"
             )
-        self.pipelines = replicas // len(stages)
+        self.pipelines = replicas // width
+        if chunks > 1 and self.options.micro_batches % width:
+            raise StageError(
+                f"The interleaved schedule takes micro-batches in groups of a pipeline's {width} "
+                f"devices: micro_batches must be a multiple of {width}. Received: "
+                f"micro_batches={self.options.micro_batches}"
+            )
         if processes > 1:
             ranks = [layout.process_index]
             devices = {ranks[0]: devices[0]}
         else:
-            ranks = list(range(replicas))
-            devices = dict(enumerate(devices))
+            # Pipeline p's stage k: its device is p's (k mod width)-th (interleaved: each
+            # device holds the stages k, k + width, ...).
+            ranks = list(range(self.pipelines * len(stages)))
+            devices = {
+                rank: devices[(rank // len(stages)) * width + (rank % len(stages)) % width]
+                for rank in ranks
+            }
         optimizer = self.model.optimizer
         trainable = self.model.trainable_variables
         non_trainable = self.model.non_trainable_variables
@@ -509,7 +548,13 @@ class _StepProgram:
         self.model = runner.model
         self.options = runner.options
         self.stages = len(runner.stages)
-        self.plan = schedule(self.options.schedule, self.stages, self.options.micro_batches)
+        self.width = runner.devices_per_pipeline
+        # One pass order per device of a pipeline (a pass's chunk c on device d is stage
+        # c * width + d).
+        self.plan = schedule(
+            self.options.schedule, self.width, self.options.micro_batches,
+            chunks=self.options.chunks_per_device,
+        )  # fmt: skip
         self.local = {(r.pipeline, r.stage.index): r for r in runner.replicas}
         # Activations and gradients between stages on this process's devices, by
         # (pipeline, receiving stage, pass kind, micro-batch); between processes they go
@@ -539,14 +584,17 @@ class _StepProgram:
         """This process's passes in an order that builds each before what consumes it: by
         when the schedule starts them (a consumer starts after its producer ends)."""
         starts = simulate(self.plan).starts
-        passes = [
-            (starts[r.stage.index][k], r.stage.index, r.pipeline, k)
-            for r in self.local.values()
-            for k in range(len(self.plan[r.stage.index]))
-        ]
+        passes = []
+        for r in self.local.values():
+            device, chunk = r.stage.index % self.width, r.stage.index // self.width
+            passes += [
+                (starts[device][k], r.stage.index, r.pipeline, device, k)
+                for k, p in enumerate(self.plan[device])
+                if p.chunk == chunk
+            ]
         return [
-            (self.local[pipeline, stage], self.plan[stage][k])
-            for _, stage, pipeline, k in sorted(passes)
+            (self.local[pipeline, stage], self.plan[device][k])
+            for _, stage, pipeline, device, k in sorted(passes)
         ]
 
     # --- the step ---------------------------------------------------------------------------------
@@ -617,8 +665,10 @@ class _StepProgram:
                 statistics=list(args[at + trainable : at + trainable + statistics]),
             )
             at += trainable + statistics
+        device_end: dict[str, tf.Tensor] = {}  # one pass at a time per device
         for r, p in self.order():
             own = live[r.pipeline, r.stage.index]
+            own.last_end = device_end.get(r.device, own.last_end)
             with tf.device(r.device):
                 if p.kind == "F":
                     done, state = self._forward(r, p.micro_batch, own, x, y, sample_weight, state)
@@ -627,8 +677,8 @@ class _StepProgram:
                 with tf.control_dependencies([done]):
                     end = tf.timestamp()
                 own.times.append(tf.stack([own.start, end]))
-                own.last_end = end
-                own.names.append(str(p))
+                own.last_end = device_end[r.device] = end
+                own.names.append(str(dataclasses.replace(p, chunk=0)))  # its stage's pass
         self.names = {f"{p}_{s}": live[p, s].names for p, s in keys}
         outputs = []
         for key in keys:
