@@ -5,9 +5,11 @@ It prints four tables (every figure is labelled measured, formula, or model = th
 applied to measured inputs):
 
 1. Pipeline bubble (an MLP of 4 equal blocks, two Dense layers each, cut into S = 2 and 4
-   stages; M = 1..16 micro-batches; GPipe and 1F1B): the median measured idle share of a step,
-   from the pass timestamps the runner records in the graph, beside (S-1)/(M+S-1) and the
-   bubble `schedules.simulate` predicts from the measured median pass times per stage.
+   stages; M = 1..16 micro-batches; GPipe, 1F1B, and interleaved 1F1B with the 4 blocks as
+   v = 2 chunks on each of S = 2 devices, M a multiple of S): the median measured idle share
+   of a step, from the pass timestamps the runner records in the graph, beside the formula,
+   (S-1)/(vM+S-1) (v = 1 but interleaved), and the bubble `schedules.simulate` predicts from
+   the measured median pass times per stage.
 2. Activations held per stage, GPipe vs 1F1B (S=4, M=8): the most micro-batches a stage
    held at once in the executed order (forward ended, backward not yet), times one
    micro-batch's boundary activation, beside simulate's peak_activations.
@@ -164,13 +166,24 @@ def parameter_count(variables) -> int:
 
 
 def drive_pipeline(
-    model, strategy, dataset, *, stages: int, micro_batches: int, schedule: str, steps: int
+    model,
+    strategy,
+    dataset,
+    *,
+    stages: int,
+    micro_batches: int,
+    schedule: str,
+    steps: int,
+    chunks: int = 1,
 ) -> list[dict]:
     """`runner.last_passes` of each timed step; fit hides its runner, so this drives one."""
     from tfdist.parallel import Pipeline
     from tfdist.training.fit_data import make_fit_data
 
-    pipeline = Pipeline(cut_before=cuts(stages), micro_batches=micro_batches, schedule=schedule)
+    pipeline = Pipeline(
+        cut_before=cuts(stages * chunks), micro_batches=micro_batches, schedule=schedule,
+        chunks_per_device=chunks,
+    )  # fmt: skip
     runner = pipeline.runner(model, strategy)
     data = make_fit_data(dataset, strategy=strategy, for_training=True)
     runner.build(data.sample_batch)
@@ -184,12 +197,12 @@ def drive_pipeline(
     return timed
 
 
-def measured_bubble(passes: dict) -> float:
+def measured_bubble(passes: dict, devices: int) -> float:
     """1 - time in passes / (devices x the step's span), over every (pipeline, stage)."""
     spans = [p for ps in passes.values() for p in ps]
     busy = sum(end - start for _, start, end in spans)
     length = max(end for *_, end in spans) - min(start for _, start, _ in spans)
-    return 1.0 - busy / (len(passes) * length)
+    return 1.0 - busy / (devices * length)
 
 
 def median_pass_times(steps: list[dict], stages: int) -> tuple[list[float], list[float]]:
@@ -238,18 +251,26 @@ def bench_pipeline(sizes: Sizes, schedules: list[str]) -> tuple[list[dict], list
         with strategy.scope():
             model = mlp(sizes)
         for name in schedules:
+            chunks = BLOCKS // stages if name == "interleaved" else 1
+            if name == "interleaved" and chunks < 2:
+                continue  # S = 4 devices would need 8 blocks for 2 chunks each
             for m in sizes.micro_batches:
+                if name == "interleaved" and m % stages:
+                    continue  # its micro-batches go in groups of the S devices
                 steps = drive_pipeline(
                     model, strategy, dataset, stages=stages, micro_batches=m, schedule=name,
-                    steps=sizes.steps,
+                    steps=sizes.steps, chunks=chunks,
                 )  # fmt: skip
-                forward, backward = median_pass_times(steps, stages)
-                plan = schedule(name, stages, m)
+                forward, backward = median_pass_times(steps, stages * chunks)
+                plan = schedule(name, stages, m, chunks=chunks)
                 timeline = simulate(plan, lambda s, f=forward: f[s], lambda s, b=backward: b[s])
                 row = {
                     "table": "bubble", "stages": stages, "micro_batches": m, "schedule": name,
-                    "bubble_measured": statistics.median(measured_bubble(p) for p in steps),
-                    "bubble_formula": bubble_formula(stages, m),
+                    "chunks": chunks,
+                    "bubble_measured": statistics.median(
+                        measured_bubble(p, stages) for p in steps
+                    ),
+                    "bubble_formula": bubble_formula(stages, m, chunks),
                     "bubble_simulated": timeline.bubble,
                     "passes_at_once_measured": max(most_at_once(p) for p in steps),
                     "forward_ms_measured": 1e3 * statistics.mean(forward),
@@ -257,7 +278,8 @@ def bench_pipeline(sizes: Sizes, schedules: list[str]) -> tuple[list[dict], list
                 }  # fmt: skip
                 bubble_rows.append(row)
                 print(
-                    f"  S={stages} M={m:<2} {name:<5} bubble measured {row['bubble_measured']:.3f}"
+                    f"  S={stages} M={m:<2} {name:<11} bubble measured "
+                    f"{row['bubble_measured']:.3f}"
                     f" formula {row['bubble_formula']:.3f}",
                     flush=True,
                 )
@@ -672,19 +694,21 @@ def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], Link]:
 def print_bubble(rows: list[dict]) -> None:
     print("\n1. Pipeline bubble (idle share of a step): measured, formula, model")
     print(
-        f"{'S':>2} {'M':>3} {'schedule':<8} {'measured':>9} {'formula':>8} {'simulated':>10} "
+        f"{'S':>2} {'M':>3} {'schedule':<16} {'measured':>9} {'formula':>8} {'simulated':>10} "
         f"{'F ms':>6} {'B ms':>6} {'at once':>7}"
     )
     for r in rows:
+        name = r["schedule"] + (f" v={r['chunks']}" if r.get("chunks", 1) > 1 else "")
         print(
-            f"{r['stages']:>2} {r['micro_batches']:>3} {r['schedule']:<8} "
+            f"{r['stages']:>2} {r['micro_batches']:>3} {name:<16} "
             f"{r['bubble_measured']:9.3f} {r['bubble_formula']:8.3f} {r['bubble_simulated']:10.3f} "
             f"{r['forward_ms_measured']:6.2f} {r['backward_ms_measured']:6.2f} "
             f"{r['passes_at_once_measured']:>7}"
         )
     print(
         "  measured: median over the timed steps of 1 - sum(pass times) / (devices x step span),\n"
-        "  from the runner's in-graph timestamps; formula: (S-1)/(M+S-1); simulated: simulate()\n"
+        "  from the runner's in-graph timestamps; formula: (S-1)/(vM+S-1), v the chunks per\n"
+        "  device (1 but interleaved; S counts devices); simulated: simulate()\n"
         "  on each stage's measured median F and B (F ms, B ms: their mean over the stages);\n"
         "  at once: the most passes measured in flight together, over all devices.\n"
         f"  Note: the {DEVICES} logical devices share this machine's {os.cpu_count()} cores. "
@@ -835,7 +859,10 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--quick", action="store_true", help="smaller everything: a smoke run")
     parser.add_argument(
-        "--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"]
+        "--schedules",
+        nargs="+",
+        default=["gpipe", "1f1b", "interleaved"],
+        choices=["gpipe", "1f1b", "interleaved"],
     )
     parser.add_argument(
         "--cores", type=int, default=os.cpu_count() or 1,
