@@ -95,6 +95,23 @@ def test_a_user_s_own_logging_set_up_gets_each_line_once_in_its_format():
     assert lines == ["INFO|tfdist.some.module|the strategy was built"]
 
 
+def test_the_root_handler_python_or_absl_add_on_their_own_prints_nothing_twice():
+    """absl's logging.log() (TensorFlow calls it while connecting to a cluster) and Python's
+    logging.info() give the root logger a default handler when none is set: no one's choice,
+    so tfdist's lines keep their format and are said once."""
+    lines = run_script(
+        """
+        import logging
+        from absl import logging as absl_logging
+        import tfdist
+        absl_logging.warning("from absl, before anything was configured")
+        logging.getLogger("tfdist.x").info("the strategy was built")
+        """
+    ).splitlines()
+    assert lines[0] == "WARNING:absl:from absl, before anything was configured", lines
+    assert [LINE.match(x).group(2) for x in lines[1:]] == ["the strategy was built"], lines
+
+
 def test_setup_logging_and_absl_binaries_use_the_one_format():
     lines = run_script(
         """

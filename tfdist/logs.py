@@ -116,9 +116,34 @@ class _DefaultHandler(ConsoleHandler):
         self.addFilter(TaskFilter())
 
     def handle(self, record: logging.LogRecord) -> bool:
-        if logging.getLogger().handlers:
+        root = logging.getLogger()
+        if any(not _implicit(h) for h in root.handlers):
             return False  # the record propagates to the user's handlers
+        for handler in root.handlers:  # keep the implicit one from saying it again
+            if not any(isinstance(f, _NotTfdist) for f in handler.filters):
+                handler.addFilter(_NotTfdist())
         return super().handle(record)
+
+
+def _implicit(handler: logging.Handler) -> bool:
+    """The handler Python's logging.info() or absl's logging.log() give the root logger
+    when nothing configured it (logging.basicConfig() with its defaults): no one's choice.
+    TensorFlow logs through absl at times (connecting to a cluster), so it appears in
+    scripts that never asked for it."""
+    formatter = handler.formatter
+    return (
+        type(handler) is logging.StreamHandler
+        and handler.level == logging.NOTSET
+        and formatter is not None
+        and formatter._fmt == logging.BASIC_FORMAT
+    )
+
+
+class _NotTfdist(logging.Filter):
+    """On the implicit root handler: tfdist's records are the default handler's to print."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.name == "tfdist" or record.name.startswith("tfdist."))
 
 
 # Passed as `extra=` to a line every task should say even when quiet: what it waits for,
