@@ -12,6 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tests.conftest import run_module
 from tfdist.data import DataError, PipelineOptions, tfrecord_dataset, write_tfrecords
 from tfdist.errors import FitError
 
@@ -101,3 +102,34 @@ def test_a_corrupt_record_met_in_fit_is_tfdist_s_one_line(tmp_path):
         tfdist.fit(model, data, verbose=0)
     assert str(raised.value).startswith(f'"{shard}" holds 19 readable record(s)')
     assert "\n" not in str(raised.value) and "\\'" not in str(raised.value)
+
+
+WRONG_WIDTH = """
+import numpy as np, keras, tfdist
+strategy = tfdist.build_strategy("multi_worker_mirrored")
+with strategy.scope():
+    model = keras.Sequential([keras.Input((32,)), keras.layers.Dense(4)])
+    model.compile("sgd", "sparse_categorical_crossentropy")
+x = np.zeros((256, 31), np.float32)  # one feature short of the model's input
+tfdist.fit(model, x, np.zeros(256, np.int32), batch_size=64)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_data_mistake_in_a_two_worker_job_is_one_line_each_and_never_restarted(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(WRONG_WIDTH)
+    result = run_module(
+        "tools.launch", "--workers", "2", "--max_restarts", "2", "--", "python", str(script),
+        timeout=240,
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 2, out[-3000:]
+    for task in ("worker:0", "worker:1"):
+        mine = [line for line in out.splitlines() if line.startswith(f"[{task}] ")]
+        assert mine[-1] == (
+            f"[{task}] error: Input 'input_layer' takes shape (None, 32) (the batch first); `x` "
+            "yields (64, 31). Received: inputs of shape (64, 31)"
+        ), mine[-3:]
+    assert "Traceback" not in out and out.count("[launch] starting") == 1
+    assert "[launch] not restarting: " in out

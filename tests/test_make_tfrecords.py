@@ -135,16 +135,24 @@ def test_an_image_folder_trains_in_the_binary(tmp_path, capsys):
     assert summary["steps"] == 3 and summary["eval_accuracy"] is not None  # 48 // 16 steps
     assert "mlp on tfrecord:" in result.stderr and "(48 training examples)" in result.stderr
 
-    # A shard cut short: one error line naming it and the flag; with --skip_corrupt the run
-    # trains on the readable records and says how many it dropped.
+    # A shard cut short, met in the middle of training by a job of 2 workers under
+    # --max_restarts 2: one error line on each, naming it and the flag, exit 2, and no restart
+    # (every attempt would meet it). With --skip_corrupt the run trains on the readable
+    # records and says once how many it dropped.
     shard = tmp_path / "data" / "train-00001-of-00002.tfrecord"
     shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
     train = ["experiments.train", f"--dataset=tfrecord:{tmp_path / 'data'}", "--model=mlp",
              "--epochs=1", "--global_batch_size=8", "--shuffle_buffer=0"]  # fmt: skip
-    result = run_module(*train)
-    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and str(shard) in errors[0] and "--skip_corrupt" in errors[0], errors
+    result = run_module(
+        "tools.launch", "--workers", "2", "--max_restarts", "2", "--", sys.executable, "-m",
+        *train, f"--model_dir={tmp_path / 'corrupt'}",
+    )  # fmt: skip
+    out = result.stdout
+    assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
+    errors = [line for line in out.splitlines() if "] error:" in line]
+    assert len(errors) == 2 and all(str(shard) in e and "--skip_corrupt" in e for e in errors)
+    assert out.count("[launch] starting") == 1, out[-3000:]  # not restarted
+    assert "[launch] not restarting: " in out
     result = run_module(*train, "--skip_corrupt")
     assert result.returncode == 0, result.stderr[-3000:]
     skipped = rf'skipped \d+ unreadable record\(s\) of 24 in "{re.escape(str(shard))}"'

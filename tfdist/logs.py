@@ -33,7 +33,7 @@ LEVEL_ENV = "TFDIST_LOG_LEVEL"
 WORKERS_ENV = "TFDIST_LOG_WORKERS"
 
 _bar_open = False
-_said: set[tuple[str, int, str]] = set()
+_said: set[tuple] = set()  # what once() (and a bad TFDIST_LOG_LEVEL) said already
 
 
 class _Formatter(logging.Formatter):
@@ -41,9 +41,12 @@ class _Formatter(logging.Formatter):
     (TensorFlow's and the user's lines, where a root handler takes this format)."""
 
     def format(self, record: logging.LogRecord) -> str:
-        name = record.name
-        record.source = "tfdist" if name == "tfdist" or name.startswith("tfdist.") else name
+        record.source = "tfdist" if _of_tfdist(record) else record.name
         return super().format(record)
+
+
+def _of_tfdist(record: logging.LogRecord) -> bool:
+    return record.name == "tfdist" or record.name.startswith("tfdist.")
 
 
 def formatter() -> logging.Formatter:
@@ -143,7 +146,7 @@ class _NotTfdist(logging.Filter):
     """On the implicit root handler: tfdist's records are the default handler's to print."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.name == "tfdist" or record.name.startswith("tfdist."))
+        return not _of_tfdist(record)
 
 
 # Passed as `extra=` to a line every task should say even when quiet: what it waits for,
@@ -163,7 +166,7 @@ class TaskFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.WARNING or getattr(record, "every_task", False):
             return True
-        if not (record.name == "tfdist" or record.name.startswith("tfdist.")):
+        if not _of_tfdist(record):
             return True
         if self._quiet is None:
             self._quiet = _quiet_task()
@@ -190,10 +193,12 @@ def level_from_environment() -> int:
     level = logging.getLevelName(text)
     if isinstance(level, int):
         return level
-    sys.stderr.write(
-        f"tfdist: {LEVEL_ENV}={text!r} is not a level; use DEBUG, INFO, WARNING or ERROR. "
-        "Using INFO.\n"
-    )
+    if (LEVEL_ENV, text) not in _said:
+        _said.add((LEVEL_ENV, text))
+        sys.stderr.write(
+            f"tfdist: {LEVEL_ENV}={text!r} is not a level; use DEBUG, INFO, WARNING or ERROR. "
+            "Using INFO.\n"
+        )
     return logging.INFO
 
 
