@@ -17,7 +17,7 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO
-from tfdist.launch.supervisor import OncePerProcess, RuntimeLines
+from tfdist.launch.output import OncePerProcess, RuntimeLines
 
 pytestmark = pytest.mark.fast
 

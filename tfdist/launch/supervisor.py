@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import shlex
 import signal
 import subprocess
@@ -14,6 +13,7 @@ import time
 from collections.abc import Sequence
 
 from tfdist.exit_codes import EXIT_PREEMPTED, EXIT_USAGE, RESTART_COUNT_ENV
+from tfdist.launch.output import NATIVE_LOGS_ENV, OncePerProcess, RuntimeLines
 from tfdist.launch.plan import (
     Task,
     UsageError,
@@ -94,104 +94,6 @@ def _worker_failure_mode(choice: str | None, parameter_server: bool) -> str:
 
 def _plural(items: Sequence[object], noun: str) -> str:
     return f"{len(items)} {noun}" + ("" if len(items) == 1 else "s")
-
-
-# TensorFlow's native start-up block: absl's notice before its logging is set up, the INFO
-# lines logged before that (stamped "I0000 00:00:<seconds since 1970>", which no Python
-# absl line is) and the CPU-instructions notice. Each of TensorFlow's two native libraries
-# prints it, so every process printed it twice.
-_NATIVE_INFO = re.compile(rb"^I0000 00:00:\d+\.\d+ +\d+ (\S+:\d+\] .*)$")
-_NATIVE_NOTICES = (
-    b"WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
-    b"To enable the following instructions: ",
-)
-
-
-class OncePerProcess:
-    """Drops a task's repeats of TensorFlow's native start-up lines (the same source line
-    and message, whatever its time stamp): the block shows once per process."""
-
-    def __init__(self):
-        self._seen: set[bytes] = set()
-
-    def repeats(self, line: bytes) -> bool:
-        text = line.rstrip(b"\r\n")
-        match = _NATIVE_INFO.match(text)
-        if match:
-            key = match.group(1)
-        elif text.startswith(_NATIVE_NOTICES):
-            key = text
-        else:
-            return False
-        if key in self._seen:
-            return True
-        self._seen.add(key)
-        return False
-
-
-NATIVE_LOGS_ENV = "TFDIST_NATIVE_LOGS"
-# TensorFlow's runtime error and warning lines once it runs (dated: E1127 04:29:09.929320 ...),
-# and the lines that continue them (gRPC's details of a failed call).
-_RUNTIME_LINE = re.compile(rb"^[EWF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
-# A runtime message of several lines arrives in one write: lines this soon after it continue it.
-_CONTINUES_WITHIN_S = 0.2
-_TFDIST_LINE = re.compile(rb"^\d\d:\d\d:\d\d [A-Z]+ \S+: ")  # tfdist.logs.FORMAT
-_AFTER_A_CLEAN_FINISH = re.compile(rb"coordination.?service|heartbeat|PollForError", re.I)
-# tfdist's one line at the end of a task (tfdist.exit_codes.end_process).
-_TFDIST_ERROR = re.compile(rb"^(error|preempted|interrupted): ")
-
-
-class RuntimeLines:
-    """Holds TensorFlow's runtime error lines back until the task's next line says whether
-    they matter, so that tfdist's own line comes first when a peer is lost.
-
-    - Followed by an ordinary line: released before it, in order.
-    - Followed by the task's own one-line error (`error: ...`): dropped, and counted (the
-      runtime's abort lines only repeat, less clearly, what that line says).
-    - At a clean exit (0): the coordination service's complaints that its peers have gone
-      (the chief exits first) are dropped; others are released.
-    - At any other exit without an error line of its own: released (they are all there is).
-    """
-
-    def __init__(self, *, show_all: bool = False):
-        self.show_all = show_all
-        self.held: list[bytes] = []
-        self.dropped = 0
-        self._last_held = 0.0
-
-    def passed(self, line: bytes, now: float | None = None) -> list[bytes]:
-        """The lines to print now, given the task's next line (arrived at `now`)."""
-        if self.show_all:
-            return [line]
-        now = time.monotonic() if now is None else now
-        continues = (
-            self.held
-            and now - self._last_held < _CONTINUES_WITHIN_S
-            and not _TFDIST_ERROR.match(line)
-            and not _TFDIST_LINE.match(line)
-        )
-        if _RUNTIME_LINE.match(line) or continues:
-            self.held.append(line)
-            self._last_held = now
-            return []
-        held, self.held = self.held, []
-        if held and _TFDIST_ERROR.match(line):
-            self.dropped += len(held)
-            return [line]
-        return [*held, line]
-
-    def at_exit(self, returncode: int | None) -> list[bytes]:
-        """The held lines to print once the task has exited with `returncode`."""
-        held, self.held = self.held, []
-        if returncode != 0:
-            return held
-        kept, dropping = [], False
-        for line in held:
-            if _RUNTIME_LINE.match(line):
-                dropping = bool(_AFTER_A_CLEAN_FINISH.search(line))
-            if not dropping:
-                kept.append(line)
-        return kept
 
 
 class Launcher:
