@@ -39,7 +39,7 @@ ONE_HOT = np.eye(4, dtype="float32")[IDS]
     "model, data, message",
     [
         (dense, lambda: (np.zeros((64, 31), "float32"), IDS),
-         r"Input '.*' takes shape \(None, 32\) \(the batch first\); `x` yields \(16, 31\)\. "
+         r"^The model's input takes shape \(None, 32\) \(the batch first\); `x` yields \(16, 31\)\. "
          r"Received: inputs of shape \(16, 31\)"),
         (dense, lambda: tf.data.Dataset.from_tensor_slices((X, IDS)),
          r"takes batches of shape \(None, 32\), but `x` yields single examples of shape "
@@ -128,7 +128,7 @@ def test_a_data_mistake_in_a_two_worker_job_is_one_line_each_and_never_restarted
     for task in ("worker:0", "worker:1"):
         mine = [line for line in out.splitlines() if line.startswith(f"[{task}] ")]
         assert mine[-1] == (
-            f"[{task}] error: Input 'input_layer' takes shape (None, 32) (the batch first); `x` "
+            f"[{task}] error: The model's input takes shape (None, 32) (the batch first); `x` "
             "yields (64, 31). Received: inputs of shape (64, 31)"
         ), mine[-3:]
     assert "Traceback" not in out and out.count("[launch] starting") == 1

@@ -632,6 +632,21 @@ def test_a_task_that_exits_with_a_usage_error_is_never_restarted(tmp_path):
     assert attempts(tmp_path, "worker-1") == 1
 
 
+def test_a_usage_error_that_its_peer_reports_first_as_a_loss_is_not_restarted(tmp_path):
+    """worker:1 meets a data mistake (exit 2) and worker:0, losing it, exits restartably at
+    the same moment; the launcher meets worker:0's exit first (tasks in order): the usage
+    error still decides."""
+    command = task_command(tmp_path, 2, {"worker-0": "exit:1:0.2", "worker-1": "exit:2:0.2"})
+
+    result, _ = run_launch(launch_argv("--workers", "2", "--max_restarts", "2", command=command))
+
+    assert result.returncode == exit_codes.EXIT_USAGE, result.stdout + result.stderr
+    lines = launch_lines(result.stdout)
+    assert lines[-1] == "[launch] not restarting: worker:1's usage error would come back " \
+        "every time", lines  # fmt: skip
+    assert attempts(tmp_path, "worker-0") == attempts(tmp_path, "worker-1") == 1
+
+
 @pytest.mark.multiprocess
 def test_the_binarys_flag_error_ends_a_parameter_server_job_without_restarts():
     result = run_module(

@@ -150,7 +150,9 @@ def test_an_image_folder_trains_in_the_binary(tmp_path, capsys):
     out = result.stdout
     assert result.returncode == 2 and "Traceback" not in out, out[-3000:]
     errors = [line for line in out.splitlines() if "] error:" in line]
-    assert len(errors) == 2 and all(str(shard) in e and "--skip_corrupt" in e for e in errors)
+    # The worker reading that shard names it; its peer, sharded onto the other file, reports
+    # losing it (restartable on its own): the usage error decides for the job.
+    assert any(str(shard) in e and "--skip_corrupt" in e for e in errors), errors
     assert out.count("[launch] starting") == 1, out[-3000:]  # not restarted
     assert "[launch] not restarting: " in out
     result = run_module(*train, "--skip_corrupt")

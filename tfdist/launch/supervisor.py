@@ -222,6 +222,12 @@ class Launcher:
                 reader.join(_DRAIN_SECONDS)
         for task in self._tasks:
             self._say(f"{task.name} {self._outcome(task)}")
+        if failed is not None and failed[1] != EXIT_USAGE:
+            # A task's usage error can end its peers first (they lose it, a restartable
+            # failure): the usage error decides, so that no restart meets it again.
+            usage = [t for t, proc in self._procs.items() if proc.returncode == EXIT_USAGE]
+            if usage:
+                code, failed = EXIT_USAGE, (usage[0], EXIT_USAGE)
         return code, failed
 
     def _exit_or_restart(self, code: int, failed: tuple[Task, int], deadline: float) -> int | None:

@@ -17,6 +17,7 @@ loss of its own, is left to its own code.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import keras
@@ -63,7 +64,7 @@ def _check_inputs(inputs: Any, x: Any, what: str) -> None:
                 + ". Name the features as the model's keras.Input(name=...) layers. "
                 f"Received: keys {sorted(x)}"
             )
-        pairs = [(name, inputs[name], x[name]) for name in sorted(inputs)]
+        pairs = [(f"Input {name!r}", inputs[name], x[name]) for name in sorted(inputs)]
     else:
         flat_inputs, flat_x = tf.nest.flatten(inputs), tf.nest.flatten(x)
         if len(flat_inputs) != len(flat_x):
@@ -71,7 +72,11 @@ def _check_inputs(inputs: Any, x: Any, what: str) -> None:
                 f"The model takes {len(flat_inputs)} input(s); `{what}` yields {len(flat_x)}. "
                 f"Received: inputs of shapes {[_shape(v) for v in flat_x]}"
             )
-        pairs = [(_name(i), i, v) for i, v in zip(flat_inputs, flat_x, strict=True)]
+        several = len(flat_inputs) > 1
+        pairs = [
+            (_name(i, k if several else None), i, v)
+            for k, (i, v) in enumerate(zip(flat_inputs, flat_x, strict=True))
+        ]
     for name, declared, given in pairs:
         _check_one_input(name, declared, given, what)
 
@@ -89,19 +94,19 @@ def _check_one_input(name: str, declared, given, what: str) -> None:
         return
     if len(got) == len(want) - 1 and _fits(got, want[1:]):
         raise FitError(
-            f"Input {name!r} takes batches of shape {_text(want)}, but `{what}` yields single "
+            f"{name} takes batches of shape {_text(want)}, but `{what}` yields single "
             f"examples of shape {_text(got)}: batch the dataset (dataset.batch(global_batch)) "
             f"or pass arrays with batch_size. Received: elements of shape {_text(got)}"
         )
     if len(got) != len(want) or not _fits(got[1:], want[1:]):
         raise FitError(
-            f"Input {name!r} takes shape {_text(want)} (the batch first); `{what}` yields "
+            f"{name} takes shape {_text(want)} (the batch first); `{what}` yields "
             f"{_text(got)}. Received: inputs of shape {_text(got)}"
         )
     dtype = getattr(given, "dtype", None)
     if dtype == tf.string and declared.dtype != "string":
         raise FitError(
-            f"Input {name!r} takes {declared.dtype} values; `{what}` yields strings (map them "
+            f"{name} takes {declared.dtype} values; `{what}` yields strings (map them "
             "to numbers first, e.g. with keras.layers.StringLookup). Received: dtype string"
         )
 
@@ -175,5 +180,10 @@ def _text(shape: tuple) -> str:
     )
 
 
-def _name(tensor) -> str:
-    return getattr(tensor, "name", None) or "input"
+def _name(tensor, index: int | None) -> str:
+    """How a message names the model's input: "Input 'image'" when the user named it,
+    else "The model's input" (its position among several)."""
+    name = getattr(tensor, "name", None) or ""
+    if name and not re.fullmatch(r"(keras_tensor|input_layer|input)(_\d+)?", name):
+        return f"Input {name!r}"
+    return "The model's input" + ("" if index is None else f" {index}")
