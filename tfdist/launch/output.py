@@ -49,9 +49,11 @@ class OncePerProcess:
 
 
 NATIVE_LOGS_ENV = "TFDIST_NATIVE_LOGS"
-# TensorFlow's runtime error and warning lines once it runs (dated: E1127 04:29:09.929320 ...),
-# and the lines that continue them (gRPC's details of a failed call).
-_RUNTIME_LINE = re.compile(rb"^[EWF]\d{4} \d\d:\d\d:\d\d\.\d+ +\d+ \S+:\d+\] ")
+# TensorFlow's runtime error and warning lines once it runs, and the lines that continue them
+# (gRPC's details of a failed call).
+# TensorFlow 2.21 stamps them as it stamps the start-up block, "E0000 00:00:<seconds since
+# 1970>", since its logging is never set up; absl's own stamp is "E1127 04:29:09.929320".
+_RUNTIME_LINE = re.compile(rb"^[EWF]\d{4} (\d\d:\d\d:\d\d|00:00:\d+)\.\d+ +\d+ \S+:\d+\] ")
 # A runtime message of several lines arrives in one write: lines this soon after it continue it.
 _CONTINUES_WITHIN_S = 0.2
 _TFDIST_LINE = re.compile(rb"^\d\d:\d\d:\d\d [A-Z]+ \S+: ")  # tfdist.logs.FORMAT
