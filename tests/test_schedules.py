@@ -12,22 +12,32 @@ from tfdist.parallel.schedules import Pass, bubble_formula, schedule, simulate
 pytestmark = pytest.mark.fast
 
 
-@pytest.mark.parametrize("name", schedules.SCHEDULES)
+@pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 1),
+                                          ("interleaved", 2), ("interleaved", 4)])  # fmt: skip
 @pytest.mark.parametrize("stages", [1, 2, 4])
 @pytest.mark.parametrize("micro_batches", [1, 2, 4, 8, 16])
 def test_each_schedule_runs_every_pass_once_with_the_bubble_of_the_formula(
-    name, stages, micro_batches
+    name, chunks, stages, micro_batches
 ):
-    plans = schedule(name, stages, micro_batches)
+    if name == "interleaved" and micro_batches % stages:
+        with pytest.raises(ValueError, match=f"micro_batches must be a multiple of {stages}"):
+            schedule(name, stages, micro_batches, chunks=chunks)
+        return
+    plans = schedule(name, stages, micro_batches, chunks=chunks)
     for plan in plans:
         assert sorted(map(str, plan)) == sorted(
-            f"{kind}{m}" for kind in "FB" for m in range(micro_batches)
-        )
-        for m in range(micro_batches):  # a stage's backward of m follows its forward of m
-            assert plan.index(Pass("F", m)) < plan.index(Pass("B", m))
+            str(Pass(kind, m, c)) for kind in "FB" for m in range(micro_batches)
+            for c in range(chunks)
+        )  # fmt: skip
+        for p in plan:  # a device's backward of a chunk's micro-batch follows its forward
+            if p.kind == "B":
+                assert plan.index(Pass("F", p.micro_batch, p.chunk)) < plan.index(p)
     timeline = simulate(plans)  # a backward as long as a forward
-    assert timeline.bubble == pytest.approx(bubble_formula(stages, micro_batches), abs=1e-12)
-    assert timeline.length == 2 * (micro_batches + stages - 1)
+    assert timeline.bubble == pytest.approx(
+        bubble_formula(stages, micro_batches, chunks), abs=1e-12
+    )
+    # (vM + S - 1) forward and backward slots of a chunk, each 1/v of a stage's work here.
+    assert timeline.length == 2 * (chunks * micro_batches + stages - 1)
 
 
 @pytest.mark.parametrize("stages, micro_batches", [(2, 8), (4, 4), (4, 16)])
@@ -52,8 +62,10 @@ def test_a_schedule_that_deadlocks_and_bad_arguments_are_refused():
     backwards_first = [[Pass("B", 0), Pass("F", 0)]]
     with pytest.raises(ValueError, match="deadlocks: stages wait on B0"):
         simulate(backwards_first)
-    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b"):
-        schedule("interleaved", 2, 2)
+    with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved"):
+        schedule("zero-bubble", 2, 2)
+    with pytest.raises(ValueError, match="chunks apply to the interleaved schedule"):
+        schedule("1f1b", 2, 2, chunks=2)
     with pytest.raises(ValueError, match="micro_batches must be a whole number >= 1"):
         schedule("gpipe", 2, 0)
 
