@@ -35,7 +35,8 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # stdout and stderr and the restart count it reads the way a training binary would, then does
 # what `actions` says for its task: "sleep" (60 s, i.e. until stopped), "ignore_term" (sleep,
 # deaf to SIGTERM), "preempt_on_term" (sleep; on SIGTERM exit with the preempted code),
-# "exit:N" or "kill:N", optionally with ":SECONDS" to wait first. A list of actions gives one
+# "exit:N" or "kill:N", optionally with ":SECONDS" to wait first ("deaf_exit:N:SECONDS":
+# the same, deaf to SIGTERM meanwhile). A list of actions gives one
 # per attempt, the last repeating. Exits and kills wait until every task of the attempt has
 # recorded its pid, so no task can be stopped before the test knows about it.
 TASK_PROGRAM = textwrap.dedent(
@@ -55,8 +56,9 @@ TASK_PROGRAM = textwrap.dedent(
     action = actions.get(name, actions.get("*", "sleep"))
     if isinstance(action, list):
         action = action[min(attempt, len(action) - 1)]
-    if action == "ignore_term":
+    if action == "ignore_term" or action.startswith("deaf_"):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        action = action.removeprefix("deaf_")
     if action == "preempt_on_term":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_PREEMPTED))
     if action in ("sleep", "ignore_term", "preempt_on_term"):
@@ -633,10 +635,10 @@ def test_a_task_that_exits_with_a_usage_error_is_never_restarted(tmp_path):
 
 
 def test_a_usage_error_that_its_peer_reports_first_as_a_loss_is_not_restarted(tmp_path):
-    """worker:1 meets a data mistake (exit 2) and worker:0, losing it, exits restartably at
-    the same moment; the launcher meets worker:0's exit first (tasks in order): the usage
-    error still decides."""
-    command = task_command(tmp_path, 2, {"worker-0": "exit:1:0.2", "worker-1": "exit:2:0.2"})
+    """worker:0 exits restartably first (it lost its peer) and worker:1 exits with its data
+    mistake (exit 2) while the launcher stops the job (deaf to the SIGTERM, as a process
+    busy in C++ is): the usage error still decides."""
+    command = task_command(tmp_path, 2, {"worker-0": "exit:1", "worker-1": "deaf_exit:2:0.5"})
 
     result, _ = run_launch(launch_argv("--workers", "2", "--max_restarts", "2", command=command))
 

@@ -245,6 +245,8 @@ def relayed(lines: list[bytes], returncode: int, later=(b"epoch", LOST)) -> tupl
 
 def test_a_lost_peer_s_line_comes_first_without_the_runtime_s_abort_lines():
     assert relayed([b"epoch 1", *ABORT, LOST], 1) == ([b"epoch 1", LOST], 6)
+    # After its own line, the teardown's complaints are counted too.
+    assert relayed([b"epoch 1", LOST, GOODBYE], 1) == ([b"epoch 1", LOST], 1)
     # Without a line of tfdist's to explain them, they are all there is: shown.
     assert relayed([b"epoch 1", *ABORT], 1) == ([b"epoch 1", *ABORT], 0)
     # Followed by ordinary output, they are shown where they came.

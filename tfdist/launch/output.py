@@ -71,13 +71,15 @@ class RuntimeLines:
       runtime's abort lines only repeat, less clearly, what that line says).
     - At a clean exit (0): the coordination service's complaints that its peers have gone
       (the chief exits first) are dropped; others are released.
-    - At any other exit without an error line of its own: released (they are all there is).
+    - At any other exit: dropped and counted after the task's own error line (its
+      teardown's complaints), released without one (they are all there is).
     """
 
     def __init__(self, *, show_all: bool = False):
         self.show_all = show_all
         self.held: list[bytes] = []
         self.dropped = 0
+        self.said_error = False  # the task printed its own one-line error
         self._last_held = 0.0
 
     def passed(self, line: bytes, now: float | None = None) -> list[bytes]:
@@ -96,7 +98,8 @@ class RuntimeLines:
             self._last_held = now
             return []
         held, self.held = self.held, []
-        if held and _TFDIST_ERROR.match(line):
+        if _TFDIST_ERROR.match(line):
+            self.said_error = True
             self.dropped += len(held)
             return [line]
         return [*held, line]
@@ -105,6 +108,9 @@ class RuntimeLines:
         """The held lines to print once the task has exited with `returncode`."""
         held, self.held = self.held, []
         if returncode != 0:
+            if self.said_error:  # its teardown's complaints after its own line: counted
+                self.dropped += len(held)
+                return []
             return held
         kept, dropping = [], False
         for line in held:
