@@ -84,26 +84,19 @@ class ADMM(LocalUpdates):
     def _before_update(self, step, grads, present):
         """Each replica's gradient of its augmented loss: g_k + rho (x_k - z + u_k)."""
         del step
-        shapes = [tuple(v.shape) for v in self.variables]
         out = []
         for d, device in enumerate(self.devices):
             with tf.device(device):
-                pulls = tf.split(
-                    self.consensus[d].value() - self.duals[d].value(),
-                    [int(np.prod(s)) for s in shapes],
-                )
-                weights = iter(
-                    (w, tf.reshape(p, s))
-                    for w, p, s, on in zip(
-                        self._components(self.strategy, d), pulls, shapes, present, strict=True
+                targets = tf.split(self.consensus[d].value() - self.duals[d].value(), self.sizes)
+                pulls = [
+                    self.rho * (w - tf.reshape(target, w.shape))
+                    for w, target, on in zip(
+                        self._components(self.strategy, d), targets, present, strict=True
                     )
                     if on
-                )
+                ]  # the gradients come for the present variables only
                 out.append(
-                    [
-                        tf.convert_to_tensor(g) + self.rho * (w - target)
-                        for g, (w, target) in zip(grads[d], weights, strict=True)
-                    ]
+                    [tf.convert_to_tensor(g) + p for g, p in zip(grads[d], pulls, strict=True)]
                 )
         return out
 

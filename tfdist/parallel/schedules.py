@@ -82,9 +82,7 @@ def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Pass]
     schedule). The k-th forward is of chunk (k // S) % v and micro-batch
     (k // (S v)) S + k % S; the k-th backward of the chunks in reverse. The warm-up is
     (S - d - 1) 2 + (v - 1) S forwards."""
-    _check(stages, micro_batches)
-    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 1:
-        raise ValueError(f"chunks must be a whole number >= 1. Received: chunks={chunks!r}")
+    _check(stages, micro_batches, chunks)
     if micro_batches % stages:
         raise ValueError(
             f"the interleaved schedule takes micro-batches in groups of the {stages} devices "
@@ -231,7 +229,7 @@ def _per_stage(time: Callable[[int], float] | float) -> Callable[[int], float]:
     return time if callable(time) else (lambda stage: float(time))
 
 
-def _check(stages: int, micro_batches: int) -> None:
-    for name, value in (("stages", stages), ("micro_batches", micro_batches)):
+def _check(stages: int, micro_batches: int, chunks: int = 1) -> None:
+    for name, value in (("stages", stages), ("micro_batches", micro_batches), ("chunks", chunks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a whole number >= 1. Received: {name}={value!r}")
