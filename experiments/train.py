@@ -296,13 +296,14 @@ def train_config(strategy: tf.distribute.Strategy | None = None) -> TrainConfig:
     for mode in registry.flagged():
         raw = values[mode.keyword]
         if raw == AUTO:
-            values[mode.keyword] = defaults.get(mode.keyword, mode.default)
-        elif raw == "none":
+            continue  # resolved below, once every mode's value is known
+        if raw == "none":
             values[mode.keyword] = None
         elif isinstance(raw, str) and isinstance(mode.value, registry.Options):
             values[mode.keyword] = mode.value.parse(raw)
         elif isinstance(raw, str) and not isinstance(mode.value, registry.Choice):
             values[mode.keyword] = _number(raw)
+    values.update(registry.resolve_auto(values, defaults))
     if values["model"] == "resnet":
         values.setdefault("model_options", {"depth": FLAGS.resnet_depth})
     if values["dataset"] == "synthetic":

@@ -17,9 +17,15 @@ import tfdist
 from tests import zero_cases
 from tests.conftest import run_module
 from tfdist.errors import FitError
-from tfdist.parallel import BoundedStaleness, DelayCompensation, MomentumCorrection
+from tfdist.parallel import (
+    BoundedStaleness,
+    DelayCompensation,
+    MomentumCorrection,
+    SynchronousWarmup,
+    registry,
+)
 from tfdist.training.runner import AsyncStep
-from tfdist.training.runners import runner_for
+from tfdist.training.runners import mode_defaults, runner_for
 
 TOLERANCE = 1e-5
 
@@ -140,6 +146,21 @@ def test_momentum_correction_needs_sgd_with_plain_momentum(optimizer, message):
 def test_a_staleness_bound_is_a_whole_number():
     with pytest.raises(FitError, match="max_staleness must be a whole number >= 0"):
         BoundedStaleness(1.5)
+    with pytest.raises(FitError, match="async_warmup must be a whole number of steps >= 1"):
+        SynchronousWarmup(0)
+
+
+def test_a_warmup_lifts_the_parameter_servers_default_bound():
+    """'auto' bounds staleness at 0 under parameter_server; with a warm-up, the warm-up is
+    the bound and 'auto' means none after it. A bound the user names stays."""
+    defaults = mode_defaults("parameter_server")
+    assert registry.resolve_auto({}, defaults)["max_staleness"] == 0
+    assert registry.resolve_auto({"async_warmup": 50}, defaults)["max_staleness"] is None
+    named = registry.resolve_auto({"async_warmup": 50, "max_staleness": 2}, defaults)
+    assert named["max_staleness"] == 2
+    with pytest.raises(FitError, match="async_warmup must be a whole number >= 1"):
+        model = one_dense(keras.optimizers.SGD(0.1))
+        tfdist.fit(model, np.ones((8, 2)), np.ones((8, 1)), batch_size=4, async_warmup=0)
 
 
 # --- parameter-server jobs ------------------------------------------------------------------------
@@ -190,3 +211,7 @@ def test_a_staleness_bound_holds_over_three_workers_and_two_ps(tmp_path):
     for case in CASES:  # every run trained
         _, record = run(tmp_path, case)
         assert np.isfinite(record["history"]["loss"][0]), case
+    # async_warmup: the first epoch's steps took turns; the bound lifted after them.
+    _, warmup = run(tmp_path, "warmup")
+    assert warmup["history"]["staleness_max"][0] == 0.0, warmup
+    assert len(warmup["history"]["loss"]) == 2 and np.isfinite(warmup["history"]["loss"][1])

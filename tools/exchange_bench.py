@@ -10,6 +10,8 @@ binary on the digits cnn, with the same examples (--epochs of 22 steps of 64), s
   ps_dc          + delay compensation (--async_correction=dc; Zheng et al., 2017)
   ps_momentum    + momentum lowered by asynchrony's own (SGD only; Mitliagkas et al., 2016)
   ps_stale0/1/4  + --max_staleness=0 / 1 / 4 (bounded delay; 0: the workers take turns)
+  ps_warmup      + --async_warmup=110: the first half of the steps take turns, then unbounded
+  ps_warmup_mom  + --async_warmup=110 and the momentum correction after it (SGD only)
   local4/16      local SGD, weights averaged every 4 / 16 steps (--average_every)
   gossip_ring    gossip SGD on a ring of the workers (--gossip=ring)
   gossip_exp     gossip SGD on the one-peer exponential graph (--gossip=exponential)
@@ -74,12 +76,16 @@ VARIANTS = {
     "ps_stale0": ("parameter_server", ["--max_staleness=0"]),
     "ps_stale1": ("parameter_server", ["--max_staleness=1"]),
     "ps_stale4": ("parameter_server", ["--max_staleness=4"]),
+    "ps_warmup": ("parameter_server", ["--async_warmup=110"]),
+    "ps_warmup_mom": ("parameter_server", ["--async_warmup=110", "--async_correction=momentum"]),
     "local4": ("multi_worker_mirrored", ["--average_every=4"]),
     "local16": ("multi_worker_mirrored", ["--average_every=16"]),
     "gossip_ring": ("multi_worker_mirrored", ["--gossip=ring"]),
     "gossip_exp": ("multi_worker_mirrored", ["--gossip=exponential"]),
     "admm4": ("multi_worker_mirrored", ["--admm=rho=0.1,every=4"]),
 }
+# Variants that lower SGD's momentum: Adam has none to lower.
+MOMENTUM_ONLY = ("ps_momentum", "ps_warmup_mom")
 QUICK_VARIANTS = ["sync", "ps", "ps_dc", "ps_stale1", "local4", "gossip_ring"]
 COLUMNS = [
     "optimizer", "straggler", "variant", "repeat", "eval_accuracy", "eval_loss",
@@ -282,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
             for slow in stragglers:
                 for optimizer in optimizers:
                     for variant in variants:
-                        if variant == "ps_momentum" and not OPTIMIZERS[optimizer][1]:
+                        if variant in MOMENTUM_ONLY and not OPTIMIZERS[optimizer][1]:
                             continue  # it lowers SGD's momentum; Adam has none to lower
                         summary = run_job(
                             args, variant=variant, optimizer=optimizer, slow=slow,

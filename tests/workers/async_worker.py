@@ -32,6 +32,9 @@ CASES = {
     "max_staleness_0": lambda: _hooked(BoundedStaleness(0)),
     "max_staleness_1": lambda: _hooked(BoundedStaleness(1)),
     "dc_max_staleness_1": lambda: ({"async_correction": "dc", "max_staleness": 1}, None),
+    # Two epochs, the first of them taking turns; max_staleness left to fit ('auto': none
+    # after a warm-up).
+    "warmup": lambda: ({"async_warmup": zero_cases.STEPS, "epochs": 2}, None),
 }
 
 

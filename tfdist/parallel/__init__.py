@@ -9,7 +9,8 @@
 - host.py: host_scope, where to build a model no device holds whole (ZeRO-3, a pipeline).
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
 - asynchronous.py: corrections for parameter-server training's stale updates:
-  DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness).
+  DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness),
+  SynchronousWarmup (async_warmup).
 - local_sgd.py: LocalSGD, k local optimizer steps per replica, then one average of the
   weights (post-local SGD too).
 - gossip.py: Gossip, a local step, then each replica averages with its peers (a ring, or
@@ -21,6 +22,8 @@
 - stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
 - pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner
   factory: it replaces the runner).
+- downpour.py: SplitReplicaRunner, a Pipeline under parameter_server: each worker's replica
+  cut into stages over that worker's devices, training asynchronously (Downpour SGD).
 - tensor/: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
   ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model,
   `dense_model` to convert it back, and TensorParallelUpdate, the hook that updates their
@@ -45,6 +48,8 @@ _EXPORTS = {
     "BoundedStaleness": "tfdist.parallel.asynchronous",
     "DelayCompensation": "tfdist.parallel.asynchronous",
     "MomentumCorrection": "tfdist.parallel.asynchronous",
+    "SynchronousWarmup": "tfdist.parallel.asynchronous",
+    "SplitReplicaRunner": "tfdist.parallel.downpour",
     "Gossip": "tfdist.parallel.gossip",
     "LocalSGD": "tfdist.parallel.local_sgd",
     "LocalUpdateError": "tfdist.parallel.local_sgd",

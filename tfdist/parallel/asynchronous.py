@@ -24,6 +24,11 @@ step (tfdist.training.runner.AsyncStep):
   and its update is applied after step t - 1's. No update is then more than s updates stale:
   s = 0 is sequentially consistent (staleness 0, the workers take turns), and larger s lets
   up to s + 1 steps compute at once.
+- SynchronousWarmup (`async_warmup=n`): the first n steps take turns as under
+  `max_staleness=0`, then the updates go through as asynchronously as the bound allows. A
+  network's first steps are where staleness costs most: SGD with momentum that leaves a
+  plateau synchronously can fail to leave it with stale updates (tools/exchange_bench), and
+  the warm-up pays the turns' price only while it lasts.
 
 Example:
 
@@ -344,6 +349,44 @@ class BoundedStaleness(StepHook):
             "max_staleness": self.max_staleness,
             "staleness_timeouts": int(self.timeouts.numpy()),
         }
+
+
+class SynchronousWarmup(BoundedStaleness):
+    """The first `steps` updates take turns (staleness 0), the later ones do not wait.
+
+    With `max_staleness` as well, that bound holds after the warm-up (the two hooks wait
+    each on its own count of written updates).
+
+    Args:
+      steps: how many steps (counted over the run, across its epochs) take turns.
+      timeout_seconds, poll_microseconds: as BoundedStaleness.
+    """
+
+    def __init__(self, steps: int, *, timeout_seconds: float = 10.0, poll_microseconds: int = 200):
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise AsyncCorrectionError(
+                f"async_warmup must be a whole number of steps >= 1. Received: {steps!r}"
+            )
+        super().__init__(0, timeout_seconds=timeout_seconds, poll_microseconds=poll_microseconds)
+        self.steps = steps
+
+    @property
+    def name(self) -> str:
+        return f"async_warmup={self.steps}"
+
+    def _target(self, ticket) -> tf.Tensor:
+        # After the warm-up, a target of 0 written updates, which never waits.
+        return tf.where(ticket < self.steps, ticket, tf.zeros_like(ticket))
+
+    def begin_step(self, step: AsyncStep) -> list[tf.Tensor]:
+        self._step = step
+        return [self._wait_for(self._target(step.ticket))]
+
+    def before_update(self, step: AsyncStep) -> list[tf.Tensor]:
+        return [self._wait_for(self._target(step.ticket))]
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {"async_warmup": self.steps, "warmup_timeouts": int(self.timeouts.numpy())}
 
 
 def _pauses(microseconds: int) -> tf.data.Dataset:

@@ -61,6 +61,7 @@ from tfdist.parallel import updates
 from tfdist.parallel.host import host_device, host_scope, hosted
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split, tied
+from tfdist.strategies import strategy_kind
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
@@ -147,8 +148,13 @@ class Pipeline:
         """
         return host_scope(strategy)
 
-    def runner(self, model: keras.Model, strategy: tf.distribute.Strategy) -> PipelineRunner:
-        """The runner tfdist.fit trains `model` with (not yet built)."""
+    def runner(self, model: keras.Model, strategy: tf.distribute.Strategy):
+        """The runner tfdist.fit trains `model` with (not yet built): under
+        parameter_server, each worker's replica split over its devices (downpour.py)."""
+        if strategy_kind(strategy) == "parameter_server":
+            from tfdist.parallel.downpour import SplitReplicaRunner
+
+            return SplitReplicaRunner(model, strategy, self)
         return PipelineRunner(model, strategy, self)
 
 

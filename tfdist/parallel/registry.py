@@ -204,6 +204,8 @@ class Mode:
         means under each runner.
       flag: offered by the binary (a flag and a TrainConfig field).
       auto: the flag takes 'auto', resolved by the runner's mode_defaults.
+      auto_off_with: keywords whose mode, when on, makes this one's 'auto' mean off (a
+        staleness bound's 'auto' under an asynchronous warm-up: the warm-up is the bound).
       resume_must_match: a checkpoint written under another value cannot be resumed (the
         state it keeps is laid out by this mode).
     """
@@ -217,6 +219,7 @@ class Mode:
     help: str | None = None
     flag: bool = True
     auto: bool = False
+    auto_off_with: tuple[str, ...] = ()
     resume_must_match: bool = False
 
     @property
@@ -266,10 +269,10 @@ MODES: tuple[Mode, ...] = (
         keyword="max_staleness",
         summary="parameter_server: no update is applied more than this many updates stale "
         "(0: every update to the weights it was computed from; None: unbounded). Default "
-        "'auto': {auto}",
+        "'auto': {auto} (none with async_warmup)",
         help="parameter_server only: no update more than this many updates stale (a step waits "
         "for the steps before it; 0: every update applies to the weights it was computed "
-        "from); 'none': unbounded. 'auto': {auto}. The parameter-server default measured best "
+        "from); 'none': unbounded. 'auto': {auto} (none with --async_warmup). The parameter-server default measured best "
         "(tools/exchange_bench, 4 workers, digits cnn, 220 steps, medians of 3): test accuracy "
         "with Adam 0.967 against 0.958 at 1 and 0.911 unbounded (sync: 0.981); with SGD and "
         "momentum 0.802 against 0.089 at 1 and 0.092 unbounded (sync: 0.889). At 0 the workers "
@@ -278,6 +281,20 @@ MODES: tuple[Mode, ...] = (
         place=Place.BOUND,
         builder="tfdist.parallel.asynchronous:BoundedStaleness",
         auto=True,
+        auto_off_with=("async_warmup",),
+    ),
+    Mode(
+        keyword="async_warmup",
+        summary="parameter_server: the first this many steps take turns (staleness 0), "
+        "then the updates go through asynchronously (within max_staleness, if set); "
+        "tfdist.parallel.asynchronous",
+        help="parameter_server only: the first this many steps take turns (staleness 0), then "
+        "the updates go through asynchronously (within --max_staleness). For SGD with "
+        "momentum, whose stale updates stall it on the first steps' plateau (README "
+        "'Exchanging less').",
+        value=Whole(minimum=1),
+        place=Place.BOUND,
+        builder="tfdist.parallel.asynchronous:SynchronousWarmup",
     ),
     Mode(
         keyword=None,
@@ -424,7 +441,8 @@ def resolve_auto(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dic
     resolved = dict(options)
     for m in MODES:
         if m.auto and resolved.get(m.keyword, AUTO) == AUTO:
-            resolved[m.keyword] = defaults.get(m.keyword)
+            off = any(resolved.get(k) not in (None, AUTO) for k in m.auto_off_with)
+            resolved[m.keyword] = None if off else defaults.get(m.keyword)
     return resolved
 
 

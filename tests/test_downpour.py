@@ -1,0 +1,62 @@
+"""Downpour's model-parallel replicas (tfdist/parallel/downpour.py): under parameter-server
+training each worker's replica is cut into stages over that worker's 2 logical devices.
+
+With one worker (and 2 ps) the replica trains as the unsplit model does under Keras's own fit
+on one device, for 1F1B, GPipe and the interleaved schedule (tests/workers/downpour_worker.py
+one); with 3 workers it trains asynchronously against the 2 ps, and a replica wider than a
+worker's devices is refused with one message (many).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from tests import pipeline_cases
+from tests.conftest import run_module
+from tests.workers.downpour_worker import CASES
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("downpour")]
+
+
+def launch(out, workers: int, what: str) -> None:
+    result = run_module(
+        "tools.launch", "--chief", "--workers", str(workers), "--ps", "2", "--timeout", "280",
+        "--", sys.executable, "-m", "tests.workers.downpour_worker", str(out), what,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def one_worker(tmp_path_factory):
+    out = tmp_path_factory.mktemp("downpour-one")
+    launch(out, 1, "one")
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_split_replica_under_one_ps_worker_trains_as_the_unsplit_model(one_worker, case):
+    expected, history = pipeline_cases.reference()
+    arrays = np.load(one_worker / f"{case}.npz")
+    got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    record = json.loads((one_worker / f"{case}.json").read_text())
+    np.testing.assert_allclose(record["history"]["loss"], history["loss"], rtol=1e-5)
+    # The program asked for both of the worker's devices: the stages are split over them.
+    stage_devices = {d.rsplit("/", 1)[-1] for d in record["devices"] if "device:" in d}
+    assert {"device:CPU:0", "device:CPU:1"} <= stage_devices, record["devices"]
+
+
+def test_split_replicas_train_asynchronously_on_three_workers_and_two_ps(tmp_path):
+    launch(tmp_path, 3, "many")
+    history = json.loads((tmp_path / "many.json").read_text())["history"]
+    assert history["loss"][-1] < 0.9 * history["loss"][0], history
+    assert max(history["staleness_max"]) >= 1, history  # three workers in flight at once
+    refused = json.loads((tmp_path / "refused.json").read_text())["error"]
+    assert refused.startswith("Each worker's replica is split over 3 devices"), refused
+    assert "worker:0 2 CPU" in refused and "configure_cpu_devices(3)" in refused, refused

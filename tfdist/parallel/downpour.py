@@ -1,0 +1,306 @@
+"""Downpour's model-parallel replicas: a parameter-server worker's replica split over its devices.
+
+In Downpour SGD (Dean et al., 2012) the parameters are sharded over parameter servers and
+each model replica is itself split over several machines: the replica's parts fetch their
+parameters from the shards that hold them, compute their layers, pass activations forward
+and their gradients back among themselves, and push their gradients to the shards, while the
+other replicas do the same without waiting.
+
+Here a replica is a parameter-server worker whose model is cut into stages (a `Pipeline`),
+one per device of that worker (its GPUs, or logical CPUs from tfdist.configure_cpu_devices):
+
+    with strategy.scope():                                  # parameter_server, 2 ps
+        model = build_model(); model.compile(...)
+    tfdist.fit(model, data, steps_per_epoch=100,
+               pipeline=tfdist.parallel.Pipeline(cut_before=["block_2"], micro_batches=4))
+
+Each step a worker reads each stage's weights from the ps onto the stage's device, runs the
+micro-batches' passes there in the pipeline schedule's order (activations and their
+gradients go between the worker's devices inside one TensorFlow program; passes on
+different devices run at once), sums each weight's gradient over the micro-batches (and
+over the stages that hold a tied weight) and applies the update on the ps, asynchronously,
+as any parameter-server step: staleness is counted, and `max_staleness`, `async_warmup` and
+`async_correction` apply. With one worker, the updates are those of the unsplit model
+trained synchronously (tests/test_downpour.py).
+
+Where TensorFlow stops it. ParameterServerStrategy runs each step as a closure on one worker
+process, so a replica spans one worker's devices, never several processes: Downpour's
+replicas over several machines would need the closure to run on a group of workers, which
+the ClusterCoordinator does not schedule. Variables split by a partitioner (`ps_min_shard_bytes`)
+are not supported by the split replica (they are read whole by a stage); the sharding here is
+Downpour's, whole variables placed round-robin over the ps tasks.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Sequence
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.errors import FitError
+from tfdist.parallel.pipeline import _added, _dense_part
+from tfdist.parallel.schedules import schedule
+from tfdist.parallel.stages import Stage, StageError, split, tied
+from tfdist.training.fit_data import unpack
+from tfdist.training.ps_shards import shards_of
+from tfdist.training.runner import StepHook
+from tfdist.training.runners.common import batch_size
+from tfdist.training.runners.parameter_server import ParameterServerRunner
+from tfdist.training.steps import custom_train_step
+
+log = logging.getLogger(__name__)
+
+# Device kinds a worker's replica may be split over, the first a worker has enough of.
+_KINDS = ("GPU", "TPU", "CPU")
+
+
+class SplitReplicaRunner(ParameterServerRunner):
+    """parameter_server, each worker's replica cut into stages over its devices (see the
+    module). Made by `Pipeline.runner` under a ParameterServerStrategy."""
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, options):
+        super().__init__(model, strategy)
+        self.options = options
+        self.stages: list[Stage] = []
+        self.devices: list[str] = []  # a worker's stage devices, without job and task
+        self.tied: dict[int, tuple[int, ...]] = {}
+
+    def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        model, options = self.model, self.options
+        if custom_train_step(model):
+            raise FitError(
+                f"Model {model.name!r} has its own train_step, which runs the whole model at "
+                "once; a split replica runs its layers stage by stage with the compiled loss "
+                "and metrics. Move the step's logic into compile()'s loss and metrics, or "
+                "train without pipeline=. Received: a model with train_step overridden"
+            )
+        super().build(sample_batch, step_hooks)
+        if any(shards_of(v) for v in model.trainable_variables):
+            raise FitError(
+                "A worker's split replica reads each stage's variables whole, and this model "
+                "has variables split across the ps tasks by a partitioner. Build the model "
+                "without a variable_partitioner (ps_min_shard_bytes=None): its variables are "
+                "still spread over the ps tasks, whole. Received: a partitioned model"
+            )
+        self.stages = split(model, options.cut_before)
+        chunks = options.chunks_per_device
+        if len(self.stages) % chunks:
+            raise StageError(
+                f"chunks_per_device={chunks} puts {chunks} stages on each device: cut the model "
+                f"into a multiple of {chunks} stages. Received: {len(self.stages)} stages"
+            )
+        width = len(self.stages) // chunks
+        if chunks > 1 and options.micro_batches % width:
+            raise StageError(
+                f"The interleaved schedule takes micro-batches in groups of the replica's "
+                f"{width} devices: micro_batches must be a multiple of {width}. Received: "
+                f"micro_batches={options.micro_batches}"
+            )
+        per_worker = batch_size(unpack(sample_batch)[0])
+        if per_worker is not None and per_worker % options.micro_batches:
+            raise StageError(
+                f"micro_batches={options.micro_batches} must divide each step's batch of "
+                f"{per_worker}. Received: micro_batches={options.micro_batches}"
+            )
+        self.devices = worker_devices(self._cluster(), width)
+        self.tied = tied(self.stages)
+        self.plan = schedule(options.schedule, width, options.micro_batches, chunks)
+        log.info(
+            "Each worker's replica is split into %d stages over its devices %s (%s, %d "
+            "micro-batches); the weights stay on the ps tasks",
+            len(self.stages), ", ".join(self.devices), options.schedule, options.micro_batches,
+        )  # fmt: skip
+
+    def _stateless_gradients(self, batch, state):
+        """The step's (gradient, variable) pairs and metric state, stage by stage."""
+        return _ReplicaStep(self).run(batch, state)
+
+
+class _ReplicaStep:
+    """One step's program over a worker's stage devices (built once, while tracing)."""
+
+    def __init__(self, runner: SplitReplicaRunner):
+        self.runner, self.model = runner, runner.model
+        self.micro_batches = runner.options.micro_batches
+        self.width = len(runner.devices)
+
+    def device(self, stage: int) -> str:
+        return self.runner.devices[stage % self.width]
+
+    def micro(self, tensor, m: int):
+        if tensor is None:
+            return None
+
+        def cut(t):
+            size = tf.shape(t)[0] // self.micro_batches
+            return t[m * size : (m + 1) * size]
+
+        return tf.nest.map_structure(cut, tensor)
+
+    def run(self, batch, state):
+        runner, model = self.runner, self.model
+        x, y, sample_weight = unpack(batch)
+        trainable, statistics = model.trainable_variables, model.non_trainable_variables
+        weights, stats = {}, {}
+        for stage in runner.stages:  # each stage reads its weights from the ps
+            with tf.device(self.device(stage.index)):
+                weights[stage.index] = [tf.identity(trainable[i].value) for i in stage.trainable]
+                stats[stage.index] = [tf.identity(statistics[i].value) for i in stage.non_trainable]
+        saved: dict[tuple[int, int], tuple] = {}
+        outputs: dict[tuple[int, int], tf.Tensor] = {}  # (stage, m): its forward's output
+        upstream: dict[tuple[int, int], tf.Tensor] = {}  # (stage, m): its input's gradient
+        grads: dict[int, object] = {}  # position in trainable -> the summed gradient
+        last_end: dict[int, list] = collections.defaultdict(list)  # device -> its last pass
+        last = len(runner.stages) - 1
+        for d, p in self._order():
+            k = p.chunk * self.width + d
+            stage = runner.stages[k]
+            with tf.device(self.device(k)):
+                if p.kind == "F":
+                    inputs = (
+                        self.micro(x, p.micro_batch) if k == 0 else outputs[k - 1, p.micro_batch]
+                    )
+                    inputs = _after(last_end[d], inputs)
+                    given = inputs
+                    if stage.inputs:  # the model's inputs a later stage reads (a mask, say)
+                        flat = tf.nest.flatten(self.micro(x, p.micro_batch))
+                        given = [inputs, *(flat[j] for j in stage.inputs)]
+                    with tf.GradientTape() as tape:
+                        tape.watch(weights[k])
+                        if k:
+                            tape.watch(inputs)
+                        out, new_stats, losses = stage.model.stateless_call(
+                            weights[k], stats[k], given, training=True, return_losses=True
+                        )
+                        regularization = tf.add_n(losses) / self.micro_batches if losses else None
+                        objective = None
+                        if k == last:
+                            y_m = self.micro(y, p.micro_batch)
+                            w_m = self.micro(sample_weight, p.micro_batch)
+                            loss = compat.compiled_loss(model)(y_m, out, w_m)
+                            objective = loss / self.micro_batches
+                            if regularization is not None:
+                                objective = objective + regularization
+                            objective = model.optimizer.scale_loss(objective)
+                    stats[k] = list(new_stats)
+                    size = tf.cast(batch_size(out), tf.float32)
+                    if k == last:
+                        state = self._metrics(state, y_m, out, w_m, loss, size)
+                    if regularization is not None:  # the logged loss counts each penalty
+                        state = self._add_to_loss(state, regularization * self.micro_batches * size)
+                    saved[k, p.micro_batch] = (tape, inputs, out, regularization, objective)
+                    outputs[k, p.micro_batch] = out
+                    last_end[d] = [out]
+                else:
+                    tape, inputs, out, regularization, objective = saved.pop((k, p.micro_batch))
+                    sources = list(weights[k]) + ([inputs] if k else [])
+                    if objective is not None:
+                        with tf.control_dependencies(last_end[d]):
+                            got = tape.gradient(objective, sources)
+                    else:
+                        seed = _after(last_end[d], upstream.pop((k, p.micro_batch)))
+                        targets, seeds = [out], [seed]
+                        if regularization is not None:
+                            targets.append(regularization)
+                            seeds.append(tf.ones_like(regularization))
+                            # The penalty is in the loss the optimizer scales.
+                            seeds[-1] = model.optimizer.scale_loss(seeds[-1])
+                        got = tape.gradient(targets, sources, output_gradients=seeds)
+                    for i, g in zip(stage.trainable, got[: len(stage.trainable)], strict=True):
+                        if g is not None:
+                            grads[i] = g if i not in grads else _added(grads[i], g)
+                    if k:
+                        upstream[k - 1, p.micro_batch] = got[-1]
+                    ends = [got[-1]] if k else [g for g in got if g is not None][:1]
+                    last_end[d] = [_dense_part(g) for g in ends]
+        # The statistics after each stage's last forward pass are the model's (BatchNorm's
+        # moving averages), written to the ps as a step of the unsplit model writes them.
+        for stage in runner.stages:
+            for i, value in zip(stage.non_trainable, stats[stage.index], strict=True):
+                statistics[i].assign(value)
+        pairs = [(grads.get(i), v) for i, v in enumerate(trainable)]
+        return pairs, state
+
+    def _order(self) -> list[tuple[int, object]]:
+        """Every (device, pass) in an order where each pass comes after those it needs: a
+        forward after the stage before's forward of its micro-batch, a backward after its
+        own forward and the stage after's backward; each device's passes in its order."""
+        plan, width = self.runner.plan, self.width
+        last = len(self.runner.stages) - 1
+        position = [0] * width
+        done: set[tuple[str, int, int]] = set()
+        order = []
+        while any(position[d] < len(plan[d]) for d in range(width)):
+            moved = False
+            for d in range(width):
+                if position[d] == len(plan[d]):
+                    continue
+                p = plan[d][position[d]]
+                k = p.chunk * width + d
+                needs = ([("F", k - 1, p.micro_batch)] if p.kind == "F" and k else []) + (
+                    [("F", k, p.micro_batch)] + ([("B", k + 1, p.micro_batch)] if k < last else [])
+                    if p.kind == "B"
+                    else []
+                )
+                if all(n in done for n in needs):
+                    order.append((d, p))
+                    done.add((p.kind, k, p.micro_batch))
+                    position[d] += 1
+                    moved = True
+            if not moved:
+                raise RuntimeError(f"the {self.runner.options.schedule} schedule cannot proceed")
+        return order
+
+    def _metrics(self, state, y, y_pred, sample_weight, loss, size):
+        model, variables = self.model, self.runner.metric_variables
+        with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))) as scope:
+            compat.loss_tracker(model).update_state(loss, sample_weight=size)
+            model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
+        return [scope.get_current_value(v) for v in variables]
+
+    def _add_to_loss(self, state, amount):
+        total = compat.loss_tracker(self.model).total
+        return [
+            s + tf.cast(amount, s.dtype) if v is total else s
+            for s, v in zip(state, self.runner.metric_variables, strict=True)
+        ]
+
+
+def worker_devices(cluster: dict, width: int) -> list[str]:
+    """`width` devices of one kind that every worker has ("/device:CPU:0", ...), the first
+    kind of GPU, TPU, CPU every worker has enough of.
+
+    Raises:
+      FitError: a worker has fewer than `width` devices of every kind.
+    """
+    workers = len(cluster.get("worker", []))
+    have: dict[int, collections.Counter] = {t: collections.Counter() for t in range(workers)}
+    for device in tf.config.list_logical_devices():
+        spec = tf.DeviceSpec.from_string(device.name)
+        if spec.job == "worker" and spec.task in have:
+            have[spec.task][spec.device_type] += 1
+    for kind in _KINDS:
+        if all(have[t][kind] >= width for t in have):
+            return [f"/device:{kind}:{i}" for i in range(width)]
+    counts = ", ".join(
+        f"worker:{t} {'+'.join(f'{n} {k}' for k, n in sorted(c.items())) or 'none seen'}"
+        for t, c in have.items()
+    )
+    raise FitError(
+        f"Each worker's replica is split over {width} devices of one kind, but the workers have "
+        f"fewer: {counts}. Give every worker {width} devices: GPUs, or "
+        f"tfdist.configure_cpu_devices({width}) first in each worker's process, before it "
+        f"serves. Received: {width} devices per replica"
+    )
+
+
+def _after(ends: list, value):
+    """`value`, once the tensors `ends` (a device's previous pass) exist."""
+    if not ends:
+        return value
+    with tf.control_dependencies(ends):
+        return tf.nest.map_structure(tf.identity, value)
