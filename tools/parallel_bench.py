@@ -1,8 +1,8 @@
 """Benchmark: tfdist's pipeline and tensor parallelism on logical CPU devices, measured and
-against a cost model calibrated on this machine.
+against the planner (tfdist.plan, tfdist-plan) calibrated on this machine.
 
-It prints four tables (every figure is labelled measured, formula, or model = the cost model
-applied to measured inputs):
+It prints four tables (every figure is labelled measured, formula, or model/planner = the
+planner applied to measured inputs):
 
 1. Pipeline bubble (an MLP of 4 equal blocks, two Dense layers each, cut into S = 2 and 4
    stages; M = 1..16 micro-batches; GPipe, 1F1B, and interleaved 1F1B with the 4 blocks as
@@ -16,11 +16,13 @@ applied to measured inputs):
 3. Parameter bytes per device under tensor parallelism (a small transformer block converted
    with tensor_parallel(degree=N) over N = 1, 2, 4 devices): bytes on device 0, split and
    replicated, and the ratio to N = 1.
-4. A cost model: per-layer and per-stage forward/backward times on one device, the link's
-   latency and bandwidth (copies between two logical devices), the optimizer's update cost;
-   from them the predicted step time of 4-device layouts (data x4, pipeline 4 x M=4 and 8,
-   pipeline 2 x data 2, tensor 2 x data 2, tensor 4), next to each layout's measured median
-   step under tfdist.fit, and the same prediction for a cluster given by flags.
+4. The planner: this machine calibrated (tfdist.plan.calibrate: one device's speed alone
+   and the devices' combined throughput, each model's forward/backward efficiency and its
+   optimizer's update bandwidth, the link fitted to the strategy's all-reduce and
+   all-gather), then its predicted step of 4-device layouts (data x4, pipeline 4 x M=4
+   and 8, pipeline 2 x data 2, tensor 2 x data 2, tensor 4) next to each layout's
+   measured median step under tfdist.fit, and its prediction for the same devices on a
+   cluster's links given by flags.
 
 Output: the tables, parallel_bench.csv (a `table` column says which) and parallel_bench.png
 in --out.
@@ -35,8 +37,9 @@ a pipeline's steady state (every stage busy) than while it fills and drains, so 
 are not constant as the formula assumes, and an idle stage's core goes to the busy ones.
 Table 1 also gives the most passes measured running at once; where that is 1, the stages
 took turns and the measured bubble is (S-1)/S whatever M (its footnote says which held).
-The cost model divides compute by cores only where more devices than cores are busy
-(--cores). This is a benchmark, not a test: it reports figures and never fails on them.
+The planner takes that sharing from its calibration (a step takes at least the devices'
+busy seconds over their combined throughput). This is a benchmark, not a test: it reports
+figures and never fails on them.
 """
 
 from __future__ import annotations
@@ -49,7 +52,6 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import statistics  # noqa: E402
 import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
 
 from tools import harness  # noqa: E402
 
@@ -347,256 +349,66 @@ def bench_tensor_bytes(sizes: Sizes) -> list[dict]:
 # --- 4: calibration -----------------------------------------------------------------------------
 
 
-def median_seconds(fn: Callable, *args, repeats: int) -> float:
-    for _ in range(2):
-        fn(*args)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(*args)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+# --- 4: the planner against tfdist.fit -------------------------------------------------------
+
+# parallel_bench's layouts as the planner's.
+LAYOUTS = {
+    "mlp data x4": dict(data=4),
+    "mlp pipeline 4 M=4": dict(stages=4, micro_batches=4),
+    "mlp pipeline 4 M=8": dict(stages=4, micro_batches=8),
+    "mlp pipeline 2 x data 2 M=4": dict(data=2, stages=2, micro_batches=4),
+    "tf data x4": dict(data=4),
+    "tf tensor 2 x data 2": dict(tensor=2, data=2),
+    "tf tensor 4": dict(tensor=4),
+}
 
 
-def forward_backward(call: Callable, weights, x, *, repeats: int) -> tuple[float, float]:
-    """(forward, backward) seconds of `call` on `x` on device 0; backward = the forward and
-    backward program's time less the forward's (the tape re-runs the forward)."""
-    import tensorflow as tf
-
-    differentiable = x.dtype.is_floating
-
-    @tf.function
-    def forward(x):
-        with tf.device(cpu(0)):
-            return call(x)
-
-    @tf.function
-    def both(x, seed):
-        with tf.device(cpu(0)):
-            with tf.GradientTape() as tape:
-                if differentiable:
-                    tape.watch(x)
-                y = call(x)
-            sources = [*weights, x] if differentiable else list(weights)
-            return tape.gradient(y, sources, output_gradients=seed)
-
-    @tf.function
-    def empty(x):
-        with tf.device(cpu(0)):
-            return tf.identity(x)
-
-    # A pass inside the pipeline's program pays no call of its own: the cost of calling
-    # a program (measured on one that does nothing) comes off.
-    seed = tf.ones_like(forward(x))
-    call_cost = median_seconds(empty, x, repeats=repeats)
-    f = max(median_seconds(forward, x, repeats=repeats) - call_cost, 0.0)
-    fb = max(median_seconds(both, x, seed, repeats=repeats) - call_cost, 0.0)
-    return f, max(fb - f, 0.0)
-
-
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """One transfer: latency + bytes / bandwidth; collectives as rings of such transfers."""
-
-    latency: float  # seconds
-    bandwidth: float  # bytes per second (inf: a copy costs its latency only)
-
-    def send(self, nbytes: float) -> float:
-        return self.latency + nbytes / self.bandwidth
-
-    def all_reduce(self, nbytes: float, n: int) -> float:
-        if n == 1:
-            return 0.0
-        return 2 * (n - 1) * self.latency + 2 * (n - 1) / n * nbytes / self.bandwidth
-
-    def all_gather(self, total_bytes: float, n: int) -> float:
-        """Each of n members ends with `total_bytes` (a reduce-scatter costs the same)."""
-        if n == 1:
-            return 0.0
-        return (n - 1) * self.latency + (n - 1) / n * total_bytes / self.bandwidth
-
-
-def measure_link(repeats: int, quick: bool) -> tuple[Link, list[dict]]:
-    """Ping-pong copies between /cpu:0 and /cpu:1, fitted to latency + bytes / bandwidth."""
+def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
+    """This machine (tfdist.plan.calibrate) and, per model, its cost, batch, efficiency and
+    update bandwidth, measured on one device's share of the batch."""
     import numpy as np
     import tensorflow as tf
 
-    hops = 20
+    from tfdist.plan import ModelCost, calibrate
 
-    @tf.function
-    def ping_pong(x):
-        for hop in range(hops):
-            with tf.device(cpu((hop + 1) % 2)):
-                x = tf.identity(x)
-        return x
-
-    rows = []
-    lengths = (2**10, 2**16, 2**20) if quick else (2**10, 2**14, 2**18, 2**22)
-    for length in lengths:
-        with tf.device(cpu(0)):
-            x = tf.random.normal([length])
-        seconds = median_seconds(ping_pong, x, repeats=repeats) / hops
-        rows.append({"table": "link", "bytes": length * 4, "seconds_measured": seconds})
-    slope, intercept = np.polyfit(
-        [r["bytes"] for r in rows], [r["seconds_measured"] for r in rows], 1
-    )
-    # In one process the logical CPUs share memory: a copy may pass a reference, and then
-    # the time does not grow with size (a slope at or under zero means no bandwidth limit).
-    if slope > 0:
-        return Link(max(intercept, 0.0), 1.0 / slope), rows
-    return Link(statistics.median(r["seconds_measured"] for r in rows), float("inf")), rows
-
-
-@dataclasses.dataclass
-class Calibration:
-    stage_times: dict[tuple[int, int], tuple[float, float]]  # (stage of 4, batch) -> (F, B)
-    layer_times: dict[tuple[str, int], tuple[float, float]]  # (transformer layer, batch)
-    mlp_layer_times: dict[str, tuple[float, float]]  # at batch / DEVICES
-    update_per_parameter: float
-    mlp_stage_bytes: list[int]
-    transformer_bytes: dict[str, int]
-
-
-def calibrate(sizes: Sizes) -> Calibration:
-    """Compute costs on one device with nothing else running (models outside any strategy)."""
-    import keras
-    import numpy as np
-    import tensorflow as tf
-
-    from tfdist.parallel import split
-
-    repeats = sizes.repeats
-    model = mlp(sizes, compile_it=False)
+    machine = calibrate.machine(strategy_over(DEVICES), repeats=repeats)
+    peak = machine.device.peak("float32")
     rng = np.random.default_rng(0)
-    stage_times = {}
-    stages = split(model, cuts(4))
-    batches = sorted({sizes.batch // DEVICES, sizes.batch // (2 * DEVICES)})
-    for stage in stages:
-        width = sizes.width
-        for batch in batches:
-            x = tf.constant(rng.normal(size=(batch, width)).astype("float32"))
-            call = lambda x, m=stage.model: m(x, training=True)  # noqa: E731
-            stage_times[stage.index, batch] = forward_backward(
-                call, stage.model.trainable_weights, x, repeats=repeats
-            )
-    mlp_layer_times = {}
-    x = tf.constant(rng.normal(size=(sizes.batch // DEVICES, sizes.width)).astype("float32"))
-    for layer in model.layers:
-        mlp_layer_times[layer.name] = forward_backward(
-            layer, layer.trainable_weights, x, repeats=repeats
-        )
-        x = layer(x)
-    stage_bytes = [parameter_count(s.model.trainable_weights) * 4 for s in stages]
-
-    # Adam's update, per parameter, on the MLP's weights (one device, one program).
-    weights = model.trainable_weights
-    optimizer = keras.optimizers.Adam(1e-4)
-    optimizer.build(weights)
-    grads = [tf.ones_like(w.value) for w in weights]
-    apply = tf.function(lambda: optimizer.apply(grads, weights))
-    update = median_seconds(apply, repeats=repeats) / parameter_count(weights)
-
-    # The transformer layer by layer, at every batch a layout gives a layer (see predict).
-    net = transformer(sizes, compile_it=False)
-    layer_times = {}
-    batches = sorted({sizes.tp_batch * t // DEVICES for t in (1, 2, 4)})
-    for batch in batches:
-        x = tf.constant(rng.integers(0, sizes.vocab, (batch, sizes.seq)).astype("int32"))
-        for layer in net.layers[1:]:
-            if isinstance(layer, keras.layers.MultiHeadAttention):
-                call = lambda x, a=layer: a(x, x)  # noqa: E731
-            else:
-                call = layer
-            layer_times[layer.name, batch] = forward_backward(
-                call, layer.trainable_weights, x, repeats=repeats
-            )
-            x = call(x)
-    transformer_bytes = {
-        layer.name: parameter_count(layer.trainable_weights) * 4 for layer in net.layers[1:]
-    }
-    return Calibration(
-        stage_times, layer_times, mlp_layer_times, update, stage_bytes, transformer_bytes
-    )
-
-
-# --- 4: the cost model --------------------------------------------------------------------------
-
-SPLIT = ("embed", "attention", "ff_in", "ff_out")  # what tensor_parallel converts
-BLOCKS_SPLIT = 3  # exchanges: the embedding, attention, the ff_in -> ff_out pair
-
-
-def predict(layout: str, cal: Calibration, sizes: Sizes, link: Link, cores: int) -> float:
-    """The step time the model gives `layout` over DEVICES devices (seconds)."""
-    from tfdist.parallel.schedules import schedule, simulate
-
-    def slowed(busy_devices: float) -> float:
-        # Devices share the cores; a pass measured alone had them all.
-        return max(1.0, busy_devices / cores)
-
-    adam = cal.update_per_parameter / 4  # per byte of weights
-    if layout == "mlp data x4":
-        batch = sizes.batch // DEVICES
-        compute = sum(sum(cal.stage_times[s, batch]) for s in range(BLOCKS))
-        total = sum(cal.mlp_stage_bytes)
-        return (compute + adam * total) * slowed(DEVICES) + link.all_reduce(total, DEVICES)
-    if layout.startswith("mlp pipeline"):
-        stages = 4 if "pipeline 4" in layout else 2
-        pipelines = DEVICES // stages
-        m = int(layout.split("M=")[1])
-        micro = sizes.batch // (pipelines * m)
-        per = BLOCKS // stages  # 4-stage pieces in one stage
-        forward = [
-            sum(cal.stage_times[s * per + k, micro][0] for k in range(per)) for s in range(stages)
-        ]
-        backward = [
-            sum(cal.stage_times[s * per + k, micro][1] for k in range(per)) for s in range(stages)
-        ]
-        hop = link.send(micro * sizes.width * 4)  # an activation out, its gradient back
-        fwd = [f + (hop if s < stages - 1 else 0.0) for s, f in enumerate(forward)]
-        bwd = [b + (hop if s > 0 else 0.0) for s, b in enumerate(backward)]
-        plan = schedule("1f1b", stages, m)
-        first = simulate(plan, lambda s: fwd[s], lambda s: bwd[s])
-        # The devices busy on average: D pipelines x S stages x (1 - bubble).
-        slow = slowed(DEVICES * (1.0 - first.bubble))
-        stage_bytes = [sum(cal.mlp_stage_bytes[s * per : (s + 1) * per]) for s in range(stages)]
-        exchange = max(link.all_reduce(b, pipelines) for b in stage_bytes)
-        return (first.length + adam * max(stage_bytes)) * slow + exchange
-    # The transformer: data x4, tensor T x data 4/T.
-    degree = {"tf data x4": 1, "tf tensor 2 x data 2": 2, "tf tensor 4": 4}[layout]
-    own = sizes.tp_batch // DEVICES
-    group = own * degree
-    compute = 0.0
-    for name in cal.transformer_bytes:
-        if degree > 1 and name in SPLIT:
-            compute += sum(cal.layer_times[name, group]) / degree
+    models = {}
+    for kind, model, batch in (
+        ("mlp", mlp(sizes), sizes.batch),
+        ("tf", transformer(sizes), sizes.tp_batch),
+    ):
+        local = batch // DEVICES
+        if kind == "mlp":
+            x = tf.constant(rng.normal(size=(local, sizes.width)).astype("float32"))
         else:
-            compute += sum(cal.layer_times[name, own])
-    split_bytes = sum(b for n, b in cal.transformer_bytes.items() if n in SPLIT)
-    replicated = sum(cal.transformer_bytes.values()) - (split_bytes if degree > 1 else 0)
-    held = replicated + (split_bytes / degree if degree > 1 else 0)
-    exchange = link.all_reduce(replicated, DEVICES)
-    if degree > 1:
-        # tensor.py gathers over all replicas and keeps its group's rows: per block forward
-        # an all-gather of every replica's input and one of every replica's partial sums
-        # (the reduce-scatter), and the same two backward.
-        activation = sizes.tp_batch * sizes.seq * sizes.model_dim * 4
-        per_block = 2 * link.all_gather(activation, DEVICES)
-        per_block += 2 * link.all_gather(activation * degree, DEVICES)
-        exchange += BLOCKS_SPLIT * per_block
-        if degree < DEVICES:  # a part's gradient gathered from every replica, summed
-            exchange += link.all_gather(split_bytes / degree * DEVICES, DEVICES)
-    return (compute + adam * held) * slowed(DEVICES) + exchange
+            x = tf.constant(rng.integers(0, sizes.vocab, (local, sizes.seq)).astype("int32"))
+        y = tf.constant(rng.integers(0, CLASSES, local).astype("int32"))
+        cost = ModelCost.of(model)
+        models[kind] = {
+            "cost": cost,
+            "batch": batch,
+            "efficiency": calibrate.efficiency(
+                model, x, y, peak=peak, flops_per_example=cost.forward_flops, repeats=repeats
+            ),
+            "bandwidth": calibrate.update_bandwidth(model, repeats=repeats),
+        }
+    return machine, models
 
 
-LAYOUTS = (
-    "mlp data x4",
-    "mlp pipeline 4 M=4",
-    "mlp pipeline 4 M=8",
-    "mlp pipeline 2 x data 2 M=4",
-    "tf data x4",
-    "tf tensor 2 x data 2",
-    "tf tensor 4",
-)
+def predicted(layout: str, machine, models: dict):
+    """The planner's estimate of `layout` on `machine` (a Cluster) for its model."""
+    from tfdist.plan import Layout, Training, estimate
+
+    figures = models[layout.split()[0]]
+    cluster = dataclasses.replace(
+        machine,
+        efficiency=figures["efficiency"],
+        device=dataclasses.replace(machine.device, memory_bandwidth=figures["bandwidth"]),
+    )
+    training = Training(figures["cost"], batch=figures["batch"])
+    return estimate(Layout(**LAYOUTS[layout]), training, cluster)
 
 
 def measure_layout(layout: str, sizes: Sizes, steps: int) -> float:
@@ -636,56 +448,54 @@ def measure_layout(layout: str, sizes: Sizes, steps: int) -> float:
     return statistics.median(b - a for a, b in zip(ends[WARMUP - 1 :], ends[WARMUP:], strict=False))
 
 
-def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], Link]:
-    cal = calibrate(sizes)
-    link, link_rows = measure_link(sizes.repeats, args.quick)
-    measured_link = link
+def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], object]:
+    from tfdist.plan import Link
+
+    machine, models = calibrate_models(sizes, sizes.repeats)
     if args.latency_us is not None or args.bandwidth_gbps is not None:
         link = Link(
-            args.latency_us * 1e-6 if args.latency_us is not None else link.latency,
-            args.bandwidth_gbps * 1e9 / 8 if args.bandwidth_gbps is not None else link.bandwidth,
+            args.latency_us * 1e-6 if args.latency_us is not None else machine.intra.latency,
+            args.bandwidth_gbps * 1e9 / 8
+            if args.bandwidth_gbps is not None
+            else machine.intra.bandwidth,
         )
-    cluster = Link(args.cluster_latency_us * 1e-6, args.cluster_bandwidth_gbps * 1e9 / 8)
+        machine = dataclasses.replace(machine, intra=link, inter=link)
+    # The same devices as independent accelerators on a cluster's links.
+    remote = Link(args.cluster_latency_us * 1e-6, args.cluster_bandwidth_gbps * 1e9 / 8)
+    cluster = dataclasses.replace(machine, intra=remote, inter=remote, shared=None)
     calibration = [
-        *link_rows,
-        *(
-            {"table": "calibration", "what": f"mlp stage {s} F/B", "batch": b,
-             "forward_ms_measured": 1e3 * f, "backward_ms_measured": 1e3 * bw}
-            for (s, b), (f, bw) in sorted(cal.stage_times.items())
-        ),
-        *(
-            {"table": "calibration", "what": f"mlp layer {name}", "batch": sizes.batch // DEVICES,
-             "forward_ms_measured": 1e3 * f, "backward_ms_measured": 1e3 * bw}
-            for name, (f, bw) in cal.mlp_layer_times.items()
-        ),
-        *(
-            {"table": "calibration", "what": f"transformer layer {name}", "batch": b,
-             "forward_ms_measured": 1e3 * f, "backward_ms_measured": 1e3 * bw}
-            for (name, b), (f, bw) in cal.layer_times.items()
-        ),
-        {"table": "calibration", "what": "adam update us per 1k parameters",
-         "value_measured": 1e9 * cal.update_per_parameter},
+        {"table": "calibration", "what": "device GFLOP/s alone",
+         "value_measured": machine.device.peak("float32") / 1e9},
+        {"table": "calibration", "what": "devices' combined throughput / one alone",
+         "value_measured": machine.shared},
         {"table": "calibration", "what": "link latency us (fit)",
-         "value_measured": 1e6 * measured_link.latency},
+         "value_measured": 1e6 * machine.intra.latency},
         {"table": "calibration", "what": "link bandwidth Gb/s (fit)",
-         "value_measured": measured_link.bandwidth * 8 / 1e9},
+         "value_measured": machine.intra.bandwidth * 8 / 1e9},
+        *({"table": "calibration", "what": f"{kind} efficiency (forward + backward)",
+           "value_measured": f["efficiency"]} for kind, f in models.items()),
+        *({"table": "calibration", "what": f"{kind} update GB/s",
+           "value_measured": f["bandwidth"] / 1e9} for kind, f in models.items()),
     ]  # fmt: skip
     rows = []
     for layout in LAYOUTS:
         measured = measure_layout(layout, sizes, sizes.steps)
-        local = predict(layout, cal, sizes, link, args.cores)
+        local = predicted(layout, machine, models)
         rows.append(
             {
                 "table": "layouts",
                 "layout": layout,
-                "step_ms_model_local": 1e3 * local,
+                "step_ms_model_local": 1e3 * local.step,
+                "compute_ms_model": 1e3 * local.compute,
+                "exchange_ms_model": 1e3 * local.exchange,
+                "bubble_ms_model": 1e3 * local.bubble,
                 "step_ms_measured": 1e3 * measured,
-                "measured_over_model": measured / local,
-                "step_ms_model_cluster": 1e3 * predict(layout, cal, sizes, cluster, DEVICES),
+                "measured_over_model": measured / local.step,
+                "step_ms_model_cluster": 1e3 * predicted(layout, cluster, models).step,
             }  # fmt: skip
         )
         print(f"  {layout:<28} measured {1e3 * measured:7.1f} ms", flush=True)
-    return calibration, rows, link
+    return calibration, rows, machine
 
 
 # --- output -------------------------------------------------------------------------------------
@@ -762,48 +572,31 @@ def print_tensor_bytes(rows: list[dict]) -> None:
     )
 
 
-def print_cost_model(calibration: list[dict], rows: list[dict], link: Link, args) -> None:
-    print("\n4. Cost model. Calibration (measured on this machine, one device at a time):")
+def print_cost_model(calibration: list[dict], rows: list[dict], machine, args) -> None:
+    print("\n4. The planner (tfdist.plan) against tfdist.fit. Calibration, measured here:")
     for r in calibration:
-        if r["table"] == "link":
-            print(
-                f"  copy /cpu:0 <-> /cpu:1 of {r['bytes']:>9} B: {1e6 * r['seconds_measured']:8.1f} us"
-            )
-    for r in calibration:
-        if r["table"] == "calibration" and "batch" in r:
-            print(
-                f"  {r['what']:<32} batch {r['batch']:>4}: F {r['forward_ms_measured']:7.3f} ms"
-                f"  B {r['backward_ms_measured']:7.3f} ms"
-            )
-    adam = next(r for r in calibration if r.get("what", "").startswith("adam"))
-    print(f"  Adam update: {adam['value_measured']:.3f} us per 1k parameters")
-    bandwidth = (
-        "unbounded" if link.bandwidth == float("inf") else f"{link.bandwidth * 8 / 1e9:.1f} Gb/s"
+        print(f"  {r['what']:<44} {r['value_measured']:10.3f}")
+    print(
+        f"\nStep time, {DEVICES} devices: planner (local: the calibration above; cluster: the "
+        f"same devices, independent, on {args.cluster_latency_us:g} us, "
+        f"{args.cluster_bandwidth_gbps:g} Gb/s links) vs measured (tfdist.fit, median)"
     )
     print(
-        f"  link used for the local model: latency {1e6 * link.latency:.1f} us, "
-        f"bandwidth {bandwidth}; cores {args.cores}"
-    )
-    print(
-        f"\nStep time, {DEVICES} devices: model (local: this link and {args.cores} cores; "
-        f"cluster: {args.cluster_latency_us:g} us, {args.cluster_bandwidth_gbps:g} Gb/s, a core "
-        "per device) vs measured (tfdist.fit, median)"
-    )
-    print(
-        f"{'layout':<28} {'model ms':>9} {'measured ms':>11} {'meas/model':>10} {'cluster model ms':>16}"
+        f"{'layout':<28} {'planner ms':>10} {'compute':>8} {'exchange':>8} {'bubble':>7} "
+        f"{'measured ms':>11} {'meas/plan':>9} {'cluster ms':>10}"
     )
     for r in rows:
         print(
-            f"{r['layout']:<28} {r['step_ms_model_local']:9.1f} {r['step_ms_measured']:11.1f} "
-            f"{r['measured_over_model']:10.2f} {r['step_ms_model_cluster']:16.1f}"
+            f"{r['layout']:<28} {r['step_ms_model_local']:10.1f} {r['compute_ms_model']:8.1f} "
+            f"{r['exchange_ms_model']:8.1f} {r['bubble_ms_model']:7.1f} "
+            f"{r['step_ms_measured']:11.1f} {r['measured_over_model']:9.2f} "
+            f"{r['step_ms_model_cluster']:10.1f}"
         )
     print(
-        "  model: compute (the one-device times above, x busy devices / cores where more are\n"
-        "  busy than cores) + Adam's update + transfers (pipeline: activation and gradient per\n"
-        "  micro-batch and boundary, in simulate(); data: ring all-reduce of the gradients;\n"
-        "  tensor: 2 all-gathers + 2 reduce-scatters per split block, forward and backward).\n"
-        "  Not modelled: the per-step launch cost and input pipeline, overlap of exchange with\n"
-        "  compute. The cluster column keeps this machine's one-device compute times."
+        "  planner: FLOPs counted from the models' layers at the calibrated speed and\n"
+        "  efficiency (the devices share the cores: a step takes at least their busy seconds\n"
+        "  over the combined throughput), the optimizer's update at its measured bandwidth,\n"
+        "  and tfdist's collectives on the fitted link (tfdist.plan.costs)."
     )
 
 
@@ -864,18 +657,14 @@ def main(argv=None) -> int:
         default=["gpipe", "1f1b", "interleaved"],
         choices=["gpipe", "1f1b", "interleaved"],
     )
-    parser.add_argument(
-        "--cores", type=int, default=os.cpu_count() or 1,
-        help="cores the logical devices share, for the local model (default: this machine's)",
-    )  # fmt: skip
     parser.add_argument("--latency_us", type=float, help="replace the measured link latency")
     parser.add_argument("--bandwidth_gbps", type=float, help="replace the measured bandwidth")
     parser.add_argument("--cluster_latency_us", type=float, default=10.0)
     parser.add_argument("--cluster_bandwidth_gbps", type=float, default=100.0)
     parser.add_argument("--out", default=".", help="folder for the CSV and the plot")
     args = parser.parse_args(argv)
-    if args.cores < 1 or args.cluster_bandwidth_gbps <= 0:
-        parser.error("--cores and --cluster_bandwidth_gbps must be positive")
+    if args.cluster_bandwidth_gbps <= 0:
+        parser.error("--cluster_bandwidth_gbps must be positive")
     sizes = QUICK if args.quick else FULL
 
     import tfdist
@@ -886,12 +675,12 @@ def main(argv=None) -> int:
     bubble, held = bench_pipeline(sizes, args.schedules)
     tensor_bytes = bench_tensor_bytes(sizes)
     print("cost model: calibrating, then each layout under tfdist.fit", flush=True)
-    calibration, layouts, link = bench_cost_model(sizes, args)
+    calibration, layouts, machine = bench_cost_model(sizes, args)
 
     print_bubble(bubble)
     print_held(held)
     print_tensor_bytes(tensor_bytes)
-    print_cost_model(calibration, layouts, link, args)
+    print_cost_model(calibration, layouts, machine, args)
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "parallel_bench.csv")
     png_path = os.path.join(args.out, "parallel_bench.png")

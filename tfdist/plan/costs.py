@@ -1,0 +1,380 @@
+"""The planner's arithmetic: the bytes each device holds and the step time of each layout.
+
+Collectives follow an alpha-beta model over a ring of n members (each message: latency +
+bytes / bandwidth, on the slowest link the ring crosses):
+
+  all-reduce       2 (n-1) alpha + 2 (n-1)/n * bytes / beta
+  reduce-scatter   (n-1) alpha + (n-1)/n * bytes / beta      (bytes: the whole buffer)
+  all-gather       (n-1) alpha + (n-1)/n * bytes / beta      (bytes: the gathered whole)
+  point-to-point   alpha + bytes / beta
+
+grouped as tfdist runs each layout:
+
+  data D           the gradients all-reduced over D (tfdist's ring)
+  zero1 x D        all-reduce of the gradients, then all-gather of the updated weights
+  zero2 x D        reduce-scatter of the gradients, then all-gather of the weights
+  zero3 x D        the weights all-gathered forward and again backward, the gradients
+                   reduce-scattered (zero3.py)
+  pipeline S x D   M micro-batches per step: each stage's forward and backward, an
+                   activation sent forward and its gradient back per cut; the bubble,
+                   (S-1)/(M+S-1) of the step; each stage's gradients all-reduced over D
+  tensor T x D     per split block (Column -> Row), forward an all-gather of every
+                   replica's examples and one of every replica's partial sums, backward
+                   their gradients (two all-reduces), as tfdist's layers run them
+                   (tensor/mappings.py: over all T x D replicas); with a cluster's
+                   tensor_exchange="group", within the group only (Megatron-LM); the
+                   replicated weights' gradients all-reduced over T x D, the split ones'
+                   over D
+
+Bytes per device, for W the weights' bytes, G the gradients' (as the weights), O the
+optimizer's state (slots x W), A the activations one example keeps (ZeRO: Rajbhandari et
+al., 2020):
+
+  data        W + G + O                + A x b
+  zero1       W + G + O/D              + A x b
+  zero2       W + (G + O)/D            + A x b
+  zero3       (W + G + O)/D            + A x b
+  pipeline    (W + G + O) of its stage + A of its stage x micro-batch x in flight
+              (GPipe: M in flight, 1F1B: S - s on stage s)
+  tensor      (W + G + O) / T of the split blocks + all of the rest + A x b
+
+with b the examples a device computes per step. Compute is 3 forward passes' FLOPs (the
+backward pass costs two) at the device's peak times `efficiency`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tfdist.plan.cluster import Cluster, Link, PlanError
+from tfdist.plan.model import ModelCost, Unit
+
+# --- collectives ---------------------------------------------------------------------------
+
+
+def all_reduce(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+all_gather = reduce_scatter  # the same ring, run the other way
+
+
+def point_to_point(nbytes: float, link: Link) -> float:
+    return link.time(nbytes)
+
+
+def bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle share of a pipeline's step: (S-1)/(vM+S-1)."""
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
+
+
+# --- layouts -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How N devices train: `data` replicas of a model that is itself split into `stages`
+    pipeline stages (with `micro_batches`) or over `tensor` devices, optionally with
+    `zero` (1, 2 or 3) sharding over the data replicas."""
+
+    data: int = 1
+    stages: int = 1
+    micro_batches: int = 1
+    tensor: int = 1
+    zero: int = 0
+    schedule: str = "1f1b"
+
+    @property
+    def devices(self) -> int:
+        return self.data * self.stages * self.tensor
+
+    @property
+    def name(self) -> str:
+        parts = []
+        if self.stages > 1:
+            parts.append(f"pipeline {self.stages} M={self.micro_batches}")
+        if self.tensor > 1:
+            parts.append(f"tensor {self.tensor}")
+        if self.zero:
+            parts.append(f"zero{self.zero}")
+        if self.data > 1 or not parts:
+            parts.append(f"data {self.data}")
+        return " x ".join(parts)
+
+
+def layouts_for(devices: int, batch: int, units: int) -> list[Layout]:
+    """Every layout tfdist runs on `devices` devices for a global batch of `batch` and a
+    model of `units` layers a pipeline may cut between."""
+    found = []
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    if batch % devices == 0:
+        found.append(Layout(data=devices))
+        if devices > 1:
+            found += [Layout(data=devices, zero=z) for z in (1, 2, 3)]
+    for stages in divisors[1:]:
+        if stages > units:
+            continue
+        data = devices // stages
+        per_pipeline = batch // data if batch % data == 0 else 0
+        for m in (4 * stages, 2 * stages, stages):
+            if per_pipeline and per_pipeline % m == 0:
+                found.append(Layout(data=data, stages=stages, micro_batches=m))
+                break
+    for tensor in divisors[1:]:
+        data = devices // tensor
+        if batch % devices == 0:
+            found.append(Layout(data=data, tensor=tensor))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    """What the planner predicts for one layout (bytes per device, seconds per step)."""
+
+    layout: Layout
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    buffers: float
+    compute: float
+    exchange: float
+    bubble: float
+    speedup: float = 0.0  # against one device's step on the whole batch
+
+    @property
+    def memory(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.exchange + self.bubble
+
+    def fits(self, cluster: Cluster) -> bool:
+        return self.memory <= cluster.device.memory
+
+    def efficiency(self, devices: int) -> float:
+        return self.speedup / devices
+
+
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """What is trained: the model's cost, the global batch, the compute precision and the
+    bytes of a weight (float32 variables under Keras's mixed precision too)."""
+
+    model: ModelCost
+    batch: int
+    precision: str = "float32"
+    weight_bytes: int = 4
+    activation_bytes: int = 4  # of each activation element: 2 under mixed precision
+    recompute: bool = False  # activations recomputed in the backward pass (4 forwards)
+
+    def activation_scale(self) -> float:
+        """Activations were counted in the traced dtype (float32): scaled to `activation_bytes`."""
+        return self.activation_bytes / 4
+
+
+def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
+    """The bytes per device and the step time of `layout` (see the module)."""
+    model, batch = training.model, training.batch
+    if layout.devices > cluster.devices:
+        raise PlanError(
+            f"{layout.name} takes {layout.devices} devices; the cluster has {cluster.devices}"
+        )
+    scale = training.weight_bytes / 4
+    w = model.trainable_bytes * scale
+    o = model.slots_per_param * w
+    act = model.activation_bytes * training.activation_scale()
+    speed = cluster.device.peak(training.precision) * cluster.efficiency
+    passes = 4 if training.recompute else 3
+    per_example = passes * model.forward_flops
+    d, s, t = layout.data, layout.stages, layout.tensor
+    # A data-parallel ring spans the other groups' devices: T or S consecutive devices
+    # apart (a group stays within a host where it fits).
+    data_link = cluster.link(d, stride=t * s)
+    one = batch * per_example / speed + update_time(w, model.slots_per_param, cluster)
+    if s > 1:
+        est = _pipeline(layout, training, cluster, speed, data_link)
+    elif t > 1:
+        est = _tensor(layout, training, cluster, w, act, speed, data_link)
+    else:
+        local = batch / d
+        if layout.zero == 0:
+            exchange, g, oo, ww = all_reduce(w, d, data_link), w, o, w
+        elif layout.zero == 1:
+            exchange = all_reduce(w, d, data_link) + all_gather(w, d, data_link)
+            g, oo, ww = w, o / d, w
+        elif layout.zero == 2:
+            exchange = reduce_scatter(w, d, data_link) + all_gather(w, d, data_link)
+            g, oo, ww = w / d, o / d, w
+        else:
+            exchange = 2 * all_gather(w, d, data_link) + reduce_scatter(w, d, data_link)
+            g, oo, ww = w / d, o / d, w / d
+        forward_backward = local * per_example / speed
+        if cluster.overlap and layout.zero == 0:
+            exchange = _exposed(model, scale, forward_backward, d, data_link, cluster.fusion_bytes)
+        # The update runs on what each device holds the optimizer's state for.
+        compute = forward_backward + update_time(
+            w / (d if layout.zero else 1), model.slots_per_param, cluster
+        )
+        compute = _pooled(compute, [compute] * layout.devices, cluster)
+        largest = max((u.param_bytes * scale for u in model.units), default=0.0)
+        buffers = {0: w, 1: w, 2: w / d, 3: 2 * largest}[layout.zero] if d > 1 else 0.0
+        est = Estimate(layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0)
+    return dataclasses.replace(est, speedup=one / est.step if est.step else 0.0)
+
+
+def update_time(held_bytes: float, slots: int, cluster: Cluster) -> float:
+    """The optimizer's update of `held_bytes` of weights: it reads the weights, gradients
+    and slots and writes the weights and slots, at the memory's bandwidth."""
+    return held_bytes * (3 + 2 * slots) / cluster.device.memory_bandwidth
+
+
+def _pooled(path: float, busy: list[float], cluster: Cluster) -> float:
+    """A step's compute where a host's devices share one pool (cluster.shared): at least
+    its devices' busy seconds (at one device's speed alone) over the pool's throughput."""
+    if not cluster.shared:
+        return path
+    per_host = cluster.devices_per_host
+    hosts = [sum(busy[h : h + per_host]) for h in range(0, len(busy), per_host)]
+    return max(path, max(hosts) / cluster.shared)
+
+
+def _exposed(model: ModelCost, scale, compute, d, link, fusion) -> float:
+    """The all-reduce time left after the backward pass when buckets of about `fusion`
+    bytes of gradients are all-reduced as soon as their layers' backward is done (layers in
+    reverse order, one bucket on the link at a time)."""
+    total = model.forward_flops or 1.0
+    backward = compute * 2 / 3
+    clock = link_free = 0.0
+    bucket = 0.0
+    for unit in reversed(model.units):
+        clock += backward * unit.forward_flops / total  # this layer's backward is done
+        bucket += unit.param_bytes * scale
+        if bucket >= fusion:
+            link_free = max(link_free, clock) + all_reduce(bucket, d, link)
+            bucket = 0.0
+    if bucket:
+        link_free = max(link_free, clock) + all_reduce(bucket, d, link)
+    return max(0.0, link_free - backward)
+
+
+def stage_units(units: list[Unit], stages: int) -> list[list[Unit]]:
+    """The units cut into `stages` contiguous groups of about equal FLOPs (greedy)."""
+    total = sum(u.forward_flops for u in units) or 1.0
+    groups: list[list[Unit]] = [[]]
+    done = 0.0
+    for i, unit in enumerate(units):
+        left = len(units) - i
+        if (
+            groups[-1]
+            and len(groups) < stages
+            and (done >= total * len(groups) / stages or left <= stages - len(groups))
+        ):
+            groups.append([])
+        groups[-1].append(unit)
+        done += unit.forward_flops
+    return groups
+
+
+def _pipeline(layout, training, cluster, speed, data_link) -> Estimate:
+    model, batch = training.model, training.batch
+    s, m, d = layout.stages, layout.micro_batches, layout.data
+    scale = training.weight_bytes / 4
+    groups = stage_units(model.units, s)
+    micro = batch / (d * m)
+    passes = 4 if training.recompute else 3
+    stage_time = [passes * sum(u.forward_flops for u in g) * micro / speed for g in groups]
+    held = [sum(u.param_bytes for u in g) * scale for g in groups]
+    updates = [update_time(h, model.slots_per_param, cluster) for h in held]
+    link = cluster.link(s)
+    hops = [
+        point_to_point(g[-1].output_bytes * training.activation_scale() * micro, link)
+        for g in groups[:-1]
+    ]
+    # The slowest stage sets the pace: (M + S - 1) slots of its forward + backward, the
+    # sends of an activation and its gradient on the way; then its update.
+    slot = max(stage_time) + 2 * (max(hops) if hops else 0.0)
+    work = m * max(stage_time) + max(updates)
+    path = (m + s - 1) * slot + max(updates)
+    busy = [m * st + u for st, u in zip(stage_time, updates, strict=True)] * d
+    compute = _pooled(work, busy, cluster)
+    idle = max(0.0, path - compute)
+    big = max(range(s), key=lambda i: held[i])
+    exchange = all_reduce(held[big], d, data_link)
+    # Micro-batches whose activations stage i holds at once: GPipe all M, 1F1B S - i.
+    held_at_once = [m if layout.schedule == "gpipe" else min(m, s - i) for i in range(s)]
+    activations = max(
+        sum(u.activation_bytes for u in g) * training.activation_scale() * micro * k
+        for g, k in zip(groups, held_at_once, strict=True)
+    )
+    boundary = max(g[-1].output_bytes for g in groups) * training.activation_scale() * micro
+    return Estimate(
+        layout, held[big], held[big], model.slots_per_param * held[big], activations,
+        boundary, compute, exchange, idle,
+    )  # fmt: skip
+
+
+def _tensor(layout, training, cluster, w, act, speed, data_link) -> Estimate:
+    model, batch = training.model, training.batch
+    t, d = layout.tensor, layout.data
+    scale = training.weight_bytes / 4
+    split_bytes = model.split_bytes * scale
+    rest = w - split_bytes
+    local = batch / (d * t)  # each replica's own examples
+    passes = 4 if training.recompute else 3
+    # Each replica computes its own examples' share: the split layers' 1/T of the group's
+    # examples, the rest on its own examples, the same FLOPs either way.
+    held = split_bytes / t + rest
+    compute = passes * model.forward_flops * local / speed
+    compute += update_time(held, model.slots_per_param, cluster)
+    compute = _pooled(compute, [compute] * layout.devices, cluster)
+    activation = model.block_activation_bytes * training.activation_scale()
+    group_batch = local * t
+    forwards = passes - 2  # the forward pass, and its recomputation
+    if cluster.tensor_exchange == "group":
+        # Within the group: an all-gather of its examples and a reduce-scatter of the
+        # partial sums, forward and the same backward (Megatron's all-reduce, in bytes).
+        link = cluster.link(t)
+        one = all_gather(activation * group_batch, t, link) + reduce_scatter(
+            activation * group_batch, t, link
+        )
+        per_block = (forwards + 1) * one
+    else:
+        # tfdist's layers (tensor/mappings.py) gather over every replica: forward an
+        # all-gather of each replica's examples and one of each replica's partial sums (its
+        # group's examples long); backward their gradients, two all-reduces of those sizes.
+        n = t * d
+        link = cluster.link(n)
+        inputs, partials = activation * local * n, activation * group_batch * n
+        per_block = forwards * (all_gather(inputs, n, link) + all_gather(partials, n, link))
+        per_block += all_reduce(inputs, n, link) + all_reduce(partials, n, link)
+    exchange = model.tensor_blocks * per_block
+    exchange += all_reduce(rest, t * d, cluster.link(t * d))
+    exchange += all_reduce(split_bytes / t, d, data_link)
+    return Estimate(
+        layout, held, held, model.slots_per_param * held, act * local,
+        activation * group_batch, compute, exchange, 0.0,
+    )  # fmt: skip
+
+
+def plan(training: Training, cluster: Cluster, devices: int | None = None) -> list[Estimate]:
+    """Every layout on the cluster's devices (or `devices` of them), fitting ones first,
+    fastest first."""
+    n = devices or cluster.devices
+    units = len(training.model.units)
+    estimates = [estimate(x, training, cluster) for x in layouts_for(n, training.batch, units)]
+    if not estimates:
+        raise PlanError(
+            f"No layout of {n} devices takes a global batch of {training.batch}: use a batch "
+            f"that {n} divides. Received: batch={training.batch}"
+        )
+    return sorted(estimates, key=lambda e: (not e.fits(cluster), e.step))
