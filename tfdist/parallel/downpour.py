@@ -42,7 +42,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
-from tfdist.parallel.pipeline import _added, _dense_part
+from tfdist.parallel import updates
 from tfdist.parallel.schedules import schedule
 from tfdist.parallel.stages import Stage, StageError, split, tied
 from tfdist.training.fit_data import unpack
@@ -212,11 +212,11 @@ class _ReplicaStep:
                         got = tape.gradient(targets, sources, output_gradients=seeds)
                     for i, g in zip(stage.trainable, got[: len(stage.trainable)], strict=True):
                         if g is not None:
-                            grads[i] = g if i not in grads else _added(grads[i], g)
+                            grads[i] = g if i not in grads else updates.added(grads[i], g)
                     if k:
                         upstream[k - 1, p.micro_batch] = got[-1]
                     ends = [got[-1]] if k else [g for g in got if g is not None][:1]
-                    last_end[d] = [_dense_part(g) for g in ends]
+                    last_end[d] = [updates.dense_part(g) for g in ends]
         # The statistics after each stage's last forward pass are the model's (BatchNorm's
         # moving averages), written to the ps as a step of the unsplit model writes them.
         for stage in runner.stages:

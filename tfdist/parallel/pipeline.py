@@ -776,11 +776,11 @@ class _StepProgram:
         if own.grads is None:
             own.grads = weight_grads
         else:
-            own.grads = [_added(a, b) for a, b in zip(own.grads, weight_grads, strict=True)]
+            own.grads = [updates.added(a, b) for a, b in zip(own.grads, weight_grads, strict=True)]
         if not stage.first:
             self._send(r, m, "B", grads[-1])
             return grads[-1]
-        return _dense_part(own.grads[0]) if own.grads else tf.constant(0.0)
+        return updates.dense_part(own.grads[0]) if own.grads else tf.constant(0.0)
 
     def _metrics(self, state, y, y_pred, sample_weight, loss, size):
         model, variables = self.model, self.runner.metric_variables
@@ -811,7 +811,7 @@ class _StepProgram:
                 with tf.device(r.device):
                     grads = [
                         functools.reduce(
-                            _added,
+                            updates.added,
                             [
                                 results[q, s].grads[runner.stages[s].trainable.index(i)]
                                 for q in range(pipelines)
@@ -904,32 +904,12 @@ class _StepProgram:
         )  # fmt: skip
 
 
-def _added(a, b):
-    """Two gradients of one weight, added. Sparse ones (an Embedding's looked-up rows) keep
-    every row of both: Keras's optimizers apply each row (Adam squares each one apart), and
-    this is what the whole batch's gradient holds for ids looked up per example, and what
-    Keras's own distributed fit holds for ids every replica looks up (positions). Between
-    worker processes the ring sums them dense (see `_update`)."""
-    if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
-        if not (isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices)):
-            return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
-        return tf.IndexedSlices(
-            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
-        )
-    return a + b
-
-
 def _scaled(g, factor: float):
     if isinstance(g, tf.IndexedSlices):
         return tf.IndexedSlices(
             g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
         )
     return g * tf.cast(factor, g.dtype)
-
-
-def _dense_part(g) -> tf.Tensor:
-    """A tensor that exists once `g` does (something to wait for)."""
-    return g.values if isinstance(g, tf.IndexedSlices) else g
 
 
 def _apply(optimizer, grads, variables, user, schedule_lr: bool) -> tf.Tensor:

@@ -214,3 +214,23 @@ def one_replica_per_process(
             f"Received: {workers} workers x {devices} devices"
         )
     return layout
+
+
+def added(a, b):
+    """Two gradients of one weight, added. Sparse ones (an Embedding's looked-up rows) keep
+    every row of both: Keras's optimizers apply each row (Adam squares each one apart), and
+    this is what the whole batch's gradient holds for ids looked up per example, and what
+    Keras's own distributed fit holds for ids every replica looks up (positions). Between
+    worker processes the ring sums them dense (see `_update`)."""
+    if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
+        if not (isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices)):
+            return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
+        return tf.IndexedSlices(
+            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+        )
+    return a + b
+
+
+def dense_part(g) -> tf.Tensor:
+    """A tensor that exists once `g` does (something to wait for)."""
+    return g.values if isinstance(g, tf.IndexedSlices) else g

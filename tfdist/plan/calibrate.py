@@ -11,7 +11,7 @@ efficiency and the links between the local devices as tfdist's collectives use t
 - efficiency: a model's forward and backward pass on one device alone, as FLOPs per
   second against that peak; the optimizer's update as the bytes per second it moves;
 - links: the strategy's all-reduce and all-gather among its replicas (the collectives the
-  data-parallel and tensor-parallel steps run) at three sizes, fitted to one latency and
+  data-parallel and tensor-parallel steps run) at four sizes (4 KiB to 8 MiB), fitted to one latency and
   one bandwidth of the ring formulas in costs.py.
 """
 
@@ -100,7 +100,7 @@ def links(strategy, *, repeats: int = 5) -> Link:
     """The strategy's all-reduce and all-gather among its replicas, fitted to one Link."""
     n = strategy.num_replicas_in_sync
     rows = []  # (latency multiplier, bytes multiplier, seconds)
-    for length in (2**10, 2**15, 2**19):
+    for length in (2**10, 2**15, 2**19, 2**21):
         values = strategy.experimental_distribute_values_from_function(
             lambda ctx, length=length: tf.ones([length])
         )

@@ -31,8 +31,8 @@ optimizer's state (slots x W), A the activations one example keeps (ZeRO: Rajbha
 al., 2020):
 
   data        W + G + O                + A x b
-  zero1       W + G + O/D              + A x b
-  zero2       W + (G + O)/D            + A x b
+  zero1       W + G + (O + W)/D        + A x b   (tfdist keeps its slice's weights too,
+  zero2       W + (G + O + W)/D        + A x b    for the slice's optimizer copy)
   zero3       (W + G + O)/D            + A x b
   pipeline    (W + G + O) of its stage + A of its stage x micro-batch x in flight
               (GPipe: M in flight, 1F1B: S - s on stage s)
@@ -210,11 +210,12 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
         if layout.zero == 0:
             exchange, g, oo, ww = all_reduce(w, d, data_link), w, o, w
         elif layout.zero == 1:
+            # tfdist's stages 1 and 2 also keep the slice's weights for its optimizer copy.
             exchange = all_reduce(w, d, data_link) + all_gather(w, d, data_link)
-            g, oo, ww = w, o / d, w
+            g, oo, ww = w, (o + w) / d, w
         elif layout.zero == 2:
             exchange = reduce_scatter(w, d, data_link) + all_gather(w, d, data_link)
-            g, oo, ww = w / d, o / d, w
+            g, oo, ww = w / d, (o + w) / d, w
         else:
             exchange = 2 * all_gather(w, d, data_link) + reduce_scatter(w, d, data_link)
             g, oo, ww = w / d, o / d, w / d

@@ -146,7 +146,7 @@ def _tensor_split(units) -> tuple[int, int]:
     """(bytes of the weights tensor parallelism splits, its exchanges per forward pass):
     each attention layer and embedding is one block, Dense layers outside attention pair
     up (Column -> Row)."""
-    split, blocks, dense = 0, 0, 0
+    split, blocks, dense = 0, 0, []
     for unit in units:
         for layer in _leaves(unit):
             weights = sum(
@@ -155,8 +155,10 @@ def _tensor_split(units) -> tuple[int, int]:
             if _is_attention(layer) or isinstance(layer, keras.layers.Embedding):
                 split, blocks = split + weights, blocks + 1
             elif isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense)):
-                split, dense = split + weights, dense + 1
-    return split, blocks + dense // 2
+                dense.append(weights)
+    # Dense layers pair up in order (Column -> Row); an odd last one stays whole.
+    paired = len(dense) // 2 * 2
+    return split + sum(dense[:paired]), blocks + paired // 2
 
 
 def _leaves(layer):

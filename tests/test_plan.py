@@ -1,0 +1,209 @@
+"""The planner (tfdist.plan): its arithmetic against hand-computed cases (the ring, the
+bubble, the ZeRO formulas, a pipeline's and a tensor layout's bytes), its FLOP count
+against the layers' formulas, the cluster file, the console script on a keras-hub causal
+LM for 2 hosts x 8 GPUs, and its bytes per device against what each device holds during
+tfdist.fit (tfdist.DeviceBytes) for every layout that runs here.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import keras
+import pytest
+
+from tfdist.plan import (
+    Cluster,
+    Device,
+    Layout,
+    Link,
+    ModelCost,
+    PlanError,
+    Training,
+    Unit,
+    costs,
+    estimate,
+    layouts_for,
+)
+from tfdist.plan.cli import main as plan_main
+
+pytestmark = pytest.mark.fast
+
+MIB = 2**20
+
+
+def cluster(hosts=1, per_host=4, **kw) -> Cluster:
+    fields = dict(
+        hosts=hosts, devices_per_host=per_host,
+        device=Device("test", {"float32": 1e12}, 80 * 2**30, memory_bandwidth=1e12),
+        intra=Link(1e-6, 1e9), inter=Link(1e-5, 1e8), efficiency=1.0,
+    )  # fmt: skip
+    fields.update(kw)
+    return Cluster(**fields)
+
+
+def four_units(slots: int = 2) -> ModelCost:
+    """Four equal layers of 1 MiB of weights, 1 GFLOP and 1 MiB of activations each."""
+    units = [Unit(f"u{i}", MIB // 4, MIB, 1e9, MIB, 4096.0) for i in range(4)]
+    return ModelCost("four", units, 4 * MIB // 4, 4 * MIB, slots_per_param=slots)
+
+
+# --- arithmetic ---------------------------------------------------------------------------------
+
+
+def test_the_ring_collectives_follow_their_formulas():
+    link = Link(1e-6, 1e3)  # 1 us, 1 kB/s
+    assert costs.all_reduce(1000, 4, link) == pytest.approx(2 * 3 * 1e-6 + 2 * 3 / 4 * 1.0)
+    assert costs.reduce_scatter(1000, 4, link) == pytest.approx(3e-6 + 0.75)
+    assert costs.all_gather(1000, 4, link) == pytest.approx(3e-6 + 0.75)
+    assert costs.point_to_point(1000, link) == pytest.approx(1e-6 + 1.0)
+    assert costs.all_reduce(1000, 1, link) == 0.0
+    # The bandwidth term tends to 2x the bytes as the ring grows: 2(N-1)/N.
+    assert costs.all_reduce(1000, 512, Link(0.0, 1e3)) == pytest.approx(2 * 511 / 512)
+
+
+def test_the_bubble_is_s_minus_1_over_m_plus_s_minus_1():
+    assert costs.bubble(4, 8) == pytest.approx(3 / 11)
+    assert costs.bubble(2, 1) == pytest.approx(1 / 2)
+    assert costs.bubble(4, 8, chunks=2) == pytest.approx(3 / 19)
+
+
+@pytest.mark.parametrize(
+    ("zero", "weights", "grads", "optimizer"),
+    [
+        (0, 4, 4, 8),  # W, G, 2W (Adam)
+        (1, 4, 4, (8 + 4) / 4),  # slots and the slice's weights over D = 4
+        (2, 4, 1, (8 + 4) / 4),
+        (3, 1, 1, 2),
+    ],
+)
+def test_the_zero_stages_hold_their_share(zero, weights, grads, optimizer):
+    e = estimate(Layout(data=4, zero=zero), Training(four_units(), batch=16), cluster())
+    assert e.weights == pytest.approx(weights * MIB)
+    assert e.gradients == pytest.approx(grads * MIB)
+    assert e.optimizer == pytest.approx(optimizer * MIB)
+    assert e.activations == pytest.approx(16 * MIB)  # 4 examples x 4 layers x 1 MiB
+
+
+def test_data_parallel_time_is_compute_update_and_one_ring_all_reduce():
+    c = cluster()
+    e = estimate(Layout(data=4), Training(four_units(), batch=16), c)
+    compute = 4 * 3 * 4e9 / 1e12  # 4 examples x 3 passes x 4 GFLOP at 1 TFLOP/s
+    update = 4 * MIB * (3 + 2 * 2) / 1e12
+    assert e.compute == pytest.approx(compute + update)
+    assert e.exchange == pytest.approx(2 * 3 * 1e-6 + 1.5 * 4 * MIB / 1e9)
+    assert e.bubble == 0.0
+    # Across hosts the ring takes the slower link.
+    two_hosts = estimate(Layout(data=8), Training(four_units(), batch=32), cluster(2, 4))
+    assert two_hosts.exchange == pytest.approx(2 * 7 * 1e-5 + 2 * 7 / 8 * 4 * MIB / 1e8)
+
+
+def test_a_pipeline_holds_its_stage_and_its_schedules_micro_batches():
+    training = Training(four_units(), batch=16)
+    one_f_one_b = estimate(Layout(stages=4, micro_batches=8), training, cluster())
+    assert one_f_one_b.weights == pytest.approx(MIB)  # one layer a stage
+    assert one_f_one_b.optimizer == pytest.approx(2 * MIB)
+    micro = 16 / 8
+    assert one_f_one_b.activations == pytest.approx(MIB * micro * 4)  # stage 0: S in flight
+    gpipe = estimate(Layout(stages=4, micro_batches=8, schedule="gpipe"), training, cluster())
+    assert gpipe.activations == pytest.approx(MIB * micro * 8)  # all M
+    # The idle time is the bubble's share of the (M + S - 1) slots.
+    slot = 3 * 1e9 * micro / 1e12 + 2 * (1e-6 + 4096 * micro / 1e9)
+    update = MIB * 7 / 1e12
+    assert one_f_one_b.compute == pytest.approx(8 * 3 * 1e9 * micro / 1e12 + update)
+    assert one_f_one_b.compute + one_f_one_b.bubble == pytest.approx(11 * slot + update)
+
+
+def test_a_tensor_layout_divides_the_split_weights():
+    cost = four_units()
+    cost.split_bytes, cost.tensor_blocks = 2 * MIB, 1
+    e = estimate(Layout(tensor=4), Training(cost, batch=16), cluster())
+    assert e.weights == pytest.approx(2 * MIB / 4 + 2 * MIB)
+
+
+def test_the_layouts_are_those_tfdist_runs_on_the_devices():
+    names = [layout.name for layout in layouts_for(8, 64, units=10)]
+    assert names[:4] == ["data 8", "zero1 x data 8", "zero2 x data 8", "zero3 x data 8"]
+    assert "pipeline 2 M=8 x data 4" in names and "pipeline 8 M=32" in names
+    assert "tensor 2 x data 4" in names and "tensor 8" in names
+    assert all(layout.devices == 8 for layout in layouts_for(8, 64, units=10))
+
+
+def test_bad_clusters_get_one_clear_message(tmp_path):
+    with pytest.raises(PlanError, match="hosts must be a whole number >= 1"):
+        cluster(hosts=0)
+    path = tmp_path / "c.toml"
+    path.write_text('hosts = 2\ndevice = "h100"\nintra_gbps = 3600\nbandwidth = 1\n')
+    with pytest.raises(PlanError, match="Received: bandwidth"):
+        Cluster.from_file(path)
+    path.write_text('device = "tpu9"\nintra_gbps = 100\n')
+    with pytest.raises(PlanError, match="device 'tpu9' is not one the planner knows"):
+        Cluster.from_file(path)
+    path.write_text('name = "2 x DGX"\nhosts = 2\ndevices_per_host = 8\ndevice = "h100"\n'
+                    "intra_gbps = 3600\ninter_gbps = 400\nefficiency = 0.5\n")  # fmt: skip
+    read = Cluster.from_file(path)
+    assert (read.devices, read.inter.bandwidth, read.efficiency) == (16, 50e9, 0.5)
+
+
+# --- counting a model ---------------------------------------------------------------------------
+
+
+def test_flops_and_parameters_are_counted_from_the_layers():
+    inputs = keras.Input((8, 8, 3))
+    x = keras.layers.Conv2D(4, 3, padding="same", name="conv")(inputs)
+    x = keras.layers.Flatten(name="flat")(x)
+    outputs = keras.layers.Dense(10, name="dense")(x)
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.SGD(0.1, momentum=0.9), "mse")
+    cost = ModelCost.of(model)
+    by = {u.name: u for u in cost.units}
+    assert by["conv"].forward_flops == 2 * 8 * 8 * 3 * 3 * 3 * 4
+    assert by["dense"].forward_flops == 2 * 256 * 10
+    assert by["conv"].params == 3 * 3 * 3 * 4 + 4 and by["dense"].params == 256 * 10 + 10
+    assert by["conv"].output_bytes == 8 * 8 * 4 * 4
+    assert cost.slots_per_param == 1  # SGD with momentum
+    model.compile("adam", "mse")
+    assert ModelCost.of(model).slots_per_param == 2
+
+
+def test_attention_counts_its_products_and_its_scores():
+    inputs = keras.Input((16, 32))
+    outputs = keras.layers.MultiHeadAttention(4, 8, name="attention")(inputs, inputs)
+    cost = ModelCost.of(keras.Model(inputs, outputs))
+    projections = 4 * 2 * 16 * 32 * 32  # Q, K, V, O: 16 tokens, 32 -> 4 heads x 8
+    scores = 2 * 2 * 16 * 16 * 32  # QK^T and its weighted sum of V
+    assert cost.forward_flops == projections + scores
+    assert cost.tensor_blocks == 1
+
+
+# --- the console script -------------------------------------------------------------------------
+
+
+def test_tfdist_plan_ranks_a_keras_hub_causal_lm_on_two_hosts_of_eight(capsys):
+    code = plan_main([
+        "--model", "tests.keras_hub_models:llama_causal_lm", "--batch", "64",
+        "--example", "64", "--example", "64", "--precision", "bfloat16",
+        "--hosts", "2", "--devices_per_host", "8", "--device", "h100",
+    ])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.splitlines()
+    assert "2 host(s) x 8 h100" in lines[0]
+    rows = [line for line in lines if line[:4].strip().isdigit()]
+    assert rows and rows[0].split()[0] == "1"
+    assert any("pipeline" in r for r in rows) and any("tensor" in r for r in rows)
+    assert any("zero3 x data 16" in r for r in rows)
+    steps = [float(r.split()[-6]) for r in rows]
+    assert steps == sorted(steps)  # ranked fastest first
+
+
+@pytest.mark.multiprocess
+def test_tfdist_plan_says_what_was_wrong_in_one_line():
+    result = subprocess.run(
+        [sys.executable, "-m", "tfdist.plan.cli", "--model", "no_such_module:build",
+         "--batch", "8"], capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("tfdist-plan: error: --model")
+    assert "Traceback" not in result.stderr
