@@ -393,6 +393,9 @@ def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
                 model, x, y, peak=peak, flops_per_example=cost.forward_flops, repeats=repeats
             ),
             "bandwidth": calibrate.update_bandwidth(model, repeats=repeats),
+            "shared": calibrate.shared(
+                model, x, y, [cpu(i) for i in range(DEVICES)], repeats=repeats
+            ),
         }
     return machine, models
 
@@ -405,6 +408,7 @@ def predicted(layout: str, machine, models: dict):
     cluster = dataclasses.replace(
         machine,
         efficiency=figures["efficiency"],
+        shared=figures["shared"] if machine.shared else None,
         device=dataclasses.replace(machine.device, memory_bandwidth=figures["bandwidth"]),
     )
     training = Training(figures["cost"], batch=figures["batch"])
@@ -427,7 +431,15 @@ def measure_layout(layout: str, sizes: Sizes, steps: int) -> float:
     strategy = strategy_over(DEVICES)
     pipeline = None
     with strategy.scope():
-        if layout.startswith("mlp"):
+        if layout == "tiny":  # the step's own cost: one weight, one example per replica
+            import numpy as np
+            import tensorflow as tf
+
+            model = keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.Adam(1e-4), "mse")
+            ones = np.ones((DEVICES, 1), "float32")
+            data = tf.data.Dataset.from_tensors((ones, ones)).repeat()
+        elif layout.startswith("mlp"):
             model, data = mlp(sizes), mlp_data(sizes)
             if "pipeline" in layout:
                 stages = 4 if "pipeline 4" in layout else 2
@@ -452,6 +464,9 @@ def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], object
     from tfdist.plan import Link
 
     machine, models = calibrate_models(sizes, sizes.repeats)
+    # Each step's own cost under tfdist.fit (the replicas' launch, Keras's bookkeeping):
+    # a model of one weight, stepped as the layouts are.
+    machine = dataclasses.replace(machine, step_overhead=measure_layout("tiny", sizes, sizes.steps))
     if args.latency_us is not None or args.bandwidth_gbps is not None:
         link = Link(
             args.latency_us * 1e-6 if args.latency_us is not None else machine.intra.latency,
@@ -466,8 +481,10 @@ def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], object
     calibration = [
         {"table": "calibration", "what": "device GFLOP/s alone",
          "value_measured": machine.device.peak("float32") / 1e9},
-        {"table": "calibration", "what": "devices' combined throughput / one alone",
+        {"table": "calibration", "what": "matmuls: combined throughput / one alone",
          "value_measured": machine.shared},
+        {"table": "calibration", "what": "a step's own cost ms (one weight)",
+         "value_measured": 1e3 * machine.step_overhead},
         {"table": "calibration", "what": "link latency us (fit)",
          "value_measured": 1e6 * machine.intra.latency},
         {"table": "calibration", "what": "link bandwidth Gb/s (fit)",
@@ -476,6 +493,8 @@ def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], object
            "value_measured": f["efficiency"]} for kind, f in models.items()),
         *({"table": "calibration", "what": f"{kind} update GB/s",
            "value_measured": f["bandwidth"] / 1e9} for kind, f in models.items()),
+        *({"table": "calibration", "what": f"{kind} devices' combined throughput / one alone",
+           "value_measured": f["shared"]} for kind, f in models.items()),
     ]  # fmt: skip
     rows = []
     for layout in LAYOUTS:
@@ -593,10 +612,11 @@ def print_cost_model(calibration: list[dict], rows: list[dict], machine, args) -
             f"{r['step_ms_model_cluster']:10.1f}"
         )
     print(
-        "  planner: FLOPs counted from the models' layers at the calibrated speed and\n"
-        "  efficiency (the devices share the cores: a step takes at least their busy seconds\n"
-        "  over the combined throughput), the optimizer's update at its measured bandwidth,\n"
-        "  and tfdist's collectives on the fitted link (tfdist.plan.costs)."
+        "  planner: a step's own cost, then FLOPs counted from the models' layers at the\n"
+        "  calibrated speed and efficiency (the devices share the cores: a step takes at\n"
+        "  least their busy seconds over their combined throughput), the optimizer's update\n"
+        "  at its measured bandwidth,"
+        " and tfdist's collectives on the fitted link (tfdist.plan.costs)."
     )
 
 

@@ -7,7 +7,7 @@ efficiency and the links between the local devices as tfdist's collectives use t
 
 - speed: chained 512 x 512 matrix products, on one device alone (the peak) and on every
   device at once (what each gets while all are busy: on a CPU split into logical devices
-  they share the cores);
+  they share the cores); `shared` measures the same for a model's own passes;
 - efficiency: a model's forward and backward pass on one device alone, as FLOPs per
   second against that peak; the optimizer's update as the bytes per second it moves;
 - links: the strategy's all-reduce and all-gather among its replicas (the collectives the
@@ -79,6 +79,30 @@ def efficiency(model, x, y, *, peak: float, flops_per_example: float, repeats: i
     seconds = _seconds(tf.function(forward_backward), x, y, repeats=repeats)
     achieved = 3 * flops_per_example * int(x.shape[0]) / seconds
     return min(1.0, achieved / peak)
+
+
+def shared(model, x, y, devices: list[str], *, repeats: int = 5) -> float:
+    """How many devices' worth of the model's forward and backward pass the devices run
+    together: one device's time alone x the devices / their time all at once (the same
+    batch on each). 1 where they take turns; the device count where each has its own."""
+    weights = model.trainable_variables
+
+    def forward_backward(a, b):
+        with tf.GradientTape() as tape:
+            loss = model.compute_loss(x=a, y=b, y_pred=model(a, training=True))
+        return tape.gradient(loss, weights)
+
+    alone = _seconds(tf.function(forward_backward), x, y, repeats=repeats)
+
+    @tf.function
+    def together(a, b):
+        outs = []
+        for d in devices:
+            with tf.device(d):
+                outs.append(forward_backward(tf.identity(a), tf.identity(b)))
+        return outs
+
+    return len(devices) * alone / _seconds(together, x, y, repeats=repeats)
 
 
 def update_bandwidth(model, *, repeats: int = 5) -> float:

@@ -93,7 +93,7 @@ def cluster_of(args) -> Cluster:
         "intra_gbps": args.intra_gbps, "intra_latency_us": args.intra_latency_us,
         "inter_gbps": args.inter_gbps, "inter_latency_us": args.inter_latency_us,
         "efficiency": args.efficiency,
-        "name": f"{args.hosts} host(s) x {args.devices_per_host} {args.device}",
+        "name": "the cluster",
     }  # fmt: skip
     if args.flops is not None:
         fields[f"flops_{args.precision}"] = args.flops
@@ -173,6 +173,12 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         "\nBytes per device in GiB; step = compute + exchange + bubble; speedup against one "
         f"device training the whole batch (efficiency: speedup / {n}). Layouts that do not fit "
         "are listed last, unranked."
+        + (
+            " Tensor parallelism is planned on one host only: tfdist's split layers run "
+            "over one process's devices."
+            if cluster.hosts > 1
+            else ""
+        )
     )
     return "\n".join(lines)
 

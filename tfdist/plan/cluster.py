@@ -88,6 +88,9 @@ class Cluster:
       shared: the host's devices share one pool of compute (logical devices of one CPU):
         its throughput is `shared` times one device's alone, and a step takes at least its
         host's busy device-seconds over that (None: each device computes on its own).
+      step_overhead: seconds every step costs whatever its size (the framework's launch
+        of the replicas' programs, its bookkeeping): 0 for a cluster's accelerators, measured
+        on this machine by tools/parallel_bench.
       tensor_exchange: "tfdist" (a split block's activations gathered over every replica,
         as tfdist's tensor layers do) or "group" (within the T devices of a tensor group
         only, as Megatron-LM's all-reduce: the same bytes as an all-gather and a
@@ -104,6 +107,7 @@ class Cluster:
     fusion_bytes: float = 64 * 2**20
     tensor_exchange: str = "tfdist"
     shared: float | None = None
+    step_overhead: float = 0.0
     name: str = "cluster"
 
     def __post_init__(self):

@@ -110,9 +110,10 @@ class Layout:
         return " x ".join(parts)
 
 
-def layouts_for(devices: int, batch: int, units: int) -> list[Layout]:
-    """Every layout tfdist runs on `devices` devices for a global batch of `batch` and a
-    model of `units` layers a pipeline may cut between."""
+def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list[Layout]:
+    """Every layout tfdist runs on `devices` devices (over `hosts` hosts) for a global batch
+    of `batch` and a model of `units` layers a pipeline may cut between. Tensor parallelism
+    runs over one host's devices only (tfdist's split layers live in one process)."""
     found = []
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     if batch % devices == 0:
@@ -128,7 +129,7 @@ def layouts_for(devices: int, batch: int, units: int) -> list[Layout]:
             if per_pipeline and per_pipeline % m == 0:
                 found.append(Layout(data=data, stages=stages, micro_batches=m))
                 break
-    for tensor in divisors[1:]:
+    for tensor in divisors[1:] if hosts == 1 else ():
         data = devices // tensor
         if batch % devices == 0:
             found.append(Layout(data=data, tensor=tensor))
@@ -230,6 +231,8 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
         largest = max((u.param_bytes * scale for u in model.units), default=0.0)
         buffers = {0: w, 1: w, 2: w / d, 3: 2 * largest}[layout.zero] if d > 1 else 0.0
         est = Estimate(layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0)
+    est = dataclasses.replace(est, compute=est.compute + cluster.step_overhead)
+    one += cluster.step_overhead
     return dataclasses.replace(est, speedup=one / est.step if est.step else 0.0)
 
 
@@ -372,7 +375,9 @@ def plan(training: Training, cluster: Cluster, devices: int | None = None) -> li
     fastest first."""
     n = devices or cluster.devices
     units = len(training.model.units)
-    estimates = [estimate(x, training, cluster) for x in layouts_for(n, training.batch, units)]
+    hosts = -(-n // cluster.devices_per_host)
+    layouts = layouts_for(n, training.batch, units, hosts=hosts)
+    estimates = [estimate(x, training, cluster) for x in layouts]
     if not estimates:
         raise PlanError(
             f"No layout of {n} devices takes a global batch of {training.batch}: use a batch "
