@@ -11,25 +11,27 @@
   activations, counted from its traced operations;
 - costs.py: the layouts tfdist runs, the bytes each device holds under each and the step
   time (compute, exchange, bubble) from an alpha-beta model of tfdist's collectives;
-- cli.py: the console script, and `--calibrate`: this machine's figures measured.
+- calibrate.py: this machine's figures measured (tools/parallel_bench uses it);
+- cli.py: the console script.
 """
 
-from tfdist.plan.cluster import DEVICES, Cluster, Device, Link, PlanError
-from tfdist.plan.costs import Estimate, Layout, Training, estimate, layouts_for, plan
-from tfdist.plan.model import ModelCost, Unit
+from tfdist.lazy import lazy_exports
 
-__all__ = [
-    "DEVICES",
-    "Cluster",
-    "Device",
-    "Estimate",
-    "Layout",
-    "Link",
-    "ModelCost",
-    "PlanError",
-    "Training",
-    "Unit",
-    "estimate",
-    "layouts_for",
-    "plan",
-]
+_EXPORTS = {
+    "DEVICES": "tfdist.plan.cluster",
+    "Cluster": "tfdist.plan.cluster",
+    "Device": "tfdist.plan.cluster",
+    "Link": "tfdist.plan.cluster",
+    "PlanError": "tfdist.plan.cluster",
+    "Estimate": "tfdist.plan.costs",
+    "Layout": "tfdist.plan.costs",
+    "Training": "tfdist.plan.costs",
+    "estimate": "tfdist.plan.costs",
+    "layouts_for": "tfdist.plan.costs",
+    "plan": "tfdist.plan.costs",
+    "ModelCost": "tfdist.plan.model",
+    "Unit": "tfdist.plan.model",
+}
+
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

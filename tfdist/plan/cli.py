@@ -3,11 +3,11 @@
     tfdist-plan --model my_project.models:build --batch 512 --precision bfloat16 \\
         --hosts 2 --devices_per_host 8 --device h100 --intra_gbps 3600 --inter_gbps 400
     tfdist-plan --model model.keras --batch 256 --cluster cluster.toml
-    tfdist-plan --model my_project.models:build --batch 64 --calibrate   # this machine
 
 --model names a function that returns a Keras model (compiled, or --optimizer says which
 optimizer's state to count), or a saved .keras file. Nothing is trained: the model is built
-and its forward pass traced on one example.
+and its forward pass traced on one example. (This machine's own figures are measured by
+python -m tools.parallel_bench, which holds the planner to tfdist.fit here.)
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import importlib
 import os
 import sys
 from pathlib import Path
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before anything loads TensorFlow
 
 from tfdist.plan.cluster import DEVICES, GIB, Cluster, PlanError, device_of
 
@@ -70,7 +72,6 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         cluster = cluster_of(args)
         model = load_model(args.model)
