@@ -7,8 +7,8 @@ the links within a host and between hosts (latency and bandwidth).
     cluster = Cluster.from_file("cluster.toml")     # the same fields, see `from_mapping`
 
 The devices' peak FLOP/s are given per precision; a training step reaches a share of the
-peak, `efficiency` (measured on this machine by `tfdist-plan --calibrate`; a published
-figure for a published cluster).
+peak, `efficiency` (measured on this machine by calibrate.py, through tools/parallel_bench;
+a published figure for a published cluster).
 """
 
 from __future__ import annotations
