@@ -189,9 +189,23 @@ class _ReplicaStep:
                     stats[k] = list(new_stats)
                     size = tf.cast(batch_size(out), tf.float32)
                     if k == last:
-                        state = self._metrics(state, y_m, out, w_m, loss, size)
+                        state = updates.metric_state(
+                            self.model,
+                            self.runner.metric_variables,
+                            state,
+                            y_m,
+                            out,
+                            w_m,
+                            loss,
+                            size,
+                        )
                     if regularization is not None:  # the logged loss counts each penalty
-                        state = self._add_to_loss(state, regularization * self.micro_batches * size)
+                        state = updates.added_to_loss(
+                            self.model,
+                            self.runner.metric_variables,
+                            state,
+                            regularization * self.micro_batches * size,
+                        )
                     saved[k, p.micro_batch] = (tape, inputs, out, regularization, objective)
                     outputs[k, p.micro_batch] = out
                     last_end[d] = [out]
@@ -254,20 +268,6 @@ class _ReplicaStep:
             if not moved:
                 raise RuntimeError(f"the {self.runner.options.schedule} schedule cannot proceed")
         return order
-
-    def _metrics(self, state, y, y_pred, sample_weight, loss, size):
-        model, variables = self.model, self.runner.metric_variables
-        with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))) as scope:
-            compat.loss_tracker(model).update_state(loss, sample_weight=size)
-            model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
-        return [scope.get_current_value(v) for v in variables]
-
-    def _add_to_loss(self, state, amount):
-        total = compat.loss_tracker(self.model).total
-        return [
-            s + tf.cast(amount, s.dtype) if v is total else s
-            for s, v in zip(state, self.runner.metric_variables, strict=True)
-        ]
 
 
 def worker_devices(cluster: dict, width: int) -> list[str]:

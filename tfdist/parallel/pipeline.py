@@ -734,9 +734,16 @@ class _StepProgram:
         own.statistics = list(statistics)
         size = tf.cast(batch_size(outputs), tf.float32)
         if last:
-            state = self._metrics(state, y_m, outputs, w_m, loss, size)
+            state = updates.metric_state(
+                self.model, self.runner.metric_variables, state, y_m, outputs, w_m, loss, size
+            )
         if regularization is not None:  # the logged loss counts each stage's penalty too
-            state = self._add_to_loss(state, regularization * self.options.micro_batches * size)
+            state = updates.added_to_loss(
+                self.model,
+                self.runner.metric_variables,
+                state,
+                regularization * self.options.micro_batches * size,
+            )
         own.saved[m] = _Forward(tape, inputs, outputs, regularization, objective)
         if not last:
             self._send(r, m, "F", outputs)
@@ -781,20 +788,6 @@ class _StepProgram:
             self._send(r, m, "B", grads[-1])
             return grads[-1]
         return updates.dense_part(own.grads[0]) if own.grads else tf.constant(0.0)
-
-    def _metrics(self, state, y, y_pred, sample_weight, loss, size):
-        model, variables = self.model, self.runner.metric_variables
-        with keras.StatelessScope(state_mapping=list(zip(variables, state, strict=True))) as scope:
-            compat.loss_tracker(model).update_state(loss, sample_weight=size)
-            model.compute_metrics(None, y, y_pred, sample_weight=sample_weight)
-        return [scope.get_current_value(v) for v in variables]
-
-    def _add_to_loss(self, state, amount):
-        total = compat.loss_tracker(self.model).total
-        return [
-            s + tf.cast(amount, s.dtype) if v is total else s
-            for s, v in zip(state, self.runner.metric_variables, strict=True)
-        ]
 
     def _update(self, results: dict[tuple[int, int], _Result]) -> list[tf.Tensor]:
         """Each replica's gradients summed over the stages that hold the weight (tied

@@ -66,9 +66,8 @@ def matmul_speed(devices: list[str], *, repeats: int = 5) -> tuple[float, float]
     return flops / alone, flops / busy
 
 
-def efficiency(model, x, y, *, peak: float, flops_per_example: float, repeats: int = 5) -> float:
-    """A model's forward and backward pass on one device alone as a share of `peak` FLOP/s
-    (x, y: one device's batch). The optimizer's update is `update_bandwidth`'s."""
+def _forward_backward(model):
+    """The model's loss and its gradients on a batch (a, b): one forward and backward pass."""
     weights = model.trainable_variables
 
     def forward_backward(a, b):
@@ -76,7 +75,13 @@ def efficiency(model, x, y, *, peak: float, flops_per_example: float, repeats: i
             loss = model.compute_loss(x=a, y=b, y_pred=model(a, training=True))
         return tape.gradient(loss, weights)
 
-    seconds = _seconds(tf.function(forward_backward), x, y, repeats=repeats)
+    return forward_backward
+
+
+def efficiency(model, x, y, *, peak: float, flops_per_example: float, repeats: int = 5) -> float:
+    """A model's forward and backward pass on one device alone as a share of `peak` FLOP/s
+    (x, y: one device's batch). The optimizer's update is `update_bandwidth`'s."""
+    seconds = _seconds(tf.function(_forward_backward(model)), x, y, repeats=repeats)
     achieved = 3 * flops_per_example * int(x.shape[0]) / seconds
     return min(1.0, achieved / peak)
 
@@ -85,13 +90,7 @@ def shared(model, x, y, devices: list[str], *, repeats: int = 5) -> float:
     """How many devices' worth of the model's forward and backward pass the devices run
     together: one device's time alone x the devices / their time all at once (the same
     batch on each). 1 where they take turns; the device count where each has its own."""
-    weights = model.trainable_variables
-
-    def forward_backward(a, b):
-        with tf.GradientTape() as tape:
-            loss = model.compute_loss(x=a, y=b, y_pred=model(a, training=True))
-        return tape.gradient(loss, weights)
-
+    forward_backward = _forward_backward(model)
     alone = _seconds(tf.function(forward_backward), x, y, repeats=repeats)
 
     @tf.function
