@@ -7,6 +7,7 @@ addresses, and every task gets one TF_CONFIG naming the whole job.
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -159,3 +160,27 @@ def test_two_launchers_train_the_weights_of_one_launcher_with_four_workers(tmp_p
         want = np.load(tmp_path / "one" / f"worker_{index}" / "cnn.npz")
         for name in want.files:
             np.testing.assert_allclose(got[name], want[name], atol=1e-6)
+
+
+def test_node_0_closing_at_once_still_answers_every_node():
+    """Node 0's launcher closes the master as soon as its own answer comes, and may exit next
+    (--dry_run does): close() returns only once node 1 has its answer too. A launcher that
+    exited first left node 1 retrying until --rdzv_timeout."""
+    (port,) = free_ports(1)
+    flags = {"workers": 1, "chief": False, "evaluator": False}
+    master = Master(("127.0.0.1", port), 2, flags)
+    master.start()
+    node1 = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        node1.sendall(Offer(1, 2, flags, {"worker": ["127.0.0.1:2"]}).to_json().encode() + b"\n")
+        mine = Offer(0, 2, flags, {"worker": ["127.0.0.1:1"]})
+        cluster = join(("127.0.0.1", port), mine, timeout=20, say=lambda line: None)
+        master.close()
+        assert not master._thread.is_alive()
+        lines = node1.makefile()
+        answer = json.loads(lines.readline())
+        while "waiting" in answer:  # told node 0 was missing, before it joined
+            answer = json.loads(lines.readline())
+    finally:
+        node1.close()
+    assert answer == {"cluster": cluster} == {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}

@@ -138,8 +138,13 @@ class Master:
     def start(self) -> None:
         self._thread.start()
 
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Stops listening, then waits (up to `timeout`) until every node that joined has its
+        answer: node 0's launcher may exit next, and the answers are written by this daemon
+        thread, which would die with it."""
         self._socket.close()
+        if self._thread.ident is not None:  # started
+            self._thread.join(timeout)
 
     def _serve(self) -> None:
         connections: dict[int, tuple[socket.socket, Offer]] = {}
