@@ -115,6 +115,39 @@ def test_a_pipeline_holds_its_stage_and_its_schedules_micro_batches():
     assert one_f_one_b.compute + one_f_one_b.bubble == pytest.approx(11 * slot + update)
 
 
+def test_stages_are_cut_where_their_flops_are_nearest_equal():
+    """Eight equal layers and a small head over 4 stages: two layers a stage (the head
+    with the last), not three on the first."""
+    units = [Unit(f"u{i}", 1, 4, 1e9) for i in range(8)] + [Unit("head", 1, 4, 1e7)]
+    groups = costs.stage_units(units, 4)
+    assert [[u.name for u in g] for g in groups] == [
+        ["u0", "u1"], ["u2", "u3"], ["u4", "u5"], ["u6", "u7", "head"],
+    ]  # fmt: skip
+    # Every stage gets a unit, however uneven: one large layer and three small ones.
+    uneven = [Unit("big", forward_flops=1e12)] + [
+        Unit(f"s{i}", forward_flops=1.0) for i in range(3)
+    ]
+    assert [len(g) for g in costs.stage_units(uneven, 4)] == [1, 1, 1, 1]
+
+
+def test_the_tensor_exchange_counts_every_gather_tfdist_s_layers_run():
+    """tfdist's split block over all N = T replicas: forward the batch sizes, the examples
+    and the partial sums gathered; backward the two gathers' gradients all-reduced. The
+    all-gather takes the link's own gather figures where it has them."""
+    cost = four_units()
+    cost.split_bytes, cost.tensor_blocks = 3 * MIB, 1  # 1 MiB stays whole
+    link = Link(1e-6, 1e9, gathers=Link(1e-5, 1e8))
+    c = cluster(intra=link, inter=link)
+    e = estimate(Layout(tensor=4), Training(cost, batch=16), c)
+    width = cost.block_activation_bytes  # 4096 per example
+    inputs, partials = width * 4 * 4, width * 16 * 4  # every replica's 4, its group's 16
+    gather = lambda nbytes: 3 * 1e-5 + 0.75 * nbytes / 1e8  # noqa: E731
+    reduce = lambda nbytes: 6 * 1e-6 + 1.5 * nbytes / 1e9  # noqa: E731
+    forward = gather(4 * 4) + gather(inputs) + gather(partials)
+    replicated = reduce(MIB)  # the whole weights' gradients, over all 4
+    assert e.exchange == pytest.approx(forward + reduce(inputs) + reduce(partials) + replicated)
+
+
 def test_a_tensor_layout_divides_the_split_weights():
     cost = four_units()
     cost.split_bytes, cost.tensor_blocks = 2 * MIB, 1

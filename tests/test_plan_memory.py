@@ -13,7 +13,7 @@ import pytest
 
 import tfdist
 from tests.test_plan import cluster
-from tfdist.plan import Layout, ModelCost, Training, estimate
+from tfdist.plan import Layout, ModelCost, Training, costs, estimate
 
 
 def mlp() -> keras.Model:
@@ -41,18 +41,21 @@ def test_the_planned_bytes_are_what_each_device_holds_during_fit(layout):
     gc.collect()
     devices = [f"/cpu:{i}" for i in range(4)]
     strategy = tfdist.build_strategy("mirrored", cluster=None, devices=devices)
-    pipeline = (
-        tfdist.parallel.Pipeline(cut_before=["d3"], micro_batches=2) if layout.stages > 1 else None
-    )
+    plain = mlp()
+    plain.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
+    cost = ModelCost.of(plain)
+    planned = estimate(layout, Training(cost, batch=16), cluster())
+    del plain
+    pipeline = None
+    if layout.stages > 1:  # cut where the planner cuts (the FLOPs halve before d2)
+        stages = costs.stage_units(cost.units, layout.stages)
+        cut_before = [stage[0].name for stage in stages[1:]]
+        pipeline = tfdist.parallel.Pipeline(cut_before=cut_before, micro_batches=2)
     keywords = {"shard_optimizer": f"zero{layout.zero}"} if layout.zero else {}
     scope = (
         pipeline.scope(strategy) if pipeline
         else tfdist.host_scope(strategy) if layout.zero == 3 else strategy.scope()
     )  # fmt: skip
-    plain = mlp()
-    plain.compile(keras.optimizers.Adam(1e-3), "sparse_categorical_crossentropy")
-    planned = estimate(layout, Training(ModelCost.of(plain), batch=16), cluster())
-    del plain
     gc.collect()
     record = tfdist.DeviceBytes()  # before the model: its weights count too
     with scope:

@@ -374,14 +374,13 @@ def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
 
     from tfdist.plan import ModelCost, calibrate
 
-    machine = calibrate.machine(strategy_over(DEVICES), repeats=repeats)
+    strategy = strategy_over(DEVICES)
+    machine = calibrate.machine(strategy, repeats=repeats)
     peak = machine.device.peak("float32")
     rng = np.random.default_rng(0)
     models = {}
-    for kind, model, batch in (
-        ("mlp", mlp(sizes), sizes.batch),
-        ("tf", transformer(sizes), sizes.tp_batch),
-    ):
+    for kind, build, batch in (("mlp", mlp, sizes.batch), ("tf", transformer, sizes.tp_batch)):
+        model = build(sizes)
         local = batch // DEVICES
         if kind == "mlp":
             x = tf.constant(rng.normal(size=(local, sizes.width)).astype("float32"))
@@ -397,7 +396,7 @@ def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
             ),
             "bandwidth": calibrate.update_bandwidth(model, repeats=repeats),
             "shared": calibrate.shared(
-                model, x, y, [cpu(i) for i in range(DEVICES)], repeats=repeats
+                lambda build=build: build(sizes), x, y, strategy, repeats=repeats
             ),
         }
     return machine, models
@@ -489,10 +488,14 @@ def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], object
          "value_measured": machine.shared},
         {"table": "calibration", "what": "a step's own cost ms (one weight)",
          "value_measured": 1e3 * machine.step_overhead},
-        {"table": "calibration", "what": "link latency us (fit)",
+        {"table": "calibration", "what": "all-reduce latency us (fit)",
          "value_measured": 1e6 * machine.intra.latency},
-        {"table": "calibration", "what": "link bandwidth Gb/s (fit)",
+        {"table": "calibration", "what": "all-reduce bandwidth Gb/s (fit)",
          "value_measured": machine.intra.bandwidth * 8 / 1e9},
+        {"table": "calibration", "what": "all-gather latency us (fit)",
+         "value_measured": 1e6 * machine.intra.for_gather.latency},
+        {"table": "calibration", "what": "all-gather bandwidth Gb/s (fit)",
+         "value_measured": machine.intra.for_gather.bandwidth * 8 / 1e9},
         *({"table": "calibration", "what": f"{kind} efficiency (forward + backward)",
            "value_measured": f["efficiency"]} for kind, f in models.items()),
         *({"table": "calibration", "what": f"{kind} update GB/s",

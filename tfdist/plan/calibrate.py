@@ -7,16 +7,18 @@ efficiency and the links between the local devices as tfdist's collectives use t
 
 - speed: chained 512 x 512 matrix products, on one device alone (the peak) and on every
   device at once (what each gets while all are busy: on a CPU split into logical devices
-  they share the cores); `shared` measures the same for a model's own passes;
+  they share the cores); `shared` measures the same for a model's own passes, run by the
+  strategy's replicas;
 - efficiency: a model's forward and backward pass on one device alone, as FLOPs per
   second against that peak; the optimizer's update as the bytes per second it moves;
 - links: the strategy's all-reduce and all-gather among its replicas (the collectives the
-  data-parallel and tensor-parallel steps run) at four sizes (4 KiB to 8 MiB), fitted to one latency and
-  one bandwidth of the ring formulas in costs.py.
+  data-parallel and tensor-parallel steps run) at four sizes (4 KiB to 8 MiB), each fitted
+  to a latency and a bandwidth of the ring formulas in costs.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -86,22 +88,21 @@ def efficiency(model, x, y, *, peak: float, flops_per_example: float, repeats: i
     return min(1.0, achieved / peak)
 
 
-def shared(model, x, y, devices: list[str], *, repeats: int = 5) -> float:
-    """How many devices' worth of the model's forward and backward pass the devices run
-    together: one device's time alone x the devices / their time all at once (the same
-    batch on each). 1 where they take turns; the device count where each has its own."""
+def shared(build, x, y, strategy, *, repeats: int = 5) -> float:
+    """How many devices' worth of a model's forward and backward pass the strategy's
+    replicas run together: one replica's time alone x the replicas / their time all at
+    once (the same batch on each, every replica on its own copy of the weights, as a
+    data-parallel step runs them). 1 where they take turns; the replica count where each
+    device has its own compute. `build` makes the model (under the strategy's scope)."""
+    with strategy.scope():
+        model = build()
     forward_backward = _forward_backward(model)
     alone = _seconds(tf.function(forward_backward), x, y, repeats=repeats)
-
-    @tf.function
-    def together(a, b):
-        outs = []
-        for d in devices:
-            with tf.device(d):
-                outs.append(forward_backward(tf.identity(a), tf.identity(b)))
-        return outs
-
-    return len(devices) * alone / _seconds(together, x, y, repeats=repeats)
+    per_replica = [
+        strategy.experimental_distribute_values_from_function(lambda ctx, t=t: t) for t in (x, y)
+    ]
+    together = tf.function(lambda a, b: strategy.run(forward_backward, args=(a, b)))
+    return strategy.num_replicas_in_sync * alone / _seconds(together, *per_replica, repeats=repeats)
 
 
 def update_bandwidth(model, *, repeats: int = 5) -> float:
@@ -120,9 +121,11 @@ def update_bandwidth(model, *, repeats: int = 5) -> float:
 
 
 def links(strategy, *, repeats: int = 5) -> Link:
-    """The strategy's all-reduce and all-gather among its replicas, fitted to one Link."""
+    """The strategy's all-reduce among its replicas fitted to one Link, and its all-gather
+    to the Link's `gathers` (TensorFlow runs them on different terms: here the all-gather
+    costs more per byte and per call than the same ring's all-reduce would)."""
     n = strategy.num_replicas_in_sync
-    rows = []  # (latency multiplier, bytes multiplier, seconds)
+    reduce_rows, gather_rows = [], []  # (latency multiplier, bytes multiplier, seconds)
     for length in (2**10, 2**15, 2**19, 2**21):
         values = strategy.experimental_distribute_values_from_function(
             lambda ctx, length=length: tf.ones([length])
@@ -141,16 +144,19 @@ def links(strategy, *, repeats: int = 5) -> Link:
             )
 
         nbytes = 4.0 * length
-        rows.append(
-            (2 * (n - 1), 2 * (n - 1) / n * nbytes, _seconds(reduce, values, repeats=repeats))
-        )
-        rows.append(((n - 1), (n - 1) * nbytes, _seconds(gather, values, repeats=repeats)))
+        seconds = _seconds(reduce, values, repeats=repeats)
+        reduce_rows.append((2 * (n - 1), 2 * (n - 1) / n * nbytes, seconds))
+        seconds = _seconds(gather, values, repeats=repeats)
+        gather_rows.append(((n - 1), (n - 1) * nbytes, seconds))
+    return dataclasses.replace(_fitted(reduce_rows), gathers=_fitted(gather_rows))
+
+
+def _fitted(rows: list[tuple[float, float, float]]) -> Link:
+    """The latency and bandwidth that fit (latency x, bytes x, seconds) rows best."""
     a = np.array([[r[0], r[1]] for r in rows])
     t = np.array([r[2] for r in rows])
     (latency, per_byte), *_ = np.linalg.lstsq(a, t, rcond=None)
-    latency = max(float(latency), 1e-7)
-    per_byte = max(float(per_byte), 1e-15)
-    return Link(latency, 1.0 / per_byte)
+    return Link(max(float(latency), 1e-7), 1.0 / max(float(per_byte), 1e-15))
 
 
 def machine(strategy, *, repeats: int = 5) -> Cluster:

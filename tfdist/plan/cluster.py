@@ -31,13 +31,23 @@ class PlanError(TfdistError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """A link's alpha-beta model: a message of n bytes takes latency + n / bandwidth."""
+    """A link's alpha-beta model: a message of n bytes takes latency + n / bandwidth.
+
+    `gathers`: the all-gather's own figures, where an implementation runs it on other terms
+    than the all-reduce (TensorFlow's collectives between a CPU's logical devices, measured
+    by calibrate.py); None where one ring runs both at the link's speed (NCCL's, say).
+    """
 
     latency: float  # seconds
     bandwidth: float  # bytes per second
+    gathers: Link | None = None
 
     def time(self, nbytes: float) -> float:
         return self.latency + nbytes / self.bandwidth
+
+    @property
+    def for_gather(self) -> Link:
+        return self.gathers or self
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,8 +19,9 @@ grouped as tfdist runs each layout:
                    activation sent forward and its gradient back per cut; the bubble,
                    (S-1)/(M+S-1) of the step; each stage's gradients all-reduced over D
   tensor T x D     per split block (Column -> Row), forward an all-gather of every
-                   replica's examples and one of every replica's partial sums, backward
-                   their gradients (two all-reduces), as tfdist's layers run them
+                   replica's examples (after one of their batch sizes) and one of every
+                   replica's partial sums, backward their gradients (two all-reduces), as
+                   tfdist's layers run them
                    (tensor/mappings.py: over all T x D replicas); with a cluster's
                    tensor_exchange="group", within the group only (Megatron-LM); the
                    replicated weights' gradients all-reduced over T x D, the split ones'
@@ -64,7 +65,9 @@ def reduce_scatter(nbytes: float, n: int, link: Link) -> float:
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
-all_gather = reduce_scatter  # the same ring, run the other way
+def all_gather(nbytes: float, n: int, link: Link) -> float:
+    """The reduce-scatter's ring run the other way (on the link's gather figures, if any)."""
+    return reduce_scatter(nbytes, n, link.for_gather)
 
 
 def point_to_point(nbytes: float, link: Link) -> float:
@@ -272,18 +275,18 @@ def _exposed(model: ModelCost, scale, compute, d, link, fusion) -> float:
 
 
 def stage_units(units: list[Unit], stages: int) -> list[list[Unit]]:
-    """The units cut into `stages` contiguous groups of about equal FLOPs (greedy)."""
+    """The units cut into `stages` contiguous groups of about equal FLOPs: each cut falls at
+    the unit boundary nearest its share of the total."""
     total = sum(u.forward_flops for u in units) or 1.0
     groups: list[list[Unit]] = [[]]
     done = 0.0
     for i, unit in enumerate(units):
-        left = len(units) - i
-        if (
-            groups[-1]
-            and len(groups) < stages
-            and (done >= total * len(groups) / stages or left <= stages - len(groups))
-        ):
-            groups.append([])
+        cuts_left = stages - len(groups)
+        if groups[-1] and cuts_left:
+            target = total * len(groups) / stages
+            nearer_now = abs(done - target) <= abs(done + unit.forward_flops - target)
+            if nearer_now or len(units) - i <= cuts_left:
+                groups.append([])
         groups[-1].append(unit)
         done += unit.forward_flops
     return groups
@@ -356,10 +359,12 @@ def _tensor(layout, training, cluster, w, act, speed, data_link) -> Estimate:
         # tfdist's layers (tensor/mappings.py) gather over every replica: forward an
         # all-gather of each replica's examples and one of each replica's partial sums (its
         # group's examples long); backward their gradients, two all-reduces of those sizes.
+        # Each gather of the examples first gathers every replica's batch size (4 bytes).
         n = t * d
         link = cluster.link(n)
         inputs, partials = activation * local * n, activation * group_batch * n
-        per_block = forwards * (all_gather(inputs, n, link) + all_gather(partials, n, link))
+        gathers = all_gather(4 * n, n, link) + all_gather(inputs, n, link)
+        per_block = forwards * (gathers + all_gather(partials, n, link))
         per_block += all_reduce(inputs, n, link) + all_reduce(partials, n, link)
     exchange = model.tensor_blocks * per_block
     exchange += all_reduce(rest, t * d, cluster.link(t * d))

@@ -109,12 +109,12 @@ def reduce_scatter_to_group(partial, sizes, degree: int):
     everyone = context.all_gather(partial, axis=0)
     length = tf.reduce_sum(sizes[group * degree : (group + 1) * degree])
     start = degree * tf.reduce_sum(sizes[: group * degree])
-    mine = tf.add_n(
-        [
-            everyone[start + member * length : start + (member + 1) * length]
-            for member in range(degree)
-        ]
-    )
+    # The group's partials as [degree, length, ...], summed: one slice and one sum, whose
+    # gradient is one broadcast (a slice per member would each pad a gradient as large as
+    # every replica's partials).
+    members = everyone[start : start + degree * length]
+    members = tf.reshape(members, tf.concat([[degree, length], tf.shape(partial)[1:]], 0))
+    mine = tf.ensure_shape(tf.reduce_sum(members, axis=0), [None, *partial.shape[1:]])
     offset = tf.reduce_sum(sizes[group * degree : group * degree + rank])
     return mine[offset : offset + sizes[replica]]
 
