@@ -60,9 +60,9 @@ BLOCKS = 4  # the MLP's blocks: S = 2 puts two in a stage, S = 4 one
 CLASSES = 10
 WARMUP = 2
 HELD_MICRO_BATCHES = 8  # table 2's M (S = 4)
-# Table 4's timed steps per layout (3x table 1's): this shared machine's step times wander,
+# Table 4's timed steps per layout (8x table 1's): this shared machine's step times wander,
 # and the planner is held to their median.
-LAYOUT_STEPS_FACTOR = 3
+LAYOUT_STEPS_FACTOR = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,7 +368,7 @@ LAYOUTS = {
 
 def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
     """This machine (tfdist.plan.calibrate) and, per model, its cost, batch, efficiency and
-    update bandwidth, measured on one device's share of the batch."""
+    update bandwidth (its passes measured on one device's share of the batch)."""
     import numpy as np
     import tensorflow as tf
 
@@ -394,7 +394,9 @@ def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
             "efficiency": calibrate.efficiency(
                 model, x, y, peak=peak, flops_per_example=cost.forward_flops, repeats=repeats
             ),
-            "bandwidth": calibrate.update_bandwidth(model, repeats=repeats),
+            "bandwidth": calibrate.update_bandwidth(
+                lambda build=build: build(sizes), strategy, repeats=repeats
+            ),
             "shared": calibrate.shared(
                 lambda build=build: build(sizes), x, y, strategy, repeats=repeats
             ),
@@ -498,7 +500,7 @@ def bench_cost_model(sizes: Sizes, args) -> tuple[list[dict], list[dict], object
          "value_measured": machine.intra.for_gather.bandwidth * 8 / 1e9},
         *({"table": "calibration", "what": f"{kind} efficiency (forward + backward)",
            "value_measured": f["efficiency"]} for kind, f in models.items()),
-        *({"table": "calibration", "what": f"{kind} update GB/s",
+        *({"table": "calibration", "what": f"{kind} update GB/s (each, all at once)",
            "value_measured": f["bandwidth"] / 1e9} for kind, f in models.items()),
         *({"table": "calibration", "what": f"{kind} devices' combined throughput / one alone",
            "value_measured": f["shared"]} for kind, f in models.items()),

@@ -10,7 +10,8 @@ efficiency and the links between the local devices as tfdist's collectives use t
   they share the cores); `shared` measures the same for a model's own passes, run by the
   strategy's replicas;
 - efficiency: a model's forward and backward pass on one device alone, as FLOPs per
-  second against that peak; the optimizer's update as the bytes per second it moves;
+  second against that peak; the optimizer's update as the bytes per second each replica
+  moves while all update at once;
 - links: the strategy's all-reduce and all-gather among its replicas (the collectives the
   data-parallel and tensor-parallel steps run) at four sizes (4 KiB to 8 MiB), each fitted
   to a latency and a bandwidth of the ring formulas in costs.py.
@@ -105,17 +106,21 @@ def shared(build, x, y, strategy, *, repeats: int = 5) -> float:
     return strategy.num_replicas_in_sync * alone / _seconds(together, *per_replica, repeats=repeats)
 
 
-def update_bandwidth(model, *, repeats: int = 5) -> float:
-    """Bytes per second the model's optimizer moves in its update (weights, gradients and
-    slots read, weights and slots written), timed on one device."""
-    import keras
-
-    optimizer = model.optimizer.__class__.from_config(model.optimizer.get_config())
-    weights = [keras.Variable(w.numpy()) for w in model.trainable_variables]
-    optimizer.build(weights)
-    grads = [tf.ones_like(w.value) for w in weights]
+def update_bandwidth(build, strategy, *, repeats: int = 5) -> float:
+    """Bytes per second each replica's optimizer update moves (weights, gradients and
+    slots read, weights and slots written) while every replica updates at once, as a
+    data-parallel step runs them. `build` makes the compiled model (under the strategy)."""
+    with strategy.scope():
+        model = build()
+        weights = model.trainable_variables
+        model.optimizer.build(weights)
+    optimizer = model.optimizer
     slots = sum(1 for v in optimizer.variables if tuple(v.shape) == tuple(weights[0].shape))
-    seconds = _seconds(tf.function(lambda: optimizer.apply(grads, weights)), repeats=repeats)
+
+    def update():
+        optimizer.apply([tf.ones_like(w.value) for w in weights], weights)
+
+    seconds = _seconds(tf.function(lambda: strategy.run(update)), repeats=repeats)
     moved = sum(int(np.prod(w.shape)) * 4 for w in weights) * (3 + 2 * slots)
     return moved / seconds
 

@@ -227,10 +227,8 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
         if cluster.overlap and layout.zero == 0:
             exchange = _exposed(model, scale, forward_backward, d, data_link, cluster.fusion_bytes)
         # The update runs on what each device holds the optimizer's state for.
-        compute = forward_backward + update_time(
-            w / (d if layout.zero else 1), model.slots_per_param, cluster
-        )
-        compute = _pooled(compute, [compute] * layout.devices, cluster)
+        compute = _pooled(forward_backward, [forward_backward] * layout.devices, cluster)
+        compute += update_time(w / (d if layout.zero else 1), model.slots_per_param, cluster)
         largest = max((u.param_bytes * scale for u in model.units), default=0.0)
         buffers = {0: w, 1: w, 2: w / d, 3: 2 * largest}[layout.zero] if d > 1 else 0.0
         est = Estimate(layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0)
@@ -241,13 +239,15 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
 
 def update_time(held_bytes: float, slots: int, cluster: Cluster) -> float:
     """The optimizer's update of `held_bytes` of weights: it reads the weights, gradients
-    and slots and writes the weights and slots, at the memory's bandwidth."""
+    and slots and writes the weights and slots, at the memory's bandwidth (what each
+    device gets while every device updates at once: the devices update together)."""
     return held_bytes * (3 + 2 * slots) / cluster.device.memory_bandwidth
 
 
 def _pooled(path: float, busy: list[float], cluster: Cluster) -> float:
-    """A step's compute where a host's devices share one pool (cluster.shared): at least
-    its devices' busy seconds (at one device's speed alone) over the pool's throughput."""
+    """A step's forward and backward passes where a host's devices share one pool
+    (cluster.shared): at least its devices' busy seconds (at one device's speed alone)
+    over the pool's throughput."""
     if not cluster.shared:
         return path
     per_host = cluster.devices_per_host
@@ -310,11 +310,10 @@ def _pipeline(layout, training, cluster, speed, data_link) -> Estimate:
     # The slowest stage sets the pace: (M + S - 1) slots of its forward + backward, the
     # sends of an activation and its gradient on the way; then its update.
     slot = max(stage_time) + 2 * (max(hops) if hops else 0.0)
-    work = m * max(stage_time) + max(updates)
-    path = (m + s - 1) * slot + max(updates)
-    busy = [m * st + u for st, u in zip(stage_time, updates, strict=True)] * d
-    compute = _pooled(work, busy, cluster)
+    path = (m + s - 1) * slot
+    compute = _pooled(m * max(stage_time), [m * st for st in stage_time] * d, cluster)
     idle = max(0.0, path - compute)
+    compute += max(updates)
     big = max(range(s), key=lambda i: held[i])
     exchange = all_reduce(held[big], d, data_link)
     # Micro-batches whose activations stage i holds at once: GPipe all M, 1F1B S - i.
@@ -342,8 +341,8 @@ def _tensor(layout, training, cluster, w, act, speed, data_link) -> Estimate:
     # examples, the rest on its own examples, the same FLOPs either way.
     held = split_bytes / t + rest
     compute = passes * model.forward_flops * local / speed
-    compute += update_time(held, model.slots_per_param, cluster)
     compute = _pooled(compute, [compute] * layout.devices, cluster)
+    compute += update_time(held, model.slots_per_param, cluster)
     activation = model.block_activation_bytes * training.activation_scale()
     group_batch = local * t
     forwards = passes - 2  # the forward pass, and its recomputation
