@@ -128,6 +128,11 @@ def test_stages_are_cut_where_their_flops_are_nearest_equal():
         Unit(f"s{i}", forward_flops=1.0) for i in range(3)
     ]
     assert [len(g) for g in costs.stage_units(uneven, 4)] == [1, 1, 1, 1]
+    # Units of no FLOPs (a position embedding, an add) stay with the stage before them.
+    lm = [Unit("tokens", forward_flops=4e9), Unit("positions"), Unit("add")]
+    lm += [Unit(f"block{i}", forward_flops=1e9) for i in range(8)]
+    names = [[u.name for u in g] for g in costs.stage_units(lm, 2)]
+    assert names[0][:3] == ["tokens", "positions", "add"] and len(names[1]) == 6
 
 
 def test_the_tensor_exchange_counts_every_gather_tfdist_s_layers_run():

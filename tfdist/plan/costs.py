@@ -284,7 +284,8 @@ def stage_units(units: list[Unit], stages: int) -> list[list[Unit]]:
         cuts_left = stages - len(groups)
         if groups[-1] and cuts_left:
             target = total * len(groups) / stages
-            nearer_now = abs(done - target) <= abs(done + unit.forward_flops - target)
+            # Strictly nearer: a unit of no FLOPs (a position embedding) stays where it is.
+            nearer_now = abs(done - target) < abs(done + unit.forward_flops - target)
             if nearer_now or len(units) - i <= cuts_left:
                 groups.append([])
         groups[-1].append(unit)
