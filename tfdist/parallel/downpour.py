@@ -43,7 +43,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.parallel.schedules import schedule
+from tfdist.parallel.schedules import Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, split, tied
 from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import shards_of
@@ -239,35 +239,14 @@ class _ReplicaStep:
         pairs = [(grads.get(i), v) for i, v in enumerate(trainable)]
         return pairs, state
 
-    def _order(self) -> list[tuple[int, object]]:
-        """Every (device, pass) in an order where each pass comes after those it needs: a
-        forward after the stage before's forward of its micro-batch, a backward after its
-        own forward and the stage after's backward; each device's passes in its order."""
-        plan, width = self.runner.plan, self.width
-        last = len(self.runner.stages) - 1
-        position = [0] * width
-        done: set[tuple[str, int, int]] = set()
-        order = []
-        while any(position[d] < len(plan[d]) for d in range(width)):
-            moved = False
-            for d in range(width):
-                if position[d] == len(plan[d]):
-                    continue
-                p = plan[d][position[d]]
-                k = p.chunk * width + d
-                needs = ([("F", k - 1, p.micro_batch)] if p.kind == "F" and k else []) + (
-                    [("F", k, p.micro_batch)] + ([("B", k + 1, p.micro_batch)] if k < last else [])
-                    if p.kind == "B"
-                    else []
-                )
-                if all(n in done for n in needs):
-                    order.append((d, p))
-                    done.add((p.kind, k, p.micro_batch))
-                    position[d] += 1
-                    moved = True
-            if not moved:
-                raise RuntimeError(f"the {self.runner.options.schedule} schedule cannot proceed")
-        return order
+    def _order(self) -> list[tuple[int, Pass]]:
+        """Every (device, pass), each after the passes it needs: by when the schedule starts
+        it (`simulate`: a pass starts after those it consumes end), as Pipeline's runner
+        orders its own."""
+        plan = self.runner.plan
+        starts = simulate(plan).starts
+        timed = sorted((starts[d][k], d, k) for d in range(self.width) for k in range(len(plan[d])))
+        return [(d, plan[d][k]) for _, d, k in timed]
 
 
 def worker_devices(cluster: dict, width: int) -> list[str]:
