@@ -178,6 +178,14 @@ def test_bad_clusters_get_one_clear_message(tmp_path):
     path.write_text('device = "tpu9"\nintra_gbps = 100\n')
     with pytest.raises(PlanError, match="device 'tpu9' is not one the planner knows"):
         Cluster.from_file(path)
+    path.write_text('device = "h100"\nintra_gbps = 100\ninter_gbps = -1\n')
+    with pytest.raises(PlanError, match=r"inter_gbps must be > 0. Received: inter_gbps=-1"):
+        Cluster.from_file(path)
+    path.write_text('device = "h100"\nintra_gbps = 100\nintra_latency_us = "fast"\n')
+    with pytest.raises(PlanError, match="intra_latency_us must be a number"):
+        Cluster.from_file(path)
+    with pytest.raises(PlanError, match="global batch must be a whole number >= 1"):
+        Training(four_units(), batch=0)
     path.write_text('name = "2 x DGX"\nhosts = 2\ndevices_per_host = 8\ndevice = "h100"\n'
                     "intra_gbps = 3600\ninter_gbps = 400\nefficiency = 0.5\n")  # fmt: skip
     read = Cluster.from_file(path)
@@ -238,6 +246,19 @@ def test_tfdist_plan_ranks_a_keras_hub_causal_lm_on_two_hosts_of_eight(capsys):
 
 
 @pytest.mark.multiprocess
+def test_an_uncompiled_model_needs_optimizer_to_be_planned(capsys):
+    """Its optimizer's state cannot be counted: one line says so; --optimizer plans it."""
+    flags = ["--model", "tests.test_plan:uncompiled", "--batch", "8", "--top", "1"]
+    assert plan_main(flags) == 2
+    assert "is not compiled, so its optimizer's state is unknown" in capsys.readouterr().err
+    assert plan_main([*flags, "--optimizer", "momentum"]) == 0
+    assert "optimizer state 1 x the weights" in capsys.readouterr().out
+
+
+def uncompiled() -> keras.Model:
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(4)])
+
+
 def test_tfdist_plan_says_what_was_wrong_in_one_line():
     result = subprocess.run(
         [sys.executable, "-m", "tfdist.plan.cli", "--model", "no_such_module:build",

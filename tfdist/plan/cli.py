@@ -135,6 +135,11 @@ def training_of(model, args):
             raise PlanError(
                 f"--example takes shapes like 1024 or 224,224,3. Received: {args.example}"
             ) from None
+    if args.optimizer is None and getattr(model, "optimizer", None) is None:
+        raise PlanError(
+            f"--model {args.model} is not compiled, so its optimizer's state is unknown: "
+            f"compile it, or give --optimizer ({', '.join(sorted(OPTIMIZER_SLOTS))})"
+        )
     cost = ModelCost.of(model, example)
     if args.optimizer is not None:
         cost.slots_per_param = OPTIMIZER_SLOTS[args.optimizer]

@@ -175,25 +175,31 @@ class Cluster:
                 f"Received: {', '.join(unknown)}"
             )
         device = device_of(fields)
+        if "intra_gbps" not in fields:
+            raise PlanError(f"A cluster needs intra_gbps. Received: {dict(fields)}")
+        intra_gbps = _number(fields, "intra_gbps", above_zero=True)
+        intra = Link(_number(fields, "intra_latency_us", 5.0) * 1e-6, intra_gbps * 1e9 / 8)
+        inter = Link(
+            _number(fields, "inter_latency_us", 10.0) * 1e-6,
+            _number(fields, "inter_gbps", intra_gbps, above_zero=True) * 1e9 / 8,
+        )
         try:
             return cls(
                 hosts=int(fields.get("hosts", 1)),
                 devices_per_host=int(fields.get("devices_per_host", 1)),
                 device=device,
-                intra=Link(
-                    float(fields.get("intra_latency_us", 5)) * 1e-6,
-                    float(fields["intra_gbps"]) * 1e9 / 8,
-                ),
-                inter=Link(
-                    float(fields.get("inter_latency_us", 10)) * 1e-6,
-                    float(fields.get("inter_gbps", fields["intra_gbps"])) * 1e9 / 8,
-                ),
+                intra=intra,
+                inter=inter,
                 efficiency=float(fields.get("efficiency", 0.4)),
                 overlap=bool(fields.get("overlap", False)),
                 name=str(fields.get("name", "cluster")),
             )
-        except KeyError as e:
-            raise PlanError(f"A cluster needs {e.args[0]}. Received: {dict(fields)}") from None
+        except PlanError:
+            raise
+        except (TypeError, ValueError) as e:
+            raise PlanError(
+                f"A cluster's hosts, devices_per_host and efficiency are numbers: {e}"
+            ) from None
 
     @classmethod
     def from_file(cls, path: str | Path) -> Cluster:
@@ -208,6 +214,22 @@ class Cluster:
         except (ValueError, tomllib.TOMLDecodeError) as e:
             raise PlanError(f"The cluster file {path} is not valid: {e}") from None
         return cls.from_mapping(fields)
+
+
+def _number(
+    fields: Mapping[str, Any], key: str, default: float | None = None, *, above_zero=False
+) -> float:
+    """fields[key] (or `default`) as a number: above zero, or at least zero."""
+    value = fields.get(key, default)
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise PlanError(f"{key} must be a number. Received: {key}={value!r}") from None
+    if number < 0 or (above_zero and number == 0):
+        raise PlanError(
+            f"{key} must be {'> 0' if above_zero else '>= 0'}. Received: {key}={value!r}"
+        )
+    return number
 
 
 def device_of(fields: Mapping[str, Any]) -> Device:

@@ -181,6 +181,12 @@ class Training:
     activation_bytes: int = 4  # of each activation element: 2 under mixed precision
     recompute: bool = False  # activations recomputed in the backward pass (4 forwards)
 
+    def __post_init__(self):
+        if not isinstance(self.batch, int) or isinstance(self.batch, bool) or self.batch < 1:
+            raise PlanError(
+                f"The global batch must be a whole number >= 1. Received: batch={self.batch!r}"
+            )
+
     def activation_scale(self) -> float:
         """Activations were counted in the traced dtype (float32): scaled to `activation_bytes`."""
         return self.activation_bytes / 4
