@@ -126,6 +126,20 @@ def write_csv(
         writer.writerows(rows)
 
 
+def keep_earlier(path: str | os.PathLike) -> Path | None:
+    """An earlier run's file at `path` moved aside to the first free NAME.N.SUFFIX (a
+    benchmark run again never overwrites what the last one recorded); its new path, or
+    None where there was none."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    n = 1
+    while (kept := path.with_name(f"{path.stem}.{n}{path.suffix}")).exists():
+        n += 1
+    path.rename(kept)
+    return kept
+
+
 def _text(output) -> str:
     if isinstance(output, bytes):
         return output.decode(errors="replace")
@@ -137,6 +151,7 @@ __all__ = [
     "Job",
     "JobFailed",
     "environment",
+    "keep_earlier",
     "launch",
     "median",
     "read_summary",

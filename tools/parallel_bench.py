@@ -25,7 +25,7 @@ planner applied to measured inputs):
    cluster's links given by flags.
 
 Output: the tables, parallel_bench.csv (a `table` column says which) and parallel_bench.png
-in --out.
+in --out; an earlier run's files there are kept as parallel_bench.N.csv and .png.
 
   python -m tools.parallel_bench            # about 3-4 minutes on 2 cores
   python -m tools.parallel_bench --quick    # a smoke run, under a minute
@@ -716,9 +716,12 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     csv_path = os.path.join(args.out, "parallel_bench.csv")
     png_path = os.path.join(args.out, "parallel_bench.png")
+    kept = [k for k in map(harness.keep_earlier, (csv_path, png_path)) if k is not None]
     harness.write_csv(csv_path, [*bubble, *held, *tensor_bytes, *calibration, *layouts])
     plot(bubble, layouts, png_path)
     print(f"\nwrote {csv_path} and {png_path} ({time.perf_counter() - began:.0f} s)")
+    if kept:
+        print(f"kept the earlier run's files as {' and '.join(map(str, kept))}")
     return 0
 
 

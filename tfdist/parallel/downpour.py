@@ -44,7 +44,7 @@ from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.schedules import Pass, schedule, simulate
-from tfdist.parallel.stages import Stage, StageError, split, tied
+from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
 from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import shards_of
 from tfdist.training.runner import StepHook
@@ -88,18 +88,7 @@ class SplitReplicaRunner(ParameterServerRunner):
             )
         self.stages = split(model, options.cut_before)
         chunks = options.chunks_per_device
-        if len(self.stages) % chunks:
-            raise StageError(
-                f"chunks_per_device={chunks} puts {chunks} stages on each device: cut the model "
-                f"into a multiple of {chunks} stages. Received: {len(self.stages)} stages"
-            )
-        width = len(self.stages) // chunks
-        if chunks > 1 and options.micro_batches % width:
-            raise StageError(
-                f"The interleaved schedule takes micro-batches in groups of the replica's "
-                f"{width} devices: micro_batches must be a multiple of {width}. Received: "
-                f"micro_batches={options.micro_batches}"
-            )
+        width = devices_for(len(self.stages), chunks, options.micro_batches, holder="the replica's")
         per_worker = batch_size(unpack(sample_batch)[0])
         if per_worker is not None and per_worker % options.micro_batches:
             raise StageError(

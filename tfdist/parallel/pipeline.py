@@ -60,7 +60,7 @@ from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device, host_scope, hosted
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
-from tfdist.parallel.stages import Stage, StageError, split, tied
+from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
 from tfdist.strategies import strategy_kind
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
@@ -261,11 +261,7 @@ class PipelineRunner(SyncRunner):
                 f"Received: {replicas} replicas"
             )
         chunks = self.options.chunks_per_device
-        if len(stages) % chunks:
-            raise StageError(
-                f"chunks_per_device={chunks} puts {chunks} stages on each device: cut the model "
-                f"into a multiple of {chunks} stages. Received: {len(stages)} stages"
-            )
+        width = devices_for(len(stages), chunks, self.options.micro_batches, holder="a pipeline's")
         if chunks > 1 and processes > 1:
             raise FitError(
                 "The interleaved schedule runs over one process's devices (each device holds "
@@ -273,7 +269,7 @@ class PipelineRunner(SyncRunner):
                 "schedule='1f1b' across processes. Received: chunks_per_device="
                 f"{chunks}"
             )
-        width = self.devices_per_pipeline = len(stages) // chunks
+        self.devices_per_pipeline = width
         if replicas % width:
             raise StageError(
                 f"{len(stages)} stages need a multiple of {width} replicas (D pipelines x "
@@ -282,12 +278,6 @@ class PipelineRunner(SyncRunner):
                 f"Received: {len(stages)} stages over {replicas} replicas"
             )
         self.pipelines = replicas // width
-        if chunks > 1 and self.options.micro_batches % width:
-            raise StageError(
-                f"The interleaved schedule takes micro-batches in groups of a pipeline's {width} "
-                f"devices: micro_batches must be a multiple of {width}. Received: "
-                f"micro_batches={self.options.micro_batches}"
-            )
         if processes > 1:
             ranks = [layout.process_index]
             devices = {ranks[0]: devices[0]}

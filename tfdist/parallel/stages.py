@@ -160,6 +160,29 @@ def tied(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
     return {i: tuple(s) for i, s in sorted(holders.items()) if len(s) > 1}
 
 
+def devices_for(stages: int, chunks: int, micro_batches: int, *, holder: str) -> int:
+    """The devices `stages` stages take at `chunks` stages a device, checked: the stages
+    divide into the chunks, and the interleaved schedule (chunks > 1) gets micro-batches
+    in groups of those devices (`holder` names whose devices they are, for the message).
+
+    Raises:
+      StageError: either does not hold.
+    """
+    if stages % chunks:
+        raise StageError(
+            f"chunks_per_device={chunks} puts {chunks} stages on each device: cut the model "
+            f"into a multiple of {chunks} stages. Received: {stages} stages"
+        )
+    width = stages // chunks
+    if chunks > 1 and micro_batches % width:
+        raise StageError(
+            f"The interleaved schedule takes micro-batches in groups of {holder} {width} "
+            f"devices: micro_batches must be a multiple of {width}. Received: "
+            f"micro_batches={micro_batches}"
+        )
+    return width
+
+
 def _check_disjoint(model, graph, stages: list[keras.Model], cut_before) -> None:
     """A later stage that takes the model's inputs must not run again a layer an earlier
     stage ran (what Keras builds when a tensor of an earlier stage is used after a cut: it
