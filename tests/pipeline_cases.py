@@ -41,8 +41,10 @@ def data() -> tf.data.Dataset:
     return tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
 
 
-def reference() -> tuple[list[np.ndarray], dict]:
-    """Keras's own fit on one device: (weights after STEPS steps, its history)."""
+def reference(fits: int = 1) -> tuple[list[np.ndarray], dict]:
+    """Keras's own fit on one device, called `fits` times: (weights after fits x STEPS
+    steps, the last fit's history)."""
     model = mlp()
-    history = model.fit(data(), epochs=1, verbose=0, shuffle=False)
+    for _ in range(fits):
+        history = model.fit(data(), epochs=1, verbose=0, shuffle=False)
     return model.get_weights(), history.history

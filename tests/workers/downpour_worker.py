@@ -5,7 +5,7 @@ parameter-server job; each task first splits its CPU into 2 logical devices.
   python -m tools.launch --chief --workers 3 --ps 2 -- python -m tests.workers.downpour_worker OUT many
 
 one: the pipeline tests' Adam MLP (tests/pipeline_cases.py), each worker's replica split over
-its 2 devices, one epoch in order, for each case below; writes OUT/<case>.npz (the weights),
+its 2 devices, one epoch in order (fit twice in one case), for each case below; writes OUT/<case>.npz (the weights),
 OUT/<case>.json (history, the devices its program asked for) for tests/test_downpour.py.
 many: the same model with SGD, 3 workers training asynchronously for 3 epochs; then a model
 whose replica needs 3 devices (refused: the workers have 2).
@@ -34,7 +34,10 @@ CASES = {
         schedule="interleaved",
         chunks_per_device=2,
     ),  # fmt: skip
+    "1f1b_m2_fit_twice": dict(cut_before=["d3"], micro_batches=2),
 }
+# Cases fit more than once (the same model and Pipeline), as Keras's own fit called again.
+FITS = {"1f1b_m2_fit_twice": 2}
 
 
 class KeptPipeline(Pipeline):
@@ -69,10 +72,12 @@ def main(out: str, what: str) -> None:
         for name, options in CASES.items():
             with strategy.scope():
                 model = pipeline_cases.mlp()
-            history = tfdist.fit(
-                model, pipeline_cases.data(), epochs=1, verbose=0, max_staleness=0,
-                steps_per_epoch=pipeline_cases.STEPS, pipeline=KeptPipeline(**options),
-            )  # fmt: skip
+            pipeline = KeptPipeline(**options)
+            for _ in range(FITS.get(name, 1)):  # a user's second fit goes on from the first
+                history = tfdist.fit(
+                    model, pipeline_cases.data(), epochs=1, verbose=0, max_staleness=0,
+                    steps_per_epoch=pipeline_cases.STEPS, pipeline=pipeline,
+                )  # fmt: skip
             np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
             record = {"history": history.history, "devices": asked_devices(KeptPipeline.made[-1])}
             with open(os.path.join(out, f"{name}.json"), "w") as f:
