@@ -506,6 +506,9 @@ def test_a_rerun_keeps_the_record_and_a_resume_extends_it(data_dir, tmp_path):
     for key in ("history", "steps_trained", "train_seconds", "examples_per_second",
                 "train_loss", "train_accuracy", "resume_points", "sessions"):  # fmt: skip
         assert second[key] == first[key], key
+    # Evaluated again where the run stands: the same model on the same test examples.
+    for key in ("eval_loss", "eval_accuracy"):
+        assert first[key] is not None and second[key] == pytest.approx(first[key]), key
 
     # Two more epochs: resumed at step 6, the history runs on from the first session's.
     Trainer(TrainConfig(data_dir=data_dir, **dict(config, epochs=4)), strategy=strategy).fit()

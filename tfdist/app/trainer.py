@@ -247,10 +247,13 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """eval_loss, eval_accuracy of the model as it stands, on every test example once."""
-        logs = fit_module.evaluate(
+        return self.record.eval_metrics(self._evaluation_logs())
+
+    def _evaluation_logs(self) -> dict[str, float]:
+        """tfdist.evaluate's logs (loss, accuracy) of the model as it stands."""
+        return fit_module.evaluate(
             self.model, self.validation_fn, verbose=0, return_dict=True, strategy=self.strategy
         )
-        return self.record.eval_metrics(logs)
 
     @property
     def checkpoint(self) -> StepCheckpoint:
@@ -286,7 +289,8 @@ class Trainer:
             return self.record.result
         # Nothing left to train: the record so far, evaluated where the run stands.
         log.info("Already trained all %d steps; nothing to do", self.total_steps)
-        return self.record.finish(self.evaluate(), step=self.checkpoint.restored_step)
+        # finish() names the logs eval_ itself (evaluate()'s were named eval_eval_, and lost).
+        return self.record.finish(self._evaluation_logs(), step=self.checkpoint.restored_step)
 
 
 def _comparable(dataset: str) -> str:
