@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests import custom_step_models, fit_models
+from tests import custom_step_models, fit_models, keras_io_models
 from tests.conftest import REPO, run_module
 from tfdist.exit_codes import EXIT_PREEMPTED
 
@@ -61,7 +61,7 @@ def two_workers(tmp_path_factory):
     """One job of 2 workers (multi_worker_mirrored) running the modes these tests check:
     (the directory each mode wrote to, by mode; the job's output)."""
     out = tmp_path_factory.mktemp("two_workers")
-    modes = ("equivalence", "callbacks", "custom", "batch_norm", "dropin")
+    modes = ("equivalence", "callbacks", "custom", "batch_norm", "dropin", "keras_io")
     output = launch(",".join(modes), out, "--workers", "2")
     return {mode: out / mode for mode in modes}, output
 
@@ -87,6 +87,22 @@ def test_two_workers_match_keras_on_one_device(references, two_workers):
                 np.testing.assert_allclose(logs["history"][key], values, atol=LOGS_TOLERANCE)
             for key, value in evaluation.items():
                 assert logs["evaluate"][key] == pytest.approx(value, abs=LOGS_TOLERANCE)
+
+
+@pytest.mark.xdist_group("fit_two_workers")
+def test_two_workers_train_keras_io_s_masked_and_embedded_models_as_one_device(two_workers):
+    """keras.io's seq2seq Transformer (its loss masked by the padding: each worker holds its
+    own count of tokens) and ViT (its position Embedding's rows, AdamW) across two worker
+    processes: one device's weights and losses (tests/test_one_device_math.py's figures)."""
+    tmp_path = two_workers[0]["keras_io"]
+    for name, (make, data) in keras_io_models.ONE_DEVICE_MATH.items():
+        reference = make()
+        history = reference.fit(data(), epochs=2, verbose=0, shuffle=False).history
+        for task in ("worker_0", "worker_1"):
+            got, logs = written(tmp_path, task, name)
+            diff = keras_io_models.max_diff(reference, got)
+            assert diff <= WEIGHTS_TOLERANCE, (name, task, diff)
+            np.testing.assert_allclose(logs["history"]["loss"], history["loss"], atol=1e-5)
 
 
 @pytest.mark.xdist_group("fit_two_workers")

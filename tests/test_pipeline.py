@@ -271,13 +271,11 @@ def test_the_keras_io_transformer_classifier_trains_in_four_micro_batches_as_ker
     row), cut in 2 stages over 2 devices with 4 micro-batches (it crashed adding
     IndexedSlices).
 
-    The reference is Keras's own fit over 4 replicas. Keras's Adam squares each row of a
-    sparse gradient apart, and the position embedding's rows are summed over the examples
-    that make one gradient: 4 micro-batches give 4 rows per position, as 4 replicas do,
-    where one device gives one (0.003 apart in loss after an epoch, Keras against Keras).
-    The padded model below has no such lookup and matches one device."""
-    with mirrored(4).scope():
-        reference = keras_io_models.transformer_classifier(dropout=0.0)
+    The reference is Keras's own fit on one device. Keras's Adam squares each row of a
+    sparse gradient apart, and one device's tape holds one row per position, summed over
+    the batch: the micro-batches' rows of a position are added, not kept apart as Keras's
+    own fit over 4 replicas keeps them (0.003 from one device in loss after an epoch)."""
+    reference = keras_io_models.transformer_classifier(dropout=0.0)
     want = reference.fit(keras_io_models.reviews(), epochs=2, verbose=0, shuffle=False).history
     with mirrored(2).scope():
         model = keras_io_models.transformer_classifier(dropout=0.0)
@@ -644,3 +642,49 @@ def test_an_optimizer_with_a_global_norm_is_refused():
 def test_bad_pipeline_options_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         Pipeline(**options)
+
+
+def padded_tagger(*, penalty: bool = False) -> keras.Model:
+    """A token tagger whose loss ignores id 0 (`ignore_class=0`: the loss masks padding and
+    divides by the real tokens' count), cut before its head."""
+    keras.utils.set_random_seed(6)
+    ids = keras.Input((6,), dtype="int32")
+    x = keras.layers.Embedding(20, 8, name="embed")(ids)
+    x = keras.layers.Dense(12, activation="tanh", name="hidden")(x)
+    regularizer = "l2" if penalty else None
+    logits = keras.layers.Dense(20, name="head", kernel_regularizer=regularizer)(x)
+    model = keras.Model(ids, logits)
+    model.compile(
+        keras.optimizers.Adam(0.01),
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True, ignore_class=0),
+    )
+    return model
+
+
+def padded_tags() -> tf.data.Dataset:
+    rng = np.random.default_rng(4)
+    x = rng.integers(1, 20, (32, 6)).astype("int32")
+    y = np.where(np.arange(6)[None, :] < rng.integers(1, 7, 32)[:, None], x[:, ::-1], 0)
+    return tf.data.Dataset.from_tensor_slices((x, y.astype("int32"))).batch(16)
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_a_masked_loss_is_divided_by_the_whole_step_s_count_as_one_device_divides_it(devices):
+    """Each micro-batch holds its own count of real tokens; the step's gradient is the sum
+    over them divided by the whole step's count (it was the mean of the micro-batches' own
+    means), over one pipeline and two."""
+    reference = padded_tagger()
+    reference.fit(padded_tags(), epochs=2, verbose=0, shuffle=False)
+    with mirrored(devices).scope():
+        model = padded_tagger()
+    pipeline = Pipeline(cut_before=["head"], micro_batches=2)
+    tfdist.fit(model, padded_tags(), epochs=2, verbose=0, pipeline=pipeline)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+
+
+def test_a_masked_loss_beside_a_penalty_in_the_last_stage_is_one_clear_line():
+    with mirrored(2).scope():
+        model = padded_tagger(penalty=True)
+    pipeline = Pipeline(cut_before=["head"], micro_batches=2)
+    with pytest.raises(StageError, match="whole step's count .* a penalty"):
+        tfdist.fit(model, padded_tags(), verbose=0, pipeline=pipeline)

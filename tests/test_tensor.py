@@ -267,20 +267,16 @@ def test_keras_io_s_classifier_splits_inside_its_subclassed_blocks_and_trains_as
     attention and the Dense->Dense pairs inside the blocks are split, and 2 epochs through
     tfdist.fit train as Keras's fit of the dense model.
 
-    The padded model's reference is one device. keras.io's has a position embedding, whose
-    sparse gradient's rows Keras's Adam squares apart, one per replica (the rows are summed
-    over a replica's examples): Keras's own fit over 4 replicas is 0.003 from one device in
-    loss after an epoch, and it is the reference there."""
+    The reference is one device. keras.io's model has a position embedding, whose sparse
+    gradient's rows Keras's Adam squares apart: one device holds one row per position,
+    summed over the batch, where Keras's own fit over 4 replicas keeps one per replica (0.003
+    from one device in loss after an epoch); the parts' rows are added as one device's."""
     build = {
         "keras_io": lambda: keras_io_models.transformer_classifier(dropout=0.0),
         "padded": keras_io_models.padded_classifier,
     }[case]
     data = keras_io_models.reviews(padded=case == "padded")
-    if case == "keras_io":
-        with mirrored().scope():
-            reference = build()
-    else:
-        reference = build()
+    reference = build()
     want = reference.fit(data, epochs=2, verbose=0, shuffle=False).history
     dense = build()
     with mirrored().scope():
@@ -349,6 +345,60 @@ def test_a_converted_transformer_trains_through_fit_as_keras_trains_it_unsplit(d
         mine = dense_weights(mine) if layer.name in split else mine.get_weights()
         for a, b in zip(layer.get_weights(), mine, strict=True):
             assert np.max(np.abs(a - b)) <= TOLERANCE, layer.name
+
+
+def penalised() -> keras.Model:
+    """Embedding(L1) -> Dense(L2 kernel, L1 bias) -> Dense(L1L2 kernel) -> head: the penalties
+    every split layer carries, each on a split weight."""
+    keras.utils.set_random_seed(4)
+    ids = keras.Input((LENGTH,), dtype="int32")
+    x = keras.layers.Embedding(VOCAB, WIDTH, embeddings_regularizer=keras.regularizers.L1(1e-3),
+                               name="embed")(ids)  # fmt: skip
+    x = keras.layers.Flatten()(x)
+    x = keras.layers.Dense(32, activation="tanh", name="up", kernel_regularizer="l2",
+                           bias_regularizer=keras.regularizers.L1(1e-2))(x)  # fmt: skip
+    x = keras.layers.Dense(
+        WIDTH, name="down", kernel_regularizer=keras.regularizers.L1L2(1e-3, 1e-2)
+    )(x)
+    return keras.Model(ids, keras.layers.Dense(CLASSES, name="head")(x))
+
+
+@pytest.mark.parametrize("degree", [2, 4])
+def test_split_weights_keep_their_penalties_as_keras_adds_them_unsplit(degree):
+    """The penalties of split weights count once in the loss and its gradient, over 2-way
+    tensor x 2-way data and 4-way tensor: the same loss and weights as Keras unsplit (the
+    split layers dropped them: 0.16 apart on one kernel)."""
+    x, y = token_data()
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(16)
+    reference = compiled(penalised())
+    want = reference.fit(data, epochs=2, verbose=0).history
+    with mirrored().scope():
+        model = compiled(tensor_parallel(penalised(), degree=degree))
+    assert {layer.name for layer in split_layers(model)} == {"embed", "up", "down"}
+    got = tfdist.fit(model, data, epochs=2, verbose=0).history
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
+    dense = dense_model(model)
+    assert isinstance(dense.get_layer("down").kernel_regularizer, keras.regularizers.L1L2)
+    for a, b in zip(reference.get_weights(), dense.get_weights(), strict=True):
+        assert np.max(np.abs(a - b)) <= TOLERANCE
+
+
+@pytest.mark.parametrize(
+    "layer, what",
+    [
+        (keras.layers.Dense(8, kernel_constraint="non_neg"), "kernel_constraint"),
+        (keras.layers.Dense(8, activity_regularizer="l2"), "activity_regularizer"),
+        (
+            keras.layers.Dense(8, kernel_regularizer=keras.regularizers.OrthogonalRegularizer()),
+            "kernel_regularizer",
+        ),
+    ],
+)
+def test_a_layer_whose_split_would_change_its_math_is_refused(layer, what):
+    inputs = keras.Input((6,))
+    dense = keras.Model(inputs, keras.layers.Dense(3)(layer(inputs)))
+    with mirrored().scope(), pytest.raises(TensorParallelError, match=f"Cannot split .*{what}"):
+        tensor_parallel(dense, degree=2)
 
 
 def test_a_trained_split_model_saves_loads_and_converts_back_to_keras_layers(tmp_path):

@@ -53,6 +53,12 @@ CASES = {
         keras_io_models.padded_classifier(),
         keras_io_models.reviews(padded=True),
     ),
+    # keras.io's ViT with its position table indexed (`self.position[None]`): a gathered
+    # weight answers indexing as the tensor it stands for.
+    "keras_io_vit_indexed_positions": lambda: (
+        keras_io_models.vit(indexed_positions=True),
+        keras_io_models.images(),
+    ),
     # keras-hub's layers (ReversibleEmbedding read twice: a lookup and the logits), GQA.
     "keras_hub_gemma_causal_lm": lambda: (
         keras_hub_models.gemma_causal_lm(),
@@ -79,11 +85,12 @@ def test_zero3_trains_the_models_users_bring_as_keras_fit_on_one_device(name):
     for devices, host in layouts:
         if name in PER_REPLICA_LOSS:
             with replicas(devices).scope():
-                reference = keras_fit(CASES[name], epochs=2).get_weights()
+                reference = keras_fit(CASES[name], epochs=2)
         elif devices == layouts[0][0]:
-            reference = keras_fit(CASES[name], epochs=2).get_weights()
+            reference = keras_fit(CASES[name], epochs=2)
         model = zero3_fit(CASES[name], replicas(devices), host=host, epochs=2)
-        diff = max_diff(reference, model.get_weights())
+        # (attention key biases, whose true gradient is zero, held apart: keras_io_models)
+        diff = keras_io_models.max_diff(reference, model)
         assert diff <= TOLERANCE, (name, devices, host, diff)
 
 
@@ -125,7 +132,9 @@ def test_predict_evaluate_and_save_after_fit_see_the_trained_weights(tmp_path):
     path = tmp_path / "model.keras"
     model.save(path)
     loaded = keras.models.load_model(path)
-    np.testing.assert_allclose(loaded.predict(data, verbose=0), after, atol=1e-6)
+    # One device against 2 replicas' kernels: the logits (about 3) agree to float32 rounding
+    # (1.4e-6 measured), far inside what training moved them (> 1e-3).
+    np.testing.assert_allclose(loaded.predict(data, verbose=0), after, atol=1e-5)
 
 
 def test_a_checkpoint_resumes_with_another_number_of_replicas(tmp_path):
@@ -194,3 +203,28 @@ def test_a_step_that_changes_the_gradients_is_refused_in_one_line():
         ShardingError, match=r"changed the gradient of sequential\w*/dense\w*/kernel"
     ):
         tfdist.fit(model, data, verbose=0, shard_optimizer="zero3", accumulate_steps=2)
+
+
+@pytest.mark.parametrize("shard_optimizer", ["zero1", "zero2"])
+def test_a_host_scope_model_under_zero1_or_zero2_is_one_clear_line(shard_optimizer):
+    """zero1/zero2 keep whole weights on every replica, which a host_scope model does not
+    have there (it ended in 'IndexError: tuple index out of range')."""
+    with tfdist.host_scope(replicas(2)):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("adam", "mse")
+    x = np.zeros((8, 4), "float32")
+    with pytest.raises(ShardingError, match="built in tfdist.host_scope.*zero3"):
+        tfdist.fit(model, x, x[:, :2], batch_size=4, verbose=0, shard_optimizer=shard_optimizer)
+
+
+def test_keras_s_own_fit_of_a_host_scope_model_is_one_line_naming_both_fixes():
+    """Keras's fit cannot update weights held on the host (it failed deep in tf.distribute:
+    'colocate_vars_with must only be passed a variable created in this ...')."""
+    with tfdist.host_scope(replicas(2)):
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile("adam", "mse")
+    x = np.zeros((8, 4), "float32")
+    with pytest.raises(
+        tfdist.FitError, match=r"host_scope.*tfdist\.fit\(model, \.\.\.\).*tfdist\.patch_keras"
+    ):
+        model.fit(x, x[:, :2], batch_size=4, verbose=0)

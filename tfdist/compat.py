@@ -398,6 +398,54 @@ def direct_assign(variable: keras.Variable, value) -> None:
     variable._direct_assign(value)
 
 
+def replace_loss_reduction(reduce: Callable) -> Callable:
+    """Makes `reduce` the function every Keras loss reduces its values with, returning the
+    one it replaces (call it again with that to undo).
+
+    Why: a loss divides a replica's weighted sum by the replica's own count (its unmasked
+    elements, or its weights' sum) inside `Loss.__call__`, which reads the module's
+    `reduce_weighted_values` at each call; Keras has no option for a count over the global
+    batch (tfdist.training.loss_normalisation).
+    """
+    from keras.src.losses import loss as keras_loss
+
+    original = keras_loss.reduce_weighted_values
+    keras_loss.reduce_weighted_values = reduce
+    return original
+
+
+def standardize_loss_reduction(reduction) -> str:
+    """A loss reduction's name as Keras spells it ("auto" -> "sum_over_batch_size").
+
+    Why: the spelling rules live in `keras.src.losses.loss`; a replacement of the
+    reduction must read the names as Keras does.
+    """
+    from keras.src.losses import loss as keras_loss
+
+    return keras_loss.standardize_reduction(reduction)
+
+
+def scale_loss_for_distribution(value):
+    """A replica's loss scaled as Keras scales it before the replicas' gradients are summed.
+
+    Why: Keras's own helper (`keras.src.losses.loss`), not exported.
+    """
+    from keras.src.losses import loss as keras_loss
+
+    return keras_loss.scale_loss_for_distribution(value)
+
+
+def same_rank(a, b):
+    """(a, b) squeezed or expanded to the same rank, as Keras aligns losses and weights.
+
+    Why: Keras's own rule (`keras.src.losses.loss.squeeze_or_expand_to_same_rank`), not
+    exported; a count over weights must align them as the loss does.
+    """
+    from keras.src.losses import loss as keras_loss
+
+    return keras_loss.squeeze_or_expand_to_same_rank(a, b)
+
+
 def keras_train_step():
     """Keras's own TensorFlow `train_step` (a model whose class replaces it has its own)."""
     from keras.src.backend.tensorflow.trainer import TensorFlowTrainer

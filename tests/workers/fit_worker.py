@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import custom_step_models, fit_models  # noqa: E402
+from tests import custom_step_models, fit_models, keras_io_models  # noqa: E402
 
 
 def task_name() -> str:
@@ -289,8 +289,19 @@ def dropin_ps(out: str, strategy) -> None:
     save(out, "dropin", model, {"history": history.history})
 
 
+def keras_io(out: str, strategy) -> None:
+    """keras.io's seq2seq Transformer (masked loss, sparse rows) and ViT (a position
+    Embedding under AdamW), as tests/test_one_device_math.py checks them in one process."""
+    for name, (make, data) in keras_io_models.ONE_DEVICE_MATH.items():
+        with strategy.scope():
+            model = make()
+        history = tfdist.fit(model, data(), epochs=2, verbose=0)
+        save(out, name, model, {"history": history.history})
+
+
 MODES = {
     "equivalence": equivalence,
+    "keras_io": keras_io,
     "dropin": dropin,
     "dropin_ps": dropin_ps,
     "callbacks": callbacks,

@@ -9,7 +9,10 @@ exchange, and the same update as one batch of k micro-batches' size.
 The sum weighs each micro-batch's gradient by its share of the batch's examples: Keras's
 default loss reduction ('sum_over_batch_size') averages over the micro-batch, so the
 weighted sum is the gradient of the average over the whole batch (exact for equal shares,
-and for a short last batch too).
+and for a short last batch too). A loss that divides by a count of its own (unmasked
+tokens, or the weights' sum: tfdist.training.loss_normalisation) weighs each micro-batch by
+that count instead, and the sum is divided by the batch's: the whole batch's mean, as one
+device takes it.
 
 Unlike Keras's own `gradient_accumulation_steps` (an optimizer option that decides with a
 tf.cond whether a step exchanges, which fails under MirroredStrategy: "merge_call called
@@ -30,6 +33,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import FitError
+from tfdist.training import loss_normalisation, sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
 
@@ -81,7 +85,7 @@ class Accumulate(StepHook):
         size = _batch_size(batch)
         per = (size + self.steps - 1) // self.steps  # the last micro-batch may be short
         state = self._threads
-        state.sums, outputs = None, None
+        state.sums, state.total, outputs = None, None, None
         try:
             for i in range(self.steps):
                 start = tf.minimum(i * per, size)
@@ -92,27 +96,52 @@ class Accumulate(StepHook):
                     tf.maximum(size, 1), tf.float32
                 )
                 state.last = i == self.steps - 1
-                outputs = train_step(micro)
+                with loss_normalisation.recorded() as counts:
+                    state.counts = counts
+                    outputs = train_step(micro)
         finally:
-            state.sums = None
-            del state.last
+            state.sums = state.total = None
+            del state.last, state.counts
         return outputs
 
     def apply(self, grads_and_vars, apply_next):
         state = self._threads
         if not hasattr(state, "last"):  # not inside `step`: nothing to accumulate
             return apply_next(grads_and_vars)
-        weighted = [None if g is None else _scaled(g, state.weight) for g, _ in grads_and_vars]
+        weight = self._weight(state)
+        weighted = [None if g is None else sparse_rows.scaled(g, weight) for g, _ in grads_and_vars]
         if state.sums is not None:
             weighted = [
-                s if g is None else (g if s is None else s + g)
+                s if g is None else (g if s is None else sparse_rows.added(s, g))
                 for s, g in zip(state.sums, weighted, strict=True)
             ]
         if not state.last:
             state.sums = weighted
             return None  # held: the next micro-batch adds to it
-        state.sums = None
+        if state.total is not None:  # weighed by counts: the batch's mean over its count
+            total = state.total
+            weighted = [None if g is None else sparse_rows.scaled(g, 1.0 / total) for g in weighted]
+        state.sums = state.total = None
         return apply_next([(g, v) for g, (_, v) in zip(weighted, grads_and_vars, strict=True)])
+
+    def _weight(self, state):
+        """This micro-batch's weight in the sum: its loss's own count (over the replicas),
+        added to the step's total; else its share of the examples."""
+        if not state.counts:
+            return state.weight
+        if len(state.counts) > 1:
+            raise FitError(
+                f"accumulate_steps={self.steps} sums micro-batches whose losses each divide "
+                f"by a count of their own (masked, or reduced by their weights): "
+                f"{len(state.counts)} such losses cannot all be normalised over the whole "
+                "batch by one weight per micro-batch. Use accumulate_steps=1 (a larger "
+                "batch, or more replicas), or give all but one loss Keras's default "
+                "reduction. Received: "
+                f"{len(state.counts)} masked or weight-reduced losses"
+            )
+        count = tf.cast(state.counts[0], tf.float32)
+        state.total = count if state.total is None else state.total + count
+        return count
 
 
 def _batch_size(batch) -> tf.Tensor:
@@ -122,8 +151,3 @@ def _batch_size(batch) -> tf.Tensor:
 
 def _rows(tensor, start, end):
     return None if tensor is None else tensor[start:end]
-
-
-def _scaled(grad, weight):
-    grad = tf.convert_to_tensor(grad)  # an embedding's IndexedSlices, made dense to add up
-    return grad * tf.cast(weight, grad.dtype)

@@ -62,6 +62,7 @@ from tfdist.parallel.host import host_device, host_scope, hosted
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
 from tfdist.strategies import strategy_kind
+from tfdist.training import loss_normalisation
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
@@ -447,7 +448,7 @@ class PipelineRunner(SyncRunner):
 
     def _load(self) -> None:
         """The stages take the model's weights and the user's optimizer's state."""
-        model, user = self.model, self.model.optimizer
+        model = self.model
         trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
         for r in self.replicas:
             for copy, i in zip(r.trainable, r.stage.trainable, strict=True):
@@ -456,7 +457,6 @@ class PipelineRunner(SyncRunner):
                 copy.assign(non_trainable[i].value)
             for mine, theirs in self._slot_pairs[id(r)]:
                 mine.assign(theirs.value)
-            r.optimizer.iterations.assign(user.iterations.value)
         self._loaded = True
 
     def settle(self) -> None:
@@ -496,7 +496,6 @@ class PipelineRunner(SyncRunner):
             *sums, copies = self._summed_over_workers([*sums, copies])
         for variable, total, count in zip(targets, sums, copies, strict=True):
             variable.assign((np.asarray(total) / max(count, 1.0)).astype(variable.dtype))
-        user.iterations.assign(self.replicas[0].optimizer.iterations.value)
 
 
 @dataclasses.dataclass
@@ -561,6 +560,9 @@ class _StepProgram:
         # (pipeline, stage) -> which of its weights' gradients are sparse (IndexedSlices).
         self.sparse: dict[tuple[int, int], list[bool]] = {}
         self._passes = None  # the passes' program, built when the step is first traced
+        # The last stage's micro-batches' own counts (masked losses), as traced; None: none.
+        self.counts: list[tf.Tensor] = []
+        self.counted = False
         self.function = tf.function(self.step)
 
     def passes(self, times) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
@@ -622,7 +624,9 @@ class _StepProgram:
             grads = []
             for variable, sparse in zip(r.trainable, self.sparse[key], strict=True):
                 if sparse:
-                    grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], variable.shape))
+                    # A tensor: Keras's sparse ops (RMSprop's divide) read its dtype.
+                    shape = tf.constant(np.asarray(variable.shape, np.int64))
+                    grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], shape))
                     at += 2
                 else:
                     grads.append(outputs[at])
@@ -631,8 +635,11 @@ class _StepProgram:
             at += len(r.non_trainable)
             results[key] = _Result(grads, statistics, outputs[at])
             at += 1
+        count = None
+        if self.counted:  # the step's count over its micro-batches and pipelines
+            count, at = outputs[at], at + 1
         state = outputs[at:]
-        updates = self._update(results)
+        updates = self._update(results, count)
         with tf.control_dependencies(updates):
             state = [tf.identity(s) for s in state]
         times = {f"{p}_{s}": results[p, s].times for p, s in keys}
@@ -650,6 +657,7 @@ class _StepProgram:
         x, y, sample_weight = unpack(batch)
         state = [tf.zeros(v.shape, v.dtype) for v in runner.metric_variables]
         live: dict[tuple[int, int], _Passes] = {}
+        self.counts = []
         self.mailbox = {}
         self._traced_boundaries = self._trace_boundaries(x)
         at = batch_length
@@ -685,6 +693,9 @@ class _StepProgram:
             for g in own.grads or []:
                 outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
             outputs += [*own.statistics, tf.stack(own.times)]
+        self.counted = bool(self.counts)
+        if self.counted:
+            outputs.append(tf.add_n([tf.cast(c, tf.float32) for c in self.counts]))
         outputs += state
         return self.transfers.after_sends(outputs)
 
@@ -717,8 +728,16 @@ class _StepProgram:
             regularization = tf.add_n(losses) / self.options.micro_batches if losses else None
             if last:
                 y_m, w_m = self._micro(y, r.pipeline, m), self._micro(sample_weight, r.pipeline, m)
-                loss = compat.compiled_loss(model)(y_m, outputs, w_m)
-                objective = loss / self.options.micro_batches
+                with loss_normalisation.global_batch(), loss_normalisation.recorded() as counts:
+                    loss = compat.compiled_loss(model)(y_m, outputs, w_m)
+                if counts:
+                    # Divided by its own count (a mask's, or its weights'): the micro-batch's
+                    # sum, divided by the whole step's count at the update, as one device.
+                    self._check_counted(counts, regularization)
+                    self.counts.append(counts[0])
+                    objective = loss * tf.cast(counts[0], loss.dtype)
+                else:
+                    objective = loss / self.options.micro_batches
                 if regularization is not None:
                     objective = objective + regularization
         own.statistics = list(statistics)
@@ -738,6 +757,25 @@ class _StepProgram:
         if not last:
             self._send(r, m, "F", outputs)
         return outputs, state
+
+    def _check_counted(self, counts: list, regularization) -> None:
+        """Refuses what a micro-batch's count cannot normalise over the whole step: several
+        losses (each its own count), a penalty beside the loss (it would be divided by the
+        count too), stages across worker processes (the count is the last stage's)."""
+        problem = None
+        if len(counts) > 1 or len(self.model.outputs) > 1:
+            problem = "a model of several outputs (each loss needs its own count)"
+        elif regularization is not None:
+            problem = "a penalty (a regulariser or add_loss) in the last stage's layers"
+        elif self.runner.processes > 1:
+            problem = "stages in several worker processes (only the last stage knows the count)"
+        if problem is not None:
+            raise StageError(
+                "A pipeline divides a masked (or weight-reduced) loss by the whole step's "
+                "count of unmasked elements, as one device does; it cannot with "
+                f"{problem}. Use Keras's default reduction without a mask, shard_optimizer="
+                f"'zero3' instead of the pipeline, or one process. Received: {problem}"
+            )
 
     def _begin(self, own: _Passes, arrived):
         """Marks a pass's start, once its input has arrived and the stage's previous pass
@@ -779,12 +817,17 @@ class _StepProgram:
             return grads[-1]
         return updates.dense_part(own.grads[0]) if own.grads else tf.constant(0.0)
 
-    def _update(self, results: dict[tuple[int, int], _Result]) -> list[tf.Tensor]:
+    def _update(self, results: dict[tuple[int, int], _Result], count=None) -> list[tf.Tensor]:
         """Each replica's gradients summed over the stages that hold the weight (tied
-        weights) and averaged over the pipelines, then one optimizer step."""
+        weights) and averaged over the pipelines, then one optimizer step. With `count`
+        (the step's count of unmasked elements), the summed gradients are of the loss's
+        sums: divided by it instead."""
         runner, pipelines = self.runner, self.runner.pipelines
         user = self.model.optimizer
-        schedule_lr = compat.learning_rate_schedule(user) is not None
+        # The user's optimizer counts the steps (callbacks read its iterations) and gives
+        # each step's rate: a callback may have changed it since the last step.
+        step = tf.identity(user.iterations.value)
+        learning_rate = updates.learning_rate_at(user, step)
         done = []
         for (pipeline, index), result in results.items():
             r = self.local[pipeline, index]
@@ -803,12 +846,16 @@ class _StepProgram:
                         )
                         for i in r.stage.trainable
                     ]
-            if pipelines > 1:
+            if count is not None:
+                grads = [_scaled(g, 1.0 / count) for g in grads]
+            elif pipelines > 1:
                 grads = [_scaled(g, 1.0 / pipelines) for g in grads]
             with tf.device(r.device):
-                done.append(_apply(r.optimizer, grads, r.trainable, user, schedule_lr))
+                done.append(_apply(r.optimizer, grads, r.trainable, step, learning_rate))
                 for variable, value in zip(r.non_trainable, result.statistics, strict=True):
                     variable.assign(value)
+        with tf.control_dependencies(done):
+            done.append(user.iterations.assign_add(1))
         return done
 
     def _summed_between_processes(self, r: _StageReplica, grads: list) -> list:
@@ -895,12 +942,12 @@ def _scaled(g, factor: float):
     return g * tf.cast(factor, g.dtype)
 
 
-def _apply(optimizer, grads, variables, user, schedule_lr: bool) -> tf.Tensor:
-    """One step of a stage's optimizer copy, counted."""
-    if not schedule_lr:  # a callback may have changed the user's rate
-        optimizer.learning_rate = user.learning_rate
+def _apply(optimizer, grads, variables, step, learning_rate) -> tf.Tensor:
+    """One step of a stage's optimizer copy: the user's `step` (Adam's bias correction reads
+    it) at the user's `learning_rate`."""
+    optimizer.iterations.assign(tf.cast(step, optimizer.iterations.dtype))
     updates.update_step(
-        optimizer, grads, variables, learning_rate=optimizer.learning_rate,
+        optimizer, grads, variables, learning_rate=learning_rate,
         weight_decay=optimizer.weight_decay or 0.0,
     )  # fmt: skip
     return optimizer.iterations.assign_add(1)

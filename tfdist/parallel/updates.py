@@ -22,6 +22,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.strategies import ReplicaLayout
+from tfdist.training import sparse_rows
 
 
 def outside_strategy(build: Callable):
@@ -88,6 +89,19 @@ def check_copyable(optimizer, *, who: str, error: type[FitError] = FitError) -> 
             "accumulate_steps, accumulate instead). "
             f"Received: gradient_accumulation_steps={optimizer.gradient_accumulation_steps}"
         )
+
+
+def learning_rate_at(optimizer, iterations):
+    """The learning rate the user's `optimizer` gives the step `iterations` counts: its
+    schedule's value there (the schedule it holds now: a callback may replace it), or its
+    rate as it is now (a callback may assign it). A copy's own rate is never read: it was
+    the user's when the copy was made."""
+    rate = compat.learning_rate_schedule(optimizer)
+    if isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+        return rate(iterations)
+    if isinstance(rate, keras.Variable):
+        return rate.value
+    return rate() if callable(rate) else rate
 
 
 def update_step(optimizer, grads, variables, *, learning_rate, weight_decay) -> None:
@@ -188,6 +202,20 @@ class StandIn:
     def read_value(self):
         return self.__tf_tensor__()
 
+    # What Keras's Variable hands to its storage (`self.value.<op>`): a stand-in answers as
+    # the tensor it stands for, so `self.pos[None]` or `-self.scale` reads the weight.
+    def __getitem__(self, index):
+        return self.read()[index]
+
+    def __neg__(self):
+        return -self.read()
+
+    def __abs__(self):
+        return abs(self.read())
+
+    def __invert__(self):
+        return ~self.read()
+
     def read_after_update(self) -> tf.Tensor:
         """A tensor that exists once this replica's variable has its new value (a step's
         clock reads it; reading the weight itself could gather it again)."""
@@ -217,18 +245,10 @@ def one_replica_per_process(
 
 
 def added(a, b):
-    """Two gradients of one weight, added. Sparse ones (an Embedding's looked-up rows) keep
-    every row of both: Keras's optimizers apply each row (Adam squares each one apart), and
-    this is what the whole batch's gradient holds for ids looked up per example, and what
-    Keras's own distributed fit holds for ids every replica looks up (positions). Between
-    worker processes the ring sums them dense (see `_update`)."""
-    if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
-        if not (isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices)):
-            return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
-        return tf.IndexedSlices(
-            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
-        )
-    return a + b
+    """Two gradients of one weight (two micro-batches', two pipelines'), added as one
+    device's tape holds them for both together (tfdist.training.sparse_rows). Between worker
+    processes the ring sums them dense (see the pipeline's `_update`)."""
+    return sparse_rows.added(a, b)
 
 
 def dense_part(g) -> tf.Tensor:

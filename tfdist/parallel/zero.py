@@ -61,7 +61,8 @@ from tfdist.collective.ring import (
 )
 from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel import host, updates
+from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
 STAGES = (1, 2)
@@ -245,6 +246,14 @@ class ShardedUpdate(StepHook):
         self.model, self.strategy = model, runner.strategy
         if self.already_built(model, runner):
             return  # a later fit: the slices keep the optimizer's state
+        if host.hosted(model):
+            raise ShardingError(
+                f"{self.name} keeps every weight on every replica and shards only the "
+                "optimizer's state (and gradients), but this model was built in "
+                "tfdist.host_scope, which holds its weights on the host. Build it under "
+                "strategy.scope() for zero1/zero2, or train it with shard_optimizer='zero3'. "
+                f"Received: {self.name} on a host_scope model"
+            )
         optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
         self.optimizer = optimizer
         variables = list(model.trainable_variables)
@@ -320,7 +329,7 @@ class ShardedUpdate(StepHook):
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: this hook applies the update itself
-        grads = [g for g, _ in grads_and_vars]
+        grads = sparse_rows.summed_on_first_replica([g for g, _ in grads_and_vars])
         overflow = tf.constant(0.0)
         if self.scaling is not None:  # mixed_float16: unscale, and note an overflow
             scale = tf.cast(self.scaling.dynamic_scale, tf.float32)
@@ -331,9 +340,25 @@ class ShardedUpdate(StepHook):
         present = [g is not None for g in grads]
         # A gradient that is None stays out (zeros travel for it, and its variable is left
         # alone, as Keras leaves it).
-        given = [tf.convert_to_tensor(g) for g in grads if g is not None]
         context = tf.distribute.get_replica_context()
-        return context.merge_call(self._update, args=(given, overflow), kwargs={"present": present})
+        # An Embedding's rows of ids read from the batch stay apart, as one device's tape
+        # holds them (Adam squares each): gathered from every replica, not summed dense.
+        rows = {}
+        for i, g in enumerate(grads):
+            if isinstance(g, tf.IndexedSlices):
+                values = context.all_gather(g.values, axis=0)
+                indices = context.all_gather(tf.cast(g.indices, tf.int64), axis=0)
+                rows[i] = (values, indices)
+        given = [
+            tf.zeros(v.shape, self.dtype)  # its rows travel apart
+            if i in rows
+            else tf.ensure_shape(tf.convert_to_tensor(g), v.shape)
+            for i, (g, (_, v)) in enumerate(zip(grads, grads_and_vars, strict=True))
+            if g is not None
+        ]
+        return context.merge_call(
+            self._update, args=(given, overflow), kwargs={"present": present, "rows": rows}
+        )
 
     def _finite(self, strategy, overflow) -> tf.Tensor | None:
         """Whether no replica's gradients overflowed (None: no loss scaling). One small
@@ -344,7 +369,7 @@ class ShardedUpdate(StepHook):
         total = self.ring.all_reduce(tf.reshape(local, [1]))[0] if self.ring else local
         return tf.equal(total, 0.0)
 
-    def _update(self, strategy, given, overflow, present: list[bool]):
+    def _update(self, strategy, given, overflow, present: list[bool], rows: dict):
         """In cross-replica context: bucket by bucket, reduce, update each local replica's
         slice, gather, write back. Each bucket starts when the previous one is written, so
         what the update holds beside the gradients is one bucket's worth. Under loss
@@ -374,8 +399,18 @@ class ShardedUpdate(StepHook):
                     with tf.device(replica.device):
                         updated.append(
                             replica.update(
-                                b, grad, weights[d], present, learning_rate, weight_decay, finite
-                            )
+                                b,
+                                grad,
+                                weights[d],
+                                present,
+                                learning_rate,
+                                weight_decay,
+                                finite,
+                                rows={
+                                    i: tuple(strategy.experimental_local_results(t)[d] for t in r)
+                                    for i, r in rows.items()
+                                },
+                            )  # fmt: skip
                         )
                 wholes = self._gathered(partition, updated)
                 written = []
@@ -548,7 +583,9 @@ class _LocalReplica:
         count = self.optimizer.iterations
         return count.value.assign(tf.cast(iterations, count.dtype), read_value=False)
 
-    def update(self, bucket, grad, weights, present, learning_rate, weight_decay, finite=None):
+    def update(
+        self, bucket, grad, weights, present, learning_rate, weight_decay, finite=None, rows=None
+    ):
         """Applies `grad` (this replica's summed chunk of `bucket`) to its pieces of `weights`
         (the model's variables on this device) and returns the updated chunk, packed. The
         pieces take the weights' values first, so whatever set the weights (a restore,
@@ -567,6 +604,8 @@ class _LocalReplica:
                 size = piece.end - piece.start
                 if present[piece.index]:
                     g = tf.reshape(grad[at : at + size], piece.shape)
+                    if rows and piece.index in rows:  # every replica's rows, kept apart
+                        g = _rows_of_piece(*rows[piece.index], piece, weights[piece.index])
                     lr = tf.cast(learning_rate, variable.dtype)
                     if self.decays[piece.index]:  # decoupled decay, first (Keras's order)
                         wd = tf.cast(weight_decay, variable.dtype)
@@ -587,6 +626,24 @@ class _LocalReplica:
         return sum(
             int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables.values()
         )
+
+
+def _rows_of_piece(values, indices, piece: Piece, variable) -> tf.IndexedSlices:
+    """A sparse gradient's rows (every replica's, gathered) as the gradient of `piece`: the
+    rows themselves for a whole variable; for a flat range, each looked-up element that
+    falls in it, kept apart (an elementwise optimizer takes them as it takes the rows)."""
+    shape = tuple(variable.shape)
+    if piece.shape == shape:
+        return tf.IndexedSlices(values, indices, tf.constant(shape, tf.int64))
+    width = int(np.prod(shape[1:], dtype=np.int64))
+    where = tf.reshape(indices[:, None] * width + tf.range(width, dtype=tf.int64)[None, :], [-1])
+    flat = tf.reshape(values, [-1])
+    keep = (where >= piece.start) & (where < piece.end)
+    return tf.IndexedSlices(
+        tf.boolean_mask(flat, keep),
+        tf.boolean_mask(where, keep) - piece.start,
+        tf.constant([piece.end - piece.start], tf.int64),
+    )
 
 
 def slot_bytes(optimizer) -> int:

@@ -58,6 +58,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.parallel import host, updates
 from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
+from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
 NAME = "shard_optimizer='zero3'"
@@ -302,8 +303,12 @@ class ShardedParameters(StepHook):
             for i in sparse:
                 values = tf.concat([e.values for e in entries[i]], 0)
                 where = tf.concat([e.where for e in entries[i]], 0)
-                values = context.all_gather(values, axis=0)
-                where = context.all_gather(where, axis=0)
+                if sparse_rows.batch_independent(where):
+                    # The same ids on every replica: one device's rows are their sum.
+                    values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+                else:
+                    values = context.all_gather(values, axis=0)
+                    where = context.all_gather(where, axis=0)
                 out[i] = _in_range(values, where, rank * self.lengths[i], self.lengths[i])
         return out
 

@@ -125,7 +125,26 @@ def why_not_keras(model: keras.Model) -> Reason | None:
     strategy = compat.strategy_of(model)
     if strategy is None and tf.distribute.has_strategy():
         strategy = tf.distribute.get_strategy()
-    return None if strategy is None else why_keras_cannot_train(strategy)
+    if strategy is None:
+        return None
+    if _held_on_the_host(model, strategy):
+        return Reason(
+            "it was built in tfdist.host_scope, which keeps its weights in host memory "
+            "for tfdist's sharded modes (shard_optimizer='zero3', a Pipeline), where Keras's "
+            "fit cannot update them",
+            frozenset({"fit"}),
+        )
+    return why_keras_cannot_train(strategy)
+
+
+def _held_on_the_host(model: keras.Model, strategy: tf.distribute.Strategy) -> bool:
+    """Whether a model made under a strategy of several replicas holds plain variables (one
+    copy on the host, made in tfdist.host_scope) where the strategy would mirror them."""
+    mirrors = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    if not isinstance(strategy, mirrors) or strategy.num_replicas_in_sync < 2 or not model.built:
+        return False
+    weights = model.trainable_variables
+    return bool(weights) and not isinstance(weights[0].value, tf.distribute.DistributedValues)
 
 
 def _guarded(name: str, method: Callable[..., Any]) -> Callable[..., Any]:

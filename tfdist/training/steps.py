@@ -28,6 +28,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
+from tfdist.training import sparse_rows
 from tfdist.training.runner import StepHook
 
 # Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.
@@ -200,8 +201,9 @@ class _Patch:
         )
 
         def link(i: int, pairs_now):
-            if i == len(hooks):
-                return self.original([g for g, _ in pairs_now], [v for _, v in pairs_now])
+            if i == len(hooks):  # Keras's apply: it sums the gradients over the replicas
+                grads = sparse_rows.summed_on_first_replica([g for g, _ in pairs_now])
+                return self.original(grads, [v for _, v in pairs_now])
             return hooks[i].apply(list(pairs_now), lambda p: link(i + 1, p))
 
         return link(0, list(zip(grads, variables, strict=True)))

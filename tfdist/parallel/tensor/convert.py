@@ -12,6 +12,7 @@ import numpy as np
 
 from tfdist import compat
 from tfdist.parallel.tensor.layers import (
+    SEPARABLE_REGULARIZERS,
     ColumnParallelDense,
     ParallelEmbedding,
     ParallelMultiHeadAttention,
@@ -185,18 +186,23 @@ def _split(layer, degree, *, column: bool = False, row: bool = False) -> _Split 
     """The split layer that stands for `layer` (unbuilt), or None if it is not split."""
     config = layer.get_config()
     if column or row:
+        _check_splittable(layer, ("kernel_regularizer", "bias_regularizer"))
         return (ColumnParallelDense if column else RowParallelDense)(
             config["units"], activation=config["activation"], use_bias=config["use_bias"],
+            kernel_regularizer=layer.kernel_regularizer, bias_regularizer=layer.bias_regularizer,
             tensor_parallel=degree, name=layer.name,
         )  # fmt: skip
     if isinstance(layer, keras.layers.Embedding):
+        _check_splittable(layer, ("embeddings_regularizer",))
         return ParallelEmbedding(
             config["input_dim"], config["output_dim"], mask_zero=config.get("mask_zero", False),
+            embeddings_regularizer=layer.embeddings_regularizer,
             tensor_parallel=degree, name=layer.name,
         )  # fmt: skip
     if isinstance(layer, keras.layers.MultiHeadAttention) and config["attention_axes"] in (
         None, (1,), [1],
     ):  # fmt: skip
+        _check_splittable(layer, ())
         return ParallelMultiHeadAttention(
             config["num_heads"], config["key_dim"], value_dim=config["value_dim"],
             dropout=config["dropout"], use_bias=config["use_bias"],
@@ -206,16 +212,45 @@ def _split(layer, degree, *, column: bool = False, row: bool = False) -> _Split 
     return None
 
 
+def _check_splittable(layer, regularizers: tuple[str, ...]) -> None:
+    """Refuses a layer whose split would silently change its math: a constraint or an
+    activity regularizer (they read whole weights or outputs a part does not hold), or a
+    weight penalty that is not a sum over elements (only such a penalty splits into
+    parts). `regularizers` are the layer's attributes the split layer carries."""
+    config = layer.get_config()
+    problems = []
+    for key, value in config.items():
+        if value is None:
+            continue
+        if key.endswith("_constraint") or key == "activity_regularizer":
+            problems.append(key)
+        elif key.endswith("_regularizer"):
+            held = getattr(layer, key, None)
+            if key not in regularizers or not isinstance(held, SEPARABLE_REGULARIZERS):
+                problems.append(key)
+    if problems:
+        received = ", ".join(f"{k}={config[k]!r}" for k in problems)
+        raise TensorParallelError(
+            f"Cannot split {type(layer).__name__} {layer.name!r} without changing what it "
+            f"computes: {', '.join(problems)} reads its whole weight or output, which no "
+            "part holds (a Dense or Embedding may keep an L1, L2 or L1L2 weight penalty). "
+            f"Drop it from the layer, or leave the layer unsplit. Received: {received}"
+        )
+
+
 def _dense_twin(layer):
     """The plain Keras layer a split one stands for (unbuilt), or None."""
     if isinstance(layer, _SplitDense):
         return keras.layers.Dense(
-            layer.units, activation=layer.activation, use_bias=layer.use_bias, name=layer.name
-        )
+            layer.units, activation=layer.activation, use_bias=layer.use_bias,
+            kernel_regularizer=layer.kernel_regularizer, bias_regularizer=layer.bias_regularizer,
+            name=layer.name,
+        )  # fmt: skip
     if isinstance(layer, ParallelEmbedding):
         return keras.layers.Embedding(
-            layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero, name=layer.name
-        )
+            layer.input_dim, layer.output_dim, mask_zero=layer.mask_zero,
+            embeddings_regularizer=layer.embeddings_regularizer, name=layer.name,
+        )  # fmt: skip
     if isinstance(layer, ParallelMultiHeadAttention):
         return keras.layers.MultiHeadAttention(
             layer.num_heads, layer.key_dim, value_dim=layer.value_dim, dropout=layer.dropout,

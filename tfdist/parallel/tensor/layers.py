@@ -74,8 +74,9 @@ class _Split(keras.layers.Layer):
         self.tensor_parallel = degree
         return devices, degree
 
-    def _split_weight(self, name: str, whole: np.ndarray, axis: int) -> None:
-        """Creates the parts of weight `name` from its whole value, split along `axis`."""
+    def _split_weight(self, name: str, whole: np.ndarray, axis: int, regularizer=None) -> None:
+        """Creates the parts of weight `name` from its whole value, split along `axis`, each
+        penalised by its share of `regularizer` (an elementwise one: L1, L2, L1L2)."""
         devices, degree = self._placement()
         if whole.shape[axis] % degree:
             raise TensorParallelError(
@@ -100,6 +101,9 @@ class _Split(keras.layers.Layer):
 
         self._parts[name] = updates.outside_strategy(make)
         self._axes[name] = axis
+        if regularizer is not None:
+            for replica, variable in enumerate(self._parts[name]):
+                variable.regularizer = _PartPenalty(self, regularizer, replica)
         setattr(self, f"_{name}_parts", self._parts[name])  # tracked: in the model's weights
 
     def part(self, name: str):
@@ -136,6 +140,32 @@ class _Split(keras.layers.Layer):
         return {**super().get_config(), "tensor_parallel": self.tensor_parallel}
 
 
+SEPARABLE_REGULARIZERS = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+
+
+class _PartPenalty:
+    """A part's share of its whole weight's penalty, as Keras's loss collects it from every
+    weight of the model (each replica's step sees every replica's parts).
+
+    In a replica's step only the parts it holds count, each T times: a part's gradient is
+    summed over the D replicas holding it, each loss scaled by 1/(T x D), so the penalty's
+    gradient is the whole penalty's, and the logged loss (the replicas' mean) holds the
+    whole penalty once. Outside a step the first group's parts make up the whole weight.
+    """
+
+    def __init__(self, layer: _Split, regularizer, replica: int):
+        self.layer, self.regularizer, self.replica = layer, regularizer, replica
+
+    def __call__(self, value):
+        where = replica_in_step()
+        degree = self.layer.tensor_parallel
+        held = self.replica < degree if where is None else where[0] == self.replica
+        if not held:  # not read: another replica's part
+            return tf.zeros((), self.layer.variable_dtype)
+        penalty = self.regularizer(value)
+        return penalty if where is None else degree * penalty
+
+
 def _initial(initializer, shape, dtype) -> np.ndarray:
     # Eagerly, also when Keras first builds the layer while tracing a block's call.
     with tf.init_scope():
@@ -149,10 +179,13 @@ class _SplitDense(_Split):
     def __init__(
         self, units: int, *, activation=None, use_bias: bool = True,
         kernel_initializer="glorot_uniform", bias_initializer="zeros",
+        kernel_regularizer=None, bias_regularizer=None,
         tensor_parallel: int | None = None, **kwargs,
     ):  # fmt: skip
         super().__init__(tensor_parallel=tensor_parallel, **kwargs)
         self.units, self.use_bias = units, use_bias
+        self.kernel_regularizer = keras.regularizers.get(kernel_regularizer)
+        self.bias_regularizer = keras.regularizers.get(bias_regularizer)
         self.supports_masking = True  # a Keras mask passes through, as through Dense
         self.activation = keras.activations.get(activation)
         self.kernel_initializer, self.bias_initializer = kernel_initializer, bias_initializer
@@ -164,6 +197,8 @@ class _SplitDense(_Split):
         return {
             **super().get_config(), "units": self.units, "use_bias": self.use_bias,
             "activation": keras.activations.serialize(self.activation),
+            "kernel_regularizer": keras.regularizers.serialize(self.kernel_regularizer),
+            "bias_regularizer": keras.regularizers.serialize(self.bias_regularizer),
         }  # fmt: skip
 
 
@@ -189,9 +224,11 @@ class ColumnParallelDense(_SplitDense):
 
     def build(self, input_shape):
         shape = (input_shape[-1], self.units)
-        self._split_weight("kernel", _initial(self.kernel_initializer, shape, "float32"), 1)
+        kernel = _initial(self.kernel_initializer, shape, "float32")
+        self._split_weight("kernel", kernel, 1, self.kernel_regularizer)
         if self.use_bias:
-            self._split_weight("bias", _initial(self.bias_initializer, (self.units,), "float32"), 0)
+            bias = _initial(self.bias_initializer, (self.units,), "float32")
+            self._split_weight("bias", bias, 0, self.bias_regularizer)
 
     def call(self, inputs):
         if not self.in_step:
@@ -226,11 +263,13 @@ class RowParallelDense(_SplitDense):
 
     def build(self, input_shape):
         shape = (input_shape[-1], self.units)
-        self._split_weight("kernel", _initial(self.kernel_initializer, shape, "float32"), 0)
+        kernel = _initial(self.kernel_initializer, shape, "float32")
+        self._split_weight("kernel", kernel, 0, self.kernel_regularizer)
         if self.use_bias:
             self.bias = self.add_weight(
-                shape=(self.units,), initializer=self.bias_initializer, name="bias"
-            )
+                shape=(self.units,), initializer=self.bias_initializer, name="bias",
+                regularizer=self.bias_regularizer,
+            )  # fmt: skip
 
     def call(self, inputs):
         kernel = self.part("kernel")
@@ -268,17 +307,20 @@ class ParallelEmbedding(_Split):
 
     def __init__(
         self, input_dim: int, output_dim: int, *, embeddings_initializer="uniform",
-        mask_zero: bool = False, tensor_parallel: int | None = None, **kwargs,
+        embeddings_regularizer=None, mask_zero: bool = False,
+        tensor_parallel: int | None = None, **kwargs,
     ):  # fmt: skip
         super().__init__(tensor_parallel=tensor_parallel, **kwargs)
         self.input_dim, self.output_dim = input_dim, output_dim
+        self.embeddings_regularizer = keras.regularizers.get(embeddings_regularizer)
         self.embeddings_initializer = embeddings_initializer
         self.mask_zero = mask_zero
         self.supports_masking = mask_zero
 
     def build(self, input_shape):
         shape = (self.input_dim, self.output_dim)
-        self._split_weight("embeddings", _initial(self.embeddings_initializer, shape, "float32"), 0)
+        table = _initial(self.embeddings_initializer, shape, "float32")
+        self._split_weight("embeddings", table, 0, self.embeddings_regularizer)
 
     def call(self, inputs):
         ids = tf.cast(inputs, "int32")
@@ -304,6 +346,7 @@ class ParallelEmbedding(_Split):
         return {
             **super().get_config(), "input_dim": self.input_dim, "output_dim": self.output_dim,
             "mask_zero": self.mask_zero,
+            "embeddings_regularizer": keras.regularizers.serialize(self.embeddings_regularizer),
         }  # fmt: skip
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import FitError
+from tfdist.training import sparse_rows
 
 
 class TensorParallelError(FitError):
@@ -147,10 +148,18 @@ def summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
     The dense ones travel packed in one gather. A sparse gradient (an embedding's lookups)
     stays sparse: its rows are gathered, not added, as Keras's own optimizers take them
     (Adam squares each looked-up row's gradient apart, so a densified sum would train
-    differently from Keras on one device).
+    differently from Keras on one device). Rows of ids that do not depend on the batch
+    (positions) are one row per id on one device, summed over the batch: they travel dense
+    (tfdist.training.sparse_rows), as do the group's copies of them on one replica.
     """
+    grads = [
+        tf.convert_to_tensor(g)
+        if isinstance(g, tf.IndexedSlices) and sparse_rows.batch_independent(g.indices)
+        else g
+        for g in grads
+    ]
     if len(copies) == 1:
-        return list(grads)
+        return grads
     out = list(grads)
     dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
     if dense:

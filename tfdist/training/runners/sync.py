@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.cluster import cluster_from_environment
 from tfdist.peers import explain_peer_error
+from tfdist.training import loss_normalisation
 from tfdist.training.batch_norm import MovingStatistics
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.runner import Runner, StepHook
@@ -134,7 +135,10 @@ class SyncRunner(Runner):
         with tf.control_dependencies(_tensors(batch)):
             arrived = tf.timestamp()
         clock = StepClock()
-        with updates_through(self.model.optimizer, [clock, *self.hooks]):
+        with (
+            updates_through(self.model.optimizer, [clock, *self.hooks]),
+            loss_normalisation.global_batch(),
+        ):
             outputs = hooked_train_step(self.model, self.hooks)(batch)
         with tf.control_dependencies(_tensors(outputs)):
             end = tf.timestamp()
