@@ -688,3 +688,19 @@ def test_a_masked_loss_beside_a_penalty_in_the_last_stage_is_one_clear_line():
     pipeline = Pipeline(cut_before=["head"], micro_batches=2)
     with pytest.raises(StageError, match="whole step's count .* a penalty"):
         tfdist.fit(model, padded_tags(), verbose=0, pipeline=pipeline)
+
+
+def test_llama_cut_inside_its_backbone_trains_as_keras_fit_on_one_device():
+    """keras-hub's Llama causal LM (untied: the lookup table in the first stage, the logits'
+    table in the last, one layer in both), Adam, 2 micro-batches: one device's weights. The
+    stage that holds a table it does not read gave dense zeros for it, which turned the
+    other stage's token rows dense: Adam then squared each token's rows summed (0.046)."""
+    reference = keras_hub_models.llama_causal_lm()
+    history = reference.fit(keras_hub_models.token_data(), verbose=0, shuffle=False).history
+    with tfdist.host_scope(mirrored(2)):
+        model = keras_hub_models.llama_causal_lm()
+    cut = f"{model.backbone.name}/transformer_layer_1"
+    pipeline = Pipeline(cut_before=[cut], micro_batches=2)
+    got = tfdist.fit(model, keras_hub_models.token_data(), verbose=0, pipeline=pipeline)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+    assert got.history["loss"] == pytest.approx(history["loss"], abs=1e-5)

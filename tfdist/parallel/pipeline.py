@@ -805,7 +805,7 @@ class _StepProgram:
                 seeds.append(tf.ones_like(forward.regularization))
             grads = forward.tape.gradient(targets, sources, output_gradients=seeds)
         weight_grads = [
-            g if g is not None else tf.zeros_like(w)
+            g if g is not None else _no_rows(w)
             for g, w in zip(grads[: len(own.weights)], own.weights, strict=True)
         ]
         if own.grads is None:
@@ -932,6 +932,20 @@ class _StepProgram:
             spec.shape, dtype=spec.dtype, group_key=self._link(r.pipeline, low),
             key=self._key(m, kind),
         )  # fmt: skip
+
+
+def _no_rows(weight) -> tf.Tensor | tf.IndexedSlices:
+    """The gradient of a weight this stage holds but does not use (a tied layer's weight
+    another stage reads): no rows, so that added to the other holder's sparse rows it keeps
+    them apart as one device's tape does (dense zeros would sum them: Adam then squares
+    each token's rows together, 0.03 from one device on keras-hub's Llama)."""
+    if weight.shape.rank == 0:
+        return tf.zeros_like(weight)
+    return tf.IndexedSlices(
+        tf.zeros([0, *weight.shape[1:]], weight.dtype),
+        tf.zeros([0], tf.int64),
+        tf.constant(weight.shape.as_list(), tf.int64),
+    )
 
 
 def _scaled(g, factor: float):

@@ -71,8 +71,9 @@ def added(a, b):
     if isinstance(a, tf.IndexedSlices) and isinstance(b, tf.IndexedSlices):
         if _same_ids(a, b):
             return tf.IndexedSlices(a.values + b.values, a.indices, a.dense_shape)
+        indices = [tf.cast(a.indices, tf.int64), tf.cast(b.indices, tf.int64)]
         return tf.IndexedSlices(
-            tf.concat([a.values, b.values], 0), tf.concat([a.indices, b.indices], 0), a.dense_shape
+            tf.concat([a.values, b.values], 0), tf.concat(indices, 0), a.dense_shape
         )
     if isinstance(a, tf.IndexedSlices) or isinstance(b, tf.IndexedSlices):
         return tf.convert_to_tensor(a) + tf.convert_to_tensor(b)
