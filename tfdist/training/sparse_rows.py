@@ -106,6 +106,10 @@ def summed_on_first_replica(grads: Sequence[Any]) -> list[Any]:
     context = tf.distribute.get_replica_context()
     if context is None or context.num_replicas_in_sync == 1:
         return list(grads)
+    if isinstance(tf.distribute.get_strategy(), tf.distribute.TPUStrategy):
+        # The replicas are one XLA program, whose shapes cannot depend on the replica:
+        # tf.distribute's rows there, as Keras's own fit has them.
+        return list(grads)
     chosen = [
         i
         for i, g in enumerate(grads)
