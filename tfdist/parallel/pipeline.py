@@ -560,9 +560,9 @@ class _StepProgram:
         # (pipeline, stage) -> which of its weights' gradients are sparse (IndexedSlices).
         self.sparse: dict[tuple[int, int], list[bool]] = {}
         self._passes = None  # the passes' program, built when the step is first traced
-        # The last stage's micro-batches' own counts (masked losses), as traced; None: none.
+        # The last stage's micro-batches' own counts (masked losses), as traced: empty for
+        # a loss that divides by its micro-batch's size.
         self.counts: list[tf.Tensor] = []
-        self.counted = False
         self.function = tf.function(self.step)
 
     def passes(self, times) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
@@ -636,7 +636,7 @@ class _StepProgram:
             results[key] = _Result(grads, statistics, outputs[at])
             at += 1
         count = None
-        if self.counted:  # the step's count over its micro-batches and pipelines
+        if self.counts:  # the step's count over its micro-batches and pipelines
             count, at = outputs[at], at + 1
         state = outputs[at:]
         updates = self._update(results, count)
@@ -693,8 +693,7 @@ class _StepProgram:
             for g in own.grads or []:
                 outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
             outputs += [*own.statistics, tf.stack(own.times)]
-        self.counted = bool(self.counts)
-        if self.counted:
+        if self.counts:
             outputs.append(tf.add_n([tf.cast(c, tf.float32) for c in self.counts]))
         outputs += state
         return self.transfers.after_sends(outputs)

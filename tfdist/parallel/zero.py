@@ -329,7 +329,8 @@ class ShardedUpdate(StepHook):
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: this hook applies the update itself
-        grads = sparse_rows.summed_on_first_replica([g for g, _ in grads_and_vars])
+        # Positions' rows are summed with the dense gradients; tokens' rows stay apart below.
+        grads = sparse_rows.independent_made_dense([g for g, _ in grads_and_vars])
         overflow = tf.constant(0.0)
         if self.scaling is not None:  # mixed_float16: unscale, and note an overflow
             scale = tf.cast(self.scaling.dynamic_scale, tf.float32)

@@ -97,6 +97,18 @@ def scaled(grad, factor):
     return grad * tf.cast(factor, grad.dtype)
 
 
+def independent_made_dense(grads: Sequence[Any]) -> list[Any]:
+    """`grads` with each sparse gradient of batch-independent ids made dense: for an
+    exchange that sums dense gradients (a sharded update's reduce-scatter, the tensor parts'
+    sum), where one device's one row per id is the parts' rows added."""
+    return [
+        tf.convert_to_tensor(g)
+        if isinstance(g, tf.IndexedSlices) and batch_independent(g.indices)
+        else g
+        for g in grads
+    ]
+
+
 def summed_on_first_replica(grads: Sequence[Any]) -> list[Any]:
     """In a replica's step, before its gradients are summed over the replicas by
     concatenating sparse rows (Keras's apply, a sharded update's gather): each sparse

@@ -152,12 +152,7 @@ def summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
     (positions) are one row per id on one device, summed over the batch: they travel dense
     (tfdist.training.sparse_rows), as do the group's copies of them on one replica.
     """
-    grads = [
-        tf.convert_to_tensor(g)
-        if isinstance(g, tf.IndexedSlices) and sparse_rows.batch_independent(g.indices)
-        else g
-        for g in grads
-    ]
+    grads = sparse_rows.independent_made_dense(grads)
     if len(copies) == 1:
         return grads
     out = list(grads)
