@@ -75,7 +75,11 @@ def test_skips_a_partial_and_a_vanished_checkpoint_and_stops_at_the_final_step(
     with caplog.at_level(logging.INFO, logger="tfdist"):
         records = evaluate_checkpoints(config, poll_seconds=0.1, timeout_seconds=30)
 
-    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    warnings = [  # ours only: TensorFlow may warn of retracing in the same window
+        r.getMessage()
+        for r in caplog.records
+        if r.levelno == logging.WARNING and r.name.startswith("tfdist")
+    ]
     assert len(warnings) == 2, warnings
     assert re.match(r"Skipping checkpoint .*ckpt-2: it cannot be read, it is partial", warnings[0])
     assert re.match(r"Skipping checkpoint .*ckpt-3: it disappeared", warnings[1])
