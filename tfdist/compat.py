@@ -500,6 +500,20 @@ def layer_inputs_in(graph, layer) -> list[list]:
     return [list(node.input_tensors) for node in layer._inbound_nodes if id(node) in nodes]
 
 
+def graph_nodes(graph) -> list:
+    """Every call of a layer (or op) in a `layer_graph`, the model's inputs left out: Keras's
+    nodes, each with `operation`, `input_tensors`, `output_tensors` and `parent_nodes`.
+
+    Why: the same `_nodes_by_depth` as `layer_inputs_in`.
+    """
+    return [
+        node
+        for depth in sorted(graph._nodes_by_depth, reverse=True)
+        for node in graph._nodes_by_depth[depth]
+        if not isinstance(node.operation, keras.layers.InputLayer)
+    ]
+
+
 def tensors_taken(graph) -> set[int]:
     """The ids of every symbolic tensor some layer of a `layer_graph` takes.
 

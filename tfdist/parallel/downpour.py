@@ -140,8 +140,8 @@ class _ReplicaStep:
                 weights[stage.index] = [tf.identity(trainable[i].value) for i in stage.trainable]
                 stats[stage.index] = [tf.identity(statistics[i].value) for i in stage.non_trainable]
         saved: dict[tuple[int, int], tuple] = {}
-        outputs: dict[tuple[int, int], tf.Tensor] = {}  # (stage, m): its forward's output
-        upstream: dict[tuple[int, int], tf.Tensor] = {}  # (stage, m): its input's gradient
+        crossed: dict[tuple[int, int], list] = {}  # (stage, m): what crosses the cut after it
+        upstream: dict[tuple[int, int], list] = {}  # (stage, m): the gradients coming back
         grads: dict[int, object] = {}  # position in trainable -> the summed gradient
         last_end: dict[int, list] = collections.defaultdict(list)  # device -> its last pass
         last = len(runner.stages) - 1
@@ -150,21 +150,21 @@ class _ReplicaStep:
             stage = runner.stages[k]
             with tf.device(self.device(k)):
                 if p.kind == "F":
-                    inputs = (
-                        self.micro(x, p.micro_batch) if k == 0 else outputs[k - 1, p.micro_batch]
-                    )
-                    inputs = _after(last_end[d], inputs)
-                    given = inputs
-                    if stage.inputs:  # the model's inputs a later stage reads (a mask, say)
+                    if k == 0:
+                        inputs = _after(last_end[d], self.micro(x, p.micro_batch))
+                        given, mask = inputs, None
+                    else:  # what crossed the cut, and the model's inputs it reads
+                        inputs = _after(last_end[d], crossed.pop((k - 1, p.micro_batch)))
                         flat = tf.nest.flatten(self.micro(x, p.micro_batch))
-                        given = [inputs, *(flat[j] for j in stage.inputs)]
+                        given, mask = stage.call_args(inputs, flat)
                     with tf.GradientTape() as tape:
                         tape.watch(weights[k])
                         if k:
-                            tape.watch(inputs)
+                            tape.watch(stage.watched(inputs))
                         out, new_stats, losses = stage.model.stateless_call(
-                            weights[k], stats[k], given, training=True, return_losses=True
-                        )
+                            weights[k], stats[k], given, training=True, return_losses=True,
+                            **({} if mask is None else {"mask": mask}),
+                        )  # fmt: skip
                         regularization = tf.add_n(losses) / self.micro_batches if losses else None
                         objective = None
                         if k == last:
@@ -196,29 +196,37 @@ class _ReplicaStep:
                             regularization * self.micro_batches * size,
                         )
                     saved[k, p.micro_batch] = (tape, inputs, out, regularization, objective)
-                    outputs[k, p.micro_batch] = out
-                    last_end[d] = [out]
+                    if k < last:
+                        crossed[k, p.micro_batch] = stage.passed_on(out, inputs if k else [])
+                    last_end[d] = tf.nest.flatten(out)
                 else:
                     tape, inputs, out, regularization, objective = saved.pop((k, p.micro_batch))
-                    sources = list(weights[k]) + ([inputs] if k else [])
+                    sources = [*weights[k], *(stage.watched(inputs) if k else [])]
+                    passed = {}
                     if objective is not None:
                         with tf.control_dependencies(last_end[d]):
                             got = tape.gradient(objective, sources)
                     else:
-                        seed = _after(last_end[d], upstream.pop((k, p.micro_batch)))
-                        targets, seeds = [out], [seed]
+                        back = _after(last_end[d], upstream.pop((k, p.micro_batch)))
+                        targets, seeds, passed = stage.seeds(out, back)
                         if regularization is not None:
                             targets.append(regularization)
-                            seeds.append(tf.ones_like(regularization))
                             # The penalty is in the loss the optimizer scales.
-                            seeds[-1] = model.optimizer.scale_loss(seeds[-1])
-                        got = tape.gradient(targets, sources, output_gradients=seeds)
-                    for i, g in zip(stage.trainable, got[: len(stage.trainable)], strict=True):
+                            seeds.append(model.optimizer.scale_loss(tf.ones_like(regularization)))
+                        got = (
+                            tape.gradient(targets, sources, output_gradients=seeds)
+                            if targets
+                            else [None] * len(sources)
+                        )
+                    own = got[: len(stage.trainable)]
+                    for i, g in zip(stage.trainable, own, strict=True):
                         if g is not None:
                             grads[i] = g if i not in grads else updates.added(grads[i], g)
+                    ends = [g for g in own if g is not None][:1]
                     if k:
-                        upstream[k - 1, p.micro_batch] = got[-1]
-                    ends = [got[-1]] if k else [g for g in got if g is not None][:1]
+                        back = stage.sent_back(got[len(stage.trainable) :], inputs, passed)
+                        upstream[k - 1, p.micro_batch] = back
+                        ends = back or ends
                     last_end[d] = [updates.dense_part(g) for g in ends]
         # The statistics after each stage's last forward pass are the model's (BatchNorm's
         # moving averages), written to the ps as a step of the unsplit model writes them.

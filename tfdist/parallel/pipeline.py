@@ -503,8 +503,8 @@ class _Forward:
     """What a micro-batch's forward pass keeps for its backward pass on the same stage."""
 
     tape: tf.GradientTape
-    inputs: Any  # the stage's input (watched on every stage but the first)
-    outputs: tf.Tensor
+    inputs: Any  # what crossed the cut before the stage (the batch's share on the first)
+    outputs: Any
     regularization: tf.Tensor | None  # the stage's penalty, per micro-batch
     objective: tf.Tensor | None  # the loss term to differentiate: on the last stage only
 
@@ -560,9 +560,10 @@ class _StepProgram:
         # (pipeline, stage) -> which of its weights' gradients are sparse (IndexedSlices).
         self.sparse: dict[tuple[int, int], list[bool]] = {}
         self._passes = None  # the passes' program, built when the step is first traced
-        # The last stage's micro-batches' own counts (masked losses), as traced: empty for
-        # a loss that divides by its micro-batch's size.
+        # The last stage's micro-batches' own counts (masked losses) and (loss sum, size),
+        # as traced: empty for a loss that divides by its micro-batch's size.
         self.counts: list[tf.Tensor] = []
+        self.sums: list[tuple[tf.Tensor, tf.Tensor]] = []
         self.function = tf.function(self.step)
 
     def passes(self, times) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
@@ -657,9 +658,9 @@ class _StepProgram:
         x, y, sample_weight = unpack(batch)
         state = [tf.zeros(v.shape, v.dtype) for v in runner.metric_variables]
         live: dict[tuple[int, int], _Passes] = {}
-        self.counts = []
+        self.counts, self.sums = [], []
         self.mailbox = {}
-        self._traced_boundaries = self._trace_boundaries(x)
+        self._traced_crossings = self._trace_crossings(x)
         at = batch_length
         for key in keys:
             r = self.local[key]
@@ -678,7 +679,7 @@ class _StepProgram:
                     done, state = self._forward(r, p.micro_batch, own, x, y, sample_weight, state)
                 else:
                     done = self._backward(r, p.micro_batch, own)
-                with tf.control_dependencies([done]):
+                with tf.control_dependencies(tf.nest.flatten(done)):
                     end = tf.timestamp()
                 own.times.append(tf.stack([own.start, end]))
                 own.last_end = device_end[r.device] = end
@@ -694,7 +695,12 @@ class _StepProgram:
                 outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
             outputs += [*own.statistics, tf.stack(own.times)]
         if self.counts:
-            outputs.append(tf.add_n([tf.cast(c, tf.float32) for c in self.counts]))
+            count = tf.add_n([tf.cast(c, tf.float32) for c in self.counts])
+            outputs.append(count)
+            # The logged loss: the step's sum over its count, as one device logs its batch's.
+            size = tf.add_n([n for _, n in self.sums])
+            mean = tf.add_n([total for total, _ in self.sums]) / count
+            state = updates.added_to_loss(self.model, runner.metric_variables, state, mean * size)
         outputs += state
         return self.transfers.after_sends(outputs)
 
@@ -708,22 +714,21 @@ class _StepProgram:
         stage, model = r.stage, self.model
         last = stage.index == self.stages - 1
         if stage.first:
-            inputs = self._micro(x, r.pipeline, m)
-        else:
-            inputs = self._receive(r, m, "F", self._boundary_spec(stage.index - 1))
-        inputs = self._begin(own, inputs)
-        given = inputs
-        if stage.inputs:  # the model's inputs this stage reads (a padding mask, say)
+            inputs = self._begin(own, self._micro(x, r.pipeline, m))
+            given, mask = inputs, None
+        else:  # what crossed the cut, and the model's inputs it reads (a padding mask, say)
+            inputs = self._begin(own, self._receive(r, m, "F", self._crossing(stage.index - 1)))
             batch = tf.nest.flatten(self._micro(x, r.pipeline, m))
-            given = [inputs, *(batch[k] for k in stage.inputs)]
+            given, mask = stage.call_args(inputs, batch)
         objective = None
         with tf.GradientTape() as tape:
             tape.watch(own.weights)
             if not stage.first:
-                tape.watch(inputs)
+                tape.watch(stage.watched(inputs))
             outputs, statistics, losses = stage.model.stateless_call(
-                own.weights, own.statistics, given, training=True, return_losses=True
-            )
+                own.weights, own.statistics, given, training=True, return_losses=True,
+                **({} if mask is None else {"mask": mask}),
+            )  # fmt: skip
             regularization = tf.add_n(losses) / self.options.micro_batches if losses else None
             if last:
                 y_m, w_m = self._micro(y, r.pipeline, m), self._micro(sample_weight, r.pipeline, m)
@@ -742,8 +747,12 @@ class _StepProgram:
         own.statistics = list(statistics)
         size = tf.cast(batch_size(outputs), tf.float32)
         if last:
+            logged = loss
+            if counts:  # the step's mean is logged at its end (_all_passes), from the sums
+                self.sums.append((objective, size))
+                logged = tf.zeros_like(loss)
             state = updates.metric_state(
-                self.model, self.runner.metric_variables, state, y_m, outputs, w_m, loss, size
+                self.model, self.runner.metric_variables, state, y_m, outputs, w_m, logged, size
             )
         if regularization is not None:  # the logged loss counts each stage's penalty too
             state = updates.added_to_loss(
@@ -754,7 +763,7 @@ class _StepProgram:
             )
         own.saved[m] = _Forward(tape, inputs, outputs, regularization, objective)
         if not last:
-            self._send(r, m, "F", outputs)
+            self._send(r, m, "F", stage.passed_on(outputs, [] if stage.first else inputs))
         return outputs, state
 
     def _check_counted(self, counts: list, regularization) -> None:
@@ -790,19 +799,25 @@ class _StepProgram:
     def _backward(self, r: _StageReplica, m: int, own: _Passes):
         stage = r.stage
         forward = own.saved.pop(m)
-        sources = list(own.weights) + ([] if stage.first else [forward.inputs])
+        watched = [] if stage.first else stage.watched(forward.inputs)
+        sources = [*own.weights, *watched]
+        passed = {}
         if forward.objective is not None:
             self._begin(own, [])
             with tf.control_dependencies([own.start]):
                 grads = forward.tape.gradient(forward.objective, sources)
         else:
-            upstream = self._receive(r, m, "B", self._boundary_spec(stage.index))
+            upstream = self._receive(r, m, "B", self._crossing(stage.index, back=True))
             upstream = self._begin(own, upstream)
-            targets, seeds = [forward.outputs], [upstream]
+            targets, seeds, passed = stage.seeds(forward.outputs, upstream)
             if forward.regularization is not None:
                 targets.append(forward.regularization)
                 seeds.append(tf.ones_like(forward.regularization))
-            grads = forward.tape.gradient(targets, sources, output_gradients=seeds)
+            grads = (
+                forward.tape.gradient(targets, sources, output_gradients=seeds)
+                if targets
+                else [None] * len(sources)
+            )
         weight_grads = [
             g if g is not None else _no_rows(w)
             for g, w in zip(grads[: len(own.weights)], own.weights, strict=True)
@@ -812,8 +827,10 @@ class _StepProgram:
         else:
             own.grads = [updates.added(a, b) for a, b in zip(own.grads, weight_grads, strict=True)]
         if not stage.first:
-            self._send(r, m, "B", grads[-1])
-            return grads[-1]
+            back = stage.sent_back(grads[len(own.weights) :], forward.inputs, passed)
+            self._send(r, m, "B", back)
+            if back:
+                return back
         return updates.dense_part(own.grads[0]) if own.grads else tf.constant(0.0)
 
     def _update(self, results: dict[tuple[int, int], _Result], count=None) -> list[tf.Tensor]:
@@ -880,57 +897,62 @@ class _StepProgram:
 
     # --- transfers between stages -----------------------------------------------------------------
 
-    def _boundary_spec(self, stage: int) -> tf.TensorSpec:
-        """What stage `stage` gives the next one, for one micro-batch (a transfer between
-        processes needs its whole shape: a sequence length the model leaves open is
-        worked out from the batch, through the stages before)."""
-        out = self.runner.stages[stage].model.outputs[0]
-        shape = [self.micro, *out.shape[1:]]
-        if None in shape:
-            shape = self._traced_boundaries[stage].shape
-        return tf.TensorSpec(shape, out.dtype)
+    def _crossing(self, stage: int, *, back: bool = False) -> list[tf.TensorSpec]:
+        """What crosses the cut after stage `stage` for one micro-batch, forward (its
+        activations and masks) or `back` (the gradients of those that take one). A transfer
+        between processes needs whole shapes: a sequence length the model leaves open is
+        worked out from the batch, through the stages before."""
+        items = self._traced_crossings[stage]
+        if back:
+            differentiable = self.runner.stages[stage].sent.differentiable
+            items = [t for t, d in zip(items, differentiable, strict=True) if d]
+        return [tf.TensorSpec(t.shape, t.dtype) for t in items]
 
-    def _trace_boundaries(self, x) -> list:
-        """Each stage's output (but the last's) for one micro-batch of `x`, symbolically."""
+    def _trace_crossings(self, x) -> list[list]:
+        """What crosses each cut for one micro-batch of `x`, symbolically."""
         given = tf.nest.map_structure(
             lambda t: keras.KerasTensor((self.micro, *t.shape[1:]), t.dtype), x
         )
-        flat, out, found = tf.nest.flatten(given), None, []
+        flat, received, found = tf.nest.flatten(given), [], []
         for stage in self.runner.stages[:-1]:
-            if stage.first:
-                inputs = given
-            else:
-                inputs = [out, *(flat[k] for k in stage.inputs)] if stage.inputs else out
-            out = stage.model.compute_output_spec(inputs)
-            found.append(out)
+            inputs = given if stage.first else stage.call_args(received, flat)[0]
+            received = stage.passed_on(stage.model.compute_output_spec(inputs), received)
+            found.append(received)
         return found
 
     def _link(self, pipeline: int, low_stage: int) -> int:
         """The group key of the link between stages low_stage and low_stage + 1."""
         return LINK_GROUP_KEY_BASE + pipeline * self.stages + low_stage
 
-    @staticmethod
-    def _key(m: int, kind: str) -> int:
-        """A transfer's instance key within the program: one per micro-batch and way."""
-        return 2 * m + (kind == "B")
+    def _key(self, m: int, kind: str, item: int) -> int:
+        """A transfer's instance key within the program: one per micro-batch, way and item
+        of the crossing."""
+        width = max(len(items) for items in self._traced_crossings)
+        return (2 * m + (kind == "B")) * width + item
 
-    def _send(self, r: _StageReplica, m: int, kind: str, tensor) -> None:
+    def _send(self, r: _StageReplica, m: int, kind: str, tensors: list) -> None:
         to = r.stage.index + (1 if kind == "F" else -1)
         if (r.pipeline, to) in self.local:
-            self.mailbox[r.pipeline, to, kind, m] = tensor
+            self.mailbox[r.pipeline, to, kind, m] = tensors
             return
-        low = min(to, r.stage.index)
-        self.transfers.send(tensor, group_key=self._link(r.pipeline, low), key=self._key(m, kind))
+        group = self._link(r.pipeline, min(to, r.stage.index))
+        for item, tensor in enumerate(tensors):
+            self.transfers.send(tensor, group_key=group, key=self._key(m, kind, item))
 
-    def _receive(self, r: _StageReplica, m: int, kind: str, spec: tf.TensorSpec):
+    def _receive(self, r: _StageReplica, m: int, kind: str, specs: list[tf.TensorSpec]) -> list:
         key = (r.pipeline, r.stage.index, kind, m)
         if key in self.mailbox:
-            return tf.identity(self.mailbox.pop(key))  # copied to this device
+            return [tf.identity(t) for t in self.mailbox.pop(key)]  # copied to this device
         low = r.stage.index - 1 if kind == "F" else r.stage.index
-        return self.transfers.receive(
-            spec.shape, dtype=spec.dtype, group_key=self._link(r.pipeline, low),
-            key=self._key(m, kind),
-        )  # fmt: skip
+        return [
+            self.transfers.receive(
+                spec.shape,
+                dtype=spec.dtype,
+                group_key=self._link(r.pipeline, low),
+                key=self._key(m, kind, item),
+            )  # fmt: skip
+            for item, spec in enumerate(specs)
+        ]
 
 
 def _no_rows(weight) -> tf.Tensor | tf.IndexedSlices:

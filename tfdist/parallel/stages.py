@@ -2,8 +2,15 @@
 
 A stage is a sub-model of the user's model that shares its layers (and so its variables):
 stage 0 takes the model's inputs, the last stage gives its outputs, and each stage after the
-first takes the one tensor the stage before gives, plus any of the model's inputs it reads
-(every stage has the batch: a padding mask used by every block needs no transfer).
+first takes what crosses the cut before it, plus any of the model's inputs it reads (every
+stage has the batch: a padding mask used by every block needs no transfer).
+
+What crosses a cut (a `Crossing`) is every tensor made before it and used after it: one
+activation in a chain of blocks, several where branches meet after the cut (an encoder's
+output and a decoder's embedded input), a skip connection's tensor (passed on by the stages
+it skips, as torch's pipelining passes it). A Keras mask an activation carries (from an
+Embedding(mask_zero=True), say) crosses beside it and is attached to it again on the other
+side, so the layers after the cut see the mask they would see in the unsplit model.
 
 A weight that several stages use (tied input and output embeddings, as keras-hub's causal
 LMs have) is held by each of them; the pipeline sums its gradient over them, so the copies
@@ -13,17 +20,21 @@ stay equal (Megatron-LM's tied embeddings). `tied(stages)` names those weights.
     model = chain([stage_0, stage_1, stage_2, stage_3])                # and back
 
 Each bad split gets one error naming what is wrong (a cut at a layer the model does not
-have, cuts out of order, a cut where the data flows around it, stages whose shapes do not
-chain), raised before anything trains.
+have, cuts out of order, a cut before a shared layer, stages whose shapes do not chain),
+raised before anything trains.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import difflib
+import heapq
 from collections.abc import Sequence
+from typing import Any
 
 import keras
+import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
@@ -40,13 +51,18 @@ class Stage:
     Attributes:
       index: its position, 0 for the stage that takes the model's inputs.
       model: a Keras model over the user's model's layers (their variables are shared).
-        Stage 0 takes the model's inputs; a later stage takes the tensor the stage before
-        gives, then the model's inputs listed in `inputs`.
+        Stage 0 takes the model's inputs; a later stage takes the activations of
+        `received`, then the model's inputs listed in `inputs`.
       trainable: positions of its trainable variables in `model.trainable_variables` of the
         whole model, in the stage model's order.
       non_trainable: the same for non-trainable variables (BatchNormalization statistics).
       inputs: positions in the whole model's `inputs` of those a later stage reads from
         the batch (empty for stage 0, which takes them all).
+      received: what crosses the cut before it (None for stage 0). Its model takes the
+        crossing's activations first, then the model's inputs in `inputs`.
+      sent: what crosses the cut after it (None for the last stage).
+      gives: per item of `sent`: `k >= 0` for its model's output k, `~i` for item i of
+        `received`, passed on unchanged (a skip connection over the stage).
     """
 
     index: int
@@ -54,10 +70,86 @@ class Stage:
     trainable: tuple[int, ...]
     non_trainable: tuple[int, ...]
     inputs: tuple[int, ...] = ()
+    received: Crossing | None = None
+    sent: Crossing | None = None
+    gives: tuple[int, ...] = ()
 
     @property
     def first(self) -> bool:
         return self.index == 0
+
+    def call_args(self, received: Sequence, batch: Sequence) -> tuple[Any, Any]:
+        """(inputs, mask) to call this stage's model with, given what arrived over the cut
+        (`received`, one tensor per item) and the model's inputs flattened (`batch`)."""
+        crossing = self.received
+        if crossing is None:
+            raise ValueError("Stage 0 takes the model's inputs as they are")
+        activations = list(received[: crossing.activations])
+        given = [*activations, *(batch[k] for k in self.inputs)]
+        masks = [None if j is None else received[j] for j in crossing.masks]
+        masks += [None] * len(self.inputs)
+        if len(given) == 1:
+            return given[0], masks[0]
+        return given, (masks if any(m is not None for m in masks) else None)
+
+    def passed_on(self, outputs, received: Sequence) -> list:
+        """What crosses the cut after this stage: its outputs and what it passes on."""
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        return [outputs[k] if k >= 0 else received[~k] for k in self.gives]
+
+    def watched(self, received: Sequence) -> list:
+        """The items of `received` a gradient flows back through (a tape watches them)."""
+        return [t for t, d in zip(received, self.received.differentiable, strict=True) if d]
+
+    def seeds(self, outputs, upstream: Sequence) -> tuple[list, list, dict]:
+        """The backward pass's (targets, their gradients, passed): `upstream` holds the
+        gradient of each differentiable item of `sent`, as it came back over the cut; an
+        item this stage passed on has its gradient in `passed`, by the received item."""
+        outputs = outputs if isinstance(outputs, (list, tuple)) else [outputs]
+        targets, seeds, passed = [], [], {}
+        back = iter(upstream)
+        for k, differentiable in zip(self.gives, self.sent.differentiable, strict=True):
+            if not differentiable:
+                continue
+            g = next(back)
+            if k >= 0:
+                targets.append(outputs[k])
+                seeds.append(g)
+            else:
+                passed[~k] = g if ~k not in passed else passed[~k] + g
+        return targets, seeds, passed
+
+    def sent_back(self, grads: Sequence, received: Sequence, passed: dict) -> list:
+        """The gradient of each watched item of `received`: this stage's own (`grads`, in
+        `watched` order, None where the item does not count) plus what came back for it
+        where the stage passed it on."""
+        out = []
+        positions = [i for i, d in enumerate(self.received.differentiable) if d]
+        for g, i in zip(grads, positions, strict=True):
+            g = tf.zeros_like(received[i]) if g is None else tf.convert_to_tensor(g)
+            out.append(g + passed[i] if i in passed else g)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Crossing:
+    """What crosses one cut, forward: `activations` tensors, then the Keras masks some of
+    them carry. Backward, the gradient of each `differentiable` item crosses back.
+
+    Attributes:
+      items: the symbolic tensors, activations first, then masks (in the unsplit model).
+      activations: how many of `items` are activations.
+      masks: per activation, the position in `items` of its mask (None: it has none).
+      differentiable: per item, whether a gradient flows back through it (a float tensor).
+    """
+
+    items: tuple[Any, ...]
+    activations: int
+    masks: tuple[int | None, ...]
+    differentiable: tuple[bool, ...]
+
+    def describe(self) -> str:
+        return _described(self.items[: self.activations], self.masks, self.items)
 
 
 def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[Stage]:
@@ -74,9 +166,9 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
       len(cut_before) + 1 stages.
 
     Raises:
-      StageError: a name is not a layer of the model, the cuts are out of order, a tensor
-        made before a cut is used after it, a cut layer takes several tensors, or a Keras
-        mask would cross a cut.
+      StageError: a name is not a layer of the model, the cuts are out of order, a cut
+        layer is called more than once, an output is made before the last cut, or a stage
+        cannot be built from what crosses (a Keras mask made from another cut's mask).
     """
     graph = compat.layer_graph(model)
     if graph is None:
@@ -115,39 +207,74 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
             )
     if len(set(cut_before)) != len(cut_before):
         raise StageError(f"A layer is named twice in cut_before. Received: {cut_before!r}")
-    boundaries = [_boundary(model.get_layer(name), graph, model.inputs) for name in cut_before]
-    order = [names.index(name) for name in cut_before]
-    if order != sorted(order):
+    nodes = _in_order(graph)
+    position = {id(node): k for k, node in enumerate(nodes)}
+    cuts = [position[id(_only_call(model.get_layer(name), nodes))] for name in cut_before]
+    if cuts != sorted(cuts):
         raise StageError(
             "cut_before must name the layers in the order the data reaches them "
             f"({', '.join(n for n in names if n in cut_before)}). Received: {cut_before!r}"
         )
+    stage_of = [bisect.bisect_right(cuts, k) for k in range(len(nodes))]
+    crossings = _crossings(model, nodes, stage_of, cut_before)
+    ran_in: dict[int, set[int]] = {}  # layer -> the stages its calls fall in
+    for node, index in zip(nodes, stage_of, strict=True):
+        ran_in.setdefault(id(node.operation), set()).add(index)
     model_inputs = list(model.inputs)
-    ends = [model_inputs, *[[b, *model_inputs] for b in boundaries]]
-    outs = [[b] for b in boundaries] + [list(model.outputs)]
-    stages, reads = [], []
-    for index, (inputs, outputs) in enumerate(zip(ends, outs, strict=True)):
+    stages, reads, gives = [], [], []
+    for index in range(len(cuts) + 1):
+        before = crossings[index - 1] if index else None
+        outputs, give = list(model.outputs), ()
+        if index < len(cuts):  # what it makes of the next crossing; the rest it passes on
+            received = {id(t): k for k, t in enumerate(before.items)} if before else {}
+            outputs, give = [], []
+            for item in crossings[index].items:
+                if id(item) in received:
+                    give.append(~received[id(item)])
+                else:
+                    give.append(len(outputs))
+                    outputs.append(item)
+        activations = list(before.items[: before.activations]) if before else []
         name = f"{model.name}_stage_{index}"
-        try:  # stage 0 takes the inputs as the model does (a dict, say)
-            sub = _model(compat.inputs_like(graph, inputs) if not index else inputs, outputs, name)
+        where = f"before {cut_before[index - 1]!r}" if index else "at the model's inputs"
+        try:
+            if not outputs:
+                raise ValueError("it makes nothing the stages after it use")
+            if index:  # the model's inputs it reads: only those its layers take
+                sub = _model([*activations, *model_inputs], outputs, name)
+                taken = compat.tensors_taken(compat.layer_graph(sub))
+                read = tuple(k for k, t in enumerate(model_inputs) if id(t) in taken)
+                sub = _model([*activations, *(model_inputs[k] for k in read)], outputs, name)
+            else:  # stage 0 takes the inputs as the model does (a dict, say)
+                sub = _model(compat.inputs_like(graph, model_inputs), outputs, name)
+                read = ()
         except ValueError as e:
-            where = f"before {cut_before[index - 1]!r}" if index else "at the model's inputs"
+            crossing = before or crossings[index]
             raise StageError(
-                f"Stage {index} of {model.name!r} (starting {where}) needs a tensor made "
-                "before it begins: data flows around a cut (a skip connection; the model's "
-                "own inputs are no obstacle, every stage reads them from the batch). Cut "
-                "before the block that forks, or after it joins. "
-                f"Keras said: {str(e).splitlines()[0]}. Received: cut_before={cut_before!r}"
+                f"Stage {index} of {model.name!r} (starting {where}) cannot be built from what "
+                f"crosses its cuts. The cut {'before' if before else 'after'} it passes "
+                f"{crossing.describe()}. Keras said: {str(e).splitlines()[0]}. Cut elsewhere: "
+                "where fewer tensors, and no Keras mask made of another cut's mask, cross. "
+                f"Received: cut_before={cut_before!r}"
             ) from None
-        read = ()
-        if index:  # the model's inputs this stage reads: only those its layers take
-            taken = compat.tensors_taken(compat.layer_graph(sub))
-            read = tuple(k for k, t in enumerate(model_inputs) if id(t) in taken)
-            sub = _model([inputs[0], *(model_inputs[k] for k in read)], outputs, name)
+        again = [
+            layer.name
+            for layer in sub.layers
+            if not isinstance(layer, keras.layers.InputLayer)
+            and index not in ran_in.get(id(layer), {index})
+        ]
+        if again:  # Keras would make it again from the model's inputs (a mask's source)
+            raise StageError(
+                f"Stage {index} of {model.name!r} (starting {where}) would run layer "
+                f"{again[0]!r} of an earlier stage again: a Keras mask a layer after the cut "
+                f"makes is computed from it. The cut before it passes {before.describe()}. "
+                "Cut before the layer that makes the mask, or after the one that uses it up. "
+                f"Received: cut_before={cut_before!r}"
+            )
         stages.append(sub)
         reads.append(read)
-    _check_disjoint(model, graph, stages, cut_before)
-    return _indexed(owner, stages, reads)
+        gives.append(tuple(give))
+    return _indexed(owner, stages, reads, crossings, gives)
 
 
 def tied(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
@@ -181,28 +308,6 @@ def devices_for(stages: int, chunks: int, micro_batches: int, *, holder: str) ->
             f"micro_batches={micro_batches}"
         )
     return width
-
-
-def _check_disjoint(model, graph, stages: list[keras.Model], cut_before) -> None:
-    """A later stage that takes the model's inputs must not run again a layer an earlier
-    stage ran (what Keras builds when a tensor of an earlier stage is used after a cut: it
-    recomputes it from those inputs). A layer is in as many stages as it has calls at most
-    (a tied embedding: a lookup in the first stage, the logits in the last)."""
-    seen: dict[int, list[int]] = {}
-    for index, sub in enumerate(stages):
-        for layer in sub.layers:
-            if isinstance(layer, keras.layers.InputLayer):
-                continue
-            holders = seen.setdefault(id(layer), [])
-            holders.append(index)
-            if len(holders) > len(compat.layer_inputs_in(graph, layer)):
-                raise StageError(
-                    f"Stage {index} of {model.name!r} (starting before "
-                    f"{cut_before[index - 1]!r}) needs what layer {layer.name!r} of stage "
-                    f"{holders[0]} made: data flows around a cut (a skip connection). Cut "
-                    "before the block that forks, or after it joins. Received: cut_before="
-                    f"{cut_before!r}"
-                )
 
 
 def _model(inputs, outputs: list, name: str) -> keras.Model:
@@ -321,38 +426,109 @@ def _flattened(model: keras.Model, cut_before: list[str]) -> tuple[keras.Model, 
     return flat, names
 
 
-def _boundary(layer, graph, model_inputs):
-    """The one tensor the cut layer takes besides the model's inputs: what crosses from one
-    stage to the next."""
-    calls = compat.layer_inputs_in(graph, layer)
-    given = {id(t) for t in model_inputs}
-    inputs = [t for t in calls[0] if id(t) not in given] if len(calls) == 1 else None
-    if inputs is None or len(inputs) != 1:
-        count = (
-            "is called more than once"
-            if len(calls) != 1
-            else f"takes {len(inputs)} tensors made by layers before it"
-        )
+def _in_order(graph) -> list:
+    """Every layer call of `graph` (Keras's nodes, the model's inputs left out), each after
+    the calls whose tensors it takes; of the calls ready, first the one whose layer the model
+    lists first. So a cut before a layer puts the layers listed before it in the stages
+    before, where the data allows, and a layer's second call (a tied embedding's logits)
+    falls where its input is made."""
+    nodes = compat.graph_nodes(graph)
+    rank = {id(operation): k for k, operation in enumerate(graph.operations)}
+    known = {id(node) for node in nodes}
+    waiting = {id(node): 0 for node in nodes}
+    after: dict[int, list] = {}
+    for node in nodes:
+        for parent in node.parent_nodes:
+            if id(parent) in known:
+                waiting[id(node)] += 1
+                after.setdefault(id(parent), []).append(node)
+    ready = [(rank[id(n.operation)], k, n) for k, n in enumerate(nodes) if not waiting[id(n)]]
+    heapq.heapify(ready)
+    seq = {id(node): k for k, node in enumerate(nodes)}
+    ordered = []
+    while ready:
+        *_, node = heapq.heappop(ready)
+        ordered.append(node)
+        for child in after.get(id(node), []):
+            waiting[id(child)] -= 1
+            if not waiting[id(child)]:
+                heapq.heappush(ready, (rank[id(child.operation)], seq[id(child)], child))
+    return ordered
+
+
+def _only_call(layer, nodes: list):
+    calls = [node for node in nodes if node.operation is layer]
+    if len(calls) != 1:
         raise StageError(
-            f"Cannot cut before layer {layer.name!r}: it {count}, and a cut passes one tensor "
-            "from a stage to the next (besides the model's inputs, which every stage reads). "
-            "Cut before a layer that takes one such tensor. "
-            f"Received: cut before {layer.name!r}"
+            f"Cannot cut before layer {layer.name!r}: it is called {len(calls)} times in the "
+            "model (a shared layer), so 'before it' is not one place. Cut before another "
+            f"layer. Received: cut before {layer.name!r}"
         )
-    if compat.keras_mask(inputs[0]) is not None:
-        producer = compat.producer(inputs[0])
-        raise StageError(
-            f"Cannot cut before layer {layer.name!r}: what it takes carries a Keras mask (from "
-            "an Embedding(mask_zero=True) or Masking layer before it), and a cut passes the "
-            "activations alone, so the next stage would attend to, or pool over, the padding. "
-            "Cut after the layer that uses the mask up (a pooling layer, say). Received: cut "
-            f"before {layer.name!r}, after {getattr(producer, 'name', 'the inputs')!r}"
+    return calls[0]
+
+
+def _crossings(model, nodes: list, stage_of: list[int], cut_before) -> list[Crossing]:
+    """What crosses each cut: the tensors made before it and used after it (by producer, in
+    order), then the Keras masks they carry. `stage_of` gives each node's stage."""
+    last = len(cut_before)
+    made: dict[int, int] = {}  # tensor -> the stage making it
+    last_use: dict[int, int] = {}  # tensor -> the last stage using it
+    ordered = []
+    for node, index in zip(nodes, stage_of, strict=True):
+        for t in node.output_tensors:
+            made[id(t)] = index
+            ordered.append(t)
+        for t in node.input_tensors:
+            last_use[id(t)] = max(last_use.get(id(t), -1), index)
+    for t in model.outputs:
+        if made.get(id(t), last) < last:
+            producer = compat.producer(t)
+            raise StageError(
+                f"Cannot cut {model.name!r} there: its output from {producer.name!r} is made "
+                "before the last cut, and the last stage gives the model's outputs. Cut after "
+                f"every output layer. Received: cut_before={cut_before!r}"
+            )
+    crossings = []
+    for c in range(last):
+        activations = [t for t in ordered if made[id(t)] <= c < last_use.get(id(t), -1)]
+        items, masks = list(activations), []
+        for t in activations:
+            mask = compat.keras_mask(t)
+            if mask is None:
+                masks.append(None)
+                continue
+            found = next((k for k, item in enumerate(items) if item is mask), None)
+            if found is None:
+                items.append(mask)
+                found = len(items) - 1
+            masks.append(found)
+        differentiable = tuple(
+            k < len(activations) and tf.as_dtype(item.dtype).is_floating
+            for k, item in enumerate(items)
         )
-    return inputs[0]
+        crossings.append(Crossing(tuple(items), len(activations), tuple(masks), differentiable))
+    return crossings
+
+
+def _described(activations, masks, items) -> str:
+    """'2 tensors: float32 (None, 8, 16) from 'encoder' with its Keras mask, ...'."""
+    parts = []
+    for t, mask in zip(activations, masks, strict=True):
+        producer = compat.producer(t)
+        part = f"{t.dtype} {tuple(t.shape)} from {getattr(producer, 'name', 'the inputs')!r}"
+        if mask is not None:
+            part += f" with its Keras mask ({items[mask].dtype} {tuple(items[mask].shape)})"
+        parts.append(part)
+    count = f"{len(parts)} tensor{'s' if len(parts) != 1 else ''}"
+    return f"{count}: {', '.join(parts)}" if parts else "no tensor"
 
 
 def _indexed(
-    model: keras.Model, models: list[keras.Model], reads: list[tuple[int, ...]] | None = None
+    model: keras.Model,
+    models: list[keras.Model],
+    reads: list[tuple[int, ...]] | None = None,
+    crossings: list[Crossing] | None = None,
+    gives: list[tuple[int, ...]] | None = None,
 ) -> list[Stage]:
     trainable = {id(v): i for i, v in enumerate(model.trainable_variables)}
     non_trainable = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
@@ -377,6 +553,9 @@ def _indexed(
                 trainable=tuple(trainable[id(v)] for v in sub.trainable_variables),
                 non_trainable=tuple(non_trainable[id(v)] for v in sub.non_trainable_variables),
                 inputs=reads[index] if reads else (),
+                received=crossings[index - 1] if crossings and index else None,
+                sent=crossings[index] if crossings and index < len(crossings) else None,
+                gives=gives[index] if gives else (),
             )
         )
     missed = [v.path for v in model.trainable_variables if id(v) not in owner]
