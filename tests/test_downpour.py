@@ -15,9 +15,9 @@ import sys
 import numpy as np
 import pytest
 
-from tests import pipeline_cases
+from tests import pipeline_cases, test_optimizer_changes
 from tests.conftest import run_module
-from tests.workers.downpour_worker import CASES, FITS
+from tests.workers.downpour_worker import CALLBACK_CASES, CASES, FITS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("downpour")]
 
@@ -50,6 +50,25 @@ def test_a_split_replica_under_one_ps_worker_trains_as_the_unsplit_model(one_wor
     # The program asked for both of the worker's devices: the stages are split over them.
     stage_devices = {d.rsplit("/", 1)[-1] for d in record["devices"] if "device:" in d}
     assert {"device:CPU:0", "device:CPU:1"} <= stage_devices, record["devices"]
+
+
+@pytest.mark.parametrize("case", sorted(CALLBACK_CASES))
+def test_every_callback_s_rate_reaches_the_parameter_servers_as_keras_applies_it(one_worker, case):
+    """LearningRateScheduler, ReduceLROnPlateau and a callback assigning the rate, with the
+    step count read at each epoch's end: the ps replica, plain and split, as Keras's own fit
+    with the same callbacks on one device (batch-level callbacks run as steps are
+    scheduled under parameter_server: the README says so)."""
+    want, history, steps = test_optimizer_changes.reference(
+        None, test_optimizer_changes.epoch_callbacks
+    )
+    arrays = np.load(one_worker / f"{case}.npz")
+    got = [arrays[f"arr_{i}"] for i in range(len(arrays.files))]
+    diff = max(float(np.max(np.abs(a - b))) for a, b in zip(want, got, strict=True))
+    assert diff <= test_optimizer_changes.TOLERANCE, f"{case}: max |dw| {diff:.2e}"
+    record = json.loads((one_worker / f"{case}.json").read_text())
+    assert record["history"]["learning_rate"] == pytest.approx(history["learning_rate"], rel=1e-6)
+    assert record["history"]["loss"] == pytest.approx(history["loss"], abs=1e-5)
+    assert record["steps"] == steps
 
 
 def test_split_replicas_train_asynchronously_on_three_workers_and_two_ps(tmp_path):

@@ -52,6 +52,37 @@ def callbacks() -> list[keras.callbacks.Callback]:
     ]
 
 
+class HalveEachEpoch(keras.callbacks.Callback):
+    """Assigns the optimizer's rate as each epoch after the first begins."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch:
+            rate = self.model.optimizer.learning_rate
+            rate.assign(rate * 0.5)
+
+
+class EpochSteps(keras.callbacks.Callback):
+    """Records the optimizer's step count at each epoch's end."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[int] = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(int(self.model.optimizer.iterations.numpy()))
+
+
+def epoch_callbacks() -> list[keras.callbacks.Callback]:
+    """The same changes made between epochs only: under parameter_server, batch-level
+    callbacks run as steps are scheduled, not as the workers finish them (README)."""
+    return [
+        keras.callbacks.LearningRateScheduler(lambda epoch, rate: rate * 0.1 if epoch else rate),
+        HalveEachEpoch(),
+        keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0, min_delta=10),
+        EpochSteps(),
+    ]
+
+
 def sgd_momentum(model: keras.Model) -> keras.Model:
     """Local SGD averaging every step, and gossip between two replicas, are synchronous SGD
     only for an optimizer whose update is linear in the gradient."""
@@ -89,11 +120,11 @@ MODES = {
 }
 
 
-def reference(make) -> tuple[list[np.ndarray], dict, list[int]]:
+def reference(make, made_callbacks=callbacks) -> tuple[list[np.ndarray], dict, list[int]]:
     model = pipeline_cases.mlp()
     if make is sgd_momentum:
         model = sgd_momentum(model)
-    given = callbacks()
+    given = made_callbacks()
     history = model.fit(
         pipeline_cases.data(), epochs=EPOCHS, verbose=0, shuffle=False, callbacks=given
     )

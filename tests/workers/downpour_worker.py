@@ -6,7 +6,8 @@ parameter-server job; each task first splits its CPU into 2 logical devices.
 
 one: the pipeline tests' Adam MLP (tests/pipeline_cases.py), each worker's replica split over
 its 2 devices, one epoch in order (fit twice in one case), for each case below; writes OUT/<case>.npz (the weights),
-OUT/<case>.json (history, the devices its program asked for) for tests/test_downpour.py.
+OUT/<case>.json (history, the devices its program asked for) for tests/test_downpour.py;
+then CALLBACK_CASES, with the learning-rate callbacks.
 many: the same model with SGD, 3 workers training asynchronously for 3 epochs; then a model
 whose replica needs 3 devices (refused: the workers have 2).
 """
@@ -38,6 +39,14 @@ CASES = {
 }
 # Cases fit more than once (the same model and Pipeline), as Keras's own fit called again.
 FITS = {"1f1b_m2_fit_twice": 2}
+# Cases trained with tests/test_optimizer_changes.py's epoch callbacks (a scheduler, a
+# plateau, a callback assigning the rate, the step count at each epoch's end) for its epochs:
+# the plain parameter-server replica and the split one, each applying through the user's
+# optimizer.
+CALLBACK_CASES = {
+    "callbacks_ps": None,
+    "callbacks_downpour": dict(cut_before=["d3"], micro_batches=2),
+}
 
 
 class KeptPipeline(Pipeline):
@@ -82,6 +91,20 @@ def main(out: str, what: str) -> None:
             record = {"history": history.history, "devices": asked_devices(KeptPipeline.made[-1])}
             with open(os.path.join(out, f"{name}.json"), "w") as f:
                 json.dump(record, f)
+        from tests import test_optimizer_changes
+
+        for name, options in CALLBACK_CASES.items():
+            with strategy.scope():
+                model = pipeline_cases.mlp()
+            given = test_optimizer_changes.epoch_callbacks()
+            history = tfdist.fit(
+                model, pipeline_cases.data(), epochs=test_optimizer_changes.EPOCHS, verbose=0,
+                max_staleness=0, steps_per_epoch=pipeline_cases.STEPS, callbacks=given,
+                pipeline=None if options is None else Pipeline(**options),
+            )  # fmt: skip
+            np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
+            with open(os.path.join(out, f"{name}.json"), "w") as f:
+                json.dump({"history": history.history, "steps": given[-1].seen}, f)
         return
     import keras
 
