@@ -87,7 +87,14 @@ def train(name: str, mode: dict) -> tuple[keras.Model, dict]:
     return (dense_model(model) if split_layers(model) else model), history
 
 
-CASES = [(model, mode) for model in MODELS for mode in MODES]
+# SGD's seq2seq run only plain and pipelined (the masked loss's normalisation; every mode
+# shares it, and rmsprop holds each mode to the rows too): the suite's time.
+CASES = [
+    (model, mode)
+    for model in MODELS
+    for mode in MODES
+    if model != "seq2seq sgd" or mode in ("plain", "pipeline")
+]
 
 
 @pytest.mark.parametrize("model, mode", CASES)

@@ -81,6 +81,11 @@ LINK_GROUP_KEY_BASE = group_key_base("pipeline_links")
 STAGE_RING_GROUP_KEY_BASE = group_key_base("pipeline_stage_rings")
 TIED_RING_GROUP_KEY_BASE = group_key_base("pipeline_tied_rings")
 
+# The stages write the model back in buckets of this many bytes (float64 sums): what the
+# epoch's end adds to a process's peak, where the whole model's sums at once made it 21x the
+# weights (issue 51's measurement).
+SETTLE_BUCKET_BYTES = 16 * 2**20
+
 
 @dataclasses.dataclass(frozen=True)
 class Pipeline:
@@ -473,12 +478,7 @@ class PipelineRunner(SyncRunner):
         own = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
         targets = [*trainable, *non_trainable, *(v for v in user.variables if id(v) not in own)]
         index = {id(v): k for k, v in enumerate(targets)}
-        # Every replica gives its copy of each target it holds, and each target takes the
-        # mean of the copies: the pipelines' replicas of a weight (and a tied weight's
-        # holders) are equal, so their mean is that value exactly (float64 sums of a few
-        # equal float32s are exact); statistics (BatchNormalization's) are averaged.
-        sums = [np.zeros(v.shape, np.float64) for v in targets]
-        copies = np.zeros(len(targets), np.float64)
+        held: dict[int, list] = {}  # target -> this process's copies of it
         for r in self.replicas:
             pairs = [
                 *((c, trainable[i]) for c, i in zip(r.trainable, r.stage.trainable, strict=True)),
@@ -489,13 +489,38 @@ class PipelineRunner(SyncRunner):
                 *self._slot_pairs[id(r)],
             ]
             for mine, theirs in pairs:
-                k = index[id(theirs)]
-                sums[k] += np.asarray(mine.value, np.float64)
-                copies[k] += 1
-        if self.processes > 1:
-            *sums, copies = self._summed_over_workers([*sums, copies])
-        for variable, total, count in zip(targets, sums, copies, strict=True):
-            variable.assign((np.asarray(total) / max(count, 1.0)).astype(variable.dtype))
+                held.setdefault(index[id(theirs)], []).append(mine)
+        # Each target takes the mean of every replica's copy of it: the pipelines' replicas
+        # of a weight (and a tied weight's holders) are equal, so their mean is that value
+        # exactly (float64 sums of a few equal float32s are exact); statistics
+        # (BatchNormalization's) are averaged. In buckets of SETTLE_BUCKET_BYTES, the same
+        # on every process: one bucket's sums exist at a time, never the whole model's.
+        for bucket in _buckets(targets, SETTLE_BUCKET_BYTES):
+            sums, copies = [], np.zeros(len(bucket), np.float64)
+            for j, k in enumerate(bucket):
+                total = np.zeros(targets[k].shape, np.float64)
+                for mine in held.get(k, []):
+                    total += np.asarray(mine.value, np.float64)
+                    copies[j] += 1
+                sums.append(total)
+            if self.processes > 1:
+                *sums, copies = self._summed_over_workers([*sums, copies])
+            for k, total, count in zip(bucket, sums, copies, strict=True):
+                targets[k].assign((total / max(count, 1.0)).astype(targets[k].dtype))
+            del sums
+
+
+def _buckets(variables: list, limit: int) -> list[list[int]]:
+    """Positions of `variables` in runs of at most `limit` bytes (a larger one alone)."""
+    out, size = [[]], 0
+    for k, v in enumerate(variables):
+        bytes_ = int(np.prod(v.shape)) * 8
+        if out[-1] and size + bytes_ > limit:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += bytes_
+    return [b for b in out if b]
 
 
 @dataclasses.dataclass

@@ -1,0 +1,156 @@
+"""Benchmark: each process's memory PEAK, by phase, as TensorFlow's allocator counts it.
+
+A device runs out of memory at its peak, not at rest. This runs one device per worker
+process (tfdist-launch, multi_worker_mirrored) so that the allocator's figures are that
+device's, on issue 51's model: 256 -> Dense(1024) -> 8 x Dense(1024) -> Dense(10) with Adam
+(8.4M parameters; W = its weight bytes, 33.6 MB), global batch 16, and reports per process
+the allocator's peak in each phase, as a multiple of W:
+
+  construction   building and compiling the model under the layout's scope
+  first step     fit's start through its first batch (placement, tracing, the slots)
+  steps          the batches after it
+  epoch end      the last batch's end to fit's return (what the runner writes back)
+  save           model.save
+  at rest        what is allocated after fit, before the save
+
+Layouts: plain data parallelism (strategy.scope()), zero3 and a 2-stage pipeline (cut
+before the fifth of the ten Dense layers; its larger stage holds 0.61 W), both built in
+tfdist.host_scope as the README says. The CPU allocator keeps these statistics only when
+TensorFlow runs its BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=true, set here for
+the workers). On this machine host and device are one allocator: a copy "in host memory"
+counts here, as it would count against a GPU host's RAM.
+
+  python -m tools.peak_bench                          # plain, zero3, pipeline over 2
+  python -m tools.peak_bench --layouts zero3 --workers 4
+
+This is a benchmark, not a test: it reports figures and never fails on them.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+from tools import harness  # noqa: E402
+
+LAYOUTS = ("plain", "zero3", "pipeline")
+PHASES = ("construction", "first step", "steps", "epoch end", "save")
+INPUTS, WIDTH, HIDDEN, CLASSES = 256, 1024, 8, 10
+STEPS, BATCH = 4, 16
+
+
+def worker(args) -> None:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import tfdist
+    from tfdist.parallel import Pipeline
+
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    peaks: dict[str, float] = {}
+
+    def reset() -> None:
+        tf.config.experimental.reset_memory_stats("CPU:0")
+
+    def peak() -> int:
+        return tf.config.experimental.get_memory_info("CPU:0")["peak"]
+
+    reset()
+    scope = strategy.scope() if args.layout == "plain" else tfdist.host_scope(strategy)
+    with scope:
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(WIDTH, activation="relu", name=f"d{i}") for i in range(9)]
+        model = keras.Sequential(
+            [keras.Input((INPUTS,)), *layers, keras.layers.Dense(CLASSES, name="d9")]
+        )
+        model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    peaks["construction"] = peak()
+    weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
+
+    class Phases(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 0:
+                peaks["first step"] = peak()
+                reset()
+            elif batch == STEPS - 1:
+                peaks["steps"] = peak()
+                reset()
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(BATCH * STEPS, INPUTS)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(BATCH * STEPS,)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    keywords = {
+        "plain": {},
+        "zero3": {"shard_optimizer": "zero3"},
+        "pipeline": {"pipeline": Pipeline(cut_before=["d4"], micro_batches=2)},
+    }[args.layout]
+    reset()
+    tfdist.fit(model, data, epochs=1, verbose=0, callbacks=[Phases()], **keywords)
+    peaks["epoch end"] = peak()
+    rest = tf.config.experimental.get_memory_info("CPU:0")["current"]
+    reset()
+    task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
+    model.save(os.path.join(args.out_dir, f"model{task}.keras"))
+    peaks["save"] = peak()
+    record = {"weights": weights, "rest": rest, **peaks}
+    with open(os.path.join(args.out_dir, f"task{task}.json"), "w") as f:
+        json.dump(record, f)
+
+
+def run(layout: str, workers: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        task = [
+            sys.executable, "-m", "tools.peak_bench", "--worker", "--layout", layout,
+            "--out_dir", out,
+        ]  # fmt: skip
+        harness.launch(task, layout=["--workers", str(workers)], what=f"{layout} x{workers}")
+        records = []
+        for i in range(workers):
+            with open(os.path.join(out, f"task{i}.json")) as f:
+                records.append(json.load(f))
+        return records
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.peak_bench", description=__doc__.split("\n\n")[0]
+    )
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=LAYOUTS)
+    parser.add_argument("--workers", type=int, nargs="+", default=[2])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    parser.add_argument("--out_dir", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if min(args.workers) < 2:
+        parser.error("--workers: 2 or more processes (one device each)")
+    os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # the workers' allocator statistics
+    print("allocator peak per process (the largest over the processes), in W = weight bytes")
+    print("| layout | processes | " + " | ".join(PHASES) + " | whole run | at rest |")
+    print("|---" * (len(PHASES) + 4) + "|")
+    for layout in args.layouts:
+        for workers in args.workers:
+            records = run(layout, workers)
+            w = records[0]["weights"]
+            cells = [max(r[p] for r in records) / w for p in PHASES]
+            rest = max(r["rest"] for r in records) / w
+            print(
+                f"| {layout} | {workers} | " + " | ".join(f"{c:.2f}" for c in cells)
+                + f" | {max(cells):.2f} | {rest:.2f} |",
+                flush=True,
+            )  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
