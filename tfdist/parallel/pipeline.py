@@ -81,10 +81,10 @@ LINK_GROUP_KEY_BASE = group_key_base("pipeline_links")
 STAGE_RING_GROUP_KEY_BASE = group_key_base("pipeline_stage_rings")
 TIED_RING_GROUP_KEY_BASE = group_key_base("pipeline_tied_rings")
 
-# The stages write the model back in buckets of this many bytes (float64 sums): what the
-# epoch's end adds to a process's peak, where the whole model's sums at once made it 21x the
-# weights (issue 51's measurement).
-SETTLE_BUCKET_BYTES = 16 * 2**20
+# The stages write the model back in buckets of this many bytes of float64 sums (a larger
+# variable alone): what the epoch's end adds to a process's peak. Every weight and slot at
+# once made that peak 21.6x the weights (tools/peak_bench.py); 4 MiB buckets, 5.5x.
+SETTLE_BUCKET_BYTES = 4 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
