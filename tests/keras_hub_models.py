@@ -40,6 +40,19 @@ def llama_causal_lm() -> keras.Model:
     return _compiled(keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None))
 
 
+def qwen_causal_lm() -> keras.Model:
+    """2 decoder layers, 4 query heads sharing 2 key/value heads, biased query, key and
+    value projections, tied embeddings; compiled as gemma_causal_lm is."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.QwenBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=4, num_key_value_heads=2,
+        hidden_dim=16, intermediate_dim=32,
+    )  # fmt: skip
+    return _compiled(keras_hub.models.QwenCausalLM(backbone=backbone, preprocessor=None))
+
+
 def _compiled(model: keras.Model) -> keras.Model:
     """As keras-hub's examples compile a causal LM: logits, per-token sample weights."""
     model.compile(

@@ -11,6 +11,7 @@ each device holds during fit.
 from __future__ import annotations
 
 import gc
+import logging
 
 import keras
 import numpy as np
@@ -30,6 +31,7 @@ from tfdist.parallel import (
     tensor_parallel,
 )
 from tfdist.parallel.tensor import dense_weights
+from tfdist.parallel.tensor.layout import plan_of
 
 TOLERANCE = 1e-5
 VOCAB, LENGTH, WIDTH, CLASSES = 32, 6, 16, 3
@@ -571,31 +573,72 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
         assert record.added["CPU:0"] == pytest.approx(split + whole, rel=0.05)
 
 
-def test_llama_splits_by_heads_where_its_own_map_splits_by_width():
-    """keras-hub's Llama map splits the attention's query, key and value kernels by the
-    model's width (GSPMD inserts what that needs); tfdist splits attention by heads, so it
-    refuses that in one line naming the dimension to split instead. With those kernels split
-    by heads, the causal LM (4 query heads sharing 1 key/value head, untied logits) trains
-    as Keras's fit on one device."""
+@pytest.mark.parametrize("name, backbone", [("llama", "LlamaBackbone"), ("qwen", "QwenBackbone")])
+def test_keras_hub_s_own_layout_maps_as_shipped_train_as_keras(name, backbone, caplog):
+    """keras-hub's Llama and Qwen maps split the attention's query, key and value kernels
+    by the model's width, for GSPMD; tfdist splits those kernels along their heads (the same
+    math, logged) and the causal LMs train as Keras's fit on one device. Qwen's projections
+    carry biases, split with their heads."""
     import keras_hub
 
     from tests import keras_hub_models
 
+    make = getattr(keras_hub_models, f"{name}_causal_lm")
     names = ["cpu:0", "cpu:1"]
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], names)
-    layout = keras_hub.models.LlamaBackbone.get_layout_map(mesh)
+    layout = getattr(keras_hub.models, backbone).get_layout_map(mesh)
     with tfdist.host_scope(mirrored(2)):
-        model = keras_hub_models.llama_causal_lm()
-    with pytest.raises(TensorParallelError, match=r"by its heads.*Split it along its heads"):
+        model = make()
+    with caplog.at_level(logging.INFO, logger="tfdist"):
         tensor_parallel(model, layout_map=layout)
-    attention = "transformer_layer.*self_attention.*(query|key|value).kernel"
-    del layout[attention]
-    layout[attention] = (None, "model", None)  # (width, heads, head size): by heads
-    tensor_parallel(model, layout_map=layout)
-    reference = keras_hub_models.llama_causal_lm()
+    assert "self_attention/query/kernel" in caplog.text and "along their heads" in caplog.text
+    reference = make()
     want = reference.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
     got = tfdist.fit(model, keras_hub_models.token_data(), epochs=2, verbose=0)
     assert got.history["loss"] == pytest.approx(want.history["loss"], abs=1e-5)
+    for want_w, got_w in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert np.max(np.abs(want_w - got_w)) <= TOLERANCE
+
+
+class Gated(keras.layers.Layer):
+    """A value weighed by a softmax over a gate's outputs, as a mixture of experts' router
+    weighs its experts: the gate has no row layer beside it to add its parts."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.gate = keras.layers.Dense(4, name="gate")
+        self.value = keras.layers.Dense(4, name="value")
+
+    def call(self, x):
+        return self.value(x) * keras.ops.softmax(self.gate(x))
+
+
+def gated_regression() -> keras.Model:
+    keras.utils.set_random_seed(2)
+    inputs = keras.Input((6,))
+    outputs = keras.layers.Dense(1, name="head")(Gated(name="gated")(inputs))
+    model = keras.Model(inputs, outputs)
+    model.compile(keras.optimizers.Adam(0.02), "mse")
+    return model
+
+
+def test_a_map_that_splits_a_lone_layer_by_its_outputs_gathers_them_and_trains_as_keras():
+    """A map that splits the gate by its outputs (as keras-hub's QwenMoe map splits its
+    router by experts): the softmax after it needs every column, so they are gathered."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(32, 6)).astype("float32"), rng.normal(size=(32, 1)).astype("float32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(8)
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
+    layout = keras.distribution.LayoutMap(mesh)
+    layout[".*gate/kernel"] = (None, "model")
+    with mirrored(2).scope():
+        model = gated_regression()
+    tensor_parallel(model, layout_map=layout)
+    assert [kind for layer, kind in plan_of(model).layers] == ["gathered"]
+    reference = gated_regression()
+    want = reference.fit(data, epochs=2, verbose=0, shuffle=False).history
+    got = tfdist.fit(model, data, epochs=2, verbose=0).history
+    assert got["loss"] == pytest.approx(want["loss"], abs=1e-6)
     for want_w, got_w in zip(reference.get_weights(), model.get_weights(), strict=True):
         assert np.max(np.abs(want_w - got_w)) <= TOLERANCE
 

@@ -480,6 +480,14 @@ def all_layers(model: keras.Model) -> list:
     return list(model._flatten_layers(include_self=False))
 
 
+def sublayers(layer) -> list:
+    """The layers `layer` holds directly (tracked by Keras, private attributes included).
+
+    Why: Keras's `_flatten_layers(recursive=False)`.
+    """
+    return list(layer._flatten_layers(include_self=False, recursive=False))
+
+
 def layer_graph(model: keras.Model):
     """The functional graph of a Sequential or functional model (None: a subclassed one).
 

@@ -28,6 +28,9 @@ inside the exchanges Megatron-LM puts around them, by what the split does to the
            key, value and gating kernels): its input is first gathered over the group's
            examples (once per tensor: the query, key and value share one), and its output
            is this replica's columns for those examples;
+  gathered a column Dense with no row layer beside it (held by the same layer) to add its
+           parts (QwenMoe's router, split by experts): its output columns are gathered, so
+           each replica reads every column of its own examples;
   row      one whose split dimension is contracted (the attention's output projection, the
            MLP's last kernel): its partial sums are added over the group, and each replica
            keeps its own examples (a reduce-scatter); a bias it has is added once;
@@ -40,9 +43,11 @@ inside the exchanges Megatron-LM puts around them, by what the split does to the
            gathered over the group once, it runs with this replica's heads (its head counts
            divided by T while the step is traced; key/value heads fewer than T are held
            whole by the replicas that share them, as Megatron replicates them), and its
-           output is reduced as a row layer's. Its kernels must be split by heads: a map
-           that splits them by the model's width (keras-hub's Llama map, which GSPMD runs)
-           is refused in one line naming the dimension to split instead.
+           output is reduced as a row layer's. Its kernels are split by heads: where a map
+           splits a query, key or value kernel by the model's width instead (keras-hub's
+           Llama, Qwen and QwenMoe maps, written for GSPMD), it is split along its heads,
+           the same math in Megatron-LM's layout (logged); a kernel with no one dimension
+           of a head count's size is refused in one line.
 
 Gradients: a part's gradient counts its group's examples, so it is summed over the replicas
 that hold the same part (one per group; every replica for a weight held whole) and applied
@@ -58,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
+import logging
 import re
 import threading
 import weakref
@@ -79,6 +85,8 @@ from tfdist.parallel.tensor.mappings import (
 )
 from tfdist.strategies import keras_guard
 from tfdist.training.runner import Runner, StepHook
+
+log = logging.getLogger(__name__)
 
 # The attributes in which attention layers count their heads (keras-hub's).
 HEAD_COUNTS = ("num_query_heads", "num_key_value_heads", "num_heads")
@@ -113,7 +121,7 @@ class LayoutPlan:
 
     degree: int
     placements: list[Placement]
-    # (layer, kind): "column", "row", "vocab" or "heads".
+    # (layer, kind): "column", "gathered", "row", "vocab" or "heads".
     layers: list[tuple[keras.layers.Layer, str]]
 
     def split_bytes(self, model: keras.Model) -> tuple[int, int]:
@@ -180,6 +188,13 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
             )
         if named:
             axes[id(variable)] = named[0]
+    moved = _split_by_heads(model, axes, owners)
+    if moved:
+        log.info(
+            "Inside attention tfdist splits by heads: %s split along their heads, where the "
+            "layout map splits them by the model's width (the same math)",
+            ", ".join(moved),
+        )
     layers: dict[int, tuple[keras.layers.Layer, str]] = {}
     placements: dict[int, Placement] = {}
     by_id = {id(v): v for v in model.trainable_variables}
@@ -193,6 +208,7 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
             _check_divides(by_id[key], placement, degree, shared=kind == "column")
         placements.update(extra)
     regions = _head_regions(model, {id(layer) for layer, _ in layers.values()}, degree, axes)
+    _gather_lone_columns(model, layers, regions)
     plan = LayoutPlan(
         degree=degree,
         placements=[
@@ -249,6 +265,30 @@ def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Place
     return "row", placements
 
 
+def _gather_lone_columns(model, layers: dict, regions: list) -> None:
+    """A column layer pairs with a row layer beside it (held by the same layer: an MLP's
+    gate and its output projection), which adds the parts up. One with no row layer beside
+    it (QwenMoe's router, which keras-hub's map splits by experts) has its output columns
+    gathered instead ("gathered"), so what reads it sees every column, as GSPMD gives it."""
+    inside = {id(inner) for region in regions for inner in compat.all_layers(region)}
+    parents: dict[int, int] = {}
+    for holder in [model, *compat.all_layers(model)]:
+        for child in compat.sublayers(holder):
+            parents[id(child)] = id(holder)
+    rows = {parents.get(key) for key, (_, kind) in layers.items() if kind == "row"}
+    for key, (layer, kind) in list(layers.items()):
+        if kind != "column" or key in inside or parents.get(key) in rows:
+            continue
+        if not isinstance(layer, keras.layers.Dense):
+            raise TensorParallelError(
+                f"{layer.name} is split by its outputs with no row layer beside it to add its "
+                "parts, and its split outputs are not its last dimension, which tfdist "
+                "gathers. Leave it out of the map, or split the layer that reads it by its "
+                f"inputs. Received: a {type(layer).__name__} split alone"
+            )
+        layers[key] = (layer, "gathered")
+
+
 def _bias_letters(layer, output: str) -> str:
     if isinstance(layer, keras.layers.Dense):
         return output[-1]
@@ -296,12 +336,37 @@ def _check_split_by_heads(region, split_axes: dict[int, int]) -> None:
             )
 
 
-def _head_regions(
-    model, split: set[int], degree: int, split_axes: dict[int, int]
-) -> list[keras.layers.Layer]:
-    """The attention layers that run on the group's examples with this replica's heads:
-    layers that count heads and hold split layers, innermost first (a decoder block that
-    holds such an attention layer is not one)."""
+def _split_by_heads(model, axes: dict[int, int], owners: dict) -> list[str]:
+    """Moves the split of each kernel inside an attention layer that the map splits along a
+    dimension other than its heads (the model's width) to its first dimension of a head
+    count's size, in place in `axes`; returns their paths. A kernel with no such dimension
+    is left for `_check_split_by_heads` to refuse."""
+    split = {id(owners.get(id(v))) for v in model.trainable_variables if id(v) in axes}
+    moved = []
+    for region in _attention_layers(model, split):
+        counts = {
+            getattr(region, a) for a in HEAD_COUNTS if isinstance(getattr(region, a, None), int)
+        }
+        for inner in compat.all_layers(region):
+            kernel = getattr(inner, "kernel", None)
+            if inner is region or kernel is None or id(kernel) not in axes:
+                continue
+            axis = axes[id(kernel)]
+            if int(kernel.shape[axis]) in counts:
+                continue
+            # keras-hub orders a projection's kernel (width, heads, head size): the first
+            # dimension of a head count's size is its heads, even where the head size
+            # equals a head count
+            heads = [i for i, n in enumerate(kernel.shape) if int(n) in counts]
+            if heads:
+                axes[id(kernel)] = heads[0]
+                moved.append(kernel.path)
+    return moved
+
+
+def _attention_layers(model, split: set[int]) -> list[keras.layers.Layer]:
+    """The layers that count heads and hold layers in `split` (ids), innermost first (a
+    decoder block that holds such an attention layer is not one)."""
     found = []
     for layer in compat.all_layers(model):
         if layer is model or isinstance(layer, keras.Model):
@@ -310,11 +375,19 @@ def _head_regions(
         held = compat.all_layers(layer)
         if counts and any(id(inner) in split for inner in held if inner is not layer):
             found.append(layer)
-    inner = [
+    return [
         layer
         for layer in found
         if not any(other is not layer and other in compat.all_layers(layer) for other in found)
     ]
+
+
+def _head_regions(
+    model, split: set[int], degree: int, split_axes: dict[int, int]
+) -> list[keras.layers.Layer]:
+    """The attention layers that run on the group's examples with this replica's heads,
+    checked: their kernels split by heads, and head counts that divide over `degree`."""
+    inner = _attention_layers(model, split)
     for layer in inner:
         _check_split_by_heads(layer, split_axes)
         if getattr(layer, "query_head_dim_normalize", True) is False:
@@ -579,6 +652,19 @@ def _column(hook: LayoutParallel, layer, call):
     return column
 
 
+def _gathered(hook: LayoutParallel, layer, call):
+    first = _first_argument(call)
+
+    def gathered(*args, **kwargs):
+        inputs, args, kwargs = first(args, kwargs)
+        if replica_in_step() is None or hook.in_region():
+            return call(inputs, *args, **kwargs)
+        x, sizes = hook.group_rows(inputs)
+        return gather_from_parts(call(x, *args, **kwargs), sizes, hook.plan.degree)
+
+    return gathered
+
+
 def _row(hook: LayoutParallel, layer, call):
     first = _first_argument(call)
 
@@ -664,6 +750,12 @@ def _first_argument(call):
     return first
 
 
-_CALLS = {"column": _column, "row": _row, "vocab": _vocab, "heads": _heads}
+_CALLS = {
+    "column": _column,
+    "gathered": _gathered,
+    "row": _row,
+    "vocab": _vocab,
+    "heads": _heads,
+}
 
 __all__ = ["LayoutParallel", "LayoutPlan", "Placement", "apply_layout_map", "plan_of"]
