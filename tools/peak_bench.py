@@ -13,15 +13,16 @@ the allocator's peak in each phase, as a multiple of W:
   save           model.save
   at rest        what is allocated after fit, before the save
 
-Layouts: plain data parallelism (strategy.scope()), zero3 and a 2-stage pipeline (cut
-before the fifth of the ten Dense layers; its larger stage holds 0.61 W), both built in
-tfdist.host_scope as the README says. The CPU allocator keeps these statistics only when
+Layouts: plain data parallelism, zero1 and zero2 (strategy.scope()), zero3 and the pipeline
+(built in tfdist.host_scope, as the README says), one stage per process: over 2 processes
+cut before the fifth of the ten Dense layers (the larger stage holds 0.61 W), over 4 before
+the third, fifth and seventh. The CPU allocator keeps these statistics only when
 TensorFlow runs its BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=true, set here for
 the workers). On this machine host and device are one allocator: a copy "in host memory"
 counts here, as it would count against a GPU host's RAM.
 
-  python -m tools.peak_bench                          # plain, zero3, pipeline over 2
-  python -m tools.peak_bench --layouts zero3 --workers 4
+  python -m tools.peak_bench                          # every layout over 2, about 2 minutes
+  python -m tools.peak_bench --layouts zero3 pipeline --workers 2 4
 
 This is a benchmark, not a test: it reports figures and never fails on them.
 """
@@ -39,7 +40,7 @@ import tempfile  # noqa: E402
 
 from tools import harness  # noqa: E402
 
-LAYOUTS = ("plain", "zero3", "pipeline")
+LAYOUTS = ("plain", "zero1", "zero2", "zero3", "pipeline")
 PHASES = ("construction", "first step", "steps", "epoch end", "save")
 INPUTS, WIDTH, HIDDEN, CLASSES = 256, 1024, 8, 10
 STEPS, BATCH = 4, 16
@@ -63,7 +64,8 @@ def worker(args) -> None:
         return tf.config.experimental.get_memory_info("CPU:0")["peak"]
 
     reset()
-    scope = strategy.scope() if args.layout == "plain" else tfdist.host_scope(strategy)
+    hosted = args.layout in ("zero3", "pipeline")
+    scope = tfdist.host_scope(strategy) if hosted else strategy.scope()
     with scope:
         keras.utils.set_random_seed(0)
         layers = [keras.layers.Dense(WIDTH, activation="relu", name=f"d{i}") for i in range(9)]
@@ -87,10 +89,14 @@ def worker(args) -> None:
     x = rng.normal(size=(BATCH * STEPS, INPUTS)).astype("float32")
     y = rng.integers(0, CLASSES, size=(BATCH * STEPS,)).astype("int32")
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    workers = strategy.num_replicas_in_sync
+    cuts = ["d4"] if workers == 2 else ["d2", "d4", "d6"][: workers - 1]
     keywords = {
         "plain": {},
+        "zero1": {"shard_optimizer": "zero1"},
+        "zero2": {"shard_optimizer": "zero2"},
         "zero3": {"shard_optimizer": "zero3"},
-        "pipeline": {"pipeline": Pipeline(cut_before=["d4"], micro_batches=2)},
+        "pipeline": {"pipeline": Pipeline(cut_before=cuts, micro_batches=2)},
     }[args.layout]
     reset()
     tfdist.fit(model, data, epochs=1, verbose=0, callbacks=[Phases()], **keywords)

@@ -62,6 +62,9 @@ from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
 NAME = "shard_optimizer='zero3'"
+# The weights are made whole (at the epoch's end, for a checkpoint's slots) in gathers of
+# about this many bytes, not all at once: what that adds to a process's peak.
+GATHER_BUCKET_BYTES = 4 * 2**20
 
 
 def shard_hook(stage) -> StepHook:
@@ -173,9 +176,24 @@ class ShardedParameters(StepHook):
                 shard.assign(self._slice(self.hosts[i], i, rank))
 
     def settle(self) -> None:
-        """The whole weights in host memory, from every replica's slices (collective)."""
-        for i, whole in enumerate(self._wholes(None)):
-            self.hosts[i].assign(whole)
+        """The whole weights in host memory, from every replica's slices (collective), a
+        bucket of weights at a time."""
+        for bucket in self._buckets():
+            for i, whole in zip(bucket, self._wholes(None, bucket), strict=True):
+                self.hosts[i].assign(whole)
+
+    def _buckets(self) -> list[tuple[int, ...]]:
+        """The weights' positions in runs of about GATHER_BUCKET_BYTES whole (a larger one
+        alone), the same on every replica: what one gather makes whole at once."""
+        out, size = [[]], 0
+        for i, v in enumerate(self.variables):
+            bytes_ = self.lengths[i] * self.ranks * tf.as_dtype(v.dtype).size
+            if out[-1] and size + bytes_ > GATHER_BUCKET_BYTES:
+                out.append([])
+                size = 0
+            out[-1].append(i)
+            size += bytes_
+        return [tuple(b) for b in out if b]
 
     def _slice(self, whole, i: int, rank: int) -> tf.Tensor:
         k = self.lengths[i]
@@ -183,22 +201,24 @@ class ShardedParameters(StepHook):
         flat = tf.pad(flat, [[0, k * self.ranks - self.sizes[i]]])
         return flat[rank * k : (rank + 1) * k]
 
-    def _wholes(self, slot: str | None) -> list[tf.Tensor]:
-        """Each weight's whole value (slot None), or each weight's whole `slot`, from every
-        replica's slices, all-gathered in one collective."""
-        if slot not in self._gatherers:
-            self._gatherers[slot] = tf.function(lambda: self._gather_all_replicas(slot))
-        flat = self._gatherers[slot]()
-        total = sum(self.lengths)
+    def _wholes(self, slot: str | None, bucket: tuple[int, ...]) -> list[tf.Tensor]:
+        """The whole value (slot None), or the whole `slot`, of each weight in `bucket`,
+        from every replica's slices, all-gathered in one collective."""
+        key = (slot, bucket)
+        if key not in self._gatherers:
+            self._gatherers[key] = tf.function(lambda: self._gather_all_replicas(slot, bucket))
+        flat = self._gatherers[key]()
+        total = sum(self.lengths[i] for i in bucket)
         rows = tf.reshape(flat, [self.ranks, total])
         out, at = [], 0
-        for i, k in enumerate(self.lengths):
+        for i in bucket:
+            k = self.lengths[i]
             column = tf.reshape(rows[:, at : at + k], [-1])[: self.sizes[i]]
             out.append(tf.reshape(column, self.variables[i].shape))
             at += k
         return out
 
-    def _gather_all_replicas(self, slot: str | None):
+    def _gather_all_replicas(self, slot: str | None, bucket: tuple[int, ...]):
         def pick(d: int, i: int) -> keras.Variable:
             return self.shards[d][i] if slot is None else self.slots[d][i, slot]
 
@@ -206,7 +226,7 @@ class ShardedParameters(StepHook):
             d = self._local_index()
             # Placed on the replica's device, as the strategy's collectives ask.
             with tf.device(self.devices[d]):
-                parts = [tf.reshape(pick(d, i).value, [-1]) for i in range(len(self.variables))]
+                parts = [tf.reshape(pick(d, i).value, [-1]) for i in bucket]
                 flat = tf.concat(parts, 0)
                 return tf.distribute.get_replica_context().all_gather(flat, axis=0)
 
@@ -321,8 +341,9 @@ class ShardedParameters(StepHook):
         """Every slot of every weight, whole, by "v<index>_<slot>" (collective)."""
         out = {}
         for name in self.slot_names:
-            for i, whole in enumerate(self._wholes(name)):
-                out[f"v{i}_{name}"] = whole
+            for bucket in self._buckets():
+                for i, whole in zip(bucket, self._wholes(name, bucket), strict=True):
+                    out[f"v{i}_{name}"] = whole
         return out
 
     def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
