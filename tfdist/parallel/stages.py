@@ -442,9 +442,9 @@ def _in_order(graph) -> list:
             if id(parent) in known:
                 waiting[id(node)] += 1
                 after.setdefault(id(parent), []).append(node)
-    ready = [(rank[id(n.operation)], k, n) for k, n in enumerate(nodes) if not waiting[id(n)]]
+    seq = {id(node): k for k, node in enumerate(nodes)}  # ties: in Keras's depth order
+    ready = [(rank[id(n.operation)], seq[id(n)], n) for n in nodes if not waiting[id(n)]]
     heapq.heapify(ready)
-    seq = {id(node): k for k, node in enumerate(nodes)}
     ordered = []
     while ready:
         *_, node = heapq.heappop(ready)
