@@ -108,6 +108,11 @@ def read_summary(model_dir: str | os.PathLike) -> dict:
     return json.loads((Path(model_dir) / "summary.json").read_text())
 
 
+def task_records(out: str | os.PathLike, tasks: int) -> list[dict]:
+    """The task<i>.json each of a job's `tasks` worker tasks wrote in `out`, in task order."""
+    return [json.loads((Path(out) / f"task{i}.json").read_text()) for i in range(tasks)]
+
+
 def median(rows: Iterable[Mapping], key: str) -> float:
     """The median of `key` over `rows`."""
     return statistics.median(row[key] for row in rows)

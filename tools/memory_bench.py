@@ -180,11 +180,7 @@ def run(size: int, workers: int, mode: str, steps: int, batch: int) -> list[dict
             harness.launch(task, layout=["--workers", str(workers)], what=what)
         else:
             harness.run(task, what=what)
-        tasks = []
-        for i in range(workers):
-            with open(os.path.join(out, f"task{i}.json")) as f:
-                tasks.append(json.load(f))
-        return tasks
+        return harness.task_records(out, workers)
 
 
 def main(argv=None) -> int:

@@ -118,11 +118,7 @@ def run(layout: str, workers: int) -> list[dict]:
             "--out_dir", out,
         ]  # fmt: skip
         harness.launch(task, layout=["--workers", str(workers)], what=f"{layout} x{workers}")
-        records = []
-        for i in range(workers):
-            with open(os.path.join(out, f"task{i}.json")) as f:
-                records.append(json.load(f))
-        return records
+        return harness.task_records(out, workers)
 
 
 def main(argv=None) -> int:
