@@ -643,6 +643,17 @@ def test_a_map_that_splits_a_lone_layer_by_its_outputs_gathers_them_and_trains_a
         assert np.max(np.abs(want_w - got_w)) <= TOLERANCE
 
 
+def test_a_lone_layer_whose_split_outputs_are_not_its_last_dimension_is_refused():
+    inputs = keras.Input((6,))
+    spread = keras.layers.EinsumDense("bd,dhk->bhk", (4, 2), name="spread")(inputs)
+    model = keras.Model(inputs, keras.layers.Flatten()(spread))
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
+    layout = keras.distribution.LayoutMap(mesh)
+    layout["spread/kernel"] = (None, "model", None)
+    with pytest.raises(TensorParallelError, match="spread is split by its outputs with no row"):
+        tensor_parallel(model, layout_map=layout)
+
+
 def test_a_layout_map_keras_hub_writes_is_checked_before_training():
     """One line each: a mesh without the model axis, both degree= and layout_map=, a weight
     of a layer that cannot split, and heads that do not divide over the model axis."""
