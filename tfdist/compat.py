@@ -740,3 +740,22 @@ def restore_call(layer: keras.layers.Layer) -> None:
 def storage_of(variable: keras.Variable):
     """The tf.Variable (or stand-in) a Keras variable reads: see replace_storage."""
     return variable._value
+
+
+def autocast_dtype():
+    """The dtype Keras casts float variables to where they are read now (None: no casting).
+
+    Why: Keras's Layer.__call__ enters an `AutocastScope` (mixed precision) around `call`,
+    kept in Keras's global state; a call run again later (a unit's backward pass) must run
+    under the same one.
+    """
+    scope = keras.src.backend.get_autocast_scope()
+    return None if scope is None else scope.dtype
+
+
+def autocasting(dtype):
+    """A context in which Keras casts float variables to `dtype` where they are read, as
+    under the layer call that gave `autocast_dtype` (a no-op for None)."""
+    if dtype is None:
+        return contextlib.nullcontext()
+    return keras.src.backend.AutocastScope(dtype)

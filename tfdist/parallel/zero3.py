@@ -7,25 +7,28 @@ replicas keeps 1/N of each weight (a flat, padded slice) and the slots for that 
 its device: 3/N of the weights' bytes under Adam, against 3 for plain data parallelism.
 Each step:
 
-  1. Forward: where a layer reads a weight, its slices are all-gathered into the whole
-     weight, on that replica's device, for that use (a tensor of the step, freed when the
-     last op that needs it has run: the layer's gradient in the backward pass).
-  2. Backward: each replica's gradient of the whole weight is kept for the update (an
-     Embedding's looked-up rows stay sparse).
-  3. Update: every weight's gradient is summed over the replicas in one exchange, in the
-     weights' order on every replica, and each replica applies a copy of the user's
-     optimizer (same class and config, slots built for its slices) to its slices, as Keras's
-     optimizer would to the whole. (Summing inside the backward pass, slice by slice, would
-     need the replicas to reach each weight in the same order, and the tape visits a
-     Transformer's independent branches in an order that can differ between them.)
+  1. Forward: each unit (tfdist.parallel.units: by default each layer that owns weights)
+     all-gathers its weights from the replicas' slices once its inputs exist, runs, and
+     drops them.
+  2. Backward: once the gradients of a unit's outputs arrive, the unit gathers its weights
+     again and runs its call again under a tape (its activations are recomputed, as FSDP
+     with activation checkpointing does), and each weight's gradient is summed over the
+     replicas there and then, keeping only this replica's slice of the sum: no gathered
+     weight and no whole gradient outlives its unit's backward pass. (An Embedding's
+     looked-up rows stay sparse and are summed at the update, as one device applies them.)
+  3. Update: each replica applies a copy of the user's optimizer (same class and config,
+     slots built for its slices) to its slices, as Keras's optimizer would to the whole.
+
+The collectives of steps 1 and 2 are the strategy's own, so they run in the order they are
+made; every replica traces the same program and its tape visits the units in the same
+order, so the replicas meet at each one.
 
 How a layer reads a slice-held weight without being rewritten: while tfdist.fit traces the
 step, each trainable weight's storage (the tf.Variable a Keras variable reads) is a
 stand-in whose value is the gather above and whose resource handle is the replica's slice.
 `tape.gradient(loss, model.trainable_variables)` - Keras's train_step, and a model's own -
-therefore returns a gradient per slice (this replica's own examples' part of it), and
-`optimizer.apply` (the step's chain, which this hook ends) updates the slices from the
-gradients kept in step 2. A model's own train_step that differentiates its trainable
+therefore returns a gradient per slice (the sum made in step 2), and `optimizer.apply`
+(the step's chain, which this hook ends) updates the slices with it. A model's own train_step that differentiates its trainable
 variables and applies the result through its optimizer works unchanged; one that changes
 the gradients in between (scales, clips) is refused in one line, since the update sums what
 the backward pass made.
@@ -36,13 +39,11 @@ starts and written back at each epoch's end and before each save, so evaluation,
 `model.save` and `predict` after fit see the trained weights. Checkpoints hold the slots
 whole, so a job saved with N replicas resumes with any other number.
 
-Over the local devices of a mirrored strategy or the worker processes of a
-multi_worker_mirrored job (one replica each); the gathers and reductions are the strategy's
-own collectives. Not built: gathering a layer's weights again in the backward pass
-(DeepSpeed frees them after the forward; here a gathered weight is held until its layer's
-gradient has been taken), reduce-scattering each gradient as soon as it exists (here the
-whole gradients wait for the update, as under plain data parallelism), and prefetching the
-next layer's gather.
+Over the local devices of a mirrored strategy (a gather reads the other replicas' slices)
+or the worker processes of a multi_worker_mirrored job (one replica each: a gather is an
+all-gather). Not built: prefetching the next unit's gather to overlap its transfer with
+compute, and a reduce-scatter (TensorFlow's has no CPU kernel; the sum is an all-reduce
+of which each replica keeps its slice).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import host, updates
+from tfdist.parallel import host, units, updates
 from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
 from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
@@ -97,9 +98,7 @@ class ShardedParameters(StepHook):
     def __init__(self):
         self.shards: list[list[keras.Variable]] = []
         # While a step is traced each weight reads through its stand-in; then its host copy.
-        self._reading_slices = updates.TraceSpan(
-            lambda: self._storages(self._stand_ins), lambda: self._storages(self.hosts)
-        )
+        self._reading_slices = updates.TraceSpan(self._enter_step, self._leave_step)
 
     @property
     def name(self) -> str:
@@ -122,6 +121,9 @@ class ShardedParameters(StepHook):
             )
         self.ranks, self.first = layout.replicas, layout.first_replica
         self.devices = list(layout.devices)
+        # Every replica in this process (logical devices, GPUs): a gather reads their slices.
+        self.local = len(self.devices) == self.ranks
+        self.units = units.layers(model)
         host.move_to_host(model, runner.strategy)
         self.variables = list(model.trainable_variables)
         self.hosts = [compat.storage_of(v) for v in self.variables]
@@ -248,39 +250,60 @@ class ShardedParameters(StepHook):
         with self._reading_slices():
             return train_step(batch)
 
+    def _enter_step(self) -> None:
+        self._storages(self._stand_ins)
+        units.recompute(self.units)
+
+    def _leave_step(self) -> None:
+        self._storages(self.hosts)
+        units.restore(self.units)
+
     def _storages(self, storages) -> None:
         for variable, storage in zip(self.variables, storages, strict=True):
             compat.replace_storage(variable, storage)
 
     def gathered(self, i: int) -> tf.Tensor:
-        """Weight `i` whole on this replica, all-gathered from every replica's slice.
+        """Weight `i` whole on this replica, gathered from every replica's slice where it is
+        read: in a unit's forward pass once the unit's inputs exist, and again in its
+        backward pass once its outputs' gradients do (units.awaited), so that it lives
+        while its layer runs.
 
-        Its backward pass keeps this replica's gradient of the whole weight for `apply`,
-        which reduces every weight's in one exchange, in the weights' order, and hands the
-        tape this replica's own part of its slice. Reducing inside the backward pass would
-        not do: the tape visits independent branches (a Transformer's query, key and value)
-        in an order that can differ between replicas, and collectives must be called in the
-        same order on each.
+        Its backward pass sums this replica's gradient of the whole weight over the replicas
+        at once and hands the tape this replica's slice of the sum: no whole gradient
+        outlives its layer's backward pass. An Embedding's looked-up rows stay sparse, kept
+        for `apply`, which sums them as one device applies them.
         """
         context = tf.distribute.get_replica_context()
         d = self._local_index()
         rank, k, n = self.first + d, self.lengths[i], self.sizes[i]
         shape, ranks = self.variables[i].shape, self.ranks
 
+        def total(flat):
+            return context.all_reduce(tf.distribute.ReduceOp.SUM, flat)
+
+        with tf.device(self.devices[d]), tf.control_dependencies(units.awaited()):
+            mine = tf.identity(self.shards[d][i].value)  # read on the tape
+            # The other replicas' slices, where they are in this process: read, not sent.
+            others = [tf.stop_gradient(s[i].value) for s in self.shards] if self.local else []
+
         @tf.custom_gradient
         def gather(part):
-            whole = context.all_gather(part, axis=0)
+            if others:
+                whole = tf.concat([*others[:d], part, *others[d + 1 :]], 0)
+            else:
+                whole = context.all_gather(part, axis=0)
 
             def grad(upstream):
                 backward = self._backward.setdefault(tf.compat.v1.get_default_graph(), {})
-                entry = _Backward.of(upstream, shape, k * ranks, n, lo=rank * k, length=k)
+                entry = _Backward.of(upstream, shape, k * ranks, n, lo=rank * k, length=k,
+                                     total=total)  # fmt: skip
                 backward.setdefault((d, i), []).append(entry)
                 return entry.mine
 
-            return tf.reshape(whole[:n], shape), grad
+            return tf.reshape(whole if n == k * ranks else whole[:n], shape), grad
 
         with tf.device(self.devices[d]):  # a read takes its variable's place, not a device
-            return gather(tf.identity(self.shards[d][i].value))  # read on the tape
+            return gather(mine)
 
     def shard(self, i: int) -> keras.Variable:
         return self.shards[self._local_index()][i]
@@ -290,11 +313,11 @@ class ShardedParameters(StepHook):
         context = tf.distribute.get_replica_context()
         d = self._local_index()
         given = {id(v): g for g, v in grads_and_vars}
-        backward = self._backward.pop(tf.compat.v1.get_default_graph(), {})
+        backward = self._backward.get(tf.compat.v1.get_default_graph(), {})
         present = [i for i, v in enumerate(self.variables) if given.get(id(v)) is not None]
         entries = {}
         for i in present:
-            kept = backward.get((d, i), [])
+            kept = backward.pop((d, i), [])  # the replicas' backward passes interleave
             _check_unchanged(given[id(self.variables[i])], [e.mine for e in kept], i, self)
             entries[i] = kept
         slices = self._summed_slices(context, d, entries)
@@ -306,30 +329,33 @@ class ShardedParameters(StepHook):
         return None
 
     def _summed_slices(self, context, d: int, entries: dict) -> dict:
-        """This replica's slice of each weight's gradient summed over the replicas, from
-        each replica's whole gradients (`entries`: weight -> its reads' _Backward), in the
-        weights' order on every replica: the dense ones in one exchange, then each sparse
-        one (an Embedding's looked-up rows, kept row by row as Keras's optimizers take
-        them)."""
+        """This replica's slice of each weight's gradient summed over the replicas
+        (`entries`: weight -> its reads' _Backward), in the weights' order on every replica.
+        A dense read's is summed already (in the backward pass); looked-up rows are summed
+        here, kept row by row as Keras's optimizers take them, or added to the dense part
+        of a weight read both ways (a tied embedding's lookup and logits)."""
         rank, out = self.first + d, {}
-        sparse = [i for i in entries if all(e.sparse for e in entries[i])]
-        dense = [i for i in entries if i not in sparse]
         with tf.device(self.devices[d]):
-            local = [tf.add_n([e.dense() for e in entries[i]]) for i in dense]
-            reduced = context.all_reduce(tf.distribute.ReduceOp.SUM, local) if local else []
-            for i, total in zip(dense, reduced, strict=True):
+            for i, kept in entries.items():
+                summed = [e.mine for e in kept if not e.sparse]
+                rows = [e for e in kept if e.sparse]
                 k = self.lengths[i]
-                out[i] = total[rank * k : (rank + 1) * k]
-            for i in sparse:
-                values = tf.concat([e.values for e in entries[i]], 0)
-                where = tf.concat([e.where for e in entries[i]], 0)
-                if sparse_rows.batch_independent(where):
-                    # The same ids on every replica: one device's rows are their sum.
-                    values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+                if not rows:
+                    out[i] = tf.add_n(summed)
+                elif summed:
+                    local = tf.add_n([e.dense() for e in rows])
+                    total = context.all_reduce(tf.distribute.ReduceOp.SUM, local)
+                    out[i] = tf.add_n([*summed, total[rank * k : (rank + 1) * k]])
                 else:
-                    values = context.all_gather(values, axis=0)
-                    where = context.all_gather(where, axis=0)
-                out[i] = _in_range(values, where, rank * self.lengths[i], self.lengths[i])
+                    values = tf.concat([e.values for e in rows], 0)
+                    where = tf.concat([e.where for e in rows], 0)
+                    if sparse_rows.batch_independent(where):
+                        # The same ids on every replica: one device's rows are their sum.
+                        values = context.all_reduce(tf.distribute.ReduceOp.SUM, values)
+                    else:
+                        values = context.all_gather(values, axis=0)
+                        where = context.all_gather(where, axis=0)
+                    out[i] = _in_range(values, where, rank * k, k)
         return out
 
     # --- checkpoints ----------------------------------------------------------------------------
@@ -379,16 +405,17 @@ class _Gathered(updates.StandIn):
 
 
 class _Backward:
-    """One read's gradient of a whole weight on one replica, kept for the update: dense
-    (flat, padded to N slices) or sparse (the looked-up rows' values, element by element,
-    and their places in the flat weight), and `mine`, the part the tape is given."""
+    """One read's gradient of a whole weight on one replica: dense, `mine` is this replica's
+    slice of it summed over the replicas; sparse (the looked-up rows' values, element by
+    element, and their places in the flat weight, kept for the update), `mine` is the part
+    of this replica's own rows in its slice. `mine` is what the tape is given."""
 
-    def __init__(self, *, mine, flat=None, values=None, where=None, padded: int = 0):
-        self.mine, self.flat, self.values, self.where = mine, flat, values, where
-        self.sparse, self.padded = flat is None, padded
+    def __init__(self, *, mine, values=None, where=None, padded: int = 0):
+        self.mine, self.values, self.where = mine, values, where
+        self.sparse, self.padded = values is not None, padded
 
     @classmethod
-    def of(cls, upstream, shape, padded: int, n: int, *, lo: int, length: int) -> _Backward:
+    def of(cls, upstream, shape, padded: int, n: int, *, lo: int, length: int, total):
         if isinstance(upstream, tf.IndexedSlices):
             width = n // int(shape[0])
             values = tf.reshape(upstream.values, [-1])
@@ -397,12 +424,10 @@ class _Backward:
             mine = tf.convert_to_tensor(_in_range(values, where, lo, length))
             return cls(mine=mine, values=values, where=where, padded=padded)
         flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
-        flat = tf.pad(flat, [[0, padded - n]])
-        return cls(mine=flat[lo : lo + length], flat=flat, padded=padded)
+        summed = total(tf.pad(flat, [[0, padded - n]]) if padded > n else flat)
+        return cls(mine=summed[lo : lo + length], padded=padded)
 
     def dense(self) -> tf.Tensor:
-        if self.flat is not None:
-            return self.flat
         return tf.math.unsorted_segment_sum(self.values, self.where, self.padded)
 
 
