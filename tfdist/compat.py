@@ -759,3 +759,15 @@ def autocasting(dtype):
     if dtype is None:
         return contextlib.nullcontext()
     return keras.src.backend.AutocastScope(dtype)
+
+
+def forget_traced_functions(model: keras.Model) -> None:
+    """Makes Keras trace the model's train, test and predict functions again at their next
+    use (after its variables' storage changed: a traced function reads the storage it saw).
+
+    Why: Keras's TensorFlow trainer keeps each traced function in `train_function`,
+    `test_function` and `predict_function`, and makes a new one only where it is None.
+    """
+    for name in ("train_function", "test_function", "predict_function"):
+        if getattr(model, name, None) is not None:
+            setattr(model, name, None)

@@ -1,9 +1,8 @@
-"""Where the whole model lives when no device holds it: this host's memory.
+"""Where a model lives while it is built for a mode that gives each device only its share
+of the weights: this host's memory.
 
-The modes that give each device only its share of the weights (a pipeline's stages, ZeRO-3's
-slices) still need the whole model somewhere: Keras's layers own their variables, a save
-writes them, and `predict` after training reads them. `host_scope(strategy)` is where to
-build and compile such a model, in place of `strategy.scope()`:
+`host_scope(strategy)` is where to build and compile such a model, in place of
+`strategy.scope()`, so that no device holds the whole of it:
 
     with tfdist.host_scope(strategy):
         model = build_model()
@@ -13,9 +12,10 @@ build and compile such a model, in place of `strategy.scope()`:
 Its trainable variables are made once, on this process's CPU, instead of mirrored on every
 replica's device; everything else (BatchNorm's statistics, seeds, metrics) is made as the
 strategy makes it, small and per replica as Keras's fit expects. A model built under
-`strategy.scope()` works too: the mode moves its weights to the host when fit begins
-(`move_to_host`), so each device holds its share from then on, not while it is built.
-"""
+`strategy.scope()` works too. ZeRO-3 takes each weight's slices from the host copy when
+fit first starts and drops the copy (from then on no process holds the whole model); a
+pipeline keeps the host copy as the whole model's home (`move_to_host` moves a model built
+under `strategy.scope()` there)."""
 
 from __future__ import annotations
 

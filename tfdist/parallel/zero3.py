@@ -33,11 +33,16 @@ variables and applies the result through its optimizer works unchanged; one that
 the gradients in between (scales, clips) is refused in one line, since the update sums what
 the backward pass made.
 
-The whole model lives in host memory (tfdist.host_scope, or moved there from a model built
-under `strategy.scope()` when fit begins): the slices are taken from it when training
-starts and written back at each epoch's end and before each save, so evaluation, callbacks,
-`model.save` and `predict` after fit see the trained weights. Checkpoints hold the slots
-whole, so a job saved with N replicas resumes with any other number.
+No process keeps the whole model. When training first starts, each weight's slices are
+taken from it (built under tfdist.host_scope, or under `strategy.scope()`) and its whole
+copy is dropped, one weight at a time; from then on the weight's storage is the slices.
+Where something reads a weight outside a step (`model.save`, `get_weights`, `predict` and
+evaluation, a checkpoint), it is gathered whole for that read, one weight at a time: the
+local replicas' slices put together, or across worker processes an all-gather, which every
+process must make at the same point (as every process calls fit, and saves). Assigning a
+weight (`set_weights`, `load_weights`, a restore) assigns each replica its slice.
+Checkpoints hold each weight and slot whole, so a job saved with N replicas resumes with
+any other number.
 
 Over the local devices of a mirrored strategy (a gather reads the other replicas' slices)
 or the worker processes of a multi_worker_mirrored job (one replica each: a gather is an
@@ -48,6 +53,7 @@ of which each replica keeps its slice).
 
 from __future__ import annotations
 
+import gc
 import math
 import re
 import weakref
@@ -57,7 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import host, units, updates
+from tfdist.parallel import units, updates
 from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
 from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
@@ -97,8 +103,6 @@ class ShardedParameters(StepHook):
 
     def __init__(self):
         self.shards: list[list[keras.Variable]] = []
-        # While a step is traced each weight reads through its stand-in; then its host copy.
-        self._reading_slices = updates.TraceSpan(self._enter_step, self._leave_step)
 
     @property
     def name(self) -> str:
@@ -124,10 +128,7 @@ class ShardedParameters(StepHook):
         # Every replica in this process (logical devices, GPUs): a gather reads their slices.
         self.local = len(self.devices) == self.ranks
         self.units = units.layers(model)
-        host.move_to_host(model, runner.strategy)
         self.variables = list(model.trainable_variables)
-        self.hosts = [compat.storage_of(v) for v in self.variables]
-        self._stand_ins = [_Gathered(self, i) for i in range(len(self.variables))]
         self.sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in self.variables]
         self.lengths = [max(1, math.ceil(n / self.ranks)) for n in self.sizes]
         self.decays = updates.decoupled_decays(optimizer, self.variables)
@@ -135,24 +136,39 @@ class ShardedParameters(StepHook):
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the slices keep the slots
 
-        def make():
-            shards, copies = [], []
+        def slices():
+            out = []
             for device in self.devices:
                 with tf.device(device):
-                    mine = [
+                    out.append([
                         keras.Variable(
-                            np.zeros([k], v.dtype),
-                            dtype=v.dtype,
-                            name=f"zero3_v{i}",
+                            np.zeros([k], v.dtype), dtype=v.dtype, name=f"zero3_v{i}",
                             autocast=False,
-                        )  # fmt: skip
+                        )
                         for i, (v, k) in enumerate(zip(self.variables, self.lengths, strict=True))
-                    ]
-                    shards.append(mine)
-                    copies.append(updates.optimizer_copy(optimizer, mine))
-            return shards, copies
+                    ])  # fmt: skip
+            return out
 
-        self.shards, self.copies = updates.outside_strategy(make)
+        self.shards = updates.outside_strategy(slices)
+        # Each weight's slices taken from it, then its whole copy (host or mirrored) dropped,
+        # one weight at a time: from here on no process holds the whole model.
+        self.storages = []
+        for i, variable in enumerate(self.variables):
+            whole = compat.storage_of(variable)
+            for d, shards in enumerate(self.shards):
+                shards[i].assign(self._slice(whole, i, self.first + d))
+            self.storages.append(_Sharded(self, i, whole))
+            compat.replace_storage(variable, self.storages[-1])
+            del whole
+        compat.forget_traced_functions(model)  # they read the whole copies
+        gc.collect()  # the whole copies sit in reference cycles: freed now, not at gc's whim
+        units.recompute(self.units)
+        self.copies = updates.outside_strategy(
+            lambda: [
+                _on(device, lambda s=shards: updates.optimizer_copy(optimizer, s))
+                for device, shards in zip(self.devices, self.shards, strict=True)
+            ]  # fmt: skip
+        )
         self.slots: list[dict[tuple[int, str], keras.Variable]] = []
         for copy in self.copies:
             slots = {}
@@ -163,26 +179,37 @@ class ShardedParameters(StepHook):
             self.slots.append(slots)
         self.slot_names = sorted({name for slots in self.slots for _, name in slots})
         self._gatherers: dict = {}
+        self._gather_one = tf.function(self._gather_part, reduce_retracing=True)
         # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
         # (this replica's whole gradient of it, and the part the tape was given).
         self._backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-    # --- where training starts and settles --------------------------------------------------
+    # --- the whole weights, on demand -------------------------------------------------------
 
-    def start(self) -> None:
-        """Each local replica takes its slices from the whole weights in host memory (after
-        any restore, at every fit: set_weights between fits holds)."""
+    def whole(self, i: int) -> tf.Tensor:
+        """Weight `i` whole, outside a replica's step (a save, `get_weights`, a callback):
+        the local slices put together, or across worker processes an all-gather, which every
+        process must make at the same point, as each makes every read of fit's."""
+        if self.local:
+            flat = tf.concat([tf.reshape(shards[i].value, [-1]) for shards in self.shards], 0)
+        else:
+            flat = self._gather_one(tf.convert_to_tensor(self.shards[0][i].value))
+        return tf.reshape(flat[: self.sizes[i]], self.variables[i].shape)
+
+    def _gather_part(self, part: tf.Tensor) -> tf.Tensor:
+        def replica(part):
+            with tf.device(self.devices[0]):  # the strategy gathers where its input lives
+                part = tf.identity(part)
+                return tf.distribute.get_replica_context().all_gather(part, axis=0)
+
+        gathered = self.strategy.run(replica, args=(part,))
+        return self.strategy.experimental_local_results(gathered)[0]
+
+    def assign_whole(self, i: int, value) -> None:
+        """Weight `i` set to `value` (whole): each local replica keeps its slice of it."""
+        value = tf.convert_to_tensor(value, self.variables[i].dtype)
         for d, shards in enumerate(self.shards):
-            rank = self.first + d
-            for i, shard in enumerate(shards):
-                shard.assign(self._slice(self.hosts[i], i, rank))
-
-    def settle(self) -> None:
-        """The whole weights in host memory, from every replica's slices (collective), a
-        bucket of weights at a time."""
-        for bucket in self._buckets():
-            for i, whole in zip(bucket, self._wholes(None, bucket), strict=True):
-                self.hosts[i].assign(whole)
+            shards[i].assign(self._slice(value, i, self.first + d))
 
     def _buckets(self) -> list[tuple[int, ...]]:
         """The weights' positions in runs of about GATHER_BUCKET_BYTES whole (a larger one
@@ -201,7 +228,7 @@ class ShardedParameters(StepHook):
         k = self.lengths[i]
         flat = tf.reshape(tf.convert_to_tensor(whole), [-1])
         flat = tf.pad(flat, [[0, k * self.ranks - self.sizes[i]]])
-        return flat[rank * k : (rank + 1) * k]
+        return _own(flat[rank * k : (rank + 1) * k])
 
     def _wholes(self, slot: str | None, bucket: tuple[int, ...]) -> list[tf.Tensor]:
         """The whole value (slot None), or the whole `slot`, of each weight in `bucket`,
@@ -245,22 +272,6 @@ class ShardedParameters(StepHook):
         return int(replica) - self.first
 
     # --- one step -------------------------------------------------------------------------------
-
-    def step(self, batch, train_step):
-        with self._reading_slices():
-            return train_step(batch)
-
-    def _enter_step(self) -> None:
-        self._storages(self._stand_ins)
-        units.recompute(self.units)
-
-    def _leave_step(self) -> None:
-        self._storages(self.hosts)
-        units.restore(self.units)
-
-    def _storages(self, storages) -> None:
-        for variable, storage in zip(self.variables, storages, strict=True):
-            compat.replace_storage(variable, storage)
 
     def gathered(self, i: int) -> tf.Tensor:
         """Weight `i` whole on this replica, gathered from every replica's slice where it is
@@ -306,7 +317,12 @@ class ShardedParameters(StepHook):
             return gather(mine)
 
     def shard(self, i: int) -> keras.Variable:
-        return self.shards[self._local_index()][i]
+        return self.shards[self._local_index() if self.in_step() else 0][i]
+
+    def in_step(self) -> bool:
+        """Whether a replica of this strategy is being traced (its reads gather there)."""
+        context = tf.distribute.get_replica_context()
+        return context is not None and context.strategy is self.strategy
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: this hook applies the update itself
@@ -391,17 +407,55 @@ class ShardedParameters(StepHook):
         }
 
 
-class _Gathered(updates.StandIn):
-    """A weight's storage while a zero3 step is traced: reading it gathers the weight from
-    the replicas' slices (ShardedParameters.gathered); its resource handle is this
-    replica's slice, so the tape's gradient for the weight is the slice's."""
+class _Sharded(updates.StandIn):
+    """A weight's storage under zero3 (compat.replace_storage), from the first fit on: its
+    value is gathered from the replicas' slices where it is read (in a replica's step,
+    ShardedParameters.gathered; elsewhere ShardedParameters.whole), assigning it assigns
+    the slices, and its resource handle is the replica's slice, so the tape's gradient for
+    the weight is the slice's. A checkpoint holds it whole, so a job saved with N replicas
+    resumes with any other number."""
 
-    def __init__(self, hook: ShardedParameters, index: int):
-        super().__init__(hook.hosts[index], lambda: hook.shard(index))
+    def __init__(self, hook: ShardedParameters, index: int, whole):
+        super().__init__(whole, lambda: hook.shard(index))
         self.hook, self.index = hook, index
+        self.trainable = True
 
     def read(self) -> tf.Tensor:
-        return self.hook.gathered(self.index)
+        if self.hook.in_step():
+            return self.hook.gathered(self.index)
+        return self.hook.whole(self.index)
+
+    def numpy(self):
+        return self.read().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        del copy  # always a new array
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name, read_value
+        self.hook.assign_whole(self.index, value)
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.read()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.assign(restored_tensors["VARIABLE_VALUE"])
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        # A SavedModel holds a whole variable: one made for the export, from the slices.
+        self._exported = tf.Variable(self.read(), name=self.name.split(":")[0])
+        resources = self._exported._export_to_saved_model_graph(
+            object_map, tensor_map, options, **kwargs
+        )
+        object_map[self] = object_map[self._exported]
+        return resources
+
+    def _write_object_proto(self, proto, options):
+        return tf.Variable(self.read())._write_object_proto(proto, options)
+
+    def _copy_trackable_to_cpu(self, object_map):
+        object_map[self] = tf.Variable(self.read())
 
 
 class _Backward:
@@ -425,7 +479,7 @@ class _Backward:
             return cls(mine=mine, values=values, where=where, padded=padded)
         flat = tf.reshape(tf.convert_to_tensor(upstream), [-1])
         summed = total(tf.pad(flat, [[0, padded - n]]) if padded > n else flat)
-        return cls(mine=summed[lo : lo + length], padded=padded)
+        return cls(mine=_own(summed[lo : lo + length]), padded=padded)
 
     def dense(self) -> tf.Tensor:
         return tf.math.unsorted_segment_sum(self.values, self.where, self.padded)
@@ -483,6 +537,18 @@ def _check_optimizer(optimizer) -> None:
                 f"Keras's per-replica clipping ({option}) has no whole gradient to clip. Drop "
                 f"{option}, or use zero2. Received: {option}={getattr(optimizer, option)}"
             )
+
+
+def _own(part: tf.Tensor) -> tf.Tensor:
+    """`part`, a slice of a larger tensor, in a buffer of its own: TensorFlow's slice of a
+    tensor's leading rows shares the whole tensor's buffer, so a slice kept (a replica's
+    slice of a weight, of a summed gradient) would keep the whole alive."""
+    return tf.raw_ops.DeepCopy(x=part)
+
+
+def _on(device: str, make):
+    with tf.device(device):
+        return make()
 
 
 __all__ = ["ShardedParameters", "shard_hook"]
