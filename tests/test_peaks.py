@@ -11,11 +11,14 @@ parallelism holds the weights, slots and whole gradients (about 5 W): the refere
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from tools import peak_bench
 
-pytestmark = pytest.mark.multiprocess
+# One worker runs these, so that each job below runs once (its records are cached).
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("peaks")]
 
 LIMITS = {2: 2.9, 4: 1.75}  # zero3's whole-run peak, in W
 
@@ -26,13 +29,18 @@ def _allocator_statistics(monkeypatch):
     monkeypatch.setenv("TF_CPU_ALLOCATOR_USE_BFC", "true")
 
 
+@functools.cache
+def records(layout: str, workers: int) -> tuple[dict, ...]:
+    return tuple(peak_bench.run(layout, workers))
+
+
 def whole_run(record: dict) -> float:
     return max(record[phase] for phase in peak_bench.PHASES) / record["weights"]
 
 
 @pytest.mark.parametrize("workers", [2, 4])
 def test_zero3s_peak_per_process_stays_within_its_share_from_construction_to_save(workers):
-    peaks = [whole_run(r) for r in peak_bench.run("zero3", workers)]
+    peaks = [whole_run(r) for r in records("zero3", workers)]
     assert max(peaks) <= LIMITS[workers], peaks
     # Not vacuous: the allocator saw at least the process's share of weights and slots.
     assert min(peaks) >= 3.0 / workers, peaks
@@ -41,5 +49,37 @@ def test_zero3s_peak_per_process_stays_within_its_share_from_construction_to_sav
 def test_plain_data_parallelism_peaks_at_its_weights_slots_and_whole_gradients():
     """The reference the ZeRO-3 limits are measured against (and the allocator's figures
     checked by): weights, two slots and whole gradients, about 5 W, on every process."""
-    peaks = [whole_run(r) for r in peak_bench.run("plain", 2)]
+    peaks = [whole_run(r) for r in records("plain", 2)]
     assert all(4.0 <= p <= 6.0 for p in peaks), peaks
+
+
+# The planner's step peak (tfdist.plan) against the allocator's peak within a step. Not yet
+# held: zero1 and zero2 over 4 processes, whose rings hold more than the plan counts (zero1
+# measured 5.4-5.8 W against 4.9 planned), and the pipeline, whose processes keep the whole
+# model in host memory (this machine's one allocator).
+PLANNED = [("plain", 2), ("zero1", 2), ("zero2", 2), ("zero3", 2), ("zero3", 4)]
+
+
+@pytest.mark.parametrize("layout, workers", PLANNED)
+def test_the_planners_step_peak_is_the_allocators_within_15_percent(layout, workers):
+    import keras
+
+    from tests.test_plan import cluster
+    from tfdist.plan import Layout, ModelCost, Training, estimate
+
+    measured = max(r[p] for r in records(layout, workers) for p in ("first step", "steps"))
+    model = keras.Sequential(
+        [
+            keras.Input((peak_bench.INPUTS,)),
+            *[keras.layers.Dense(peak_bench.WIDTH, activation="relu") for _ in range(9)],
+            keras.layers.Dense(peak_bench.CLASSES),
+        ]
+    )
+    model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
+    zero = {"plain": 0, "zero1": 1, "zero2": 2, "zero3": 3}[layout]
+    planned = estimate(
+        Layout(data=workers, zero=zero),
+        Training(ModelCost.of(model), batch=peak_bench.BATCH),
+        cluster(),
+    ).memory
+    assert planned == pytest.approx(measured, rel=0.15), (planned / 2**20, measured / 2**20)

@@ -74,7 +74,7 @@ def test_the_bubble_is_s_minus_1_over_m_plus_s_minus_1():
     [
         (0, 4, 4, 8),  # W, G, 2W (Adam)
         (1, 4, 4, (8 + 4) / 4),  # slots and the slice's weights over D = 4
-        (2, 4, 1, (8 + 4) / 4),
+        (2, 4, 4, (8 + 4) / 4),  # the whole gradients, before they are reduce-scattered
         (3, 1, 1, 2),
     ],
 )

@@ -145,9 +145,10 @@ def worker(args) -> None:
         "plain": all_reduce,
         "zero1": (*all_reduce, "all_gather"),  # the gradients whole, then the weights
         "zero2": all_reduce,  # the gradients' slices, then the weights
-        # every weight gathered (its N-1 other slices received; sent: as an all-gather),
-        # then the gradients all-reduced (the strategy's collectives, not tfdist's ring)
-        "zero3": ("all_gather", *all_reduce),
+        # every weight gathered in the forward pass and again in the backward (its N-1
+        # other slices received; sent: as an all-gather), and the gradients all-reduced
+        # (the strategy's collectives, not tfdist's ring)
+        "zero3": ("all_gather", "all_gather", *all_reduce),
     }[args.mode]
     sent = ring_bytes(length, ranks, 4, phases)
     # zero2 forms only its slice's sum; zero3 all-reduces the whole gradients, then slices.

@@ -23,6 +23,7 @@ counts here, as it would count against a GPU host's RAM.
 
   python -m tools.peak_bench                          # every layout over 2, about 2 minutes
   python -m tools.peak_bench --layouts zero3 pipeline --workers 2 4
+  python -m tools.peak_bench --layouts plain zero3 --workers 4 --budget_mb 200
 
 This is a benchmark, not a test: it reports figures and never fails on them.
 """
@@ -68,7 +69,7 @@ def worker(args) -> None:
     scope = tfdist.host_scope(strategy) if hosted else strategy.scope()
     with scope:
         keras.utils.set_random_seed(0)
-        layers = [keras.layers.Dense(WIDTH, activation="relu", name=f"d{i}") for i in range(9)]
+        layers = [keras.layers.Dense(args.width, activation="relu", name=f"d{i}") for i in range(9)]
         model = keras.Sequential(
             [keras.Input((INPUTS,)), *layers, keras.layers.Dense(CLASSES, name="d9")]
         )
@@ -111,14 +112,40 @@ def worker(args) -> None:
         json.dump(record, f)
 
 
-def run(layout: str, workers: int) -> list[dict]:
+def run(layout: str, workers: int, width: int = WIDTH) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         task = [
             sys.executable, "-m", "tools.peak_bench", "--worker", "--layout", layout,
-            "--out_dir", out,
+            "--out_dir", out, "--width", str(width),
         ]  # fmt: skip
         harness.launch(task, layout=["--workers", str(workers)], what=f"{layout} x{workers}")
         return harness.task_records(out, workers)
+
+
+def whole_run(records: list[dict]) -> int:
+    """The whole run's peak bytes of the job's largest process."""
+    return max(r[p] for r in records for p in PHASES)
+
+
+def parameters(width: int) -> int:
+    return INPUTS * width + width + HIDDEN * (width * width + width) + width * CLASSES + CLASSES
+
+
+def largest(layout: str, workers: int, budget: int) -> tuple[int, int]:
+    """The widest model (in steps of 64) whose whole-run peak per process, measured, fits
+    `budget` bytes, and that peak. The peak grows with the weights, so a first run at the
+    default width predicts the width; runs 5% narrower follow until one fits."""
+    ratio = whole_run(run(layout, workers)) / (4 * parameters(WIDTH))
+    target = budget / ratio / 4  # parameters
+    width = int((-(INPUTS + 1 + CLASSES + HIDDEN) + ((INPUTS + 1 + CLASSES + HIDDEN) ** 2
+                 + 4 * HIDDEN * target) ** 0.5) / (2 * HIDDEN))  # fmt: skip
+    for _ in range(6):
+        width = max(64, width // 64 * 64)
+        peak = whole_run(run(layout, workers, width))
+        if peak <= budget or width == 64:
+            return width, peak
+        width = int(width * 0.95)
+    return width, peak
 
 
 def main(argv=None) -> int:
@@ -130,6 +157,12 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--out_dir", help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--budget_mb", type=float,
+        help="instead: the largest model each layout trains with every process's whole-run "
+        "peak within this many MB (measured; about 3 runs a layout)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -137,6 +170,8 @@ def main(argv=None) -> int:
     if min(args.workers) < 2:
         parser.error("--workers: 2 or more processes (one device each)")
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # the workers' allocator statistics
+    if args.budget_mb:
+        return budget_table(args.layouts, args.workers, int(args.budget_mb * 2**20))
     print("allocator peak per process (the largest over the processes), in W = weight bytes")
     print("| layout | processes | " + " | ".join(PHASES) + " | whole run | at rest |")
     print("|---" * (len(PHASES) + 4) + "|")
@@ -151,6 +186,24 @@ def main(argv=None) -> int:
                 + f" | {max(cells):.2f} | {rest:.2f} |",
                 flush=True,
             )  # fmt: skip
+    return 0
+
+
+def budget_table(layouts, workers_list, budget: int) -> int:
+    print(f"the largest model each layout trains in {budget / 2**20:.0f} MB per process "
+          "(whole-run allocator peak, measured)")  # fmt: skip
+    print("| layout | processes | width | parameters | peak MB | x plain |")
+    print("|---|---|---|---|---|---|")
+    plain = None
+    for layout in layouts:
+        for workers in workers_list:
+            width, peak = largest(layout, workers, budget)
+            n = parameters(width)
+            if layout == "plain" and plain is None:
+                plain = n
+            ratio = f"{n / plain:.2f}" if plain else "-"
+            print(f"| {layout} | {workers} | {width} | {n / 1e6:.1f}M | {peak / 2**20:.0f} | "
+                  f"{ratio} |", flush=True)  # fmt: skip
     return 0
 
 

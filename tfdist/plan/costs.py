@@ -27,14 +27,15 @@ grouped as tfdist runs each layout:
                    replicated weights' gradients all-reduced over T x D, the split ones'
                    over D
 
-Bytes per device, for W the weights' bytes, G the gradients' (as the weights), O the
-optimizer's state (slots x W), A the activations one example keeps (ZeRO: Rajbhandari et
-al., 2020):
+Bytes per device at the step's peak, for W the weights' bytes, G the gradients' (as the
+weights), O the optimizer's state (slots x W), A the activations one example keeps (ZeRO:
+Rajbhandari et al., 2020), then the exchange's buffers (tests/test_peaks.py holds data and
+ZeRO 1-3 to the allocator's peak per worker process within 15%):
 
-  data        W + G + O                + A x b
-  zero1       W + G + (O + W)/D        + A x b   (tfdist keeps its slice's weights too,
-  zero2       W + (G + O + W)/D        + A x b    for the slice's optimizer copy)
-  zero3       (W + G + O)/D            + A x b
+  data        W + G + O                + A x b + G          (the all-reduced gradients)
+  zero1       W + G + (O + W)/D        + A x b + G + W      (tfdist keeps its slice's weights
+  zero2       W + G + (O + W)/D        + A x b + G/D + W     too, for its optimizer copy)
+  zero3       (W + G + O)/D            + A x b + 2 units' weights and gradients
   pipeline    (W + G + O) of its stage + A of its stage x micro-batch x in flight
               (GPipe: M in flight, 1F1B: S - s on stage s)
   tensor      (W + G + O) / T of the split blocks + all of the rest + A x b
@@ -224,8 +225,9 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
             exchange = all_reduce(w, d, data_link) + all_gather(w, d, data_link)
             g, oo, ww = w, (o + w) / d, w
         elif layout.zero == 2:
+            # The backward pass forms each whole gradient before it is reduce-scattered.
             exchange = reduce_scatter(w, d, data_link) + all_gather(w, d, data_link)
-            g, oo, ww = w / d, (o + w) / d, w
+            g, oo, ww = w, (o + w) / d, w
         else:
             exchange = 2 * all_gather(w, d, data_link) + reduce_scatter(w, d, data_link)
             g, oo, ww = w / d, o / d, w / d
@@ -236,7 +238,10 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
         compute = _pooled(forward_backward, [forward_backward] * layout.devices, cluster)
         compute += update_time(w / (d if layout.zero else 1), model.slots_per_param, cluster)
         largest = max((u.param_bytes * scale for u in model.units), default=0.0)
-        buffers = {0: w, 1: w, 2: w / d, 3: 2 * largest}[layout.zero] if d > 1 else 0.0
+        # The exchange's buffers at the step's peak: the all-reduced gradients (data,
+        # zero1), the reduce-scattered slice (zero2), the gathered weights (zero1, zero2),
+        # and for zero3 two gathered units with their gradients (FSDP's accounting).
+        buffers = {0: w, 1: 2 * w, 2: w / d + w, 3: 2 * largest}[layout.zero] if d > 1 else 0.0
         est = Estimate(layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0)
     est = dataclasses.replace(est, compute=est.compute + cluster.step_overhead)
     one += cluster.step_overhead
