@@ -23,15 +23,15 @@ The collectives of steps 1 and 2 are the strategy's own, so they run in the orde
 made; every replica traces the same program and its tape visits the units in the same
 order, so the replicas meet at each one.
 
-How a layer reads a slice-held weight without being rewritten: while tfdist.fit traces the
-step, each trainable weight's storage (the tf.Variable a Keras variable reads) is a
-stand-in whose value is the gather above and whose resource handle is the replica's slice.
+How a layer reads a slice-held weight without being rewritten: each trainable weight's
+storage (the tf.Variable a Keras variable reads) is a stand-in (`_Sharded`) whose value is
+the gather above and whose resource handle is the replica's slice.
 `tape.gradient(loss, model.trainable_variables)` - Keras's train_step, and a model's own -
-therefore returns a gradient per slice (the sum made in step 2), and `optimizer.apply`
-(the step's chain, which this hook ends) updates the slices with it. A model's own train_step that differentiates its trainable
-variables and applies the result through its optimizer works unchanged; one that changes
-the gradients in between (scales, clips) is refused in one line, since the update sums what
-the backward pass made.
+therefore returns a gradient per slice (the sum made in step 2), and `optimizer.apply` (the
+step's chain, which this hook ends) updates the slices with it. A model's own train_step
+that differentiates its trainable variables and applies the result through its optimizer
+works unchanged; one that changes the gradients in between (scales, clips) is refused in
+one line, since the update applies what the backward pass summed.
 
 No process keeps the whole model. When training first starts, each weight's slices are
 taken from it (built under tfdist.host_scope, or under `strategy.scope()`) and its whole
