@@ -17,8 +17,9 @@ import pytest
 
 from tools import peak_bench
 
-# One worker runs these, so that each job below runs once (its records are cached).
-pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("peaks")]
+# One worker runs these, so that each job below runs once (its records are cached), and
+# not beside tests/test_signals.py, whose processes must answer a signal within seconds.
+pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("process_heavy")]
 
 LIMITS = {2: 2.9, 4: 1.75}  # zero3's whole-run peak, in W
 

@@ -22,6 +22,9 @@ import pytest
 
 from tests.conftest import REPO, free_ports
 
+# Its processes must answer a signal within seconds: not beside tests/test_peaks.py's jobs.
+pytestmark = pytest.mark.xdist_group("process_heavy")
+
 
 def tf_config(cluster, task_type, index):
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})

@@ -72,14 +72,9 @@ def _awaiting(tensors: Sequence) -> Iterator[None]:
 
 
 def recompute(units: Sequence[keras.layers.Layer]) -> None:
-    """Makes each unit's call a recomputed one (see the module docstring), until restore."""
+    """Makes each unit's call a recomputed one (see the module docstring)."""
     for layer in units:
         compat.replace_call(layer, _recomputed(layer.call))
-
-
-def restore(units: Sequence[keras.layers.Layer]) -> None:
-    for layer in units:
-        compat.restore_call(layer)
 
 
 def _recomputed(call):
@@ -87,6 +82,8 @@ def _recomputed(call):
     def unit_call(*args, **kwargs):
         flat = tf.nest.flatten((args, kwargs))
         spots = [j for j, x in enumerate(flat) if isinstance(x, tf.Tensor)]
+        if not spots:  # nothing to differentiate through (a call on no tensors)
+            return call(*args, **kwargs)
         autocast = compat.autocast_dtype()
 
         def run(tensors):
@@ -103,13 +100,18 @@ def _recomputed(call):
                 outputs = run(inputs)
 
             def grad(*upstream, variables=None):
-                with tf.control_dependencies(upstream):  # not before the gradient arrives
+                arrived = [
+                    g.values if isinstance(g, tf.IndexedSlices) else g
+                    for g in upstream
+                    if g is not None
+                ]
+                with tf.control_dependencies(arrived):  # not before the gradient arrives
                     again = [tf.identity(x) for x in inputs]
                 differentiable = [x for x in again if x.dtype.is_floating]
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     tape.watch(differentiable)
                     tape.watch(variables or [])
-                    with _awaiting(upstream):
+                    with _awaiting(arrived):
                         redone = run(again)
                 grads = tape.gradient(
                     tf.nest.flatten(redone),
@@ -127,4 +129,4 @@ def _recomputed(call):
     return unit_call
 
 
-__all__ = ["awaited", "layers", "recompute", "restore"]
+__all__ = ["awaited", "layers", "recompute"]
