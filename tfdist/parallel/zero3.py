@@ -69,8 +69,8 @@ from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
 NAME = "shard_optimizer='zero3'"
-# The weights are made whole (at the epoch's end, for a checkpoint's slots) in gathers of
-# about this many bytes, not all at once: what that adds to a process's peak.
+# A checkpoint's slots are made whole in gathers of about this many bytes, not all at
+# once: what that adds to a process's peak.
 GATHER_BUCKET_BYTES = 4 * 2**20
 
 
@@ -230,9 +230,9 @@ class ShardedParameters(StepHook):
         flat = tf.pad(flat, [[0, k * self.ranks - self.sizes[i]]])
         return _own(flat[rank * k : (rank + 1) * k])
 
-    def _wholes(self, slot: str | None, bucket: tuple[int, ...]) -> list[tf.Tensor]:
-        """The whole value (slot None), or the whole `slot`, of each weight in `bucket`,
-        from every replica's slices, all-gathered in one collective."""
+    def _wholes(self, slot: str, bucket: tuple[int, ...]) -> list[tf.Tensor]:
+        """The whole `slot` of each weight in `bucket`, from every replica's slices,
+        all-gathered in one collective."""
         key = (slot, bucket)
         if key not in self._gatherers:
             self._gatherers[key] = tf.function(lambda: self._gather_all_replicas(slot, bucket))
@@ -247,15 +247,12 @@ class ShardedParameters(StepHook):
             at += k
         return out
 
-    def _gather_all_replicas(self, slot: str | None, bucket: tuple[int, ...]):
-        def pick(d: int, i: int) -> keras.Variable:
-            return self.shards[d][i] if slot is None else self.slots[d][i, slot]
-
+    def _gather_all_replicas(self, slot: str, bucket: tuple[int, ...]):
         def replica():
             d = self._local_index()
             # Placed on the replica's device, as the strategy's collectives ask.
             with tf.device(self.devices[d]):
-                parts = [tf.reshape(pick(d, i).value, [-1]) for i in bucket]
+                parts = [tf.reshape(self.slots[d][i, slot].value, [-1]) for i in bucket]
                 flat = tf.concat(parts, 0)
                 return tf.distribute.get_replica_context().all_gather(flat, axis=0)
 
