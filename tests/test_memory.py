@@ -146,8 +146,9 @@ def test_split_layers_hold_their_part_on_each_device(devices, degree):
 
 @pytest.mark.parametrize("cuts", [["pipe_2"], ["pipe_1", "pipe_2"]], ids=["2 stages", "3 stages"])
 def test_a_pipeline_built_in_its_scope_holds_each_stage_on_its_device(cuts):
-    """Under pipeline.scope(strategy), the whole model and its optimizer's state live once
-    in host memory (CPU:0 here); each replica's device (CPU:1...) holds 3x its stage (Adam):
+    """Under pipeline.scope(strategy), no process keeps the whole model: the host (CPU:0
+    here), where it is built, holds nothing after fit; each replica's device (CPU:1...)
+    holds 3x its stage (Adam):
     not the mirrored whole model beside it. It trains the weights the same pipeline trains
     built under strategy.scope() (which test_pipeline.py holds to Keras's fit)."""
     from tfdist.parallel import Pipeline
@@ -177,7 +178,7 @@ def test_a_pipeline_built_in_its_scope_holds_each_stage_on_its_device(cuts):
         np.testing.assert_allclose(got, want, atol=1e-7)
     weights = weight_bytes(model)
     held = record.added
-    assert held["CPU:0"] / weights == pytest.approx(3.0, rel=TOLERANCE)  # the host copy
+    assert held.get("CPU:0", 0) == 0  # the weights moved into the stages; no slot on the host
     layer_bytes = [sum(w.nbytes for w in layer.get_weights()) for layer in model.layers]
     starts = [0, *[[layer.name for layer in model.layers].index(c) for c in cuts], 4]
     for stage in range(stages):
@@ -189,8 +190,8 @@ def test_a_pipeline_built_in_its_scope_holds_each_stage_on_its_device(cuts):
 def test_gemma_cut_in_two_stages_holds_each_stage_and_the_tied_embedding_on_both():
     """keras-hub's Gemma causal LM in Pipeline.scope over 2 devices, cut before its second
     decoder block: each device holds 3x its stage (Adam), and the embedding tied to the
-    logits counts on both (each stage that uses it holds a copy and its slots); the host
-    holds the whole model once."""
+    logits counts on both (each stage that uses it holds a copy and its slots); the host,
+    where it is built, keeps none of it."""
     from tests import keras_hub_models
     from tfdist.parallel import Pipeline, split
 
@@ -204,7 +205,7 @@ def test_gemma_cut_in_two_stages_holds_each_stage_and_the_tied_embedding_on_both
                pipeline=pipeline)  # fmt: skip
     weights = weight_bytes(model)
     trainable = model.trainable_variables
-    assert record.added["CPU:0"] / weights == pytest.approx(3.0, rel=TOLERANCE)
+    assert record.added.get("CPU:0", 0) / weights < 0.01  # its seeds, nothing whole
     embedding = model.backbone.token_embedding.embeddings
     for stage in split(model, cut):
         held = [trainable[i] for i in stage.trainable]

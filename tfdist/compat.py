@@ -584,9 +584,9 @@ def build_optimizer_plainly(optimizer, variables, device: str, run_outside) -> N
     `_distribution_strategy`. `run_outside` runs a function where no scope is entered.
     """
     made_under = optimizer._distribution_strategy
-    optimizer._distribution_strategy = tf.distribute.get_strategy()
 
     def build():
+        optimizer._distribution_strategy = tf.distribute.get_strategy()  # where no scope is
         with tf.device(device):
             optimizer.build(variables)
 

@@ -43,8 +43,10 @@ matches the unsplit model exactly.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -58,7 +60,7 @@ from tfdist.collective.keys import group_key_base
 from tfdist.collective.transport import ProcessLinks, ProcessRing, Transfers
 from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.parallel.host import host_device, host_scope, hosted
+from tfdist.parallel.host import host_device, host_scope
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
 from tfdist.strategies import strategy_kind
@@ -173,7 +175,7 @@ class _StageReplica:
     device: str
     trainable: list[keras.Variable]
     non_trainable: list[keras.Variable]
-    optimizer: keras.optimizers.Optimizer
+    optimizer: keras.optimizers.Optimizer | None  # built once the weights have moved in
 
 
 class PipelineRunner(SyncRunner):
@@ -182,6 +184,8 @@ class PipelineRunner(SyncRunner):
     Evaluation, the chief, agreement between workers and failure messages are the
     synchronous runner's: after `settle` the model is whole on every replica.
     """
+
+    builds_optimizer = False  # its slots are the stages' (see _Home)
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, options: Pipeline):
         super().__init__(model, strategy)
@@ -228,22 +232,24 @@ class PipelineRunner(SyncRunner):
                 "without pipeline=. Received: a model with train_step overridden"
             )
         updates.check_copyable(model.optimizer, who="A pipeline's stages")
-        if hosted(model):  # built under Pipeline.scope: its optimizer's state goes there too
-            host = host_device(self.strategy)
-            if not model.optimizer.built:
-                compat.build_optimizer_plainly(
-                    model.optimizer, model.trainable_variables, host, updates.outside_strategy
-                )
-            whole = sum(nbytes(v) or 0 for v in model.variables)
+        super().build(sample_batch)  # all but the optimizer's slots, which the stages keep
+        home = _Home.of(model)
+        if home is not None and home.key == self._home_key():
+            # A later fit on the same layout: its stages go on with their weights and slots.
+            self.stages, self.tied, self.replicas = home.stages, home.tied, home.replicas
+            self._grid()
+        else:
+            self.stages = split(model, options.cut_before)
+            self.tied = tied(self.stages)
+            self._place(*self._grid())
+            held = sum(nbytes(v) or 0 for r in self.replicas for v in r.trainable)
+            whole = sum(nbytes(v) or 0 for v in model.trainable_variables)
             log.info(
-                "The whole model (%.1f MB of weights) and its optimizer's state are kept in "
-                "host memory (%s); each device holds its stage.",
+                "The stages hold the model's weights (%.1f MB here of %.1f MB) and their "
+                "optimizer's state; no process holds the whole model.",
+                held / 2**20,
                 whole / 2**20,
-                host,
             )
-        super().build(sample_batch)  # the whole model and its optimizer: the host copy
-        self.stages = split(model, options.cut_before)
-        self.tied = tied(self.stages)
         if self.tied:
             names = sorted({model.trainable_variables[i].path for i in self.tied})
             log.info(
@@ -251,10 +257,16 @@ class PipelineRunner(SyncRunner):
                 "gradients summed: %s",
                 ", ".join(names),
             )
-        self._place()
+        self._rings = self._make_rings()
         self._state = self._zeros()
 
-    def _place(self) -> None:
+    def _home_key(self) -> tuple:
+        options = self.options
+        return (options.cut_before, options.chunks_per_device, self.layout)
+
+    def _grid(self) -> tuple[list[int], dict[int, str]]:
+        """Sets the pipelines and the devices each takes; returns this process's ranks
+        (pipeline p's stage k is rank p * stages + k) and each rank's device."""
         stages, layout = self.stages, self.layout
         devices = list(layout.devices)
         processes = layout.processes
@@ -295,7 +307,12 @@ class PipelineRunner(SyncRunner):
                 rank: devices[(rank // len(stages)) * width + (rank % len(stages)) % width]
                 for rank in ranks
             }
-        optimizer = self.model.optimizer
+        return ranks, devices
+
+    def _place(self, ranks: list[int], devices: dict[int, str]) -> None:
+        """Makes this process's stage replicas and moves the model's weights and its
+        optimizer's slots into them (see _Home)."""
+        stages = self.stages
         trainable = self.model.trainable_variables
         non_trainable = self.model.non_trainable_variables
 
@@ -309,34 +326,62 @@ class PipelineRunner(SyncRunner):
                     # copy's slots are named as the user's optimizer's for the same weight.
                     copies = [_copy(trainable[i]) for i in stage.trainable]
                     statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
-                    stage_optimizer = updates.optimizer_copy(optimizer, copies)
-                made.append(
-                    _StageReplica(stage, pipeline, device, copies, statistics, stage_optimizer)
-                )
+                made.append(_StageReplica(stage, pipeline, device, copies, statistics, None))
             return made
 
         self.replicas = updates.outside_strategy(make)
-        self._slot_pairs = {id(r): _slot_pairs(r.optimizer, optimizer) for r in self.replicas}
-        if processes > 1:
+        home = _Home(self._home_key(), self, self.replicas)
+        user = self.model.optimizer
+        if not user.built:  # its slots made empty: each is given its stage's below
+            empty: list[tf.Variable] = []
+
+            def outside(build):
+                def run():
+                    with _empty_variables() as made:  # in the thread that builds
+                        build()
+                    empty.extend(made)
+
+                return updates.outside_strategy(run)
+
+            compat.build_optimizer_plainly(user, trainable, host_device(self.strategy), outside)
+            home.empty = {id(v) for v in empty}
+        # The weights move into the stages first, each whole copy dropped as it goes, then
+        # the stages' optimizers are built: the whole model and the slots never coexist.
+        home.take_weights(self.model)
+
+        def build_optimizers():
             for r in self.replicas:
-                self._rings[r.stage.index] = ProcessRing(
-                    rank=r.pipeline,
-                    ranks=self.pipelines,
-                    timeout_seconds=self.options.timeout_seconds,
-                    group_key_base=STAGE_RING_GROUP_KEY_BASE + 1000 * r.stage.index,
-                )
-            # A tied weight's gradient is summed over every replica of the stages holding
-            # it: one ring per set of holders, over the pipelines x holders processes.
-            sets = sorted(set(self.tied.values()))
-            for k, holders in enumerate(sets):
-                for r in self.replicas:
-                    if r.stage.index in holders:
-                        self._rings[holders] = ProcessRing(
-                            rank=r.pipeline * len(holders) + holders.index(r.stage.index),
-                            ranks=self.pipelines * len(holders),
-                            timeout_seconds=self.options.timeout_seconds,
-                            group_key_base=TIED_RING_GROUP_KEY_BASE + 1000 * k,
-                        )
+                with tf.device(r.device):
+                    r.optimizer = updates.optimizer_copy(user, r.trainable)
+
+        updates.outside_strategy(build_optimizers)
+        home.take_slots(self.model)
+
+    def _make_rings(self) -> dict:
+        """Between worker processes: a ring per stage over its pipelines' replicas, and one
+        per set of stages holding a tied weight."""
+        rings: dict[int | tuple[int, ...], ProcessRing] = {}
+        if self.processes == 1:
+            return rings
+        for r in self.replicas:
+            rings[r.stage.index] = ProcessRing(
+                rank=r.pipeline,
+                ranks=self.pipelines,
+                timeout_seconds=self.options.timeout_seconds,
+                group_key_base=STAGE_RING_GROUP_KEY_BASE + 1000 * r.stage.index,
+            )
+        # A tied weight's gradient is summed over every replica of the stages holding it:
+        # one ring per set of holders, over the pipelines x holders processes.
+        for k, holders in enumerate(sorted(set(self.tied.values()))):
+            for r in self.replicas:
+                if r.stage.index in holders:
+                    rings[holders] = ProcessRing(
+                        rank=r.pipeline * len(holders) + holders.index(r.stage.index),
+                        ranks=self.pipelines * len(holders),
+                        timeout_seconds=self.options.timeout_seconds,
+                        group_key_base=TIED_RING_GROUP_KEY_BASE + 1000 * k,
+                    )
+        return rings
 
     def check_callbacks(self, callbacks) -> None:
         super().check_callbacks(callbacks)
@@ -452,49 +497,31 @@ class PipelineRunner(SyncRunner):
     # --- the whole model and the stages -----------------------------------------------------------
 
     def _load(self) -> None:
-        """The stages take the model's weights and the user's optimizer's state."""
-        model = self.model
-        trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
+        """The stages take the model's statistics (BatchNormalization's): its weights and
+        its optimizer's slots are the stages' own already (see _Home)."""
+        non_trainable = self.model.non_trainable_variables
         for r in self.replicas:
-            for copy, i in zip(r.trainable, r.stage.trainable, strict=True):
-                copy.assign(trainable[i].value)
             for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
                 copy.assign(non_trainable[i].value)
-            for mine, theirs in self._slot_pairs[id(r)]:
-                mine.assign(theirs.value)
         self._loaded = True
 
     def settle(self) -> None:
-        """Writes the stages' weights, statistics and optimizer state into the user's model
-        and optimizer, on every replica (a collective across worker processes)."""
+        """Writes the stages' statistics into the model, on every replica (a collective
+        across worker processes); the weights and slots are read from the stages where
+        they are read, so nothing else is written back."""
         if self._thread is not None:  # made again if training goes on
             self._thread.shutdown()
             self._thread = None
         if not self._loaded:
             return  # nothing trained since the model was last loaded
-        model, user = self.model, self.model.optimizer
-        trainable, non_trainable = model.trainable_variables, model.non_trainable_variables
-        # The same list on every process: the whole model and the user's optimizer's slots.
-        own = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
-        targets = [*trainable, *non_trainable, *(v for v in user.variables if id(v) not in own)]
-        index = {id(v): k for k, v in enumerate(targets)}
+        targets = self.model.non_trainable_variables  # the same list on every process
         held: dict[int, list] = {}  # target -> this process's copies of it
         for r in self.replicas:
-            pairs = [
-                *((c, trainable[i]) for c, i in zip(r.trainable, r.stage.trainable, strict=True)),
-                *(
-                    (c, non_trainable[i])
-                    for c, i in zip(r.non_trainable, r.stage.non_trainable, strict=True)
-                ),
-                *self._slot_pairs[id(r)],
-            ]
-            for mine, theirs in pairs:
-                held.setdefault(index[id(theirs)], []).append(mine)
-        # Each target takes the mean of every replica's copy of it: the pipelines' replicas
-        # of a weight (and a tied weight's holders) are equal, so their mean is that value
-        # exactly (float64 sums of a few equal float32s are exact); statistics
-        # (BatchNormalization's) are averaged. In buckets of SETTLE_BUCKET_BYTES, the same
-        # on every process: one bucket's sums exist at a time, never the whole model's.
+            for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
+                held.setdefault(i, []).append(copy)
+        # Each target takes the mean of every replica's copy of it (BatchNormalization's
+        # statistics are averaged over the pipelines). In buckets of SETTLE_BUCKET_BYTES,
+        # the same on every process: one bucket's sums exist at a time.
         for bucket in _buckets(targets, SETTLE_BUCKET_BYTES):
             sums, copies = [], np.zeros(len(bucket), np.float64)
             for j, k in enumerate(bucket):
@@ -508,6 +535,201 @@ class PipelineRunner(SyncRunner):
             for k, total, count in zip(bucket, sums, copies, strict=True):
                 targets[k].assign((total / max(count, 1.0)).astype(targets[k].dtype))
             del sums
+
+
+class _Home:
+    """Where a pipeline keeps a model's weights and its optimizer's slots, from the first
+    fit on: in this process's stage replicas, and nowhere else.
+
+    Each trainable weight's storage, and each of the user's optimizer's slots' (see
+    compat.replace_storage), becomes a `_Staged`: reading it reads the stage replica that
+    holds it (across worker processes, that replica's process sends it to every process,
+    a collective all make together, as all save together); assigning it assigns every
+    replica of this process that holds it. So `model.save`, `get_weights`, evaluation,
+    callbacks and checkpoints see one Keras model, read one variable at a time, and a
+    restore (`load_weights`, BackupAndRestore) lands in the stages. It lives as long as
+    the model (its storages point here): a later fit on the same layout goes on with the
+    same stage replicas, slots and all.
+    """
+
+    def __init__(self, key: tuple, runner: PipelineRunner, replicas: list[_StageReplica]):
+        self.key, self.strategy, self.processes = key, runner.strategy, runner.processes
+        self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
+        # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
+        self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
+        self.empty: set[int] = set()  # the storages of slots made without a value
+        self._placeholders: dict[tf.DType, tf.Variable] = {}
+        self._sent = tf.function(self._send_part, reduce_retracing=True)
+
+    @staticmethod
+    def of(model: keras.Model) -> _Home | None:
+        for variable in model.trainable_variables:
+            storage = compat.storage_of(variable)
+            if isinstance(storage, _Staged):
+                return storage.home
+        return None
+
+    # --- which replica holds what ---------------------------------------------------------
+
+    def holding(self, i: int) -> tuple[int, ...]:
+        """The stages that hold trainable weight `i` (several for a tied weight)."""
+        return self.tied.get(i) or tuple(s.index for s in self.stages if i in s.trainable)
+
+    def source(self, i: int) -> bool:
+        """Whether this process sends weight `i` (and its slots) where it is read: it holds
+        pipeline 0's first stage holding it. In one process every stage is here."""
+        if self.processes == 1:
+            return True
+        r = self.replicas[0]
+        return r.pipeline == 0 and r.stage.index == min(self.holding(i))
+
+    def copies(self, i: int, slot: str | None = None) -> list[keras.Variable]:
+        """This process's replicas' copies of weight `i` (or of its slot named `slot`),
+        the source's first."""
+        out = []
+        for r in self._ordered:
+            if i not in r.stage.trainable:
+                continue
+            if slot is None:
+                out.append(r.trainable[r.stage.trainable.index(i)])
+            else:
+                out.append(next(v for v in r.optimizer.variables if v.name == slot))
+        return out
+
+    # --- moving in --------------------------------------------------------------------------
+
+    def take_weights(self, model: keras.Model) -> None:
+        """Each trainable weight's value moves into its stage replicas and its whole copy
+        is dropped, one weight at a time."""
+        for i, weight in enumerate(model.trainable_variables):
+            self._take(weight, i, self.copies(i))
+        compat.forget_traced_functions(model)  # they read the whole copies
+        gc.collect()  # the whole copies sit in reference cycles: freed now
+
+    def take_slots(self, model: keras.Model) -> None:
+        """The same for the user's optimizer's slots, matched to the stage optimizers' by
+        name (a copy's slots are named after the weight, as the user's are)."""
+        user = model.optimizer
+        paths = {v.path.replace("/", "_"): i for i, v in enumerate(model.trainable_variables)}
+        skip = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
+        for slot in user.variables:
+            if id(slot) in skip:
+                continue
+            i = _weight_of(slot.name, paths)
+            if i is None or (self.copies(i) and not self.copies(i, slot.name)):
+                raise FitError(
+                    f"Cannot match the optimizer state {slot.name!r} of "
+                    f"{type(user).__name__} with a weight's slot in the pipeline's stages "
+                    "(its slots are not named after the weights): the stages could not "
+                    f"keep it. Use a Keras optimizer. Received: {type(user).__name__}"
+                )
+            self._take(slot, i, self.copies(i, slot.name))
+        self.empty = set()
+        gc.collect()
+
+    def _take(self, variable: keras.Variable, i: int, copies: list[keras.Variable]) -> None:
+        old = compat.storage_of(variable)
+        if not self.holding(i):
+            return  # no stage reads the weight: it keeps its storage
+        staged = _Staged(self, old, variable.shape, copies, self.source(i))
+        # A read of another layout's stages is a collective: every process makes it.
+        if id(old) not in self.empty and (copies or isinstance(old, _Staged)):
+            staged.assign(tf.convert_to_tensor(old))
+        compat.replace_storage(variable, staged)
+
+    # --- reading --------------------------------------------------------------------------
+
+    def read(self, staged: _Staged) -> tf.Tensor:
+        if self.processes == 1:
+            return tf.identity(staged.copies[0].value)
+        context = tf.distribute.get_replica_context()
+        part = self._part(staged)
+        if context is not None and context.strategy is self.strategy:
+            with tf.device(self.replicas[0].device):
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, part)
+        return self._sent(part)
+
+    def _part(self, staged: _Staged) -> tf.Tensor:
+        """What this process adds to a read across processes: the value at its source,
+        zeros elsewhere (so the sum is the value, exactly)."""
+        with tf.device(self.replicas[0].device):
+            if staged.source:
+                return tf.identity(staged.copies[0].value)
+            return tf.zeros(staged.shape, staged.dtype)
+
+    def _send_part(self, part: tf.Tensor) -> tf.Tensor:
+        def replica(part):
+            with tf.device(self.replicas[0].device):
+                part = tf.identity(part)
+                return tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, part
+                )
+
+        sent = self.strategy.run(replica, args=(part,))
+        return self.strategy.experimental_local_results(sent)[0]
+
+    def placeholder(self, dtype) -> tf.Variable:
+        """An empty variable: the resource handle of a weight no replica here holds."""
+        dtype = tf.as_dtype(dtype)
+        if dtype not in self._placeholders:
+            device = self.replicas[0].device
+            self._placeholders[dtype] = updates.outside_strategy(
+                lambda: _on(device, lambda: tf.Variable(tf.zeros([0], dtype), trainable=False))
+            )
+        return self._placeholders[dtype]
+
+
+class _Staged(updates.WholeStandIn):
+    """A weight's (or a slot's) storage under a pipeline: see _Home."""
+
+    def __init__(self, home: _Home, old, shape, copies: list[keras.Variable], source: bool):
+        dtype = old.dtype  # not `old` itself: the stand-in must not keep the whole copy
+        super().__init__(old, lambda: copies[0] if copies else home.placeholder(dtype))
+        self.shape = tf.TensorShape(shape)
+        self.home, self.copies, self.source = home, copies, source
+        self.trainable = getattr(old, "trainable", True)
+
+    def read(self) -> tf.Tensor:
+        return self.home.read(self)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name, read_value
+        value = tf.convert_to_tensor(value, self.dtype)
+        for copy in self.copies:
+            copy.assign(value)
+
+
+@contextlib.contextmanager
+def _empty_variables():
+    """While entered, each variable made is an empty placeholder (its initial value is
+    made and dropped, one at a time); yields the list of those made, to be given their
+    storage (compat.replace_storage). Keras's optimizers make every slot in `build`, at
+    once: this keeps the user's optimizer from holding every slot whole while it is built,
+    when the stages hold them."""
+    made: list[tf.Variable] = []
+
+    def creator(next_creator, **kwargs):
+        value = kwargs["initial_value"]
+        value = value() if callable(value) else value
+        kwargs["initial_value"] = tf.zeros([0], tf.as_dtype(value.dtype).base_dtype)
+        kwargs.pop("shape", None)
+        made.append(next_creator(**kwargs))
+        return made[-1]
+
+    with tf.variable_creator_scope(creator):
+        yield made
+
+
+def _weight_of(slot: str, paths: dict[str, int]) -> int | None:
+    """The weight a Keras optimizer's slot was made for: slots are named
+    "<weight path, '/' as '_'>_<slot>"; the longest such path."""
+    found = [p for p in paths if slot.startswith(p + "_")]
+    return paths[max(found, key=len)] if found else None
+
+
+def _on(device: str, make):
+    with tf.device(device):
+        return make()
 
 
 def _buckets(variables: list, limit: int) -> list[list[int]]:
@@ -1021,22 +1243,3 @@ def _copy(variable) -> keras.Variable:
         trainable=variable.trainable,
         name=variable.path.replace("/", "_"),
     )
-
-
-def _slot_pairs(stage_optimizer, user_optimizer) -> list[tuple[keras.Variable, keras.Variable]]:
-    """(the stage optimizer's slot, the user's optimizer's slot for the same weight) pairs."""
-    theirs = {v.name: v for v in user_optimizer.variables}
-    skip = {id(stage_optimizer.iterations), id(getattr(stage_optimizer, "_learning_rate", None))}
-    pairs = []
-    for v in stage_optimizer.variables:
-        if id(v) in skip:
-            continue
-        if v.name not in theirs:
-            raise FitError(
-                f"Cannot match the pipeline stage's optimizer state {v.name!r} with "
-                f"{type(user_optimizer).__name__}'s own (its slots are not named after the "
-                "weights): the model could not be saved whole. Use a Keras optimizer. "
-                f"Received: {type(user_optimizer).__name__}"
-            )
-        pairs.append((v, theirs[v.name]))
-    return pairs

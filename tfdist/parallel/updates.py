@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
@@ -220,6 +221,44 @@ class StandIn:
         """A tensor that exists once this replica's variable has its new value (a step's
         clock reads it; reading the weight itself could gather it again)."""
         return tf.identity(self.own().value)
+
+
+class WholeStandIn(StandIn):
+    """A stand-in that holds no whole copy of its weight and is read whole on demand (ZeRO-3's
+    slices, a pipeline's stages): `read` gives the whole value where it is read, `assign`
+    writes a whole value into what holds it. Checkpoints, `numpy`, `get_weights` and a
+    SavedModel export see the whole weight, one variable at a time."""
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        raise NotImplementedError
+
+    def numpy(self):
+        return self.read().numpy()
+
+    def __array__(self, dtype=None, copy=None):
+        del copy  # always a new array
+        return np.asarray(self.numpy(), dtype=dtype)
+
+    def _serialize_to_tensors(self):
+        return {"VARIABLE_VALUE": self.read()}
+
+    def _restore_from_tensors(self, restored_tensors):
+        self.assign(restored_tensors["VARIABLE_VALUE"])
+
+    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
+        # A SavedModel holds a whole variable: one made for the export, from what holds it.
+        self._exported = tf.Variable(self.read(), name=self.name.split(":")[0])
+        resources = self._exported._export_to_saved_model_graph(
+            object_map, tensor_map, options, **kwargs
+        )
+        object_map[self] = object_map[self._exported]
+        return resources
+
+    def _write_object_proto(self, proto, options):
+        return tf.Variable(self.read())._write_object_proto(proto, options)
+
+    def _copy_trackable_to_cpu(self, object_map):
+        object_map[self] = tf.Variable(self.read())
 
 
 def one_replica_per_process(

@@ -404,7 +404,7 @@ class ShardedParameters(StepHook):
         }
 
 
-class _Sharded(updates.StandIn):
+class _Sharded(updates.WholeStandIn):
     """A weight's storage under zero3 (compat.replace_storage), from the first fit on: its
     value is gathered from the replicas' slices where it is read (in a replica's step,
     ShardedParameters.gathered; elsewhere ShardedParameters.whole), assigning it assigns
@@ -422,37 +422,9 @@ class _Sharded(updates.StandIn):
             return self.hook.gathered(self.index)
         return self.hook.whole(self.index)
 
-    def numpy(self):
-        return self.read().numpy()
-
-    def __array__(self, dtype=None, copy=None):
-        del copy  # always a new array
-        return np.asarray(self.numpy(), dtype=dtype)
-
     def assign(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
         self.hook.assign_whole(self.index, value)
-
-    def _serialize_to_tensors(self):
-        return {"VARIABLE_VALUE": self.read()}
-
-    def _restore_from_tensors(self, restored_tensors):
-        self.assign(restored_tensors["VARIABLE_VALUE"])
-
-    def _export_to_saved_model_graph(self, object_map, tensor_map, options, **kwargs):
-        # A SavedModel holds a whole variable: one made for the export, from the slices.
-        self._exported = tf.Variable(self.read(), name=self.name.split(":")[0])
-        resources = self._exported._export_to_saved_model_graph(
-            object_map, tensor_map, options, **kwargs
-        )
-        object_map[self] = object_map[self._exported]
-        return resources
-
-    def _write_object_proto(self, proto, options):
-        return tf.Variable(self.read())._write_object_proto(proto, options)
-
-    def _copy_trackable_to_cpu(self, object_map):
-        object_map[self] = tf.Variable(self.read())
 
 
 class _Backward:

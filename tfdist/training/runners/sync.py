@@ -63,6 +63,9 @@ class SyncRunner(Runner):
     """Synchronous strategies; see the module docstring."""
 
     kinds = ("default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+    # Whether `build` builds the user's optimizer where it is not built (a runner that keeps
+    # its slots elsewhere, a pipeline's stages, builds it itself).
+    builds_optimizer = True
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
@@ -115,7 +118,7 @@ class SyncRunner(Runner):
             compat.symbolic_build(self.model, sample_batch, build_optimizer=False)
             for hook in step_hooks:
                 hook.build(self.model, self)
-            if optimizer is not None and not optimizer.built:
+            if optimizer is not None and not optimizer.built and self.builds_optimizer:
                 optimizer.build(self.model.trainable_variables)
         self.hooks = list(step_hooks)
         self.metric_variables = list(self.model.metrics_variables)
