@@ -29,15 +29,16 @@ grouped as tfdist runs each layout:
 
 Bytes per device at the step's peak, for W the weights' bytes, G the gradients' (as the
 weights), O the optimizer's state (slots x W), A the activations one example keeps (ZeRO:
-Rajbhandari et al., 2020), then the exchange's buffers (tests/test_peaks.py holds data and
-ZeRO 1-3 to the allocator's peak per worker process within 15%):
+Rajbhandari et al., 2020), then the exchange's buffers (tests/test_peaks.py holds data, ZeRO
+1-3 and the pipeline to the allocator's peak per worker process within 15%):
 
   data        W + G + O                + A x b + G          (the all-reduced gradients)
   zero1       W + G + (O + W)/D        + A x b + G + W      (tfdist keeps its slice's weights
   zero2       W + G + (O + W)/D        + A x b + G/D + W     too, for its optimizer copy)
   zero3       (W + G + O)/D            + A x b + 2 units' weights and gradients
   pipeline    (W + G + O) of its stage + A of its stage x micro-batch x in flight
-              (GPipe: M in flight, 1F1B: S - s on stage s)
+              (GPipe: M in flight, 1F1B: S - s on stage s) + G of the micro-batch
+              being added to the sum so far (M > 1)
   tensor      (W + G + O) / T of the split blocks + all of the rest + A x b
 
 with b the examples a device computes per step. Compute is 3 forward passes' FLOPs (the
@@ -47,6 +48,7 @@ backward pass costs two) at the device's peak times `efficiency`.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from tfdist.plan.cluster import Cluster, Link, PlanError
 from tfdist.plan.model import ModelCost, Unit
@@ -95,6 +97,9 @@ class Layout:
     tensor: int = 1
     zero: int = 0
     schedule: str = "1f1b"
+    # Where stages 1, 2, ... begin (unit names, as Pipeline's cut_before); None: where
+    # their work is about equal (stage_units).
+    cut_before: tuple[str, ...] | None = None
 
     @property
     def devices(self) -> int:
@@ -285,9 +290,21 @@ def _exposed(model: ModelCost, scale, compute, d, link, fusion) -> float:
     return max(0.0, link_free - backward)
 
 
-def stage_units(units: list[Unit], stages: int) -> list[list[Unit]]:
-    """The units cut into `stages` contiguous groups of about equal FLOPs: each cut falls at
-    the unit boundary nearest its share of the total."""
+def stage_units(
+    units: list[Unit], stages: int, cut_before: Sequence[str] | None = None
+) -> list[list[Unit]]:
+    """The units cut into `stages` contiguous groups: before the units named `cut_before`,
+    or else of about equal FLOPs (each cut at the unit boundary nearest its share)."""
+    if cut_before is not None:
+        names = [u.name for u in units]
+        missing = [c for c in cut_before if c not in names]
+        if missing or len(cut_before) != stages - 1:
+            raise ValueError(
+                f"cut_before names {stages - 1} of the model's units for {stages} stages. "
+                f"Received: {list(cut_before)} (not units: {missing})"
+            )
+        starts = [0, *(names.index(c) for c in cut_before), len(units)]
+        return [units[a:b] for a, b in zip(starts[:-1], starts[1:], strict=True)]
     total = sum(u.forward_flops for u in units) or 1.0
     groups: list[list[Unit]] = [[]]
     done = 0.0
@@ -308,7 +325,7 @@ def _pipeline(layout, training, cluster, speed, data_link) -> Estimate:
     model, batch = training.model, training.batch
     s, m, d = layout.stages, layout.micro_batches, layout.data
     scale = training.weight_bytes / 4
-    groups = stage_units(model.units, s)
+    groups = stage_units(model.units, s, layout.cut_before)
     micro = batch / (d * m)
     passes = 4 if training.recompute else 3
     stage_time = [passes * sum(u.forward_flops for u in g) * micro / speed for g in groups]
@@ -335,9 +352,11 @@ def _pipeline(layout, training, cluster, speed, data_link) -> Estimate:
         for g, k in zip(groups, held_at_once, strict=True)
     )
     boundary = max(g[-1].output_bytes for g in groups) * training.activation_scale() * micro
+    # With M > 1, a micro-batch's gradients exist beside the sum so far as they are added.
+    adding = held[big] if m > 1 else 0.0
     return Estimate(
         layout, held[big], held[big], model.slots_per_param * held[big], activations,
-        boundary, compute, exchange, idle,
+        boundary + adding, compute, exchange, idle,
     )  # fmt: skip
 
 
