@@ -251,8 +251,8 @@ def test_a_pipeline_resumed_from_step_checkpoints_trains_as_one_uninterrupted_ru
 
 
 def test_fit_called_twice_trains_as_keras_fit_called_twice():
-    """The stages take the user's optimizer state when a fit begins and hand it back when it
-    ends, so a second fit goes on with Adam's moments as Keras's does."""
+    """The stages keep the optimizer's state between fits (the user's optimizer reads it
+    there), so a second fit goes on with Adam's moments as Keras's does."""
     reference = pipeline_cases.mlp()
     for _ in range(2):
         reference.fit(pipeline_cases.data(), epochs=1, verbose=0, shuffle=False)
@@ -263,6 +263,43 @@ def test_fit_called_twice_trains_as_keras_fit_called_twice():
         tfdist.fit(model, pipeline_cases.data(), epochs=1, verbose=0, pipeline=pipeline)
     assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
     assert int(model.optimizer.iterations.numpy()) == int(reference.optimizer.iterations.numpy())
+
+
+def test_the_model_reads_from_its_stages_after_fit_and_a_fit_on_another_layout_goes_on(tmp_path):
+    """Built in Pipeline.scope: after fit no Keras weight or slot keeps storage of its own
+    (the stages hold them), yet the model reads as Keras's trained on one device does:
+    get_weights, the optimizer's slots, evaluate and predict, and a saved .keras file. A
+    second fit cut elsewhere takes the weights and slots over from the first fit's stages
+    and trains on as Keras's fit called twice."""
+    reference = pipeline_cases.mlp()
+    reference.fit(pipeline_cases.data(), epochs=1, verbose=0, shuffle=False)
+    pipeline = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2)
+    strategy = mirrored(2)
+    with pipeline.scope(strategy):
+        model = pipeline_cases.mlp()
+    tfdist.fit(model, pipeline_cases.data(), epochs=1, verbose=0, pipeline=pipeline)
+    held = [*model.trainable_variables, *model.optimizer.variables[2:]]
+    assert not any(isinstance(v.value, tf.Variable) for v in held)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
+    assert max_diff(
+        [v.numpy() for v in reference.optimizer.variables],
+        [v.numpy() for v in model.optimizer.variables],
+    ) <= TOLERANCE  # fmt: skip
+    x = np.concatenate([x for x, _ in pipeline_cases.data()])
+    np.testing.assert_allclose(model.predict(x, verbose=0), reference.predict(x, verbose=0),
+                               atol=TOLERANCE)  # fmt: skip
+    want = reference.evaluate(pipeline_cases.data(), verbose=0)
+    assert model.evaluate(pipeline_cases.data(), verbose=0) == pytest.approx(want, abs=1e-6)
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    assert max_diff(reference.get_weights(), loaded.get_weights()) <= TOLERANCE
+
+    reference.fit(pipeline_cases.data(), epochs=1, verbose=0, shuffle=False)
+    elsewhere = Pipeline(cut_before=["d2"], micro_batches=2)
+    assert elsewhere.cut_before != pipeline.cut_before
+    with strategy.scope():  # fit inside the strategy's scope, as a user may call it
+        tfdist.fit(model, pipeline_cases.data(), epochs=1, verbose=0, pipeline=elsewhere)
+    assert max_diff(reference.get_weights(), model.get_weights()) <= TOLERANCE
 
 
 def test_the_keras_io_transformer_classifier_trains_in_four_micro_batches_as_keras_trains_it():

@@ -269,6 +269,21 @@ def resumed_jobs(tmp_path_factory):
     return out
 
 
+@pytest.mark.multiprocess
+def test_a_whole_read_made_by_one_worker_only_is_one_clear_error_not_a_hang(tmp_path):
+    """After zero3, worker 0 alone calls get_weights (a collective, as each process holds a
+    slice): within the read's timeout it gets one error saying every worker must read."""
+    result = run_module(
+        "tools.launch", "--workers", "2", "--timeout", "120", "--",
+        sys.executable, "-m", "tests.workers.zero_worker", str(tmp_path), "alone",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    found = json.loads((tmp_path / "alone.txt").read_text())
+    assert "every process must make at the same point" in found["message"], found
+    assert "on every worker" in found["message"], found
+    assert found["seconds"] < 60, found
+
+
 @pytest.mark.xdist_group("zero_jobs")
 @pytest.mark.multiprocess
 def test_sharded_updates_equal_unsharded_training_across_worker_processes(resumed_jobs):

@@ -23,8 +23,8 @@ plain, zero1/2/3, a pipeline of 2 and 4 stages and tensor parallelism of degree 
 whose variables fit a per-device budget (--device_budget_mib; activations and TensorFlow's
 own buffers come on top). --device_model adds a functional CNN and keras-hub's Gemma causal
 LM (tied embeddings: a pipeline's first and last stages each hold them). zero3 and the
-pipeline are built in tfdist.host_scope: the host column is the whole model they keep in
-host memory.
+pipeline are built in tfdist.host_scope: the host column is what stays in host memory after
+fit (nothing: they drop the host's copy as the replicas take it over).
 
   python -m tools.memory_bench                         # about 12 minutes on 2 cores
   python -m tools.memory_bench --sizes 10 --workers 1 2 --steps 3
@@ -32,8 +32,8 @@ host memory.
   python -m tools.memory_bench --devices_only --device_model mlp cnn gemma
 
 This is a benchmark, not a test: it reports figures and never fails on them. In the worker
-processes the host and the replica's device are one CPU, so zero3's host copy counts in their
-RSS; the per-device table separates them.
+processes the host and the replica's device are one CPU, so what is built in host memory
+counts in their RSS until fit drops it; the per-device table separates them.
 """
 
 from __future__ import annotations

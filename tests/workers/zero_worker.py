@@ -4,12 +4,14 @@
   python -m tools.launch --workers 4 -- python -m tests.workers.zero_worker OUT resume EPOCHS
   python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT resume EPOCHS matrix
   python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT gemma
+  python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT alone
 
 `matrix`: each worker trains the RUNS of tests/zero_cases.py's models unsharded and sharded
 (zero1, zero2, zero3; zero2 with accumulation on a two-output model), and writes the weights
 to OUT/matrix_<N workers>/<task>/.
 `resume EPOCHS`: Adam unsharded, with zero2 and with zero3 to EPOCHS, each resuming from its own
 StepCheckpoint under OUT (see `resume`). `gemma`: keras-hub's Gemma causal LM under zero3.
+`alone`: a whole read made by one worker only (see `alone`).
 All run under one multi_worker_mirrored strategy;
 tests/test_zero.py compares what they wrote.
 """
@@ -106,8 +108,37 @@ def gemma(out: str, strategy) -> None:
     np.savez(os.path.join(here, f"{task['type']}_{task['index']}.npz"), *model.get_weights())
 
 
+def alone(out: str, strategy) -> None:
+    """zero3, then only worker 0 reads the weights whole (a collective the others never
+    make, as a chief-only save would): it writes the error it gets to OUT/alone.txt."""
+    import time
+
+    from tfdist.parallel import updates
+
+    updates.WHOLE_READ_TIMEOUT_SECONDS = 5.0
+    x, y = zero_cases.data()
+    with tfdist.host_scope(strategy):
+        model = zero_cases.mlp("adam")
+    tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, verbose=0, shard_optimizer="zero3")
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    if task["index"] != 0:
+        time.sleep(20)  # alive, and not reading: the read waits for it, then gives up
+        return
+    started = time.monotonic()
+    try:
+        model.get_weights()
+        message = "no error"
+    except updates.ReadTogetherError as error:
+        message = str(error)
+    with open(os.path.join(out, "alone.txt"), "w") as f:
+        json.dump({"message": message, "seconds": time.monotonic() - started}, f)
+
+
 def main(out: str, jobs: list[str]) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
+    if jobs == ["alone"]:
+        alone(out, strategy)
+        return
     if jobs[:1] == ["resume"]:
         resume(out, strategy, int(jobs[1]))
         jobs = jobs[2:]

@@ -12,10 +12,10 @@ of the weights: this host's memory.
 Its trainable variables are made once, on this process's CPU, instead of mirrored on every
 replica's device; everything else (BatchNorm's statistics, seeds, metrics) is made as the
 strategy makes it, small and per replica as Keras's fit expects. A model built under
-`strategy.scope()` works too. ZeRO-3 takes each weight's slices from the host copy when
-fit first starts and drops the copy (from then on no process holds the whole model); a
-pipeline keeps the host copy as the whole model's home (`move_to_host` moves a model built
-under `strategy.scope()` there)."""
+`strategy.scope()` works too. When fit first starts, ZeRO-3 takes each weight's slices from
+the host copy, and a pipeline each stage's weights, and the copy is dropped weight by
+weight: from then on no process holds the whole model (`move_to_host` moves a model built
+under `strategy.scope()` to this host's memory)."""
 
 from __future__ import annotations
 

@@ -19,12 +19,18 @@ whole batch, up to floating point (tests/test_pipeline.py checks it after 5 step
 
 Where things live. Each stage's weights, the state of its optimizer (a copy of the user's,
 same class and config) and its activations live on the stage's device, in variables of
-tfdist's own. The user's model and optimizer keep the whole model: once, in host memory,
-for a model built in `Pipeline.scope(strategy)`; mirrored on every device for one built
-under `strategy.scope()`. It is written back when the runner settles (each epoch end, before each save): evaluation, callbacks, checkpoints and
-`model.save` see one ordinary Keras model, and a restore reaches the stages when training
-begins. The loss is the compiled one (with its loss weights and sample weights), plus each
-stage's regularisation losses; the metrics are the compiled ones, updated on the last stage.
+tfdist's own, and nowhere else: no process holds the whole model. When fit first starts,
+each weight's value moves into the stage replicas that hold it and its whole copy (built in
+`Pipeline.scope(strategy)`, in host memory, or mirrored under `strategy.scope()`) is
+dropped, one weight at a time; the user's optimizer is built with no slots of its own. From
+then on the storage of each Keras weight and each of the user's slots is its stage's (see
+_Home): evaluation, callbacks, checkpoints, `get_weights` and `model.save` read the one
+Keras model, one variable at a time (across worker processes, from the process whose
+stage holds it: a collective every process makes, as every process saves), and a restore
+lands in the stages. Only BatchNormalization's statistics are written back, at each epoch's
+end and before each save. The loss is the compiled one (with its loss weights and sample
+weights), plus each stage's regularisation losses; the metrics are the compiled ones,
+updated on the last stage.
 
 A stage after the first reads the model's inputs it uses (a padding mask every decoder
 block takes) from the batch, as the first stage does. A weight used by several stages (an
@@ -144,10 +150,10 @@ class Pipeline:
 
     def scope(self, strategy: tf.distribute.Strategy):
         """Build and compile the model here, in place of `strategy.scope()`, and each device
-        holds only its stage: the model's weights (and its optimizer's state, built when
-        fit begins) are made once, in this host's memory, not mirrored on every replica's
-        device (tfdist.host_scope). The stages train copies on their devices and write back
-        at each epoch's end and before each save.
+        holds only its stage: the model's weights are made once, in this host's memory, not
+        mirrored on every replica's device (tfdist.host_scope), and move into the stages
+        when fit begins, the host's copy dropped (the optimizer's state is made in the
+        stages only).
 
             with pipeline.scope(strategy):
                 model = build_model()
@@ -182,7 +188,7 @@ class PipelineRunner(SyncRunner):
     """Trains a model cut into pipeline stages (see the module docstring).
 
     Evaluation, the chief, agreement between workers and failure messages are the
-    synchronous runner's: after `settle` the model is whole on every replica.
+    synchronous runner's: the model's weights read from the stages (see _Home).
     """
 
     builds_optimizer = False  # its slots are the stages' (see _Home)
@@ -647,7 +653,8 @@ class _Home:
         if context is not None and context.strategy is self.strategy:
             with tf.device(self.replicas[0].device):
                 return context.all_reduce(tf.distribute.ReduceOp.SUM, part)
-        return self._sent(part)
+        with updates.read_together("a pipeline"):
+            return self._sent(part)
 
     def _part(self, staged: _Staged) -> tf.Tensor:
         """What this process adds to a read across processes: the value at its source,
@@ -662,7 +669,7 @@ class _Home:
             with tf.device(self.replicas[0].device):
                 part = tf.identity(part)
                 return tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, part
+                    tf.distribute.ReduceOp.SUM, part, options=updates.read_options()
                 )
 
         sent = self.strategy.run(replica, args=(part,))

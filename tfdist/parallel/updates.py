@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.errors import FitError
+from tfdist.errors import FitError, TfdistError
 from tfdist.strategies import ReplicaLayout
 from tfdist.training import sparse_rows
 
@@ -221,6 +221,42 @@ class StandIn:
         """A tensor that exists once this replica's variable has its new value (a step's
         clock reads it; reading the weight itself could gather it again)."""
         return tf.identity(self.own().value)
+
+
+# How long a whole read across worker processes (outside a step: a save, get_weights, a
+# checkpoint) waits for every process to make it; then ReadTogetherError, not a hang.
+WHOLE_READ_TIMEOUT_SECONDS = 300.0
+
+
+class ReadTogetherError(TfdistError, RuntimeError):
+    """A whole read of a weight that worker processes hold in parts, made by fewer than all
+    of them."""
+
+
+def read_options() -> tf.distribute.experimental.CommunicationOptions:
+    """The options of a whole read's collective: it gives up after
+    WHOLE_READ_TIMEOUT_SECONDS."""
+    return tf.distribute.experimental.CommunicationOptions(
+        timeout_seconds=WHOLE_READ_TIMEOUT_SECONDS
+    )
+
+
+@contextlib.contextmanager
+def read_together(who: str):
+    """Where a whole read across worker processes runs: a peer that never joins it becomes
+    one ReadTogetherError saying what to do."""
+    try:
+        yield
+    except (tf.errors.DeadlineExceededError, tf.errors.CancelledError,
+            tf.errors.UnavailableError) as error:  # fmt: skip
+        raise ReadTogetherError(
+            f"Under {who} each worker process holds only part of the model, so reading a "
+            "weight whole (model.save, get_weights, predict, evaluate, a checkpoint) is a "
+            "collective every process must make at the same point; the other processes did "
+            f"not join within {WHOLE_READ_TIMEOUT_SECONDS:.0f} s. Make the call on every "
+            "worker (as tfdist.fit runs callbacks on every worker), not only on the chief. "
+            f"Received: {type(error).__name__}"
+        ) from None
 
 
 class WholeStandIn(StandIn):

@@ -193,14 +193,17 @@ class ShardedParameters(StepHook):
         if self.local:
             flat = tf.concat([tf.reshape(shards[i].value, [-1]) for shards in self.shards], 0)
         else:
-            flat = self._gather_one(tf.convert_to_tensor(self.shards[0][i].value))
+            with updates.read_together(NAME):
+                flat = self._gather_one(tf.convert_to_tensor(self.shards[0][i].value))
         return tf.reshape(flat[: self.sizes[i]], self.variables[i].shape)
 
     def _gather_part(self, part: tf.Tensor) -> tf.Tensor:
         def replica(part):
             with tf.device(self.devices[0]):  # the strategy gathers where its input lives
                 part = tf.identity(part)
-                return tf.distribute.get_replica_context().all_gather(part, axis=0)
+                return tf.distribute.get_replica_context().all_gather(
+                    part, axis=0, options=updates.read_options()
+                )
 
         gathered = self.strategy.run(replica, args=(part,))
         return self.strategy.experimental_local_results(gathered)[0]
@@ -236,7 +239,8 @@ class ShardedParameters(StepHook):
         key = (slot, bucket)
         if key not in self._gatherers:
             self._gatherers[key] = tf.function(lambda: self._gather_all_replicas(slot, bucket))
-        flat = self._gatherers[key]()
+        with updates.read_together(NAME):
+            flat = self._gatherers[key]()
         total = sum(self.lengths[i] for i in bucket)
         rows = tf.reshape(flat, [self.ranks, total])
         out, at = [], 0
@@ -254,7 +258,9 @@ class ShardedParameters(StepHook):
             with tf.device(self.devices[d]):
                 parts = [tf.reshape(self.slots[d][i, slot].value, [-1]) for i in bucket]
                 flat = tf.concat(parts, 0)
-                return tf.distribute.get_replica_context().all_gather(flat, axis=0)
+                return tf.distribute.get_replica_context().all_gather(
+                    flat, axis=0, options=updates.read_options()
+                )
 
         gathered = self.strategy.run(replica)
         return self.strategy.experimental_local_results(gathered)[0]
