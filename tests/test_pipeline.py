@@ -221,28 +221,39 @@ def test_chained_stage_models_are_cut_between_them_and_train():
     assert all(np.any(a != b) for a, b in zip(before, model.get_weights(), strict=True))
 
 
-def test_a_pipeline_resumed_from_step_checkpoints_trains_as_one_uninterrupted_run(tmp_path):
-    """Saves every 2 steps (the stages settled into the model and its optimizer first); a
-    second fit resumes at step 4 of 5 (mid-epoch) and the second epoch: equal to 2 epochs
+@pytest.mark.parametrize("resumed_stages", [4, 2])
+def test_a_pipeline_resumed_from_step_checkpoints_trains_as_one_uninterrupted_run(
+    tmp_path, resumed_stages
+):
+    """Saves every 2 steps, each stage's weights and slots in the checkpoint's shards (the
+    chief's part holds none); a second fit, cut into 4 stages again or into 2 over 2
+    devices, resumes at step 4 of 5 (mid-epoch) and the second epoch: equal to 2 epochs
     straight, Adam's state included."""
     pipeline = Pipeline(cut_before=pipeline_cases.CUTS[4], micro_batches=4)
     with mirrored().scope():
         straight = pipeline_cases.mlp()
     tfdist.fit(straight, pipeline_cases.data(), epochs=2, verbose=0, pipeline=pipeline)
+    resumed = Pipeline(cut_before=pipeline_cases.CUTS[resumed_stages], micro_batches=4)
 
     class StopAt(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if batch == 3:  # the 4th step: after the save at step 4
                 self.model.stop_training = True
 
-    for callbacks in ([StopAt()], []):
-        with mirrored().scope():
+    for callbacks, options in (([StopAt()], pipeline), ([], resumed)):
+        with mirrored(len(options.cut_before) + 1).scope():
             model = pipeline_cases.mlp()
         checkpoint = tfdist.StepCheckpoint(str(tmp_path), every_n_steps=2)
         tfdist.fit(
-            model, pipeline_cases.data(), epochs=2, verbose=0, pipeline=pipeline,
+            model, pipeline_cases.data(), epochs=2, verbose=0, pipeline=options,
             callbacks=[checkpoint, *callbacks],
         )  # fmt: skip
+        if callbacks:
+            prefix = str(tmp_path / "checkpoints" / "ckpt-4")
+            main = tf.compat.v1.train.NewCheckpointReader(prefix).get_variable_to_shape_map()
+            assert not [k for k in main if "kernel" in k], sorted(main)
+            shards = tf.compat.v1.train.NewCheckpointReader(prefix + ".shards/merged")
+            assert "trainable/0/.slot/velocity" in shards.get_variable_to_shape_map()
     assert checkpoint.restored_step == 4
     assert max_diff(straight.get_weights(), model.get_weights()) <= TOLERANCE
     assert int(model.optimizer.iterations.numpy()) == 2 * pipeline_cases.STEPS

@@ -14,6 +14,7 @@ import sys
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 import tfdist
 from tests import zero_cases
@@ -269,19 +270,20 @@ def resumed_jobs(tmp_path_factory):
     return out
 
 
+@pytest.mark.xdist_group("process_heavy")
 @pytest.mark.multiprocess
 def test_a_whole_read_made_by_one_worker_only_is_one_clear_error_not_a_hang(tmp_path):
     """After zero3, worker 0 alone calls get_weights (a collective, as each process holds a
     slice): within the read's timeout it gets one error saying every worker must read."""
     result = run_module(
-        "tools.launch", "--workers", "2", "--timeout", "120", "--",
+        "tools.launch", "--workers", "2", "--timeout", "240", "--",
         sys.executable, "-m", "tests.workers.zero_worker", str(tmp_path), "alone",
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     found = json.loads((tmp_path / "alone.txt").read_text())
     assert "every process must make at the same point" in found["message"], found
     assert "on every worker" in found["message"], found
-    assert found["seconds"] < 60, found
+    assert found["seconds"] < 40, found  # the read's 5 s, not the other worker's 45 s
 
 
 @pytest.mark.xdist_group("zero_jobs")
@@ -341,6 +343,21 @@ def test_a_sharded_job_resumes_with_other_numbers_of_workers_as_an_unsharded_one
             for mode in ("plain", "zero2", "zero3"):  # resumed: the steps of every launch so far
                 steps = json.loads((here / f"{mode}.json").read_text())["iterations"]
                 assert steps == zero_cases.STEPS * epochs, (mode, epochs)
+    # zero3's checkpoints were written in parts: each process its slices, merged into one
+    # bundle beside the chief's checkpoint, which holds no weight and no slot.
+    directory = resumed_jobs / "checkpoints_zero3" / "checkpoints"
+    saved = sorted(directory.glob("ckpt-*.index"))
+    assert saved
+    for index in saved:
+        prefix = str(index)[: -len(".index")]
+        main = tf.compat.v1.train.NewCheckpointReader(prefix).get_variable_to_shape_map()
+        assert not [k for k in main if "kernel" in k or "slot" in k.lower()], sorted(main)
+        parts = tf.compat.v1.train.NewCheckpointReader(prefix + ".shards/merged")
+        shapes = parts.get_variable_to_shape_map()
+        assert "trainable/0" in shapes and "trainable/0/.slot/momentum" in shapes, shapes
+        # The flat weight, its slices from every process put together.
+        kernel = zero_cases.mlp("adam").trainable_variables[0]
+        assert shapes["trainable/0"] == [int(np.prod(kernel.shape))]
 
 
 def test_the_binary_shards_and_accumulates_as_it_trains_unsharded(tmp_path):

@@ -162,6 +162,24 @@ def test_a_checkpoint_resumes_with_another_number_of_replicas(tmp_path):
     assert max_diff(reference, model.get_weights()) <= TOLERANCE
 
 
+def test_a_checkpoint_written_in_parts_resumed_without_them_is_one_clear_line(tmp_path):
+    """zero3's StepCheckpoint holds the weights in its shards only: a job holding the whole
+    model (no shard_optimizer) cannot resume from it, and says so rather than starting from
+    its initial weights."""
+    from tfdist.training.checkpoints import CheckpointMismatchError
+
+    case = CASES["regularised"]
+    for shard in ("zero3", None):
+        with replicas(2).scope():
+            model, data = case()
+        checkpoint = tfdist.StepCheckpoint(str(tmp_path))
+        if shard is None:
+            with pytest.raises(CheckpointMismatchError, match="written in parts"):
+                tfdist.fit(model, data, verbose=0, callbacks=[checkpoint])
+        else:
+            tfdist.fit(model, data, verbose=0, shard_optimizer=shard, callbacks=[checkpoint])
+
+
 def test_mixed_bfloat16_trains_as_plain_data_parallelism_does():
     """Each replica computes in bfloat16 on its half of the batch, as under plain data
     parallelism (one device's bfloat16 sums round differently, so it is no reference)."""

@@ -122,7 +122,7 @@ def alone(out: str, strategy) -> None:
     tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, verbose=0, shard_optimizer="zero3")
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     if task["index"] != 0:
-        time.sleep(20)  # alive, and not reading: the read waits for it, then gives up
+        time.sleep(45)  # alive, and not reading: the read waits for it, then gives up
         return
     started = time.monotonic()
     try:

@@ -70,7 +70,7 @@ from tfdist.parallel.host import host_device, host_scope
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
 from tfdist.strategies import strategy_kind
-from tfdist.training import loss_normalisation
+from tfdist.training import loss_normalisation, shards
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
@@ -389,6 +389,9 @@ class PipelineRunner(SyncRunner):
                     )
         return rings
 
+    def checkpoint_shards(self) -> shards.Shards:
+        return _Home.of(self.model)
+
     def check_callbacks(self, callbacks) -> None:
         super().check_callbacks(callbacks)
         for callback in callbacks:
@@ -543,7 +546,7 @@ class PipelineRunner(SyncRunner):
             del sums
 
 
-class _Home:
+class _Home(shards.Shards):
     """Where a pipeline keeps a model's weights and its optimizer's slots, from the first
     fit on: in this process's stage replicas, and nowhere else.
 
@@ -564,6 +567,7 @@ class _Home:
         # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
         self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
         self.empty: set[int] = set()  # the storages of slots made without a value
+        self.staged: list[tuple[str, _Staged]] = []  # by checkpoint key (shards.py)
         self._placeholders: dict[tf.DType, tf.Variable] = {}
         self._sent = tf.function(self._send_part, reduce_retracing=True)
 
@@ -608,7 +612,7 @@ class _Home:
         """Each trainable weight's value moves into its stage replicas and its whole copy
         is dropped, one weight at a time."""
         for i, weight in enumerate(model.trainable_variables):
-            self._take(weight, i, self.copies(i))
+            self._take(weight, i, self.copies(i), shards.weight_key(i))
         compat.forget_traced_functions(model)  # they read the whole copies
         gc.collect()  # the whole copies sit in reference cycles: freed now
 
@@ -622,6 +626,7 @@ class _Home:
             if id(slot) in skip:
                 continue
             i = _weight_of(slot.name, paths)
+            weight = model.trainable_variables[i] if i is not None else None
             if i is None or (self.copies(i) and not self.copies(i, slot.name)):
                 raise FitError(
                     f"Cannot match the optimizer state {slot.name!r} of "
@@ -629,11 +634,12 @@ class _Home:
                     "(its slots are not named after the weights): the stages could not "
                     f"keep it. Use a Keras optimizer. Received: {type(user).__name__}"
                 )
-            self._take(slot, i, self.copies(i, slot.name))
+            name = slot.name[len(weight.path.replace("/", "_")) + 1 :]  # "momentum"
+            self._take(slot, i, self.copies(i, slot.name), shards.slot_key(i, name))
         self.empty = set()
         gc.collect()
 
-    def _take(self, variable: keras.Variable, i: int, copies: list[keras.Variable]) -> None:
+    def _take(self, variable: keras.Variable, i: int, copies: list, key: str) -> None:
         old = compat.storage_of(variable)
         if not self.holding(i):
             return  # no stage reads the weight: it keeps its storage
@@ -642,6 +648,26 @@ class _Home:
         if id(old) not in self.empty and (copies or isinstance(old, _Staged)):
             staged.assign(tf.convert_to_tensor(old))
         compat.replace_storage(variable, staged)
+        self.staged.append((key, staged))
+
+    # --- sharded checkpoints --------------------------------------------------------------
+
+    def entries(self) -> list[shards.Entry]:
+        """This process's part of a sharded checkpoint: each weight and slot it is the
+        source of, whole (each is written by one process)."""
+        return [
+            shards.Entry(key, tf.identity(staged.copies[0].value))
+            for key, staged in self.staged
+            if staged.source and staged.copies
+        ]
+
+    def wanted(self) -> list[shards.Wanted]:
+        """What this process's stages read back: each weight and slot they hold."""
+        return [
+            shards.Wanted(key, staged.dtype, staged.assign)
+            for key, staged in self.staged
+            if staged.copies
+        ]
 
     # --- reading --------------------------------------------------------------------------
 

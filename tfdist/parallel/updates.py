@@ -23,7 +23,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError, TfdistError
 from tfdist.strategies import ReplicaLayout
-from tfdist.training import sparse_rows
+from tfdist.training import shards, sparse_rows
 
 
 def outside_strategy(build: Callable):
@@ -276,6 +276,8 @@ class WholeStandIn(StandIn):
         return np.asarray(self.numpy(), dtype=dtype)
 
     def _serialize_to_tensors(self):
+        if shards.saving():  # a sharded checkpoint: its shards hold this weight
+            return {}
         return {"VARIABLE_VALUE": self.read()}
 
     def _restore_from_tensors(self, restored_tensors):

@@ -65,6 +65,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.parallel import units, updates
 from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
+from tfdist.training import shards as shard_files
 from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
@@ -382,8 +383,14 @@ class ShardedParameters(StepHook):
     def checkpoint_state(self) -> dict:
         return {"sharded_optimizer_state": _WholeSlots(self)}
 
+    def checkpoint_shards(self) -> shard_files.Shards:
+        return _SliceShards(self)
+
     def whole_slots(self) -> dict[str, tf.Tensor]:
-        """Every slot of every weight, whole, by "v<index>_<slot>" (collective)."""
+        """Every slot of every weight, whole, by "v<index>_<slot>" (collective); nothing in
+        a sharded checkpoint's main part (its shards hold the slices)."""
+        if shard_files.saving():
+            return {}
         out = {}
         for name in self.slot_names:
             for bucket in self._buckets():
@@ -431,6 +438,49 @@ class _Sharded(updates.WholeStandIn):
     def assign(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
         self.hook.assign_whole(self.index, value)
+
+
+class _SliceShards(shard_files.Shards):
+    """zero3's part of a sharded checkpoint: each local replica's slice of each weight and
+    of its slots, as a slice of the weight's flattened values (the padding left out)."""
+
+    def __init__(self, hook: ShardedParameters):
+        self.hook = hook
+
+    def _pieces(self):
+        """(local replica, weight, first element, end) of each non-empty slice here."""
+        hook = self.hook
+        for d in range(len(hook.shards)):
+            for i, (k, n) in enumerate(zip(hook.lengths, hook.sizes, strict=True)):
+                lo = (hook.first + d) * k
+                if lo < n:
+                    yield d, i, lo, min(lo + k, n)
+
+    def _held(self, d: int, i: int) -> list[tuple[str, keras.Variable]]:
+        """(key, variable) of weight i's slice on local replica d and of its slots'."""
+        hook = self.hook
+        held = [(shard_files.weight_key(i), hook.shards[d][i])]
+        for name in hook.slot_names:
+            if (i, name) in hook.slots[d]:
+                held.append((shard_files.slot_key(i, name), hook.slots[d][i, name]))
+        return held
+
+    def entries(self) -> list[shard_files.Entry]:
+        out = []
+        for d, i, lo, hi in self._pieces():
+            spec = shard_files.flat_slice(self.hook.sizes[i], lo, hi)
+            for key, variable in self._held(d, i):
+                out.append(shard_files.Entry(key, variable.value[: hi - lo], spec))
+        return out
+
+    def wanted(self) -> list[shard_files.Wanted]:
+        out = []
+        for d, i, lo, hi in self._pieces():
+            spec, k = shard_files.flat_slice(self.hook.sizes[i], lo, hi), self.hook.lengths[i]
+            for key, variable in self._held(d, i):
+                assign = lambda value, v=variable, k=k: v.assign(shard_files.padded(value, k))  # noqa: E731
+                out.append(shard_files.Wanted(key, variable.dtype, assign, spec))
+        return out
 
 
 class _Backward:

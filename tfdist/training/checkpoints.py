@@ -18,12 +18,15 @@ import re
 import shutil
 import tempfile
 import weakref
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
 
 from tfdist.errors import TfdistError
 from tfdist.storage import strict_json, write_atomically
+from tfdist.training import shards as shard_files
+from tfdist.training.shards import Shards
 
 log = logging.getLogger(__name__)
 
@@ -114,9 +117,16 @@ class Checkpoints:
         model_dir: str | None,
         is_chief: bool,
         max_to_keep: int,
+        shards: Shards | None = None,
+        rank: int = 0,
+        ranks: int = 1,
+        barrier: Callable[[], None] = lambda: None,
     ):
         self.checkpoint = checkpoint
         self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR) if model_dir else None
+        # What each process writes of a sharded checkpoint (tfdist.training.shards), and
+        # its place among the processes that write them.
+        self.shards, self.rank, self.ranks, self.barrier = shards, rank, ranks, barrier
         self._scratch = None
         if self.directory is None:
             self.manager = None
@@ -140,6 +150,8 @@ class Checkpoints:
         rejected = []
         for path in checkpoint_candidates(self.directory):
             problem = verify_checkpoint(path)
+            if problem is None and shard_files.has_shards(path):
+                problem = verify_checkpoint(shard_files.merged(path))
             if problem:
                 log.warning("Checkpoint %s is incomplete or corrupt: %s", path, problem)
                 rejected.append(os.path.basename(path))
@@ -155,6 +167,8 @@ class Checkpoints:
                 if "incompatible" not in text and "not compatible with" not in text:
                     raise
                 mismatch = text.strip().splitlines()[0]
+            if mismatch is None:
+                mismatch = self._read_shards(path)
             if mismatch is not None:
                 _quiet_unrestored_values()
                 raise CheckpointMismatchError(
@@ -175,11 +189,52 @@ class Checkpoints:
             log.warning("No complete checkpoint in %s; starting from scratch", self.directory)
         return None
 
+    def _read_shards(self, path: str) -> str | None:
+        """This process's part of a sharded checkpoint read back (None: done, or nothing
+        to read); else why it does not fit."""
+        if not shard_files.has_shards(path):
+            return None
+        if self.shards is None:
+            raise CheckpointMismatchError(
+                f"The checkpoint {path} was written in parts by a job whose processes each "
+                "held part of the model (shard_optimizer='zero3' or a pipeline); this job "
+                "holds the whole model. Resume with the same mode (any number of workers), "
+                "or start afresh in a new model_dir."
+            )
+        try:
+            shard_files.read(self.shards, path)
+        except (KeyError, tf.errors.OpError) as error:
+            return (getattr(error, "message", None) or str(error)).strip().splitlines()[0]
+        return None
+
     def save(self, step: int) -> None:
-        if self.manager is not None:
+        if self.manager is None:
+            return
+        if self.shards is None:
             path = self.manager.save(checkpoint_number=step)
+        else:
+            # The parts first (every process, then the chief merges them), then the main
+            # checkpoint: a complete ckpt-N means complete shards.
+            shard_files.write(
+                self.shards, os.path.join(self.directory, f"ckpt-{step}"), rank=self.rank,
+                ranks=self.ranks, barrier=self.barrier, is_chief=self._scratch is None,
+            )  # fmt: skip
+            with shard_files.main_part():
+                path = self.manager.save(checkpoint_number=step)
             if self._scratch is None:
-                log.info("Saved checkpoint %s", path)
+                self._drop_old_shards()
+        if self._scratch is None:
+            log.info("Saved checkpoint %s", path)
+
+    def _drop_old_shards(self) -> None:
+        """The shards of checkpoints the manager no longer keeps."""
+        kept = set(self.manager.checkpoints)
+        for name in tf.io.gfile.listdir(self.directory):
+            name = name.rstrip("/")
+            if name.endswith(shard_files.SHARDS_SUFFIX):
+                prefix = os.path.join(self.directory, name[: -len(shard_files.SHARDS_SUFFIX)])
+                if prefix not in kept:
+                    shard_files.remove(prefix)
 
     def close(self) -> None:
         """Removes a non-chief task's scratch directory."""
@@ -272,9 +327,12 @@ class StepCheckpoint(keras.callbacks.Callback):
             model=self.model, optimizer=self.model.optimizer, step=self._step_variable,
             **runner.checkpoint_state(),
         )  # fmt: skip
+        processes = runner.layout.processes
         self._checkpoints = Checkpoints(
             checkpoint, model_dir=self.model_dir, is_chief=runner.is_chief,
-            max_to_keep=self.max_to_keep,
+            max_to_keep=self.max_to_keep, shards=runner.checkpoint_shards(),
+            rank=runner.layout.process_index, ranks=processes,
+            barrier=shard_files.barrier(runner.strategy, processes),
         )  # fmt: skip
         self._checkpoints.restore_latest()
         self.restored_step = self.step = int(self._step_variable.numpy())

@@ -18,6 +18,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.strategies.replicas import ReplicaLayout, replica_layout
+from tfdist.training.shards import Shards
 
 # (gradient, variable) pairs, as the optimizer's `apply_gradients` takes them.
 GradsAndVars = list[tuple[Any, Any]]
@@ -154,6 +155,11 @@ class StepHook:
         update's optimizer slots), by checkpoint key; the runner adds it to its own."""
         return {}
 
+    def checkpoint_shards(self) -> Shards | None:
+        """What each process writes of a sharded checkpoint (the weights it holds in part:
+        ZeRO-3's slices), or None; see tfdist.training.shards."""
+        return None
+
     def start(self) -> None:
         """Where training starts, at every fit, after any checkpoint is restored: a hook
         that keeps its own copy of the weights (ZeRO-3's slices) takes them from the model
@@ -289,6 +295,11 @@ class Runner(abc.ABC):
         """State the runner keeps beside the model and optimizer that a checkpoint must hold
         to resume exactly (the parameter-server update counter), by checkpoint key."""
         return {}
+
+    def checkpoint_shards(self) -> Shards | None:
+        """What each process writes of a sharded checkpoint (a hook's, or a pipeline's
+        stages), or None: the chief's checkpoint holds everything."""
+        return None
 
     def summary(self) -> dict[str, float | int | None]:
         """Run-level figures of what this runner did, for a run's record (staleness)."""

@@ -358,6 +358,9 @@ class SyncRunner(Runner):
             state.update(hook.checkpoint_state())
         return state
 
+    def checkpoint_shards(self):
+        return next((s for s in (h.checkpoint_shards() for h in self.hooks) if s), None)
+
     # --- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
