@@ -399,9 +399,9 @@ class PipelineRunner(SyncRunner):
                 callback.save_freq, int
             ):
                 raise FitError(
-                    "Under a pipeline the stages hold the weights while an epoch trains, and "
-                    "the model is made whole at each epoch's end; BackupAndRestore with "
-                    "save_freq=<steps> would back up the model as it was then. Use "
+                    "Under a pipeline the stages keep the statistics (BatchNormalization's) "
+                    "while an epoch trains and write them into the model at its end; "
+                    "BackupAndRestore with save_freq=<steps> would back up stale ones. Use "
                     "save_freq='epoch', or tfdist.StepCheckpoint, which settles the stages "
                     f"before it saves. Received: save_freq={callback.save_freq}"
                 )

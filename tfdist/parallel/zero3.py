@@ -41,8 +41,9 @@ evaluation, a checkpoint), it is gathered whole for that read, one weight at a t
 local replicas' slices put together, or across worker processes an all-gather, which every
 process must make at the same point (as every process calls fit, and saves). Assigning a
 weight (`set_weights`, `load_weights`, a restore) assigns each replica its slice.
-Checkpoints hold each weight and slot whole, so a job saved with N replicas resumes with
-any other number.
+tfdist.StepCheckpoint writes each process's slices (tfdist.training.shards), and a job
+saved with N replicas resumes with any other number; Keras's own checkpoints read each
+weight and slot whole.
 
 Over the local devices of a mirrored strategy (a gather reads the other replicas' slices)
 or the worker processes of a multi_worker_mirrored job (one replica each: a gather is an
@@ -422,8 +423,8 @@ class _Sharded(updates.WholeStandIn):
     value is gathered from the replicas' slices where it is read (in a replica's step,
     ShardedParameters.gathered; elsewhere ShardedParameters.whole), assigning it assigns
     the slices, and its resource handle is the replica's slice, so the tape's gradient for
-    the weight is the slice's. A checkpoint holds it whole, so a job saved with N replicas
-    resumes with any other number."""
+    the weight is the slice's. Keras's checkpoints hold it whole; tfdist.StepCheckpoint
+    writes each process's slices (_SliceShards)."""
 
     def __init__(self, hook: ShardedParameters, index: int, whole):
         super().__init__(whole, lambda: hook.shard(index))
