@@ -457,6 +457,33 @@ def test_a_pipeline_across_four_worker_processes_trains_the_weights_keras_trains
 
 @pytest.mark.xdist_group("pipeline_four_processes")
 @pytest.mark.multiprocess
+def test_across_processes_evaluation_reads_the_stages_and_checkpoints_are_written_in_parts(
+    reference, four_processes
+):
+    """2 pipelines x 2 stages on 4 processes, validation_data given: every process logs the
+    val_loss Keras's evaluate gives for the one-device model (the weights read from the
+    processes whose stages hold them), and the StepCheckpoint holds each weight once, in the
+    shards, none in the chief's part."""
+    want, _, _ = reference
+    model = pipeline_cases.mlp()
+    model.set_weights(want)
+    expected = model.evaluate(pipeline_cases.data(), verbose=0, return_dict=True)
+    name = pipeline_worker.run_name(*pipeline_worker.EVALUATED)
+    for task, _, logs in written(four_processes, pipeline_worker.EVALUATED):
+        assert logs["val_loss"] == pytest.approx([expected["loss"]], abs=1e-5), task
+    prefix = four_processes / name / "run" / "checkpoints" / "ckpt-5"
+    main = tf.compat.v1.train.NewCheckpointReader(str(prefix)).get_variable_to_shape_map()
+    assert not [k for k in main if "kernel" in k], sorted(main)
+    shards = tf.compat.v1.train.NewCheckpointReader(f"{prefix}.shards/merged")
+    saved = shards.get_variable_to_shape_map()
+    held = {f"trainable/{i}" for i in range(len(want))}
+    held |= {f"trainable/{i}/.slot/{slot}" for i in range(len(want))
+             for slot in ("momentum", "velocity")}  # fmt: skip
+    assert held <= set(saved), sorted(saved)
+
+
+@pytest.mark.xdist_group("pipeline_four_processes")
+@pytest.mark.multiprocess
 def test_a_pipeline_across_processes_trains_in_mixed_bfloat16(four_processes):
     """Activations and their gradients cross between the processes in bfloat16, which
     TensorFlow's collectives do not take (the transport sends its bits as float16): the

@@ -47,14 +47,19 @@ def main(out: str) -> None:
         here = os.path.join(out, run_name(*run))
         os.makedirs(here, exist_ok=True)
         keras.mixed_precision.set_dtype_policy(run[4] or "float32")
-        model, history = train(strategy, *run[:4])
+        model, history = train(strategy, *run[:4], here=here)
         name = f"{task['type']}_{task['index']}"
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(here, f"{name}.json"), "w") as f:
             json.dump(history.history, f)
 
 
-def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: int):
+# The run that also evaluates after each epoch (on every process: the weights are read from
+# the stages that hold them) and saves a StepCheckpoint (each process its stage's part).
+EVALUATED = ("mlp", 2, "1f1b", 4, None)
+
+
+def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: int, *, here):
     # 4 stages: built as users of tf.distribute build (mirrored on every worker); 2 stages:
     # in Pipeline.scope, each process's device holding only its stage.
     scope = strategy.scope() if stages == 4 else tfdist.host_scope(strategy)
@@ -68,7 +73,18 @@ def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: 
     pipeline = tfdist.parallel.Pipeline(
         cut_before=cuts, micro_batches=micro_batches, schedule=schedule, timeout_seconds=120
     )
-    return model, tfdist.fit(model, data, verbose=0, pipeline=pipeline)
+    keywords = {}
+    if (model_name, stages, schedule, micro_batches, None) == EVALUATED and not run_policy():
+        keywords = {
+            "validation_data": data,
+            "callbacks": [tfdist.StepCheckpoint(os.path.join(here, "run"))],
+        }
+    return model, tfdist.fit(model, data, verbose=0, pipeline=pipeline, **keywords)
+
+
+def run_policy() -> str | None:
+    policy = keras.mixed_precision.dtype_policy().name
+    return None if policy == "float32" else policy
 
 
 if __name__ == "__main__":

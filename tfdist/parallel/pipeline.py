@@ -602,8 +602,8 @@ class _Home(shards.Shards):
                 continue
             if slot is None:
                 out.append(r.trainable[r.stage.trainable.index(i)])
-            else:
-                out.append(next(v for v in r.optimizer.variables if v.name == slot))
+            else:  # none where the stage's optimizer keeps no such slot
+                out += [v for v in r.optimizer.variables if v.name == slot][:1]
         return out
 
     # --- moving in --------------------------------------------------------------------------

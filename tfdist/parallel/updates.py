@@ -265,6 +265,10 @@ class WholeStandIn(StandIn):
     writes a whole value into what holds it. Checkpoints, `numpy`, `get_weights` and a
     SavedModel export see the whole weight, one variable at a time."""
 
+    # Across worker processes a read is a collective every process makes (the evaluation
+    # step runs its replicas' reads outside any cond).
+    read_by_collectives = True
+
     def assign(self, value, use_locking=None, name=None, read_value=True):
         raise NotImplementedError
 

@@ -380,12 +380,21 @@ class SyncRunner(Runner):
             return self._logs_of(outputs) if done else self._metrics()
         if self._test_fn is None:
             model, strategy = self.model, self.strategy
+            # Weights held in parts across worker processes (zero3, a pipeline) are read by
+            # collectives, which the strategy cannot make inside a cond's branch.
+            together = self.layout.processes > 1 and any(
+                getattr(compat.storage_of(v), "read_by_collectives", False)
+                for v in model.trainable_variables
+            )
 
             def replica_test(batch):
                 def run():
                     model.test_step(batch)
                     return tf.constant(0)
 
+                if together:
+                    run()
+                    return
                 # The last batch can leave a replica without examples, and some kernels
                 # (oneDNN's convolution) reject an empty batch: such a replica adds nothing.
                 x, _, _ = unpack(batch)
