@@ -133,6 +133,10 @@ def write(shards: Shards, prefix: str, *, rank: int, ranks: int, barrier: Callab
     barrier()
     if is_chief:
         parts = [f"{where}/part-{r:05d}-of-{ranks:05d}" for r in range(ranks)]
+        # What a save of this step cut short left (a job stopped after its merge, before
+        # its ckpt-N), never mixed into this one.
+        for stale in tf.io.gfile.glob(merged(prefix) + ".*"):
+            _remove(stale)
         tf.raw_ops.MergeV2Checkpoints(
             checkpoint_prefixes=parts, destination_prefix=merged(prefix),
             delete_old_dirs=False,
