@@ -104,7 +104,12 @@ def test_a_stop_signal_before_training_ends_each_role_at_once(tmp_path):
             time.sleep(max(0.0, started + 10 - time.monotonic()))
             sent = time.monotonic()
             proc.send_signal(signum)
-            assert proc.wait(timeout=30) == code, log.read_text()[-3000:]
+            try:
+                returned = proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:  # what it was doing, for the failure's reader
+                pytest.fail(f"{name}: still running 30 s after {signum.name}:\n"
+                            + log.read_text()[-3000:])  # fmt: skip
+            assert returned == code, log.read_text()[-3000:]
             assert time.monotonic() - sent < 5, f"{name} took {time.monotonic() - sent:.1f} s"
             lines = log.read_text().splitlines()
             assert lines[-1] == why, "\n".join(lines[-20:])
