@@ -338,8 +338,8 @@ class PipelineRunner(SyncRunner):
         self.replicas = updates.outside_strategy(make)
         home = _Home(self._home_key(), self, self.replicas)
         user = self.model.optimizer
+        empty: list[tf.Variable] = []  # the slots made without a value, if it builds now
         if not user.built:  # its slots made empty: each is given its stage's below
-            empty: list[tf.Variable] = []
 
             def outside(build):
                 def run():
@@ -350,7 +350,6 @@ class PipelineRunner(SyncRunner):
                 return updates.outside_strategy(run)
 
             compat.build_optimizer_plainly(user, trainable, host_device(self.strategy), outside)
-            home.empty = {id(v) for v in empty}
         # The weights move into the stages first, each whole copy dropped as it goes, then
         # the stages' optimizers are built: the whole model and the slots never coexist.
         home.take_weights(self.model)
@@ -361,7 +360,7 @@ class PipelineRunner(SyncRunner):
                     r.optimizer = updates.optimizer_copy(user, r.trainable)
 
         updates.outside_strategy(build_optimizers)
-        home.take_slots(self.model)
+        home.take_slots(self.model, fresh={id(v) for v in empty})
 
     def _make_rings(self) -> dict:
         """Between worker processes: a ring per stage over its pipelines' replicas, and one
@@ -566,7 +565,6 @@ class _Home(shards.Shards):
         self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
         # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
         self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
-        self.empty: set[int] = set()  # the storages of slots made without a value
         self.staged: list[tuple[str, _Staged]] = []  # by checkpoint key (shards.py)
         self._placeholders: dict[tf.DType, tf.Variable] = {}
         self._sent = tf.function(self._send_part, reduce_retracing=True)
@@ -616,9 +614,11 @@ class _Home(shards.Shards):
         compat.forget_traced_functions(model)  # they read the whole copies
         gc.collect()  # the whole copies sit in reference cycles: freed now
 
-    def take_slots(self, model: keras.Model) -> None:
+    def take_slots(self, model: keras.Model, fresh: set[int]) -> None:
         """The same for the user's optimizer's slots, matched to the stage optimizers' by
-        name (a copy's slots are named after the weight, as the user's are)."""
+        name (a copy's slots are named after the weight, as the user's are). A slot whose
+        storage is in `fresh` (ids) was made without a value: the stage's slot, built by the
+        same optimizer, starts as it would."""
         user = model.optimizer
         paths = {v.path.replace("/", "_"): i for i, v in enumerate(model.trainable_variables)}
         skip = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
@@ -626,26 +626,32 @@ class _Home(shards.Shards):
             if id(slot) in skip:
                 continue
             i = _weight_of(slot.name, paths)
-            weight = model.trainable_variables[i] if i is not None else None
-            if i is None or (self.copies(i) and not self.copies(i, slot.name)):
+            copies = [] if i is None else self.copies(i, slot.name)
+            if i is None or (self.copies(i) and not copies):
                 raise FitError(
                     f"Cannot match the optimizer state {slot.name!r} of "
                     f"{type(user).__name__} with a weight's slot in the pipeline's stages "
                     "(its slots are not named after the weights): the stages could not "
                     f"keep it. Use a Keras optimizer. Received: {type(user).__name__}"
                 )
-            name = slot.name[len(weight.path.replace("/", "_")) + 1 :]  # "momentum"
-            self._take(slot, i, self.copies(i, slot.name), shards.slot_key(i, name))
-        self.empty = set()
+            name = slot.name[len(model.trainable_variables[i].path) + 1 :]  # "momentum"
+            self._take(slot, i, copies, shards.slot_key(i, name), fresh)
         gc.collect()
 
-    def _take(self, variable: keras.Variable, i: int, copies: list, key: str) -> None:
+    def _take(
+        self,
+        variable: keras.Variable,
+        i: int,
+        copies: list,
+        key: str,
+        fresh: set[int] = frozenset(),
+    ) -> None:
         old = compat.storage_of(variable)
         if not self.holding(i):
             return  # no stage reads the weight: it keeps its storage
         staged = _Staged(self, old, variable.shape, copies, self.source(i))
         # A read of another layout's stages is a collective: every process makes it.
-        if id(old) not in self.empty and (copies or isinstance(old, _Staged)):
+        if id(old) not in fresh and (copies or isinstance(old, _Staged)):
             staged.assign(tf.convert_to_tensor(old))
         compat.replace_storage(variable, staged)
         self.staged.append((key, staged))
@@ -706,9 +712,12 @@ class _Home(shards.Shards):
         dtype = tf.as_dtype(dtype)
         if dtype not in self._placeholders:
             device = self.replicas[0].device
-            self._placeholders[dtype] = updates.outside_strategy(
-                lambda: _on(device, lambda: tf.Variable(tf.zeros([0], dtype), trainable=False))
-            )
+
+            def make():
+                with tf.device(device):
+                    return tf.Variable(tf.zeros([0], dtype), trainable=False)
+
+            self._placeholders[dtype] = updates.outside_strategy(make)
         return self._placeholders[dtype]
 
 
@@ -758,11 +767,6 @@ def _weight_of(slot: str, paths: dict[str, int]) -> int | None:
     "<weight path, '/' as '_'>_<slot>"; the longest such path."""
     found = [p for p in paths if slot.startswith(p + "_")]
     return paths[max(found, key=len)] if found else None
-
-
-def _on(device: str, make):
-    with tf.device(device):
-        return make()
 
 
 def _buckets(variables: list, limit: int) -> list[list[int]]:
