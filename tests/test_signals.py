@@ -40,7 +40,14 @@ def start(log: Path, tf_config_value: str, *flags: str, env=None) -> subprocess.
             env=full_env,
             stdout=out,
             stderr=subprocess.STDOUT,
+            # As from a terminal: a suite run in the background (`pytest &`, CI's runner)
+            # hands its children SIGINT ignored, and an ignored signal stays ignored.
+            preexec_fn=_interruptible,
         )
+
+
+def _interruptible() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.multiprocess
