@@ -290,8 +290,10 @@ class ProcessRing(_PointToPointAllReduce):
         def exchange(send, recv_size, step):
             if send is not None:
                 transfers.send(send, group_key=right_edge, key=first + step)
-            if recv_size:
-                return transfers.receive([recv_size], group_key=left_edge, key=first + step)
+            if recv_size:  # taken when this step's chunk is ready to go, not all at once
+                return transfers.receive(
+                    [recv_size], group_key=left_edge, key=first + step, after=send
+                )
             return None
 
         return exchange
@@ -324,13 +326,17 @@ class GatherBroadcast(_PointToPointAllReduce):
         if self.rank == 0:
             total = flat
             for r in range(1, self.ranks):
-                total = total + transfers.receive([length], group_key=self._group_base + r, key=0)
+                total = total + transfers.receive(
+                    [length], group_key=self._group_base + r, key=0, after=total
+                )
             if reduction == "mean":
                 total = mean_of_sum(total, self.ranks)
             transfers.send(total, group_key=everyone, group_size=self.ranks, key=1)
             return total
         transfers.send(flat, group_key=self._group_base + self.rank, key=0)
-        return transfers.receive([length], group_key=everyone, group_size=self.ranks, key=1)
+        return transfers.receive(
+            [length], group_key=everyone, group_size=self.ranks, key=1, after=flat
+        )
 
 
 class ProcessNeighbours(_PointToPoint):
@@ -388,7 +394,9 @@ class ProcessNeighbours(_PointToPoint):
             for peer in send_to:
                 transfers.send(tensor, group_key=self._edge(self.rank, peer), key=0)
             received = [
-                transfers.receive([length], group_key=self._edge(peer, self.rank), key=0)
+                transfers.receive(
+                    [length], group_key=self._edge(peer, self.rank), key=0, after=tensor
+                )
                 for peer in receive_from
             ]
             # One output for the program: the received buffers end to end (or nothing).
@@ -453,15 +461,24 @@ class Transfers:
         key: int,
         group_size: int = 2,
         dtype: tf.DType | None = None,
+        after: tf.Tensor | None = None,
     ) -> tf.Tensor:
         """What the sender of `group_key` sent under `key`: a tensor of `shape` and `dtype`
-        (default: the program's)."""
+        (default: the program's).
+
+        A receive takes its whole buffer from the allocator when it starts, and one that
+        waits for nothing starts with its program, long before its bytes arrive: a program
+        of many steps would hold every step's buffer at once (and a step's program, each
+        of its buckets'). `after` is what this receive waits for before it starts: the
+        tensor sent in the same step, say, so that each step's buffer is taken in turn.
+        """
         dtype = tf.as_dtype(dtype or self.dtype)
         wire = _WIRE.get(dtype, dtype)
-        received = tf.raw_ops.CollectiveBcastRecvV2(
-            group_size=group_size, group_key=group_key, instance_key=self.first_key + key,
-            shape=shape, T=wire, communication_hint="auto", timeout_seconds=self.timeout,
-        )  # fmt: skip
+        with tf.control_dependencies([] if after is None else [after]):
+            received = tf.raw_ops.CollectiveBcastRecvV2(
+                group_size=group_size, group_key=group_key, instance_key=self.first_key + key,
+                shape=shape, T=wire, communication_hint="auto", timeout_seconds=self.timeout,
+            )  # fmt: skip
         return tf.bitcast(received, dtype) if wire != dtype else received
 
     def after_sends(self, result):

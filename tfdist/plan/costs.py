@@ -33,15 +33,19 @@ Rajbhandari et al., 2020), then the exchange's buffers (tests/test_peaks.py hold
 1-3 and the pipeline to the allocator's peak per worker process within 15%):
 
   data        W + G + O                + A x b + G          (the all-reduced gradients)
-  zero1       W + G + (O + W)/D        + A x b + G + W      (tfdist keeps its slice's weights
-  zero2       W + G + (O + W)/D        + A x b + G/D + W     too, for its optimizer copy)
+  zero1       W + G + (O + W)/D        + A x b + 4 buckets  (tfdist keeps its slice's weights
+  zero2       W + G + (O + W)/D        + A x b + 3 buckets   too, for its optimizer copy)
   zero3       (W + G + O)/D            + A x b + 2 units' weights and gradients
   pipeline    (W + G + O) of its stage + A of its stage x micro-batch x in flight
               (GPipe: M in flight, 1F1B: S - s on stage s) + G of the micro-batch
               being added to the sum so far (M > 1)
   tensor      (W + G + O) / T of the split blocks + all of the rest + A x b
 
-with b the examples a device computes per step. Compute is 3 forward passes' FLOPs (the
+with b the examples a device computes per step, and a bucket ZeRO's (4 MiB, or the largest
+layer's weights if larger): zero1 and zero2 exchange and update the packed gradients bucket
+by bucket, each receive taking its buffer only when its step comes, so what the update holds
+beside the model and its gradients is the packed bucket, its sum (zero1; zero2's slice of
+it) with the ring's working copy, and the gathered bucket. Compute is 3 forward passes' FLOPs (the
 backward pass costs two) at the device's peak times `efficiency`.
 """
 
@@ -50,6 +54,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES
 from tfdist.plan.cluster import Cluster, Link, PlanError
 from tfdist.plan.model import ModelCost, Unit
 
@@ -243,10 +248,12 @@ def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
         compute = _pooled(forward_backward, [forward_backward] * layout.devices, cluster)
         compute += update_time(w / (d if layout.zero else 1), model.slots_per_param, cluster)
         largest = max((u.param_bytes * scale for u in model.units), default=0.0)
-        # The exchange's buffers at the step's peak: the all-reduced gradients (data,
-        # zero1), the reduce-scattered slice (zero2), the gathered weights (zero1, zero2),
-        # and for zero3 two gathered units with their gradients (FSDP's accounting).
-        buffers = {0: w, 1: 2 * w, 2: w / d + w, 3: 2 * largest}[layout.zero] if d > 1 else 0.0
+        # The exchange's buffers at the step's peak: the all-reduced gradients (data), a
+        # few of ZeRO's buckets (zero1, zero2: see the module docstring), and for zero3 two
+        # gathered units with their gradients (FSDP's accounting).
+        bucket = max(float(DEFAULT_BUCKET_BYTES), largest)
+        buffers = {0: w, 1: 4 * bucket, 2: 3 * bucket, 3: 2 * largest}[layout.zero]
+        buffers = buffers if d > 1 else 0.0
         est = Estimate(layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0)
     est = dataclasses.replace(est, compute=est.compute + cluster.step_overhead)
     one += cluster.step_overhead
