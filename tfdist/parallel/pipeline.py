@@ -650,8 +650,9 @@ class _Home(shards.Shards):
         if not self.holding(i):
             return  # no stage reads the weight: it keeps its storage
         staged = _Staged(self, old, variable.shape, copies, self.source(i))
-        # A read of another layout's stages is a collective: every process makes it.
-        if id(old) not in fresh and (copies or isinstance(old, _Staged)):
+        # A read of a weight held in parts (another layout's stages, host_scope's slices)
+        # is a collective: every process makes it.
+        if id(old) not in fresh and (copies or getattr(old, "read_by_collectives", False)):
             staged.assign(tf.convert_to_tensor(old))
         compat.replace_storage(variable, staged)
         self.staged.append((key, staged))

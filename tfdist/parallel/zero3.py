@@ -55,7 +55,6 @@ of which each replica keeps its slice).
 from __future__ import annotations
 
 import gc
-import math
 import re
 import weakref
 
@@ -64,7 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import units, updates
+from tfdist.parallel import host, units, updates
 from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
 from tfdist.training import shards as shard_files
 from tfdist.training import sparse_rows
@@ -127,12 +126,13 @@ class ShardedParameters(StepHook):
             )
         self.ranks, self.first = layout.replicas, layout.first_replica
         self.devices = list(layout.devices)
+        self.cut = host.Slices(self.strategy)
         # Every replica in this process (logical devices, GPUs): a gather reads their slices.
-        self.local = len(self.devices) == self.ranks
+        self.local = self.cut.local
         self.units = units.layers(model)
         self.variables = list(model.trainable_variables)
         self.sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in self.variables]
-        self.lengths = [max(1, math.ceil(n / self.ranks)) for n in self.sizes]
+        self.lengths = [self.cut.length(n) for n in self.sizes]
         self.decays = updates.decoupled_decays(optimizer, self.variables)
         self.optimizer = optimizer
         if not optimizer.built:
@@ -152,13 +152,15 @@ class ShardedParameters(StepHook):
             return out
 
         self.shards = updates.outside_strategy(slices)
-        # Each weight's slices taken from it, then its whole copy (host or mirrored) dropped,
-        # one weight at a time: from here on no process holds the whole model.
+        # Each weight's slices adopted as host_scope made them, or taken from its whole
+        # copy (mirrored, or sliced for another layout), which is then dropped, one weight
+        # at a time: from here on no process holds the whole model.
         self.storages = []
         for i, variable in enumerate(self.variables):
             whole = compat.storage_of(variable)
+            born = isinstance(whole, host.Sliced) and whole.cut.same(self.cut)
             for d, shards in enumerate(self.shards):
-                shards[i].assign(self._slice(whole, i, self.first + d))
+                shards[i].assign(whole.parts[d] if born else self.cut.slice(whole, self.first + d))
             self.storages.append(_Sharded(self, i, whole))
             compat.replace_storage(variable, self.storages[-1])
             del whole
@@ -181,7 +183,6 @@ class ShardedParameters(StepHook):
             self.slots.append(slots)
         self.slot_names = sorted({name for slots in self.slots for _, name in slots})
         self._gatherers: dict = {}
-        self._gather_one = tf.function(self._gather_part, reduce_retracing=True)
         # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
         # (this replica's whole gradient of it, and the part the tape was given).
         self._backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -192,29 +193,14 @@ class ShardedParameters(StepHook):
         """Weight `i` whole, outside a replica's step (a save, `get_weights`, a callback):
         the local slices put together, or across worker processes an all-gather, which every
         process must make at the same point, as each makes every read of fit's."""
-        if self.local:
-            flat = tf.concat([tf.reshape(shards[i].value, [-1]) for shards in self.shards], 0)
-        else:
-            with updates.read_together(NAME):
-                flat = self._gather_one(tf.convert_to_tensor(self.shards[0][i].value))
-        return tf.reshape(flat[: self.sizes[i]], self.variables[i].shape)
-
-    def _gather_part(self, part: tf.Tensor) -> tf.Tensor:
-        def replica(part):
-            with tf.device(self.devices[0]):  # the strategy gathers where its input lives
-                part = tf.identity(part)
-                return tf.distribute.get_replica_context().all_gather(
-                    part, axis=0, options=updates.read_options()
-                )
-
-        gathered = self.strategy.run(replica, args=(part,))
-        return self.strategy.experimental_local_results(gathered)[0]
+        parts = [shards[i].value for shards in self.shards]
+        return self.cut.whole(parts, self.variables[i].shape, NAME)
 
     def assign_whole(self, i: int, value) -> None:
         """Weight `i` set to `value` (whole): each local replica keeps its slice of it."""
         value = tf.convert_to_tensor(value, self.variables[i].dtype)
         for d, shards in enumerate(self.shards):
-            shards[i].assign(self._slice(value, i, self.first + d))
+            shards[i].assign(self.cut.slice(value, self.first + d))
 
     def _buckets(self) -> list[tuple[int, ...]]:
         """The weights' positions in runs of about GATHER_BUCKET_BYTES whole (a larger one
@@ -228,12 +214,6 @@ class ShardedParameters(StepHook):
             out[-1].append(i)
             size += bytes_
         return [tuple(b) for b in out if b]
-
-    def _slice(self, whole, i: int, rank: int) -> tf.Tensor:
-        k = self.lengths[i]
-        flat = tf.reshape(tf.convert_to_tensor(whole), [-1])
-        flat = tf.pad(flat, [[0, k * self.ranks - self.sizes[i]]])
-        return _own(flat[rank * k : (rank + 1) * k])
 
     def _wholes(self, slot: str, bucket: tuple[int, ...]) -> list[tf.Tensor]:
         """The whole `slot` of each weight in `bucket`, from every replica's slices,
@@ -402,7 +382,7 @@ class ShardedParameters(StepHook):
     def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
         for d, slots in enumerate(self.slots):
             for (i, name), slot in slots.items():
-                slot.assign(self._slice(restored[f"v{i}_{name}"], i, self.first + d))
+                slot.assign(self.cut.slice(restored[f"v{i}_{name}"], self.first + d))
 
     # --- what it holds --------------------------------------------------------------------------
 
