@@ -33,9 +33,10 @@ that differentiates its trainable variables and applies the result through its o
 works unchanged; one that changes the gradients in between (scales, clips) is refused in
 one line, since the update applies what the backward pass summed.
 
-No process keeps the whole model. When training first starts, each weight's slices are
-taken from it (built under tfdist.host_scope, or under `strategy.scope()`) and its whole
-copy is dropped, one weight at a time; from then on the weight's storage is the slices.
+No process keeps the whole model. A model built in tfdist.host_scope is made as the
+replicas' slices, and when training first starts they are adopted as they are; one built
+under `strategy.scope()` has each weight's slices taken from it and its whole copy
+dropped, one weight at a time. From then on the weight's storage is the slices.
 Where something reads a weight outside a step (`model.save`, `get_weights`, `predict` and
 evaluation, a checkpoint), it is gathered whole for that read, one weight at a time: the
 local replicas' slices put together, or across worker processes an all-gather, which every
