@@ -24,6 +24,12 @@ counts here, as it would count against a GPU host's RAM.
   python -m tools.peak_bench                          # every layout over 2, about 2 minutes
   python -m tools.peak_bench --layouts zero3 pipeline --workers 2 4
   python -m tools.peak_bench --layouts plain zero3 --workers 4 --budget_mb 200
+  python -m tools.peak_bench --layouts plain zero3 --activations 64 1024 4096
+
+`--activations` reports instead each step's peak against the global batch, with each
+layer's activations kept from the forward pass and recomputed in the backward pass
+(tfdist.parallel.recompute_activations): how much of the peak the activations are, and
+how much recomputation takes off.
 
 This is a benchmark, not a test: it reports figures and never fails on them.
 """
@@ -78,6 +84,8 @@ def worker(args) -> None:
             [keras.Input((INPUTS,)), *layers, keras.layers.Dense(CLASSES, name="d9")]
         )
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    if args.recompute:
+        tfdist.parallel.recompute_activations(model)
     peaks["construction"] = peak()
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
 
@@ -91,9 +99,9 @@ def worker(args) -> None:
                 reset()
 
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(BATCH * STEPS, INPUTS)).astype("float32")
-    y = rng.integers(0, CLASSES, size=(BATCH * STEPS,)).astype("int32")
-    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
+    x = rng.normal(size=(args.batch * STEPS, INPUTS)).astype("float32")
+    y = rng.integers(0, CLASSES, size=(args.batch * STEPS,)).astype("int32")
+    data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
     workers = strategy.num_replicas_in_sync
     cuts = CUTS[workers]
     keywords = {
@@ -116,11 +124,14 @@ def worker(args) -> None:
         json.dump(record, f)
 
 
-def run(layout: str, workers: int, width: int = WIDTH) -> list[dict]:
+def run(
+    layout: str, workers: int, width: int = WIDTH, *, batch: int = BATCH, recompute: bool = False
+) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         task = [
             sys.executable, "-m", "tools.peak_bench", "--worker", "--layout", layout,
-            "--out_dir", out, "--width", str(width),
+            "--out_dir", out, "--width", str(width), "--batch", str(batch),
+            *(["--recompute"] if recompute else []),
         ]  # fmt: skip
         harness.launch(task, layout=["--workers", str(workers)], what=f"{layout} x{workers}")
         return harness.task_records(out, workers)
@@ -162,6 +173,13 @@ def main(argv=None) -> int:
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--out_dir", help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--activations", type=int, nargs="+", metavar="BATCH",
+        help="instead: each step's peak at these global batch sizes, with each layer's "
+        "activations kept and recomputed (tfdist.parallel.recompute_activations)",
+    )  # fmt: skip
     parser.add_argument(
         "--budget_mb", type=float,
         help="instead: the largest model each layout trains with every process's whole-run "
@@ -176,6 +194,8 @@ def main(argv=None) -> int:
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # the workers' allocator statistics
     if args.budget_mb:
         return budget_table(args.layouts, args.workers, int(args.budget_mb * 2**20))
+    if args.activations:
+        return activations_table(args.layouts, args.workers, args.activations)
     print("allocator peak per process (the largest over the processes), in W = weight bytes")
     print("| layout | processes | " + " | ".join(PHASES) + " | whole run | at rest |")
     print("|---" * (len(PHASES) + 4) + "|")
@@ -190,6 +210,23 @@ def main(argv=None) -> int:
                 + f" | {max(cells):.2f} | {rest:.2f} |",
                 flush=True,
             )  # fmt: skip
+    return 0
+
+
+def activations_table(layouts, workers_list, batches) -> int:
+    print("a step's allocator peak per process in W, against the global batch: each layer's "
+          "activations kept, or recomputed in the backward pass")  # fmt: skip
+    print("| layout | processes | global batch | kept | recomputed | recomputed / kept |")
+    print("|---|---|---|---|---|---|")
+    for layout in layouts:
+        for workers in workers_list:
+            for batch in batches:
+                step = []
+                for recompute in (False, True):
+                    records = run(layout, workers, batch=batch, recompute=recompute)
+                    step.append(max(r["steps"] / r["weights"] for r in records))
+                print(f"| {layout} | {workers} | {batch} | {step[0]:.2f} | {step[1]:.2f} | "
+                      f"{step[1] / step[0]:.2f} |", flush=True)  # fmt: skip
     return 0
 
 

@@ -38,7 +38,7 @@ from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
 from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
-from tfdist.parallel import registry
+from tfdist.parallel import registry, units
 from tfdist.strategies import strategy_kind
 from tfdist.training import chain, fit_callbacks
 from tfdist.training.controller import Controller
@@ -328,6 +328,9 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
             "its optimizer's variables are not distributed. Call model.compile(...) inside "
             "`with strategy.scope():` too."
         )
+    # Layers Keras's RematScope marked recompute tfdist's way (Keras's own way fails in a
+    # TensorFlow graph).
+    units.honour_remat_scope(model)
     return strategy
 
 

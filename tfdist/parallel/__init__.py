@@ -7,6 +7,8 @@
 - zero3.py: ShardedParameters, ZeRO stage 3: the weights sharded too, each gathered where a
   layer reads it.
 - host.py: host_scope, where to build a model no device holds whole (ZeRO-3, a pipeline).
+- units.py: the units ZeRO-3 gathers at once, and `recompute_activations`, activation
+  checkpointing under every layout (and Keras's RematScope, run tfdist's way).
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
 - asynchronous.py: corrections for parameter-server training's stale updates:
   DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness),
@@ -73,6 +75,8 @@ _EXPORTS = {
     "ShardedUpdate": "tfdist.parallel.zero",
     "ShardedParameters": "tfdist.parallel.zero3",
     "host_scope": "tfdist.parallel.host",
+    "UnitError": "tfdist.parallel.units",
+    "recompute_activations": "tfdist.parallel.units",
     "ShardingError": "tfdist.parallel.zero",
     "MODES": "tfdist.parallel.registry",
     "Mode": "tfdist.parallel.registry",

@@ -65,7 +65,7 @@ from tfdist import compat
 from tfdist.collective.keys import group_key_base
 from tfdist.collective.transport import ProcessLinks, ProcessRing, Transfers
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel import units, updates
 from tfdist.parallel.host import host_device, host_scope
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
@@ -165,6 +165,18 @@ class Pipeline:
     def runner(self, model: keras.Model, strategy: tf.distribute.Strategy):
         """The runner tfdist.fit trains `model` with (not yet built): under
         parameter_server, each worker's replica split over its devices (downpour.py)."""
+        recomputed = units.recomputed(model)
+        if recomputed:
+            # Its stages call the layers on weight values (stateless calls), which a unit's
+            # custom gradient would not differentiate: not built yet.
+            raise FitError(
+                f"A Pipeline does not recompute activations yet (the layer "
+                f"{recomputed[0].name!r} was made a recomputed unit, by "
+                "tfdist.parallel.recompute_activations or keras.RematScope): it keeps each "
+                "micro-batch's activations as its schedule says. Build the model without "
+                "them, or use shard_optimizer='zero3', which recomputes each unit. "
+                f"Received: {len(recomputed)} recomputed layer(s)"
+            )
         if strategy_kind(strategy) == "parameter_server":
             from tfdist.parallel.downpour import SplitReplicaRunner
 

@@ -37,14 +37,34 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import FitError
 
 _waiting = threading.local()  # a mirrored strategy traces its replicas in threads
 
 
+# The units a user named for a model (recompute(model, units=...)), kept beside the model,
+# not tracked by Keras.
+_NAMED = "_tfdist_units"
+# Marks a call already made a recomputed one, so that no layer is wrapped twice.
+_RECOMPUTED = "_tfdist_recomputed"
+# Keras's RematScope modes tfdist runs (whole layers recomputed); the others are refused.
+_REMAT_MODES = ("full", "list_of_layers")
+
+
+class UnitError(FitError):
+    """Units named that the model does not have, or a Keras RematScope mode tfdist does
+    not run."""
+
+
 def layers(model: keras.Model) -> list[keras.layers.Layer]:
-    """The model's units, in the order Keras tracks its layers."""
-    out = []
+    """The model's units, in the order Keras tracks its layers: the blocks the user named
+    (`recompute(model, units=[...])`), then each layer owning weights outside them."""
+    named = list(vars(model).get(_NAMED, ()))
+    inside = {id(sub) for block in named for sub in block._flatten_layers(include_self=True)}
+    out = list(named)
     for layer in model._flatten_layers(include_self=False, recursive=True):
+        if id(layer) in inside:
+            continue
         if not layer._trainable_variables or layer.non_trainable_variables:
             continue
         if any(sub.trainable_variables for sub in compat.sublayers(layer)):
@@ -72,9 +92,124 @@ def _awaiting(tensors: Sequence) -> Iterator[None]:
 
 
 def recompute(units: Sequence[keras.layers.Layer]) -> None:
-    """Makes each unit's call a recomputed one (see the module docstring)."""
+    """Makes each unit's call a recomputed one (see the module docstring); a layer already
+    made one stays as it is."""
     for layer in units:
-        compat.replace_call(layer, _recomputed(layer.call))
+        if not getattr(layer.call, _RECOMPUTED, False):
+            compat.replace_call(layer, _recomputed(layer.call))
+
+
+def recomputed(model: keras.Model) -> list[keras.layers.Layer]:
+    """The model's layers whose call is a recomputed one."""
+    return [
+        layer
+        for layer in model._flatten_layers(include_self=False, recursive=True)
+        if getattr(layer.call, _RECOMPUTED, False)
+    ]
+
+
+def recompute_activations(
+    model: keras.Model, units: Sequence[str | keras.layers.Layer] | None = None
+) -> list[keras.layers.Layer]:
+    """Recomputes the activations of `model`'s units in the backward pass instead of
+    keeping them from the forward pass, under every tfdist layout (activation
+    checkpointing, as `keras.RematScope` and torch's `checkpoint` do): a step's peak keeps
+    each unit's inputs, not what its layers compute inside, at the cost of one more forward
+    pass of each unit. Under zero3 the units are also what is gathered at once, and their
+    re-gather and recompute are one pass.
+
+    Args:
+      model: a built Keras model.
+      units: None (each layer that owns weights, zero3's units), or the layers, or their
+        names or paths, to recompute whole: the blocks of a transformer, say (keras-hub's
+        `transformer_layer_0` ...). Layers owning weights outside them stay units of their
+        own under zero3.
+
+    Returns:
+      The units, in the order of `units` (then Keras's).
+
+    Raises:
+      UnitError: a name the model has no layer of, or a layer holding another named one.
+    """
+    if units is not None:
+        found = {}
+        for layer in model._flatten_layers(include_self=False, recursive=True):
+            found.setdefault(layer.name, layer)
+            found.setdefault(getattr(layer, "path", None) or layer.name, layer)
+        named = []
+        for unit in units:
+            layer = unit if isinstance(unit, keras.layers.Layer) else found.get(unit)
+            if layer is None:
+                raise UnitError(
+                    f"The model has no layer named {unit!r} to recompute. Name its layers "
+                    f"(or their paths) as model.summary() lists them, e.g. "
+                    f"{sorted(found)[:3]}. Received: units={list(units)!r}"
+                )
+            if layer.non_trainable_variables:
+                raise UnitError(
+                    f"The unit {layer.name!r} keeps state its call changes "
+                    f"({layer.non_trainable_variables[0].path}: a dropout's seed, "
+                    "BatchNormalization's statistics), so running it again in the backward "
+                    "pass would not compute what the forward pass did. Name blocks without "
+                    f"such layers, or their weighted layers. Received: units={list(units)!r}"
+                )
+            named.append(layer)
+        for block in named:
+            held = [o for o in named if o is not block and o in block._flatten_layers()]
+            if held:
+                raise UnitError(
+                    f"The unit {block.name!r} holds the unit {held[0].name!r}: name blocks "
+                    f"that do not hold each other. Received: units={list(units)!r}"
+                )
+        vars(model)[_NAMED] = tuple(named)
+    chosen = layers(model)
+    recompute(chosen)
+    return chosen
+
+
+def honour_remat_scope(model: keras.Model) -> list[keras.layers.Layer]:
+    """The layers Keras's RematScope marked in `model`, recomputed tfdist's way, as units.
+
+    Why: Keras builds a marked layer's call into `keras.remat`, which on the TensorFlow
+    backend is a custom gradient taking keyword arguments, refused outside eager execution
+    ("The custom_gradient decorator currently supports keywords arguments only when eager
+    execution is enabled"): Keras's own fit of such a model fails. tfdist clears the mark
+    and recomputes the same layers (the innermost of 'full', the named of
+    'list_of_layers').
+
+    Raises:
+      UnitError: a RematScope mode that recomputes part of a layer ('activations',
+        'larger_than'), which tfdist does not run.
+    """
+    marked = []
+    for layer in model._flatten_layers(include_self=True, recursive=True):
+        mode = getattr(layer, "_remat_mode", None)
+        if mode is None or getattr(layer.call, _RECOMPUTED, False):
+            continue
+        if mode.mode not in _REMAT_MODES:
+            raise UnitError(
+                f"keras.RematScope(mode={mode.mode!r}) recomputes part of a layer, which "
+                "tfdist does not run. Use RematScope(mode='full') or "
+                "mode='list_of_layers', or tfdist.parallel.recompute_activations(model). "
+                f"Received: layer {layer.name!r} under mode={mode.mode!r}"
+            )
+        # A layer whose call changes state (a dropout's seed, BatchNorm's statistics) would
+        # not compute the same thing twice: it keeps its activations, as zero3's units do.
+        chosen = mode.mode == "full" or layer.name in (mode.layer_names or ())
+        if chosen and not layer.non_trainable_variables:
+            marked.append(layer)
+        layer._remat_mode = None
+    # Of 'full', the innermost: a marked layer holding none (each recomputed once).
+    ids = {id(layer) for layer in marked}
+    chosen = [
+        layer
+        for layer in marked
+        if not any(id(sub) in ids for sub in layer._flatten_layers(include_self=False))
+    ]
+    if chosen:
+        vars(model)[_NAMED] = tuple(chosen) + tuple(vars(model).get(_NAMED, ()))
+        recompute(chosen)
+    return chosen
 
 
 def _recomputed(call):
@@ -126,7 +261,16 @@ def _recomputed(call):
 
         return unit(*[flat[j] for j in spots])
 
+    setattr(unit_call, _RECOMPUTED, True)
     return unit_call
 
 
-__all__ = ["awaited", "layers", "recompute"]
+__all__ = [
+    "UnitError",
+    "awaited",
+    "honour_remat_scope",
+    "layers",
+    "recompute",
+    "recompute_activations",
+    "recomputed",
+]
