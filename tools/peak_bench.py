@@ -26,10 +26,13 @@ counts here, as it would count against a GPU host's RAM.
   python -m tools.peak_bench --layouts plain zero3 --workers 4 --budget_mb 200
   python -m tools.peak_bench --layouts plain zero3 --activations 64 1024 4096
 
-`--activations` reports instead each step's peak against the global batch, with each
-layer's activations kept from the forward pass and recomputed in the backward pass
-(tfdist.parallel.recompute_activations): how much of the peak the activations are, and
-how much recomputation takes off.
+`--activations` reports instead each step's peak against the global batch, on a model of
+transformer-like MLP blocks (256 -> Dense(512) -> 4 x [Dense(2048, relu) -> Dense(512),
+added to its input] -> Dense(10)), with each block's activations kept from the forward
+pass or recomputed in the backward pass (tfdist.parallel.recompute_activations with the
+blocks as units): how much of the peak the activations are, and how much recomputation
+takes off. (A unit keeps its input either way, so recomputing single layers of an MLP
+saves nothing; a block's inner activations are what it saves.)
 
 This is a benchmark, not a test: it reports figures and never fails on them.
 """
@@ -79,13 +82,10 @@ def worker(args) -> None:
     scope = tfdist.host_scope(strategy) if hosted else strategy.scope()
     with scope:
         keras.utils.set_random_seed(0)
-        layers = [keras.layers.Dense(args.width, activation="relu", name=f"d{i}") for i in range(9)]
-        model = keras.Sequential(
-            [keras.Input((INPUTS,)), *layers, keras.layers.Dense(CLASSES, name="d9")]
-        )
+        model = blocks_model() if args.blocks else dense_model(args.width)
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
     if args.recompute:
-        tfdist.parallel.recompute_activations(model)
+        tfdist.parallel.recompute_activations(model, units=BLOCKS if args.blocks else None)
     peaks["construction"] = peak()
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
 
@@ -124,14 +124,51 @@ def worker(args) -> None:
         json.dump(record, f)
 
 
+BLOCKS = [f"block{i}" for i in range(4)]
+
+
+def dense_model(width: int):
+    import keras
+
+    layers = [keras.layers.Dense(width, activation="relu", name=f"d{i}") for i in range(9)]
+    return keras.Sequential(
+        [keras.Input((INPUTS,)), *layers, keras.layers.Dense(CLASSES, name="d9")]
+    )
+
+
+def blocks_model():
+    import keras
+
+    class MLPBlock(keras.layers.Layer):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.hidden = keras.layers.Dense(2048, activation="relu")
+            self.out = keras.layers.Dense(512)
+
+        def call(self, x):
+            return x + self.out(self.hidden(x))
+
+    inputs = keras.Input((INPUTS,))
+    x = keras.layers.Dense(512, name="stem")(inputs)
+    for name in BLOCKS:
+        x = MLPBlock(name=name)(x)
+    return keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(x))
+
+
 def run(
-    layout: str, workers: int, width: int = WIDTH, *, batch: int = BATCH, recompute: bool = False
+    layout: str,
+    workers: int,
+    width: int = WIDTH,
+    *,
+    batch: int = BATCH,
+    recompute: bool = False,
+    blocks: bool = False,
 ) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         task = [
             sys.executable, "-m", "tools.peak_bench", "--worker", "--layout", layout,
             "--out_dir", out, "--width", str(width), "--batch", str(batch),
-            *(["--recompute"] if recompute else []),
+            *(["--recompute"] if recompute else []), *(["--blocks"] if blocks else []),
         ]  # fmt: skip
         harness.launch(task, layout=["--workers", str(workers)], what=f"{layout} x{workers}")
         return harness.task_records(out, workers)
@@ -175,6 +212,7 @@ def main(argv=None) -> int:
     parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     parser.add_argument("--recompute", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--blocks", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument(
         "--activations", type=int, nargs="+", metavar="BATCH",
         help="instead: each step's peak at these global batch sizes, with each layer's "
@@ -214,8 +252,9 @@ def main(argv=None) -> int:
 
 
 def activations_table(layouts, workers_list, batches) -> int:
-    print("a step's allocator peak per process in W, against the global batch: each layer's "
-          "activations kept, or recomputed in the backward pass")  # fmt: skip
+    print("a step's allocator peak per process in W (the block model's weight bytes), against "
+          "the global batch: each block's activations kept, or recomputed in its backward "
+          "pass")  # fmt: skip
     print("| layout | processes | global batch | kept | recomputed | recomputed / kept |")
     print("|---|---|---|---|---|---|")
     for layout in layouts:
@@ -223,7 +262,7 @@ def activations_table(layouts, workers_list, batches) -> int:
             for batch in batches:
                 step = []
                 for recompute in (False, True):
-                    records = run(layout, workers, batch=batch, recompute=recompute)
+                    records = run(layout, workers, batch=batch, recompute=recompute, blocks=True)
                     step.append(max(r["steps"] / r["weights"] for r in records))
                 print(f"| {layout} | {workers} | {batch} | {step[0]:.2f} | {step[1]:.2f} | "
                       f"{step[1] / step[0]:.2f} |", flush=True)  # fmt: skip

@@ -208,6 +208,10 @@ class Mode:
         staleness bound's 'auto' under an asynchronous warm-up: the warm-up is the bound).
       resume_must_match: a checkpoint written under another value cannot be resumed (the
         state it keeps is laid out by this mode).
+      takes: keywords of other entries whose values the builder also gets, as keyword
+        arguments (a setting of this mode offered as a keyword of its own).
+      needs: (keyword, why) for a setting that means something only with that keyword's
+        mode on: set without it, it is refused with `why`.
     """
 
     keyword: str | None
@@ -221,13 +225,16 @@ class Mode:
     auto: bool = False
     auto_off_with: tuple[str, ...] = ()
     resume_must_match: bool = False
+    takes: tuple[str, ...] = ()
+    needs: tuple[str, str] | None = None
 
     @property
     def name(self) -> str:
         return self.keyword or self.builder or "?"
 
-    def build(self, value: Any, *, model) -> Any:
-        """The hook this mode adds for `value` (None if it adds none)."""
+    def build(self, value: Any, *, model, settings: Mapping[str, Any] | None = None) -> Any:
+        """The hook this mode adds for `value` (None if it adds none); `settings` are the
+        values of the keywords it `takes`."""
         if self.builder is None:
             return None
         module, _, attribute = self.builder.partition(":")
@@ -236,7 +243,7 @@ class Mode:
             target = getattr(target, part)
         if isinstance(self.value, Options):
             value = self.value.filled(value)
-        return target(value) if self.keyword else target(model)
+        return target(value, **(settings or {})) if self.keyword else target(model)
 
     def is_on(self, value: Any) -> bool:
         return self.keyword is None or value != self.default
@@ -316,6 +323,23 @@ MODES: tuple[Mode, ...] = (
         place=Place.UPDATE,
         builder="tfdist.parallel.zero3:shard_hook",
         resume_must_match=True,
+        takes=("offload",),
+    ),
+    Mode(
+        keyword="offload",
+        summary="'optimizer': with shard_optimizer, each replica's optimizer state (its "
+        "slots, and zero1/zero2's float32 slice of the weights) kept in host memory, where "
+        "its update runs (ZeRO-Offload); tfdist.parallel.zero, zero3",
+        help="With --shard_optimizer: keep each replica's optimizer state (its slots, and "
+        "zero1/zero2's float32 slice of the weights) in host memory and run its update there "
+        "(ZeRO-Offload), so a device holds only the weights (zero3: its slice of them) and "
+        "the gradients. Same result as without it.",
+        value=Choice(("optimizer",)),
+        needs=(
+            "shard_optimizer",
+            "offload='optimizer' moves a sharded optimizer's state to host memory; set "
+            "shard_optimizer='zero1', 'zero2' or 'zero3' too",
+        ),
     ),
     Mode(
         keyword="average_every",
@@ -392,9 +416,14 @@ def problems(options: Mapping[str, Any]) -> list[str]:
     are the caller's to refuse."""
     found = []
     for keyword, value in options.items():
-        problem = mode(keyword).value.problem(keyword, value)
+        entry = mode(keyword)
+        problem = entry.value.problem(keyword, value)
         if problem:
             found.append(problem)
+        elif entry.needs and entry.is_on(value):
+            needed, why = entry.needs
+            if not mode(needed).is_on(options.get(needed, mode(needed).default)):
+                found.append(f"{why}. Received: {keyword}={value!r}, {needed}=None")
     return found
 
 
@@ -420,12 +449,13 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
         value = options.get(m.keyword, m.default) if m.keyword else None
         if not m.is_on(value):
             continue
-        hook = m.build(value, model=model)
+        settings = {k: options.get(k, mode(k).default) for k in m.takes}
+        hook = m.build(value, model=model, settings=settings)
         if hook is not None and model is not None and hook.keeps_optimizer_state:
-            # The same hook for every fit of this model with this option: its optimizer
+            # The same hook for every fit of this model with these options: its optimizer
             # state goes on, as Keras's optimizer's slots do between fit calls.
             kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {})  # not tracked by Keras
-            hook = kept.setdefault((m.name, repr(value)), hook)
+            hook = kept.setdefault((m.name, repr(value), repr(settings)), hook)
         if hook is not None:
             placed.append((m.place, order, hook))
     return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]

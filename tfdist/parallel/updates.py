@@ -126,6 +126,19 @@ def decoupled_decays(optimizer, variables) -> list[bool]:
     ]
 
 
+OFFLOADS = ("optimizer",)
+
+
+def checked_offload(offload, *, who: str, error: type[FitError]) -> str | None:
+    """`offload` if a sharded mode can take it (None or 'optimizer'); raises `error`."""
+    if offload not in (None, *OFFLOADS):
+        raise error(
+            f"{who} takes offload=None or 'optimizer' (the optimizer's state in host "
+            f"memory). Received: offload={offload!r}"
+        )
+    return offload
+
+
 def apply_with_copy(user, copy, grads, variables, decays, device) -> None:
     """One update of a replica's own `variables` by its `copy` of the `user`'s optimizer, as
     Keras's apply makes it (decoupled decay first, where `decays`), the copy counting the

@@ -204,6 +204,9 @@ class ShardedUpdate(StepHook):
         partitions use one bucket.
       timeout_seconds: how long a transfer between worker processes may wait for its peer;
         None waits forever.
+      offload: None, or 'optimizer' (ZeRO-Offload): each replica's slice of the weights and
+        its slots live in host memory, where its update runs; the device keeps the model's
+        weights and gradients.
     """
 
     synchronous_only = True
@@ -218,6 +221,7 @@ class ShardedUpdate(StepHook):
         partition: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_seconds=None,
+        offload: str | None = None,
     ):
         stage = {f"zero{n}": n for n in STAGES}.get(stage, stage)
         if stage not in STAGES:
@@ -231,6 +235,9 @@ class ShardedUpdate(StepHook):
             )
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ShardingError(f"bucket_bytes must be >= 1. Received: {bucket_bytes!r}")
+        self.offload = updates.checked_offload(
+            offload, who=self.name_for(stage), error=ShardingError
+        )
         self.stage, self.partition_choice = stage, partition
         self.bucket_bytes, self.timeout_seconds = bucket_bytes, timeout_seconds
         self.partitions: list[Partition] = []
@@ -238,7 +245,11 @@ class ShardedUpdate(StepHook):
 
     @property
     def name(self) -> str:
-        return f"shard_optimizer='zero{self.stage}'"
+        return self.name_for(self.stage)
+
+    @staticmethod
+    def name_for(stage: int) -> str:
+        return f"shard_optimizer='zero{stage}'"
 
     # --- building -------------------------------------------------------------------------------
 
@@ -285,6 +296,8 @@ class ShardedUpdate(StepHook):
             bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
             for v in variables
         ]
+        # Offloaded, each replica's slices and slots, and its update, are the host's.
+        state_device = host.host_device(self.strategy) if self.offload else None
         self.replicas = updates.outside_strategy(
             lambda: [
                 _LocalReplica(
@@ -292,7 +305,7 @@ class ShardedUpdate(StepHook):
                     self.partitions,
                     rank=rank_base + d,
                     ranks=ranks,
-                    device=device,
+                    device=state_device or device,
                     variables=variables,
                     decays=decays,
                 )

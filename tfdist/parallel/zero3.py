@@ -76,12 +76,13 @@ NAME = "shard_optimizer='zero3'"
 GATHER_BUCKET_BYTES = 4 * 2**20
 
 
-def shard_hook(stage) -> StepHook:
+def shard_hook(stage, offload: str | None = None) -> StepHook:
     """The hook fit's `shard_optimizer` asks for: zero1 and zero2 shard the optimizer's
-    state (and the gradients) of whole weights; zero3 the weights too."""
+    state (and the gradients) of whole weights; zero3 the weights too. `offload`
+    ('optimizer') keeps the optimizer's state in host memory."""
     if stage in ("zero3", 3):
-        return ShardedParameters()
-    return ShardedUpdate(stage)
+        return ShardedParameters(offload=offload)
+    return ShardedUpdate(stage, offload=offload)
 
 
 class ShardedParameters(StepHook):
@@ -89,6 +90,12 @@ class ShardedParameters(StepHook):
 
     It ends the update chain: it applies each replica's slice of the gradients to that
     replica's slice of the weights. See the module docstring for what a step does.
+
+    Args:
+      offload: None, or 'optimizer' (ZeRO-Offload): each replica's slots live in host
+        memory beside a copy of its slice of the weights, where its update runs; the
+        updated slice is copied to the device. A device then holds its slice of the weights
+        and the gradients, not its slots.
 
     Example:
 
@@ -103,7 +110,8 @@ class ShardedParameters(StepHook):
     applies_update = True
     ends_chain = True
 
-    def __init__(self):
+    def __init__(self, *, offload: str | None = None):
+        self.offload = updates.checked_offload(offload, who=NAME, error=ShardingError)
         self.shards: list[list[keras.Variable]] = []
 
     @property
@@ -139,9 +147,9 @@ class ShardedParameters(StepHook):
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the slices keep the slots
 
-        def slices():
+        def slices(devices=None):
             out = []
-            for device in self.devices:
+            for device in devices or self.devices:
                 with tf.device(device):
                     out.append([
                         keras.Variable(
@@ -153,6 +161,14 @@ class ShardedParameters(StepHook):
             return out
 
         self.shards = updates.outside_strategy(slices)
+        # Offloaded: the optimizer's copies update host copies of the slices (their slots
+        # made beside them), each copied to its device after the update.
+        self.state_device = host.host_device(self.strategy) if self.offload else None
+        self.updated = self.shards
+        if self.offload:
+            self.updated = updates.outside_strategy(
+                lambda: slices([self.state_device] * len(self.devices))
+            )
         # Each weight's slices adopted as host_scope made them, or taken from its whole
         # copy (mirrored, or sliced for another layout), which is then dropped, one weight
         # at a time: from here on no process holds the whole model.
@@ -170,8 +186,10 @@ class ShardedParameters(StepHook):
         units.recompute(self.units)
         self.copies = updates.outside_strategy(
             lambda: [
-                _on(device, lambda s=shards: updates.optimizer_copy(optimizer, s))
-                for device, shards in zip(self.devices, self.shards, strict=True)
+                _on(
+                    self.state_device or device, lambda s=held: updates.optimizer_copy(optimizer, s)
+                )
+                for device, held in zip(self.devices, self.updated, strict=True)
             ]  # fmt: skip
         )
         self.slots: list[dict[tuple[int, str], keras.Variable]] = []
@@ -323,11 +341,20 @@ class ShardedParameters(StepHook):
             _check_unchanged(given[id(self.variables[i])], [e.mine for e in kept], i, self)
             entries[i] = kept
         slices = self._summed_slices(context, d, entries)
+        shards, updated = self.shards[d], self.updated[d]
+        if self.offload:  # the host's copies take the slices' values (a restore set those)
+            with tf.device(self.state_device):
+                for i in present:
+                    updated[i].assign(shards[i].value)
         updates.apply_with_copy(
             self.optimizer, self.copies[d], [slices[i] for i in present],
-            [self.shards[d][i] for i in present], [self.decays[i] for i in present],
-            self.devices[d],
+            [updated[i] for i in present], [self.decays[i] for i in present],
+            self.state_device or self.devices[d],
         )  # fmt: skip
+        if self.offload:
+            with tf.device(self.devices[d]):
+                for i in present:
+                    shards[i].assign(updated[i].value)
         return None
 
     def _summed_slices(self, context, d: int, entries: dict) -> dict:
