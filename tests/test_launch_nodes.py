@@ -17,17 +17,19 @@ import numpy as np
 import pytest
 
 from tests.conftest import REPO, free_ports
-from tfdist.launch.rendezvous import Master, Offer, RendezvousError, join
+from tfdist.launch.rendezvous import Master, Offer, RendezvousError, join, sign, verified
 
 TIMEOUT = 300
+TOKEN = "the-jobs-token"
 
 
 def start_node(
-    rank: int, port: int, *flags: str, command: list[str], nnodes: int = 2
+    rank: int, port: int, *flags: str, command: list[str], nnodes: int = 2, token: str = TOKEN
 ) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tfdist.launch", "--nnodes", str(nnodes), "--node_rank", str(rank),
-         "--master_addr", f"127.0.0.1:{port}", *flags, "--", *command],
+         "--master_addr", f"127.0.0.1:{port}", *(["--rdzv_token", token] if token else []),
+         *flags, "--", *command],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
 
@@ -98,7 +100,7 @@ def test_a_refusal_reaches_node_0_whichever_offer_comes_first(first):
     --rdzv_timeout before)."""
     (port,) = free_ports(1)
     flags = {"workers": 2, "chief": False, "evaluator": False}
-    master = Master(("127.0.0.1", port), 2, flags)
+    master = Master(("127.0.0.1", port), 2, flags, TOKEN, say=lambda line: None)
     master.start()
     refused = Offer(1, 2, {**flags, "workers": 3}, {"worker": ["127.0.0.1:1"] * 3})
     mine = Offer(0, 2, flags, {"worker": ["127.0.0.1:4", "127.0.0.1:5"]})
@@ -121,7 +123,7 @@ def test_a_refusal_reaches_node_0_whichever_offer_comes_first(first):
 
 def _join_into(heard: dict, port: int, offer: Offer) -> None:
     try:
-        join(("127.0.0.1", port), offer, timeout=15, say=lambda line: None)
+        join(("127.0.0.1", port), offer, token=TOKEN, timeout=15, say=lambda line: None)
     except RendezvousError as error:
         heard[offer.node_rank] = str(error)
 
@@ -168,19 +170,132 @@ def test_node_0_closing_at_once_still_answers_every_node():
     exited first left node 1 retrying until --rdzv_timeout."""
     (port,) = free_ports(1)
     flags = {"workers": 1, "chief": False, "evaluator": False}
-    master = Master(("127.0.0.1", port), 2, flags)
+    master = Master(("127.0.0.1", port), 2, flags, TOKEN, say=lambda line: None)
     master.start()
     node1 = socket.create_connection(("127.0.0.1", port), timeout=10)
     try:
-        node1.sendall(Offer(1, 2, flags, {"worker": ["127.0.0.1:2"]}).to_json().encode() + b"\n")
+        lines = node1.makefile()
+        nonce = offer_on(node1, lines, Offer(1, 2, flags, {"worker": ["127.0.0.1:2"]}))
         mine = Offer(0, 2, flags, {"worker": ["127.0.0.1:1"]})
-        cluster = join(("127.0.0.1", port), mine, timeout=20, say=lambda line: None)
+        cluster = join(("127.0.0.1", port), mine, token=TOKEN, timeout=20, say=lambda line: None)
         master.close()
         assert not master._thread.is_alive()
-        lines = node1.makefile()
-        answer = json.loads(lines.readline())
+        answer = json.loads(verified(TOKEN.encode(), nonce, lines.readline()))
         while "waiting" in answer:  # told node 0 was missing, before it joined
-            answer = json.loads(lines.readline())
+            answer = json.loads(verified(TOKEN.encode(), nonce, lines.readline()))
     finally:
         node1.close()
     assert answer == {"cluster": cluster} == {"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}}
+
+
+def offer_on(connection: socket.socket, lines, offer: Offer, token: str = TOKEN) -> str:
+    """Answers node 0's challenge on `connection` with `offer` signed with `token`; returns
+    the challenge (what node 0's answers are signed over)."""
+    nonce = json.loads(lines.readline())["challenge"]
+    message = sign(token.encode(), nonce, json.loads(offer.to_json()))
+    connection.sendall(json.dumps(message).encode() + b"\n")
+    return nonce
+
+
+def test_strangers_can_neither_join_nor_end_nor_stall_the_job():
+    """An unsigned offer in the old format (it used to end the job: 'workers: 3'), one
+    signed with another token, and silent connections held open: none changes the cluster,
+    ends the job or delays the genuine nodes, and the address is named once in the log."""
+    (port,) = free_ports(1)
+    flags = {"workers": 1, "chief": False, "evaluator": False}
+    said = []
+    master = Master(("127.0.0.1", port), 2, flags, TOKEN, say=said.append)
+    master.start()
+    strangers = []
+    try:
+        for _ in range(20):  # silent: they connect and send nothing, and stay
+            strangers.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        forged = Offer(1, 2, {**flags, "workers": 3}, {"worker": ["127.0.0.1:40999"] * 3})
+        unsigned = socket.create_connection(("127.0.0.1", port), timeout=10)
+        unsigned.sendall(forged.to_json().encode() + b"\n")
+        strangers.append(unsigned)
+        wrong = socket.create_connection(("127.0.0.1", port), timeout=10)
+        offer_on(wrong, wrong.makefile(), Offer(1, 2, flags, {"worker": ["127.0.0.1:40999"]}),
+                 token="another-jobs-token")  # fmt: skip
+        strangers.append(wrong)
+        start = time.monotonic()
+        results = {}
+
+        def genuine(offer):
+            results[offer.node_rank] = join(
+                ("127.0.0.1", port), offer, token=TOKEN, timeout=20, say=lambda line: None
+            )
+
+        offers = [Offer(r, 2, flags, {"worker": [f"127.0.0.1:{2 + r}"]}) for r in (1, 0)]
+        threads = [threading.Thread(target=genuine, args=(offer,)) for offer in offers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(20)
+        took = time.monotonic() - start
+    finally:
+        for stranger in strangers:
+            stranger.close()
+        master.close()
+    want = {"worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    assert results == {0: want, 1: want}
+    assert took < 3.0, took  # not the strangers' 5 s deadline, nor 20 of them in turn
+    assert master.error is None
+    assert len(said) == 1, said  # one line for the address, however many connections
+    assert said[0].startswith("[launch] node 0: ignored a connection from 127.0.0.1")
+    assert "--rdzv_token" in said[0]
+
+
+def test_a_node_with_another_token_cannot_take_a_slot():
+    (port,) = free_ports(1)
+    flags = {"workers": 1, "chief": False, "evaluator": False}
+    master = Master(("127.0.0.1", port), 2, flags, TOKEN, say=lambda line: None)
+    master.start()
+    results, errors = {}, {}
+
+    def node(rank, token, timeout):
+        offer = Offer(rank, 2, flags, {"worker": [f"127.0.0.1:{2 + rank}"]})
+        try:
+            results[(rank, token)] = join(
+                ("127.0.0.1", port), offer, token=token, timeout=timeout, say=lambda line: None
+            )
+        except RendezvousError as error:
+            errors[(rank, token)] = str(error)
+
+    try:
+        impostor = threading.Thread(target=node, args=(1, "guessed", 3))
+        impostor.start()
+        time.sleep(1.0)  # the impostor tries first, and keeps trying
+        threads = [threading.Thread(target=node, args=(r, TOKEN, 20)) for r in (1, 0)]
+        for thread in threads:
+            thread.start()
+        for thread in [impostor, *threads]:
+            thread.join(25)
+    finally:
+        master.close()
+    want = {"worker": ["127.0.0.1:2", "127.0.0.1:3"]}
+    assert results == {(0, TOKEN): want, (1, TOKEN): want}
+    assert "node 1 found no complete job" in errors[(1, "guessed")]
+    assert "did not sign with this node's --rdzv_token" in errors[(1, "guessed")]
+
+
+def test_node_0_makes_the_token_and_the_other_nodes_need_it():
+    (port,) = free_ports(1)
+    command = ["python", "train.py"]
+    flags = ("--workers", "1", "--dry_run", "--rdzv_timeout", "30")
+    alone = start_node(1, port, *flags, command=command, token="")
+    ((code, output),) = finish(alone)
+    assert code == 2, output
+    assert output.strip().splitlines()[-1] == (
+        "tfdist-launch: error: node 1 needs the job's token to join: pass node 0's "
+        "--rdzv_token TOKEN (or set TFDIST_RDZV_TOKEN); node 0 prints it when it makes one. "
+        "Received: no --rdzv_token and no TFDIST_RDZV_TOKEN"
+    )
+    node0 = start_node(0, port, *flags, command=command, token="")
+    first = node0.stdout.readline()
+    token = first.split("this job's token is ")[1].split(":")[0]
+    assert f"--rdzv_token {token}" in first
+    node1 = start_node(1, port, *flags, command=command, token=token)
+    (code0, out0), (code1, out1) = finish(node0, node1)
+    assert code0 == code1 == 0, out0 + out1
+    assert "node 1 of 2 joined the job: 2 workers" in out1

@@ -17,7 +17,9 @@ examples:
   tfdist-launch --workers 2 --max_restarts 3 -- python train.py
   # print each task's TF_CONFIG and command line instead of starting anything
   tfdist-launch --chief --workers 2 --ps 1 --dry_run -- python train.py
-  # two hosts, 4 workers each: the same command on both, each with its own --node_rank
+  # two hosts, 4 workers each: the same command on both, each with its own --node_rank,
+  # and the job's token (any secret the hosts share; node 0 makes one if given none)
+  export TFDIST_RDZV_TOKEN=$(python -c "import secrets; print(secrets.token_urlsafe(18))")
   tfdist-launch --nnodes 2 --node_rank 0 --master_addr host0:29500 --workers 4 -- python train.py
   tfdist-launch --nnodes 2 --node_rank 1 --master_addr host0:29500 --workers 4 -- python train.py
 
@@ -26,7 +28,10 @@ several hosts (--nnodes N --node_rank R --master_addr HOST[:PORT]):
   host; --chief and --evaluator run on node 0. Node 0 listens on --master_addr (port 29500
   by default) until every node has offered its tasks' addresses, then all start together
   with one TF_CONFIG cluster, node 0's tasks first. Each host's tasks listen on --host,
-  by default the address this host reaches the master from. Parameter-server layouts
+  by default the address this host reaches the master from. Only nodes that hold the job's
+  token (--rdzv_token, or TFDIST_RDZV_TOKEN) can join: every offer and answer is signed
+  with it, and anything else sent to --master_addr is ignored. Node 0 started without one
+  makes one and prints it for the other nodes' command lines. Parameter-server layouts
   (--ps) and --max_restarts are for one host for now: across hosts, let the scheduler
   restart the launchers.
 
@@ -75,6 +80,7 @@ exit status:
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Iterator, Sequence
@@ -83,11 +89,13 @@ from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
 from tfdist.launch.plan import Task, UsageError, cluster_of, plan_cluster, tf_config_for
 from tfdist.launch.rendezvous import (
     DEFAULT_PORT,
+    TOKEN_ENV,
     Master,
     Offer,
     join,
     local_address_towards,
     my_tasks,
+    new_token,
     parse_master,
 )
 from tfdist.launch.straggler import StragglerError, parse_pause, parse_slow
@@ -143,6 +151,13 @@ def _build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="HOST[:PORT]",
         help=f"with --nnodes: where node 0 gathers the nodes (port {DEFAULT_PORT} by default)",
+    )
+    add(
+        "--rdzv_token",
+        default=None,
+        metavar="TOKEN",
+        help=f"with --nnodes: the job's shared secret; only nodes started with it can join "
+        f"(default: ${TOKEN_ENV}; node 0 makes one if neither is set)",
     )
     add(
         "--rdzv_timeout",
@@ -296,6 +311,20 @@ def _join_nodes(args, command: Sequence[str]) -> tuple[dict[str, list[str]], lis
         )
     master = parse_master(args.master_addr)
     first = args.node_rank == 0
+    token = args.rdzv_token or os.environ.get(TOKEN_ENV)
+    if not token and not first:
+        raise UsageError(
+            f"node {args.node_rank} needs the job's token to join: pass node 0's "
+            f"--rdzv_token TOKEN (or set {TOKEN_ENV}); node 0 prints it when it makes one. "
+            f"Received: no --rdzv_token and no {TOKEN_ENV}"
+        )
+    if not token:
+        token = new_token()
+        print(
+            f"[launch] node 0: this job's token is {token}: start every other node with "
+            f"--rdzv_token {token} (or {TOKEN_ENV}={token})",
+            flush=True,
+        )
     try:  # the whole job's layout, checked as one host's would be
         validate_layout(
             Layout(chief=int(args.chief), workers=args.workers * args.nnodes,
@@ -312,11 +341,11 @@ def _join_nodes(args, command: Sequence[str]) -> tuple[dict[str, list[str]], lis
     )
     flags = {"workers": args.workers, "chief": args.chief, "evaluator": args.evaluator}
     offer = Offer(args.node_rank, args.nnodes, flags, cluster_of(mine))
-    gatherer = Master(master, args.nnodes, flags) if first else None
+    gatherer = Master(master, args.nnodes, flags, token) if first else None
     if gatherer is not None:
         gatherer.start()
     try:
-        cluster = join(master, offer, timeout=args.rdzv_timeout)
+        cluster = join(master, offer, token=token, timeout=args.rdzv_timeout)
     finally:
         if gatherer is not None:
             gatherer.close()
