@@ -86,6 +86,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
+from tfdist.launch import network
 from tfdist.launch.plan import Task, UsageError, cluster_of, plan_cluster, tf_config_for
 from tfdist.launch.rendezvous import (
     DEFAULT_PORT,
@@ -224,6 +225,12 @@ def _build_parser() -> argparse.ArgumentParser:
         "--pause worker:1=20+5",
     )
     add(
+        "--private_network",
+        action="store_true",
+        help="one host: run the job in a network namespace of its own, so that no other "
+        "process can reach its tasks' servers (TensorFlow's listen on every interface)",
+    )
+    add(
         "--dry_run",
         action="store_true",
         help="print each task's TF_CONFIG and command line, to run by hand or on other hosts, "
@@ -252,6 +259,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"unrecognised arguments {shlex.join(unknown)!r}: the launcher's flags are listed "
                 f"by --help, and the command goes after `--`, e.g. `{EXAMPLE}`"
             )
+        if args.private_network:
+            if args.nnodes != 1 or args.master_addr is not None or args.dry_run:
+                raise UsageError(
+                    "--private_network keeps a one-host job's tasks in a network of their own: "
+                    "tasks on several hosts, or started by hand (--dry_run), must reach each "
+                    "other. Received: --private_network with "
+                    + ("--dry_run" if args.dry_run else f"--nnodes {args.nnodes}")
+                )
+            network.enter(argv)
         if args.nnodes != 1 or args.master_addr is not None:
             cluster, tasks = _join_nodes(args, command)
         else:
@@ -286,6 +302,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print("\n".join(_dry_run_lines(command, tasks, cluster)), flush=True)
         return 0
+    if not args.private_network:
+        print(
+            "tfdist-launch: note: the tasks' TensorFlow servers listen on every interface of "
+            "this host, whatever address TF_CONFIG names (TensorFlow's server takes none), "
+            "and admit whoever connects: on a shared or public host run one-host jobs with "
+            "--private_network, or firewall the task ports (README 'Security')",
+            file=sys.stderr,
+            flush=True,
+        )
     return launcher.run()
 
 
