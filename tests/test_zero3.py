@@ -255,3 +255,12 @@ def test_keras_s_own_fit_of_a_host_scope_model_is_one_line_naming_both_fixes():
         tfdist.FitError, match=r"host_scope.*tfdist\.fit\(model, \.\.\.\).*tfdist\.patch_keras"
     ):
         model.fit(x, x[:, :2], batch_size=4, verbose=0)
+
+
+def test_a_host_scope_model_without_a_mode_made_for_it_is_one_clear_line():
+    """Plain data parallelism keeps every weight whole on every replica; a host_scope model
+    holds them in slices (before, TensorFlow's raw `colocate_vars_with` error)."""
+    with tfdist.host_scope(replicas(2)):
+        model, data = fit_models.CASES["cnn"]()
+    with pytest.raises(tfdist.FitError, match=r"built in tfdist.host_scope.*zero3.*Pipeline"):
+        tfdist.fit(model, data, verbose=0)

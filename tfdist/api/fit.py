@@ -38,7 +38,7 @@ from tfdist.cluster import cluster_from_environment
 from tfdist.data.distribute import plan_batches
 from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
-from tfdist.parallel import registry, units
+from tfdist.parallel import host, registry, units
 from tfdist.strategies import strategy_kind
 from tfdist.training import chain, fit_callbacks
 from tfdist.training.controller import Controller
@@ -150,6 +150,7 @@ def fit(
     _check_labels(model, data, "x")
     runner = runner_for(model, strategy, layout=registry.layout_of(options))
     hooks = registry.chain(options, chain.check_hooks(step_hooks), model=model)
+    _check_host_scope(model, strategy, options, hooks)
     chain.check_chain(hooks)
     if data.global_batch is not None:
         chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
@@ -332,6 +333,29 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
     # TensorFlow graph).
     units.honour_remat_scope(model)
     return strategy
+
+
+def _check_host_scope(model, strategy, options, hooks) -> None:
+    """A model built in tfdist.host_scope holds its weights in slices: only the modes made
+    for it train it (zero1 and zero2 refuse it in their own words)."""
+    if options.get("shard_optimizer") in ("zero1", "zero2") or not model.trainable_variables:
+        return
+    storage = compat.storage_of(model.trainable_variables[0])
+    mirrors = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
+    several = isinstance(strategy, mirrors) and strategy.num_replicas_in_sync > 1
+    if not (isinstance(storage, host.Sliced) or (several and host.hosted(model))):
+        return
+    if options.get("pipeline") is not None:
+        return
+    if any(hook.trains_host_scope_models for hook in hooks):
+        return
+    raise FitError(
+        f"Model {model.name!r} was built in tfdist.host_scope, which holds its weights for "
+        "the modes that share a model out: shard_optimizer='zero3', a Pipeline, or "
+        "tensor_parallel(model, layout_map=...); plain data parallelism keeps every weight "
+        "whole on every replica. Train it with one of those, or build it under "
+        "strategy.scope(). Received: no such mode"
+    )
 
 
 def _refuse_a_model_of_its_own(model) -> None:
