@@ -150,7 +150,7 @@ def fit(
     _check_labels(model, data, "x")
     runner = runner_for(model, strategy, layout=registry.layout_of(options))
     hooks = registry.chain(options, chain.check_hooks(step_hooks), model=model)
-    _check_host_scope(model, strategy, options, hooks)
+    _check_host_scope(model, options, hooks)
     chain.check_chain(hooks)
     if data.global_batch is not None:
         chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
@@ -335,15 +335,14 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
     return strategy
 
 
-def _check_host_scope(model, strategy, options, hooks) -> None:
+def _check_host_scope(model, options, hooks) -> None:
     """A model built in tfdist.host_scope holds its weights in slices: only the modes made
     for it train it (zero1 and zero2 refuse it in their own words)."""
     if options.get("shard_optimizer") in ("zero1", "zero2") or not model.trainable_variables:
         return
-    storage = compat.storage_of(model.trainable_variables[0])
-    mirrors = (tf.distribute.MirroredStrategy, tf.distribute.MultiWorkerMirroredStrategy)
-    several = isinstance(strategy, mirrors) and strategy.num_replicas_in_sync > 1
-    if not (isinstance(storage, host.Sliced) or (several and host.hosted(model))):
+    # Over several replicas host_scope makes each weight a host.Sliced (over one, a plain
+    # variable, which trains as any other).
+    if not any(isinstance(compat.storage_of(v), host.Sliced) for v in model.trainable_variables):
         return
     if options.get("pipeline") is not None:
         return
