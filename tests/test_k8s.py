@@ -2,7 +2,8 @@
 `tfdist.cluster.cluster_from_environment`, which turns a JobSet pod's environment into its cluster.
 
 The manifests are checked against JobSet's published CRD schema (tests/fixtures/jobset_crd.yaml),
-then every pod's environment is rebuilt here the way JobSet and Kubernetes fill it in (JobSet's
+their NetworkPolicy and each pod's securityContext, resources and volumes against the Kubernetes
+API's published schema (tests/fixtures/k8s_openapi.yaml); then every pod's environment is rebuilt here the way JobSet and Kubernetes fill it in (JobSet's
 pod annotations behind each downward-API fieldRef, the Job's JOB_COMPLETION_INDEX, host names as
 JobSet makes them) and taken the whole way: environment -> cluster_from_environment -> TF_CONFIG
 -> the strategy 'auto' resolves to (or serving, for parameter-server workers and ps).
@@ -25,7 +26,13 @@ import yaml
 
 from tests.conftest import REPO
 from tfdist.cluster import cluster_from_environment, parse_tf_config
-from tfdist.k8s import JobSetEnvError, TrainingJob, jobset_manifest, jobset_tf_configs
+from tfdist.k8s import (
+    JobSetEnvError,
+    TrainingJob,
+    jobset_manifest,
+    jobset_tf_configs,
+    network_policy,
+)
 from tfdist.k8s import cli as k8s_cli
 from tfdist.layout import Layout
 from tfdist.roles import is_server_role
@@ -35,6 +42,15 @@ pytestmark = pytest.mark.fast
 IMAGE = "example.com/tfdist:1"
 COMMAND = ["python", "my_train.py", "--model_dir=gs://bucket/runs"]
 CRD = yaml.safe_load((REPO / "tests" / "fixtures" / "jobset_crd.yaml").read_text())
+OPENAPI = yaml.safe_load((REPO / "tests" / "fixtures" / "k8s_openapi.yaml").read_text())
+LOCKED_DOWN = {
+    "runAsNonRoot": True,
+    "runAsUser": 1000,
+    "allowPrivilegeEscalation": False,
+    "capabilities": {"drop": ["ALL"]},
+    "seccompProfile": {"type": "RuntimeDefault"},
+    "readOnlyRootFilesystem": True,
+}
 
 # shape -> (tfdist-k8s options, {task type: what each of its pods does}); "serve" marks a worker
 # or ps server of parameter-server training, anything else is what --strategy=auto builds there.
@@ -71,12 +87,26 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
-def jobset_from_cli(capsys, *options: str, command=COMMAND) -> dict:
+def documents_from_cli(capsys, *options: str, command=COMMAND) -> list[dict]:
+    """Every manifest `tfdist-k8s jobset` writes: the JobSet, then its NetworkPolicy."""
     args = ["jobset", "--name", "job", "--image", IMAGE, *options, "--", *command]
     code, out, err = run_cli(capsys, *args)
     assert code == 0, err
     assert "&id" not in out  # a plain tree: no YAML anchors or aliases
-    return yaml.safe_load(out)
+    documents = list(yaml.safe_load_all(out))
+    assert [d["kind"] for d in documents] == ["JobSet", "NetworkPolicy"]
+    return documents
+
+
+def jobset_from_cli(capsys, *options: str, command=COMMAND) -> dict:
+    return documents_from_cli(capsys, *options, command=command)[0]
+
+
+def pod_specs(manifest: dict) -> list[dict]:
+    """The pod spec of each replicated job of a JobSet."""
+    return [
+        rjob["template"]["spec"]["template"]["spec"] for rjob in manifest["spec"]["replicatedJobs"]
+    ]
 
 
 # -- what JobSet and Kubernetes do with the manifest, written from their documentation ----------
@@ -103,23 +133,41 @@ def pods(manifest: dict) -> Iterator[tuple[str, str, dict[str, str]]]:
         assert job_spec["parallelism"] == job_spec["completions"]  # every task runs at once
         for job_index in range(rjob.get("replicas", 1)):
             for completion in range(job_spec["completions"]):
-                metadata = {
-                    "labels": {
-                        "jobset.sigs.k8s.io/jobset-name": name,
-                        "jobset.sigs.k8s.io/replicatedjob-name": rjob["name"],
-                        "jobset.sigs.k8s.io/job-index": str(job_index),
-                    },
-                }
-                metadata["annotations"] = {
-                    **metadata["labels"],
-                    "batch.kubernetes.io/job-completion-index": str(completion),
-                }
+                metadata = pod_metadata(name, rjob["name"], job_index, completion)
                 (container,) = job_spec["template"]["spec"]["containers"]
                 env = {"JOB_COMPLETION_INDEX": str(completion)}
                 for entry in container.get("env", []):
                     env[entry["name"]] = resolve(entry, metadata)
                 host = f"{name}-{rjob['name']}-{job_index}-{completion}.{subdomain}"
                 yield rjob["name"], host, env
+
+
+def pod_metadata(name: str, rjob: str, job_index: int, completion: int) -> dict:
+    """The labels and annotations JobSet and the Indexed Job put on one pod of JobSet `name`."""
+    labels = {
+        "jobset.sigs.k8s.io/jobset-name": name,
+        "jobset.sigs.k8s.io/replicatedjob-name": rjob,
+        "jobset.sigs.k8s.io/job-index": str(job_index),
+    }
+    annotations = {**labels, "batch.kubernetes.io/job-completion-index": str(completion)}
+    return {"labels": labels, "annotations": annotations}
+
+
+def every_pod_labels(manifest: dict) -> list[dict[str, str]]:
+    """The labels of every pod of a JobSet."""
+    name = manifest["metadata"]["name"]
+    return [
+        pod_metadata(name, rjob["name"], job_index, completion)["labels"]
+        for rjob in manifest["spec"]["replicatedJobs"]
+        for job_index in range(rjob.get("replicas", 1))
+        for completion in range(rjob["template"]["spec"]["completions"])
+    ]
+
+
+def selects(selector: dict, labels: dict[str, str]) -> bool:
+    """Whether a label selector (matchLabels only, as tfdist writes) selects these labels."""
+    assert set(selector) == {"matchLabels"} and selector["matchLabels"]
+    return all(labels.get(key) == value for key, value in selector["matchLabels"].items())
 
 
 def resolve(entry: dict, metadata: dict) -> str:
@@ -170,15 +218,58 @@ def schema_errors(manifest: dict) -> list[str]:
     ]
 
 
+_OPENAPI_VALIDATORS: dict[str, jsonschema.Draft7Validator] = {}
+
+
+def openapi_errors(definition: str, value, where: str) -> list[str]:
+    """`value`'s errors against a definition of the Kubernetes API (k8s_openapi.yaml), strictly."""
+    if definition not in _OPENAPI_VALIDATORS:
+        schema = strict({**OPENAPI, "$ref": f"#/components/schemas/{definition}"})
+        _OPENAPI_VALIDATORS[definition] = jsonschema.Draft7Validator(schema)
+    return [
+        f"{'.'.join(map(str, [where, *e.absolute_path]))}: {e.message}"
+        for e in _OPENAPI_VALIDATORS[definition].iter_errors(value)
+    ]
+
+
+def pod_spec_errors(pod_spec: dict) -> list[str]:
+    """Errors of a pod spec's securityContext, volumes, and each container's securityContext,
+    resources and volumeMounts against the Kubernetes API's published definitions."""
+    core = "io.k8s.api.core.v1."
+    errors = openapi_errors(core + "PodSecurityContext", pod_spec["securityContext"], "pod")
+    for volume in pod_spec.get("volumes", []):
+        errors += openapi_errors(core + "Volume", volume, "volumes")
+    for container in pod_spec["containers"]:
+        errors += openapi_errors(core + "SecurityContext", container["securityContext"], "c")
+        errors += openapi_errors(core + "ResourceRequirements", container.get("resources", {}), "c")
+        for mount in container.get("volumeMounts", []):
+            errors += openapi_errors(core + "VolumeMount", mount, "volumeMounts")
+    return errors
+
+
+def network_policy_errors(policy: dict) -> list[str]:
+    errors = openapi_errors("io.k8s.api.networking.v1.NetworkPolicy", policy, "policy")
+    if (policy["apiVersion"], policy["kind"]) != ("networking.k8s.io/v1", "NetworkPolicy"):
+        errors.append(f"not a networking.k8s.io/v1 NetworkPolicy: {policy['apiVersion']}")
+    return errors
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_manifest_validates_against_jobsets_crd(capsys, shape):
     options, _ = SHAPES[shape]
-    manifest = jobset_from_cli(
-        capsys, *options, "--cpu", "2", "--memory", "4Gi", "--gpus", "1", "--workdir", "/app"
-    )
+    manifest, policy = documents_from_cli(
+        capsys, *options, "--cpu", "2", "--memory", "4Gi", "--gpus", "1", "--workdir", "/app",
+        "--model_dir_claim", "runs", command=["python", "t.py", "--model_dir=/mnt/runs/job"],
+    )  # fmt: skip
     assert manifest["apiVersion"] == f"{CRD['spec']['group']}/{_VERSION['name']}"
     assert manifest["kind"] == CRD["spec"]["names"]["kind"]
     assert schema_errors(manifest) == []
+    # The CRD leaves the pod spec open (x-kubernetes-preserve-unknown-fields): what tfdist
+    # adds there is checked against the Kubernetes API's own definitions.
+    specs = pod_specs(manifest)
+    assert len(specs) == len(SHAPES[shape][1])
+    assert [error for spec in specs for error in pod_spec_errors(spec)] == []
+    assert network_policy_errors(policy) == []
 
 
 @pytest.mark.parametrize(
@@ -197,6 +288,49 @@ def test_the_schema_check_catches_mistakes(capsys, path, value, error):
         node = node[key]
     node[path[-1]] = value
     assert any(error in message for message in schema_errors(manifest)), schema_errors(manifest)
+
+
+_CONTAINER = ("containers", 0)
+_POLICY = ("policy",)
+
+
+@pytest.mark.parametrize(
+    "path, value, error",
+    [
+        ((*_CONTAINER, "securityContext", "runAsNonRoot"), "true", "'true' is not of type"),
+        ((*_CONTAINER, "securityContext", "runAsNonroot"), True, "'runAsNonroot' was unexpected"),
+        ((*_CONTAINER, "securityContext", "seccompProfile"), {"type": "Default"}, "not one of"),
+        ((*_CONTAINER, "securityContext", "capabilities", "drop"), "ALL", "is not of type 'array'"),
+        ((*_CONTAINER, "resources", "requests", "cpu"), "2 cores", "does not match"),
+        ((*_CONTAINER, "volumeMounts", 0), {"name": "tmp"}, "'mountPath' is a required property"),
+        (("volumes", 1, "persistentVolumeClaim"), {"claim": "runs"}, "'claimName' is a required"),
+        (("securityContext", "fsGroupChangePolicy"), "Sometimes", "is not one of"),
+        ((*_POLICY, "spec", "policyTypes"), ["ingress"], "'ingress' is not one of"),
+        ((*_POLICY, "spec", "ingress", 0, "ports", 0, "port"), 2.5, "is not valid under any"),
+        ((*_POLICY, "spec", "ingress", 0, "from", 0, "pods"), {}, "'pods' was unexpected"),
+    ],
+)
+def test_the_kubernetes_schema_check_catches_mistakes(capsys, path, value, error):
+    # As above, for the pieces checked against the Kubernetes API's definitions.
+    manifest, policy = copy.deepcopy(
+        documents_from_cli(
+            capsys,
+            "--workers",
+            "2",
+            "--cpu",
+            "1",
+            "--model_dir_claim",
+            "runs",
+            command=["python", "t.py", "--model_dir=/mnt/runs/job"],
+        )  # fmt: skip
+    )
+    (spec,) = pod_specs(manifest)
+    node = {"policy": policy, **spec}
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    errors = pod_spec_errors(spec) + network_policy_errors(policy)
+    assert any(error in message for message in errors), errors
 
 
 def test_manifest_follows_jobsets_webhook_rules(capsys):
@@ -307,6 +441,8 @@ def test_manifest_structure(capsys):
         env = {e["name"]: e.get("value") for e in container["env"]}
         assert env["TFDIST_RESTARTABLE_EXIT_CODE"] == "143"
         assert env["TFDIST_JOBSET_TASKS"] == "chief=1,worker=2,ps=1"
+        # The scheduler reserves what the pod may use: requests are the limits.
+        assert container["resources"]["requests"] == container["resources"]["limits"]
         limits[rjob["name"]] = container["resources"]["limits"]
     # The chief only coordinates parameter-server training and ps only store: no GPUs there.
     assert limits == {
@@ -318,8 +454,112 @@ def test_manifest_structure(capsys):
 
 def test_library_builds_the_same_manifest_as_the_cli(capsys):
     job = TrainingJob(name="job", image=IMAGE, command=tuple(COMMAND), layout=Layout(workers=2))
-    assert jobset_manifest(job) == jobset_from_cli(capsys, "--workers", "2")
+    manifest = jobset_manifest(job)
+    assert [manifest, network_policy(manifest)] == documents_from_cli(capsys, "--workers", "2")
     assert list(jobset_tf_configs(job)) == ["job-worker-0-0.job", "job-worker-0-1.job"]
+
+
+# -- (d) safe by default: the network policy, the locked-down pods, the namespace, model_dir ----
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("port", ["2222", "3333"])
+def test_network_policy_admits_only_the_jobs_pods_to_the_task_port(capsys, shape, port):
+    options, _ = SHAPES[shape]
+    manifest, policy = documents_from_cli(capsys, *options, "--port", port)
+    assert policy["metadata"] == {"name": "job", "namespace": "default"}
+    spec = policy["spec"]
+    # Ingress only: with Egress listed and no egress rule the pods could not even reach DNS.
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": int(port)}]
+    (source,) = rule["from"]
+    assert set(source) == {"podSelector"}  # this namespace's pods, not every namespace's
+    job_pods = every_pod_labels(manifest)
+    assert len(job_pods) == sum(int(n) for n in options[1::2])
+    for labels in job_pods:  # the policy covers every task, and admits every task
+        assert selects(spec["podSelector"], labels) and selects(source["podSelector"], labels)
+    # ... and no pod of another JobSet in the namespace.
+    other = every_pod_labels({**manifest, "metadata": {"name": "other"}})
+    assert not any(selects(source["podSelector"], labels) for labels in other)
+    assert not any(selects(spec["podSelector"], labels) for labels in other)
+
+
+def test_every_pod_runs_locked_down(capsys):
+    options, _ = SHAPES["parameter_server_evaluator"]
+    manifest = jobset_from_cli(capsys, *options)
+    for spec in pod_specs(manifest):
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert spec["securityContext"]["runAsUser"] == 1000
+        assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+        (container,) = spec["containers"]
+        assert container["securityContext"] == LOCKED_DOWN
+        # A read-only root needs somewhere to write: /tmp (tempfile, autograph) and HOME.
+        scratch = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}["/tmp"]
+        assert {"name": scratch, "emptyDir": {}} in spec["volumes"]
+        assert {"name": "HOME", "value": "/tmp"} in container["env"]
+    other_user = jobset_from_cli(capsys, "--run_as_user", "2000")
+    (spec,) = pod_specs(other_user)
+    assert spec["securityContext"]["runAsUser"] == spec["securityContext"]["fsGroup"] == 2000
+    assert spec["containers"][0]["securityContext"] == {**LOCKED_DOWN, "runAsUser": 2000}
+
+
+def test_namespace_lands_on_every_object(capsys):
+    documents = documents_from_cli(capsys, "--workers", "2", "--namespace", "team-a")
+    assert [d["metadata"]["namespace"] for d in documents] == ["team-a", "team-a"]
+    assert {d["metadata"]["namespace"] for d in documents_from_cli(capsys)} == {"default"}
+
+
+def test_local_model_dir_is_mounted_from_the_claim(capsys):
+    command = ["python", "t.py", "--model_dir", "/mnt/runs/job"]
+    options, _ = SHAPES["chief_workers_ps"]
+    manifest = jobset_from_cli(capsys, *options, "--model_dir_claim", "runs", command=command)
+    for spec in pod_specs(manifest):  # every task: the chief writes, the others may read
+        volume = {"name": "model-dir", "persistentVolumeClaim": {"claimName": "runs"}}
+        assert volume in spec["volumes"]
+        (container,) = spec["containers"]
+        assert {"name": "model-dir", "mountPath": "/mnt/runs/job"} in container["volumeMounts"]
+        assert pod_spec_errors(spec) == []
+
+
+@pytest.mark.parametrize("model_dir", ["gs://bucket/runs", "s3://bucket/runs", "hdfs://nn/runs"])
+def test_remote_model_dir_needs_no_volume(capsys, model_dir):
+    manifest = jobset_from_cli(capsys, command=["python", "t.py", f"--model_dir={model_dir}"])
+    (spec,) = pod_specs(manifest)
+    assert [volume["name"] for volume in spec["volumes"]] == ["tmp"]
+
+
+@pytest.mark.parametrize(
+    "options, command, message",
+    [
+        (
+            [],
+            ["--model_dir=/mnt/runs/job"],
+            r"--model_dir=/mnt/runs/job is a path inside the pod, .* lost when the pod goes .* "
+            r"--model_dir_claim NAME, or .* --model_dir=gs://BUCKET/job\. "
+            r"Received: --model_dir=/mnt/runs/job$",
+        ),
+        ([], ["--model_dir", "runs"], r"--model_dir=runs is a path inside the pod"),
+        ([], ["--model_dir=file:///mnt/runs"], r"--model_dir=/mnt/runs is a path inside the pod"),
+        (["--model_dir_claim", "runs"], ["--model_dir=runs"], r"must be an absolute path"),
+        (["--model_dir_claim", "runs"], ["--model_dir=/tmp"], r"other than / and /tmp"),
+        (
+            ["--model_dir_claim", "runs"],
+            ["--model_dir=gs://b/r"],
+            r"the command has no --model_dir in the pod.* Received: model_dir_claim='runs'$",
+        ),
+        (
+            ["--model_dir_claim", "Runs"],
+            ["--model_dir=/mnt/runs"],
+            r"model_dir_claim must name a PersistentVolumeClaim",
+        ),
+    ],
+)
+def test_model_dir_the_pod_would_lose_is_refused(capsys, options, command, message):
+    args = ["jobset", "--name", "job", "--image", IMAGE, *options, "--", "python", "t.py"]
+    code, out, err = run_cli(capsys, *args, *command)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1, err
+    assert re.search(message, err.rstrip("\n")), err
 
 
 # -- cluster_from_environment and the JobSet environment --------------------------------------
@@ -421,14 +661,18 @@ def test_yaml_and_json_describe_the_same_manifest(capsys):
     _, yaml_text, _ = run_cli(capsys, *args)
     code, json_text, err = run_cli(capsys, *args[:-4], "--format", "json", *args[-4:])
     assert code == 0, err
-    assert yaml.safe_load(yaml_text) == json.loads(json_text)
+    as_json = json.loads(json_text)  # one document: a List, which kubectl applies item by item
+    assert (as_json["apiVersion"], as_json["kind"]) == ("v1", "List")
+    assert list(yaml.safe_load_all(yaml_text)) == as_json["items"]
+    assert [item["kind"] for item in as_json["items"]] == ["JobSet", "NetworkPolicy"]
 
 
 def test_out_writes_the_file(capsys, tmp_path):
     target = tmp_path / "job.yaml"
     args = ["jobset", "--name", "job", "--image", IMAGE, "--workers", "2"]
     code, out, _ = run_cli(capsys, *args, "--out", str(target), "--", *COMMAND)
-    assert code == 0 and "JobSet job (2 workers)" in out and f"kubectl apply -f {target}" in out
+    assert code == 0 and "JobSet job (2 workers) and its NetworkPolicy" in out
+    assert f"kubectl apply -f {target}" in out
     _, stdout_yaml, _ = run_cli(capsys, *args, "--", *COMMAND)
     assert target.read_text() == stdout_yaml
 
@@ -499,6 +743,10 @@ def test_flags_after_the_separator_belong_to_the_command(capsys):
             r"max_restarts must be a whole number, 0 or more",
         ),
         (["--name", "Job", "--image", IMAGE, "--", "p"], r"name must be a DNS-1035 label"),
+        (
+            ["--name", "job", "--image", IMAGE, "--run_as_user", "0", "--", "p"],
+            r"run_as_user must be a user id of 1 or more: .* root \(0\) is refused",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(capsys, args, message):
@@ -520,6 +768,8 @@ def test_help_lists_both_kinds(capsys):
     assert code == 0 and "jobset" in out and "tfjob" in out
     code, out, _ = run_cli(capsys, "jobset", "--help")
     assert code == 0 and "--max_restarts" in out and "-- COMMAND" in out
+    for text in ("--run_as_user", "--model_dir_claim", "NetworkPolicy", "HOME=/tmp"):
+        assert text in out
 
 
 @pytest.mark.parametrize(
@@ -539,6 +789,6 @@ def test_modules_run_without_importing_tensorflow(module, args, kind):
         [sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True, timeout=60
     )
     assert result.returncode == 0, result.stderr
-    manifest, _, last = result.stdout.rpartition("exit")
+    manifests, _, last = result.stdout.rpartition("exit")
     assert last.strip() == "0 False"
-    assert yaml.safe_load(manifest)["kind"] == kind
+    assert [d["kind"] for d in yaml.safe_load_all(manifests)] == [kind, "NetworkPolicy"]

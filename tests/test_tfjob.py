@@ -5,8 +5,10 @@ role tfdist then picks in that pod.
 Every layout goes the whole way: CLI -> manifest text -> decoded manifest -> each pod's TF_CONFIG
 -> tfdist.parse_tf_config -> the strategy 'auto' resolves to (or serving, for the worker and ps
 servers of parameter-server training). Most tests run the old command line (`python -m
-tools.tfjob ... -- TRAIN_FLAGS`), which must keep writing the same manifests. Nothing here starts
-TensorFlow.
+tools.tfjob ... -- TRAIN_FLAGS`), which must keep writing the same manifests. The NetworkPolicy
+written beside the TFJob, and each pod's securityContext, resources and volumes, are checked
+against the Kubernetes API's published definitions (tests/fixtures/k8s_openapi.yaml, through
+tests/test_k8s.py's helpers). Nothing here starts TensorFlow.
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ import re
 import pytest
 import yaml
 
+from tests.test_k8s import LOCKED_DOWN, network_policy_errors, pod_spec_errors, selects
 from tfdist.cluster import parse_tf_config
 from tfdist.k8s import (
     ManifestError,
     Resources,
     TrainingJob,
+    network_policy,
     operator_tf_config,
     operator_tf_configs,
     tfjob_manifest,
@@ -95,10 +99,38 @@ def run_cli(capsys, *args: str, main=tfjob.main) -> tuple[int, str, str]:
     return code, out, err
 
 
-def manifest_from_cli(capsys, *args: str) -> dict:
+def documents_from_cli(capsys, *args: str) -> list[dict]:
+    """The TFJob and its NetworkPolicy, from the JSON List the command writes."""
     code, out, err = run_cli(capsys, "--name", "job", "--image", IMAGE, "--format", "json", *args)
     assert code == 0, err
-    return json.loads(out)
+    listed = json.loads(out)
+    assert (listed["apiVersion"], listed["kind"]) == ("v1", "List")
+    assert [item["kind"] for item in listed["items"]] == ["TFJob", "NetworkPolicy"]
+    return listed["items"]
+
+
+def manifest_from_cli(capsys, *args: str) -> dict:
+    return documents_from_cli(capsys, *args)[0]
+
+
+def operator_pod_labels(manifest: dict) -> dict[str, dict[str, str]]:
+    """Pod name -> the labels the training-operator puts on that pod of a TFJob.
+
+    As read from kubeflow/training-operator (JobController.GenLabels, and the replica labels
+    its pod reconciler adds): operator-name, job-name, replica-type and replica-index, all
+    prefixed training.kubeflow.org/.
+    """
+    name = manifest["metadata"]["name"]
+    labels = {}
+    for replica_type, spec in manifest["spec"]["tfReplicaSpecs"].items():
+        for index in range(spec.get("replicas", 1)):
+            labels[f"{name}-{replica_type.lower()}-{index}"] = {
+                "training.kubeflow.org/operator-name": "tfjob-controller",
+                "training.kubeflow.org/job-name": name,
+                "training.kubeflow.org/replica-type": replica_type.lower(),
+                "training.kubeflow.org/replica-index": str(index),
+            }
+    return labels
 
 
 def role_in_pod(tf_config: dict | None) -> str:
@@ -194,7 +226,8 @@ def test_master_replica_is_read_as_the_chief():
 def test_manifest_structure(capsys):
     manifest = manifest_from_cli(
         capsys, "--chief", "1", "--workers", "2", "--ps", "1", "--cpu", "2", "--memory", "4Gi",
-        "--gpus", "1", "--workdir", "/app", "--", "--config=digits_cnn", "--model_dir=/mnt/runs",
+        "--gpus", "1", "--workdir", "/app", "--model_dir_claim", "runs",
+        "--", "--config=digits_cnn", "--model_dir=/mnt/runs",
     )  # fmt: skip
     assert manifest["apiVersion"] == "kubeflow.org/v1" and manifest["kind"] == "TFJob"
     assert manifest["metadata"] == {"name": "job", "namespace": "default"}
@@ -210,10 +243,24 @@ def test_manifest_structure(capsys):
         assert container["image"] == IMAGE and container["workingDir"] == "/app"
         assert container["ports"] == [{"name": "tfjob-port", "containerPort": 2222}]
         # ExitCode retries 128-255 only: tfdist's restartable exits must use such a code.
-        assert container["env"] == [{"name": "TFDIST_RESTARTABLE_EXIT_CODE", "value": "143"}]
+        assert container["env"] == [
+            {"name": "TFDIST_RESTARTABLE_EXIT_CODE", "value": "143"},
+            {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
+        ]
         assert container["command"] == [
             "python", "-m", "experiments.train", "--config=digits_cnn", "--model_dir=/mnt/runs",
         ]  # fmt: skip
+        assert container["securityContext"] == LOCKED_DOWN
+        assert container["volumeMounts"] == [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "model-dir", "mountPath": "/mnt/runs"},
+        ]
+        assert spec["template"]["spec"]["volumes"] == [
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "model-dir", "persistentVolumeClaim": {"claimName": "runs"}},
+        ]
+        assert pod_spec_errors(spec["template"]["spec"]) == []
+        assert container["resources"]["requests"] == container["resources"]["limits"]
         limits[replica_type] = container["resources"]["limits"]
     # The chief only coordinates parameter-server training and ps only store: no GPUs there.
     assert limits == {
@@ -234,7 +281,10 @@ def test_chief_of_synchronous_training_gets_gpus():
     manifest = tfjob_manifest(job)
     for spec in manifest["spec"]["tfReplicaSpecs"].values():
         (container,) = spec["template"]["spec"]["containers"]
-        assert container["resources"] == {"limits": {"nvidia.com/gpu": 2}}
+        assert container["resources"] == {
+            "requests": {"nvidia.com/gpu": 2},
+            "limits": {"nvidia.com/gpu": 2},
+        }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -243,7 +293,7 @@ def test_yaml_and_json_output_describe_the_same_manifest(capsys, layout):
     args = ["--name", "job", "--image", IMAGE, *flags, "--", "--config=digits_cnn", "-x", "on"]
     code, yaml_text, err = run_cli(capsys, *args)
     assert code == 0, err
-    assert yaml.safe_load(yaml_text) == manifest_from_cli(
+    assert list(yaml.safe_load_all(yaml_text)) == documents_from_cli(
         capsys, *flags, "--", "--config=digits_cnn", "-x", "on"
     )
     assert "&id" not in yaml_text  # a plain tree: no anchors or aliases for kubectl to expand
@@ -269,16 +319,17 @@ def test_yaml_and_json_output_describe_the_same_manifest(capsys, layout):
 def test_every_argument_reads_back_as_the_same_string(capsys, text):
     code, out, err = run_cli(capsys, "--name", "job", "--image", IMAGE, "--", "-x", text)
     assert code == 0, err
-    (container,) = yaml.safe_load(out)["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"][
-        "containers"
-    ]
+    tfjob, _ = yaml.safe_load_all(out)
+    (container,) = tfjob["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
     assert container["command"][-2:] == ["-x", text]
 
 
 def test_json_output_is_valid_json_and_kubectl_shaped(capsys):
     code, out, err = run_cli(capsys, "--name", "job", "--image", IMAGE, "--format", "json")
     assert code == 0 and err == ""
-    assert json.loads(out)["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 1
+    tfjob, policy = json.loads(out)["items"]
+    assert tfjob["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 1
+    assert policy["kind"] == "NetworkPolicy"
 
 
 def test_out_writes_the_file(capsys, tmp_path):
@@ -335,6 +386,11 @@ def test_show_tf_config_lists_every_pod(capsys):
         (["--bogus", "1"], r"unrecognised option\(s\) --bogus: tfdist-k8s tfjob's options"),
         (["--workers", "x"], r"argument --workers: invalid int value: 'x'"),
         (["--format", "toml"], r"argument --format: invalid choice"),
+        (["--run_as_user", "-5"], r"run_as_user must be a user id of 1 or more"),
+        (
+            ["--", "--model_dir=/mnt/runs/job"],
+            r"--model_dir=/mnt/runs/job is a path inside the pod.* --model_dir_claim NAME",
+        ),
     ],
 )
 def test_usage_errors_are_one_line_and_exit_2(capsys, args, message):
@@ -388,20 +444,102 @@ def test_old_flags_only_form_and_a_full_command_write_the_same_manifest(capsys):
     code, new, err = run_cli(capsys, "tfjob", *flags, "--", *train, main=k8s_cli.main)
     assert code == 0, err
     assert old == shim_full == new
-    assert yaml.safe_load(new)["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
+    tfjob, _ = yaml.safe_load_all(new)
+    assert tfjob["spec"]["tfReplicaSpecs"]["Worker"]["replicas"] == 2
 
 
 @pytest.mark.parametrize("policy", ["OnFailure", "Never"])
 def test_only_the_exit_code_policy_needs_a_restartable_exit_code(capsys, policy):
     manifest = manifest_from_cli(capsys, "--workers", "2", "--restart_policy", policy)
     (container,) = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
-    assert "env" not in container and container["name"] == "tensorflow"
+    assert container["env"] == [{"name": "HOME", "value": "/tmp"}]
+    assert container["name"] == "tensorflow"
 
 
 def test_help_explains_roles_and_restart_policy(capsys):
     code, out, _ = run_cli(capsys, "--help")
     assert code == 0
-    for text in ("--restart_policy", "ExitCode", "OnFailure", "-- COMMAND"):
+    for text in ("--restart_policy", "ExitCode", "OnFailure", "-- COMMAND", "--model_dir_claim"):
         assert text in out
     code, out, _ = run_cli(capsys, "--help", main=k8s_cli.main)
     assert code == 0 and "parameter_server on the chief" in out
+
+
+# -- safe by default: the network policy, the locked-down pods, the namespace, model_dir --------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_network_policy_admits_only_the_jobs_pods_to_the_task_port(capsys, layout):
+    flags, expected = LAYOUTS[layout]
+    tfjob, policy = documents_from_cli(capsys, *flags, "--port", "3333")
+    assert network_policy_errors(policy) == []
+    assert policy["metadata"] == {"name": "job", "namespace": "default"}
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"] and "egress" not in spec  # egress stays open
+    (rule,) = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 3333}]  # the port in TF_CONFIG
+    (source,) = rule["from"]
+    pods = operator_pod_labels(tfjob)
+    assert list(pods) == list(expected)
+    for labels in pods.values():
+        assert selects(spec["podSelector"], labels) and selects(source["podSelector"], labels)
+    other = operator_pod_labels({**tfjob, "metadata": {"name": "other"}})
+    assert not any(selects(source["podSelector"], labels) for labels in other.values())
+    assert not any(selects(spec["podSelector"], labels) for labels in other.values())
+
+
+def test_every_pod_validates_and_runs_locked_down(capsys):
+    flags, _ = LAYOUTS["parameter_server_evaluator"]
+    tfjob = manifest_from_cli(capsys, *flags, "--cpu", "1", "--memory", "2Gi", "--gpus", "1")
+    for spec in tfjob["spec"]["tfReplicaSpecs"].values():
+        pod = spec["template"]["spec"]
+        assert pod_spec_errors(pod) == []
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        (container,) = pod["containers"]
+        assert container["securityContext"] == LOCKED_DOWN
+        assert container["resources"]["requests"] == container["resources"]["limits"]
+        assert pod["volumes"] == [{"name": "tmp", "emptyDir": {}}]  # gs:// or none: no claim
+
+
+def test_namespace_lands_on_every_object(capsys):
+    documents = documents_from_cli(capsys, "--workers", "2", "--namespace", "team-a")
+    assert [d["metadata"]["namespace"] for d in documents] == ["team-a", "team-a"]
+    # ... and in the addresses the operator writes.
+    tf_config = operator_tf_config(documents[0], task_type="worker", index=0)
+    assert tf_config["cluster"]["worker"][0] == "job-worker-0.team-a.svc:2222"
+
+
+def test_model_dir_in_a_bucket_passes_and_a_local_one_needs_a_claim():
+    def job(*command, claim=None):
+        return TrainingJob(
+            name="job",
+            image=IMAGE,
+            command=("python", "train.py", *command),
+            layout=Layout(workers=2),
+            model_dir_claim=claim,
+        )
+
+    for remote in ("--model_dir=gs://bucket/job", "--model_dir=s3://bucket/job"):
+        pod = tfjob_manifest(job(remote))["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]
+        assert [volume["name"] for volume in pod["volumes"]] == ["tmp"]
+    with pytest.raises(ManifestError, match=r"lost when the pod goes.*--model_dir_claim NAME"):
+        job("--model_dir=/mnt/runs/job")
+    with pytest.raises(ManifestError, match=r"no --model_dir in the pod"):
+        job("--model_dir=gs://bucket/job", claim="runs")
+    manifest = tfjob_manifest(job("--model_dir=/mnt/runs/job", claim="runs"))
+    pod = manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]
+    assert {"name": "model-dir", "persistentVolumeClaim": {"claimName": "runs"}} in pod["volumes"]
+    mounts = pod["containers"][0]["volumeMounts"]
+    assert {"name": "model-dir", "mountPath": "/mnt/runs/job"} in mounts
+    assert network_policy(manifest)["spec"]["podSelector"] == {
+        "matchLabels": {"training.kubeflow.org/job-name": "job"}
+    }
+
+
+def test_network_policy_refuses_what_it_cannot_read():
+    with pytest.raises(ManifestError, match=r"expected a JobSet or TFJob manifest.* kind='Pod'"):
+        network_policy({"kind": "Pod", "metadata": {"name": "p"}})
+    manifest = tfjob_manifest(TrainingJob(name="job", image=IMAGE, command=("python", "train.py")))
+    del manifest["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["ports"]
+    with pytest.raises(ManifestError, match=r"declares no containerPort"):
+        network_policy(manifest)

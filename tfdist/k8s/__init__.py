@@ -10,6 +10,10 @@ One job description, two engines:
   jobset_tf_config, JobSetEnvError         TF_CONFIG from a JobSet pod's environment
                                            (jobset_env.py; tfdist.cluster_from_environment
                                            calls it inside the pod)
+  network_policy                           the NetworkPolicy admitting only a JobSet's or
+                                           TFJob's own pods to its ports (network.py)
+
+Every pod runs as a non-root user on a read-only root filesystem (TrainingJob.pod_spec).
 
 The `tfdist-k8s` command is cli.py. Nothing here talks to a cluster or imports TensorFlow
 (or PyYAML: only the command line writes YAML).
@@ -18,6 +22,7 @@ The `tfdist-k8s` command is cli.py. Nothing here talks to a cluster or imports T
 from tfdist.k8s.job import ManifestError, Resources, TrainingJob, k8s_flags
 from tfdist.k8s.jobset import jobset_manifest, jobset_tf_configs
 from tfdist.k8s.jobset_env import JobSetEnvError, jobset_tf_config
+from tfdist.k8s.network import network_policy
 from tfdist.k8s.tfjob import tfjob_manifest
 from tfdist.k8s.tfjob_operator import operator_tf_config, operator_tf_configs
 
@@ -30,6 +35,7 @@ __all__ = [
     "jobset_tf_config",
     "jobset_tf_configs",
     "k8s_flags",
+    "network_policy",
     "operator_tf_config",
     "operator_tf_configs",
     "tfjob_manifest",

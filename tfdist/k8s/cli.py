@@ -1,4 +1,4 @@
-"""tfdist-k8s: write the Kubernetes manifest that runs a training command on every pod of a job.
+"""tfdist-k8s: write the Kubernetes manifests that run a training command on every pod of a job.
 
   tfdist-k8s jobset ...   a JobSet (jobset.x-k8s.io/v1alpha2): new clusters, GKE, Kubeflow
                           Trainer's base; needs the JobSet controller installed
@@ -6,16 +6,22 @@
                           v1 training-operator
 
 Every pod runs the command given after `--`; with the program's default --strategy=auto
-each pod takes its role from the cluster the engine describes. The manifest goes to stdout
-(pipe it to `kubectl apply -f -`) or to --out. Nothing here talks to a cluster.
+each pod takes its role from the cluster the engine describes. The manifests go to stdout
+(pipe them to `kubectl apply -f -`) or to --out. Nothing here talks to a cluster.
+
+Beside the job goes a NetworkPolicy that admits only the job's own pods to its port, and
+every pod runs as a non-root user on a read-only root filesystem: see 'safe by default' in
+`tfdist-k8s jobset --help`.
 
 examples:
   # synchronous training on 2 worker pods (MultiWorkerMirroredStrategy)
   tfdist-k8s jobset --name digits --image IMAGE --workers 2 \\
       -- python -m experiments.train --config=digits_cnn --model_dir=gs://bucket/digits
-  # parameter-server training: the chief coordinates, workers and ps serve
+  # parameter-server training: the chief coordinates, workers and ps serve; the
+  # PersistentVolumeClaim "runs" (ReadWriteMany) is mounted at --model_dir in every pod
   tfdist-k8s tfjob --name digits-ps --image IMAGE --chief 1 --workers 2 --ps 1 \\
-      --cpu 2 --memory 4Gi -- python my_train.py --model_dir=/mnt/runs/digits-ps
+      --cpu 2 --memory 4Gi --model_dir_claim runs \\
+      -- python my_train.py --model_dir=/mnt/runs/digits-ps
   # what each pod will see, without writing the manifest
   tfdist-k8s jobset --name digits --image IMAGE --workers 2 --show_tf_config -- python my_train.py
 
@@ -43,8 +49,15 @@ import yaml
 
 from tfdist.errors import TfdistError
 from tfdist.exit_codes import EXIT_USAGE
-from tfdist.k8s.job import DEFAULT_PORT, EXAMPLE_COMMAND, Resources, TrainingJob
+from tfdist.k8s.job import (
+    DEFAULT_PORT,
+    DEFAULT_RUN_AS_USER,
+    EXAMPLE_COMMAND,
+    Resources,
+    TrainingJob,
+)
 from tfdist.k8s.jobset import DEFAULT_MAX_RESTARTS, jobset_manifest, jobset_tf_configs
+from tfdist.k8s.network import network_policy
 from tfdist.k8s.tfjob import DEFAULT_RESTART_POLICY, RESTART_POLICIES, tfjob_manifest
 from tfdist.k8s.tfjob_operator import operator_tf_configs
 from tfdist.layout import Layout
@@ -85,6 +98,23 @@ and fails the JobSet at once.
 """
 
 
+_SAFETY_HELP = """
+safe by default:
+  network    a NetworkPolicy beside the job admits only the job's own pods to --port, which
+             TensorFlow's servers otherwise open to anything that reaches them. Egress stays
+             open (DNS, gs://, package mirrors). It takes effect where the cluster's network
+             plugin enforces NetworkPolicy.
+  pods       every container runs as --run_as_user (1000; never root) with no capabilities,
+             no privilege escalation, the runtime's default seccomp profile and a read-only
+             root filesystem; an emptyDir is mounted at /tmp and HOME=/tmp, which is all
+             TensorFlow and Python write to. The program's results go to --model_dir.
+  model_dir  a --model_dir that is a path in the pod is lost when the pod goes, so it is
+             refused unless --model_dir_claim NAME mounts a PersistentVolumeClaim there
+             (ReadWriteMany: every pod mounts it); a bucket (gs://, s3://) needs nothing.
+  resources  --cpu, --memory and --gpus set each pod's requests and its limits alike.
+"""
+
+
 class _UsageError(Exception):
     """A command line argparse or this tool refuses; its message is one line."""
 
@@ -97,7 +127,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parses the command line and writes the manifest (or each pod's TF_CONFIG).
+    """Parses the command line and writes the manifests (or each pod's TF_CONFIG).
 
     Args:
       argv: the arguments after the program name; `sys.argv[1:]` by default.
@@ -119,23 +149,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         for pod, tf_config in _POD_TF_CONFIGS[args.kind](manifest, job, args).items():
             print(f"{pod}: {json.dumps(tf_config) if tf_config else '(no TF_CONFIG: one pod)'}")
         return 0
-    text = render(manifest, args.format)
+    text = render([manifest, network_policy(manifest)], args.format)
     if args.out is None:
         sys.stdout.write(text)
         return 0
     Path(args.out).write_text(text)
     print(
-        f"Wrote {args.out}: {manifest['kind']} {job.name} ({job.layout.describe()}) in namespace "
-        f"{job.namespace}; submit it with `kubectl apply -f {args.out}`"
+        f"Wrote {args.out}: {manifest['kind']} {job.name} ({job.layout.describe()}) and its "
+        f"NetworkPolicy in namespace {job.namespace}; submit them with "
+        f"`kubectl apply -f {args.out}`"
     )
     return 0
 
 
-def render(manifest: dict[str, Any], fmt: str) -> str:
-    """The manifest as YAML (keys in the order written) or as JSON; kubectl reads both."""
+def render(manifests: Sequence[dict[str, Any]], fmt: str) -> str:
+    """The manifests as YAML documents (keys in the order written) or as one JSON List.
+
+    kubectl reads both: the documents of a YAML stream, and a v1 List's items.
+    """
     if fmt == "json":
-        return json.dumps(manifest, indent=2) + "\n"
-    return yaml.safe_dump(manifest, sort_keys=False)
+        return (
+            json.dumps({"apiVersion": "v1", "kind": "List", "items": list(manifests)}, indent=2)
+            + "\n"
+        )
+    return yaml.safe_dump_all(manifests, sort_keys=False)
 
 
 def _parse(argv: list[str]) -> argparse.Namespace:
@@ -171,6 +208,8 @@ def _job(args: argparse.Namespace) -> TrainingJob:
         port=args.port,
         resources=Resources(cpu=args.cpu, memory=args.memory, gpus=args.gpus),
         workdir=args.workdir,
+        run_as_user=args.run_as_user,
+        model_dir_claim=args.model_dir_claim,
     )
 
 
@@ -206,7 +245,7 @@ def _build_parser() -> argparse.ArgumentParser:
             kind,
             usage=usage,
             help=summary,
-            description=help_text,
+            description=help_text + _SAFETY_HELP,
             formatter_class=argparse.RawDescriptionHelpFormatter,
             # An abbreviation could silently take a flag meant for the training command.
             allow_abbrev=False,
@@ -226,7 +265,11 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--name", help="the job's name (required); pod names start with it")
     add("--image", help="container image holding tfdist and the program (required)")
-    add("--namespace", default="default", help="Kubernetes namespace (default: default)")
+    add(
+        "--namespace",
+        default="default",
+        help="Kubernetes namespace of every object written (default: default)",
+    )
     add("--chief", type=int, default=0, metavar="0|1", help="chief tasks (default: 0)")
     add("--workers", type=int, default=1, metavar="N", help="worker tasks (default: 1)")
     add("--ps", type=int, default=0, metavar="M", help="parameter-server tasks (default: 0)")
@@ -237,23 +280,43 @@ def _add_job_options(parser: argparse.ArgumentParser) -> None:
         default=DEFAULT_PORT,
         help=f"port of every task's gRPC server (default: {DEFAULT_PORT})",
     )
-    add("--cpu", help="CPU limit per pod, e.g. 4 or 500m (default: none)")
-    add("--memory", help="memory limit per pod, e.g. 8Gi (default: none)")
+    add("--cpu", help="CPU request and limit per pod, e.g. 4 or 500m (default: none)")
+    add("--memory", help="memory request and limit per pod, e.g. 8Gi (default: none)")
     add(
         "--gpus",
         type=int,
         default=0,
         metavar="N",
-        help="GPUs per pod that computes: workers, evaluator, and the chief unless it only "
-        "coordinates parameter-server training (default: 0)",
+        help="GPUs (request and limit) per pod that computes: workers, evaluator, and the "
+        "chief unless it only coordinates parameter-server training (default: 0)",
     )
     add("--workdir", help="the container's working directory, if not the image's")
-    add("--format", choices=("yaml", "json"), default="yaml", help="output (default: yaml)")
-    add("--out", metavar="FILE", help="write the manifest here instead of to stdout")
+    add(
+        "--run_as_user",
+        type=int,
+        default=DEFAULT_RUN_AS_USER,
+        metavar="UID",
+        help="the user id every container runs as; root (0) is refused, so give the id the "
+        f"image's files belong to if not {DEFAULT_RUN_AS_USER} (default: {DEFAULT_RUN_AS_USER})",
+    )
+    add(
+        "--model_dir_claim",
+        metavar="NAME",
+        help="a PersistentVolumeClaim to mount in every pod at the command's --model_dir "
+        "(ReadWriteMany, since every pod mounts it); required when --model_dir is a path in "
+        "the pod, not a bucket (default: none)",
+    )
+    add(
+        "--format",
+        choices=("yaml", "json"),
+        default="yaml",
+        help="output: YAML documents, or one JSON List (default: yaml)",
+    )
+    add("--out", metavar="FILE", help="write the manifests here instead of to stdout")
     add(
         "--show_tf_config",
         action="store_true",
-        help="print the TF_CONFIG each pod will have instead of the manifest",
+        help="print the TF_CONFIG each pod will have instead of the manifests",
     )
 
 

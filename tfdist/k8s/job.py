@@ -5,12 +5,22 @@ A `TrainingJob` says what to run (an image and a command), how many tasks of eac
 turn it into their engine's manifest and add only their engine's own rules. The layout is
 checked by `tfdist.layout.validate_layout`, the one place those rules live; messages spell a
 fix as tfdist-k8s options (`k8s_flags`).
+
+Every pod is locked down the same way, whatever the engine (`TrainingJob.pod_spec`): it runs
+as a non-root user (`run_as_user`, 1000 by default) with no capabilities, no privilege
+escalation and the runtime's default seccomp profile, which is what the Kubernetes "restricted"
+Pod Security Standard asks for. Its root filesystem is read-only: TensorFlow and Python write
+only to the temporary directory and HOME (autograph's generated code, ~/.keras, ~/.cache), so
+an emptyDir is mounted at /tmp and HOME points there. What the program keeps goes to
+``--model_dir``, which must be remote storage (``gs://...``) or a PersistentVolumeClaim mounted
+at that path (`model_dir_claim`): a pod's own files are lost when the pod goes.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import posixpath
 import re
 import shlex
 from collections.abc import Sequence
@@ -26,6 +36,16 @@ EXAMPLE_COMMAND = "python my_train.py"
 _DNS_1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _DNS_1123_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 MAX_LABEL = 63
+_DNS_1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+MAX_SUBDOMAIN = 253
+# Many images run as root by default; the pods run as this user unless told otherwise.
+DEFAULT_RUN_AS_USER = 1000
+# The one writable place besides --model_dir: TensorFlow's and Python's scratch, and HOME.
+SCRATCH_DIR = "/tmp"
+SCRATCH_VOLUME = "tmp"
+MODEL_DIR_VOLUME = "model-dir"
+# "gs://", "s3://", "hdfs://", ...: storage outside the pod. file:// is the pod's own disk.
+_URL = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 _CPU = re.compile(r"(\d+(\.\d+)?|\.\d+)m?")
 _MEMORY = re.compile(r"(\d+(\.\d+)?|\.\d+)([KMGTPE]i?|k)?")
 
@@ -53,7 +73,9 @@ def k8s_flags(layout: Layout) -> str:
 class Resources:
     """What each pod asks Kubernetes for; None or 0 leaves it to the cluster's defaults.
 
-    They become the container's limits, and Kubernetes sets its requests equal to them.
+    Each becomes both the container's request (what the scheduler reserves for it) and its
+    limit (what it may use), so a pod is never placed on a node that cannot hold it, and with
+    both CPU and memory set it gets the Guaranteed QoS class (evicted last under pressure).
 
     Args:
       cpu: CPU cores as a Kubernetes quantity, e.g. "4" or "500m".
@@ -90,6 +112,14 @@ class Resources:
             limits["nvidia.com/gpu"] = self.gpus
         return limits
 
+    def requirements(self, *, with_gpus: bool) -> dict[str, Any]:
+        """The container's ``resources``: requests equal to the limits; {} when none are set."""
+        limits = self.limits(with_gpus=with_gpus)
+        if not limits:
+            return {}
+        # Two dicts, not one: a shared one would come out of PyYAML as an &id anchor.
+        return {"requests": dict(limits), "limits": limits}
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainingJob:
@@ -116,9 +146,14 @@ class TrainingJob:
       port: the port every task's gRPC server listens on.
       resources: CPU, memory and GPUs per pod.
       workdir: the container's working directory, if the image's is not the right one.
+      run_as_user: the user id every container runs as (never root: 0 is refused); the
+        image's files the program reads must be readable by it.
+      model_dir_claim: a PersistentVolumeClaim to mount at the command's local
+        ``--model_dir`` in every pod (so ReadWriteMany, unless all pods share a node).
 
     Raises:
-      ManifestError: a value Kubernetes would refuse, or a command with no program.
+      ManifestError: a value Kubernetes would refuse, a command with no program, or a
+        command whose ``--model_dir`` is a path in the pod with no `model_dir_claim` to keep it.
       tfdist.layout.LayoutError: a layout no TensorFlow job can run, or one the command's
         ``--strategy`` cannot run.
     """
@@ -131,6 +166,8 @@ class TrainingJob:
     port: int = DEFAULT_PORT
     resources: Resources = Resources()
     workdir: str | None = None
+    run_as_user: int = DEFAULT_RUN_AS_USER
+    model_dir_claim: str | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "command", tuple(self.command))
@@ -167,11 +204,33 @@ class TrainingJob:
                 "workdir must be an absolute path in the image, e.g. /app. "
                 f"Received: workdir={self.workdir!r}"
             )
+        if (
+            isinstance(self.run_as_user, bool)
+            or not isinstance(self.run_as_user, int)
+            or self.run_as_user < 1
+        ):
+            raise ManifestError(
+                "run_as_user must be a user id of 1 or more: the pods run as a non-root user "
+                "(runAsNonRoot), so root (0) is refused; use the id the image's files belong "
+                f"to, e.g. {DEFAULT_RUN_AS_USER}. Received: run_as_user={self.run_as_user!r}"
+            )
+        self._check_model_dir()
 
     @property
     def strategy_flag(self) -> str | None:
         """The value of the command's ``--strategy`` flag, if it has one."""
         return flag_value(self.command, "strategy")
+
+    @property
+    def model_dir_path(self) -> str | None:
+        """The command's ``--model_dir`` when it is a path in the pod (not gs://, s3://, ...)."""
+        value = flag_value(self.command, "model_dir")
+        if not value:
+            return None
+        match = _URL.match(value)
+        if match is None:
+            return value
+        return value[len(match.group(0)) :] if match.group(1).lower() == "file" else None
 
     def computes(self, task_type: str) -> bool:
         """Whether `task_type`'s pods do the math (and so get the GPUs asked for).
@@ -183,6 +242,36 @@ class TrainingJob:
             return False
         return task_type != "chief" or not self.layout.ps
 
+    def pod_spec(
+        self, *, port_name: str, env: Sequence[dict[str, Any]], task_type: str
+    ) -> dict[str, Any]:
+        """The spec of `task_type`'s pods: the locked-down container, and its volumes.
+
+        The writers add their engine's own fields (a restart policy) beside these.
+        """
+        volumes: list[dict[str, Any]] = [{"name": SCRATCH_VOLUME, "emptyDir": {}}]
+        if self.model_dir_claim:
+            volumes.append(
+                {
+                    "name": MODEL_DIR_VOLUME,
+                    "persistentVolumeClaim": {"claimName": self.model_dir_claim},
+                }
+            )
+        return {
+            "securityContext": {
+                "runAsNonRoot": True,
+                "runAsUser": self.run_as_user,
+                # The claim's files become writable by the user's group (fsGroup); only when
+                # the volume's root does not already match, so a large volume is not walked
+                # at every start.
+                "fsGroup": self.run_as_user,
+                "fsGroupChangePolicy": "OnRootMismatch",
+                "seccompProfile": {"type": "RuntimeDefault"},
+            },
+            "containers": [self.container(port_name=port_name, env=env, task_type=task_type)],
+            "volumes": volumes,
+        }
+
     def container(
         self, *, port_name: str, env: Sequence[dict[str, Any]], task_type: str
     ) -> dict[str, Any]:
@@ -192,12 +281,25 @@ class TrainingJob:
             container["workingDir"] = self.workdir
         container["command"] = list(self.command)
         container["ports"] = [{"name": port_name, "containerPort": self.port}]
-        if env:
-            # Copies: a tree with shared parts would come out of PyYAML with &id anchors.
-            container["env"] = copy.deepcopy(list(env))
-        limits = self.resources.limits(with_gpus=self.computes(task_type))
-        if limits:
-            container["resources"] = {"limits": limits}
+        # Copies: a tree with shared parts would come out of PyYAML with &id anchors. HOME
+        # goes where the pod can write: the image's may be root's, or not exist for this user.
+        container["env"] = [*copy.deepcopy(list(env)), {"name": "HOME", "value": SCRATCH_DIR}]
+        resources = self.resources.requirements(with_gpus=self.computes(task_type))
+        if resources:
+            container["resources"] = resources
+        container["securityContext"] = {
+            "runAsNonRoot": True,
+            "runAsUser": self.run_as_user,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+            # TensorFlow writes only to /tmp and HOME, both on the scratch volume below.
+            "readOnlyRootFilesystem": True,
+        }
+        mounts = [{"name": SCRATCH_VOLUME, "mountPath": SCRATCH_DIR}]
+        if self.model_dir_claim:
+            mounts.append({"name": MODEL_DIR_VOLUME, "mountPath": self.model_dir_path})
+        container["volumeMounts"] = mounts
         return container
 
     def check_name_fits(self, longest: str, *, what: str) -> None:
@@ -214,9 +316,42 @@ class TrainingJob:
                 f"{MAX_LABEL - len(longest) + len(self.name)}. Received: name={self.name!r}"
             )
 
+    def _check_model_dir(self) -> None:
+        claim, path = self.model_dir_claim, self.model_dir_path
+        if claim is not None and not (
+            isinstance(claim, str)
+            and len(claim) <= MAX_SUBDOMAIN
+            and _DNS_1123_SUBDOMAIN.fullmatch(claim)
+        ):
+            raise ManifestError(
+                "model_dir_claim must name a PersistentVolumeClaim: lower-case letters, digits, "
+                f"'-' and '.', e.g. runs. Received: model_dir_claim={claim!r}"
+            )
+        if path is None:
+            if claim is not None:
+                raise ManifestError(
+                    "model_dir_claim is mounted at the command's --model_dir, but the command "
+                    "has no --model_dir in the pod: add e.g. `--model_dir=/mnt/runs/"
+                    f"{self.name}` to the command, or drop the claim. "
+                    f"Received: model_dir_claim={claim!r}"
+                )
+            return
+        if claim is None:
+            raise ManifestError(
+                f"--model_dir={path} is a path inside the pod, and whatever a pod writes there "
+                "is lost when the pod goes (a restart, a preemption, the job's end): mount a "
+                "PersistentVolumeClaim there with --model_dir_claim NAME, or write to a bucket, "
+                f"e.g. --model_dir=gs://BUCKET/{self.name}. Received: --model_dir={path}"
+            )
+        if not path.startswith("/") or posixpath.normpath(path) in ("/", SCRATCH_DIR):
+            raise ManifestError(
+                "--model_dir must be an absolute path other than / and /tmp to mount "
+                f"--model_dir_claim there, e.g. /mnt/runs/{self.name}. Received: --model_dir={path}"
+            )
+
     def _check_command(self) -> None:
         command = self.command
-        example = f"`-- {EXAMPLE_COMMAND} --model_dir=/mnt/runs/{self.name}`"
+        example = f"`-- {EXAMPLE_COMMAND} --model_dir=gs://BUCKET/{self.name}`"
         if not command:
             raise ManifestError(
                 f"no training command: give the program every pod runs after `--`, e.g. {example}"

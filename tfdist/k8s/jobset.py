@@ -17,8 +17,10 @@ api/jobset/v1alpha2/jobset_types.go):
   goes when the JobSet is deleted) and publishing addresses before pods are ready. tfdist
   therefore writes no Service of its own: one written beside the JobSet would be created
   before it, could not be owned by it, and would outlive it.
-- Pods carry the annotations jobset-name, replicatedjob-name and job-index (prefix
-  ``jobset.sigs.k8s.io/``), which the containers read through downward-API fieldRefs.
+- Pods carry the labels and annotations jobset-name, replicatedjob-name and job-index
+  (prefix ``jobset.sigs.k8s.io/``); the containers read the annotations through downward-API
+  fieldRefs, and the NetworkPolicy (`tfdist.k8s.network_policy`) selects the pods by the
+  jobset-name label.
 - The webhook refuses a JobSet whose longest pod name (``<name>-<type>-0-<i>`` plus a 5
   character suffix) passes 63 characters, and a subdomain that is not a DNS-1035 label.
 - When the success policy is met, or the JobSet fails, the controller deletes the Jobs still
@@ -39,7 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from tfdist.exit_codes import KUBERNETES_RESTARTABLE_EXIT, RESTARTABLE_EXIT_ENV
-from tfdist.k8s.job import ManifestError, TrainingJob, is_dns_1035_label
+from tfdist.k8s.job import CONTAINER_NAME, ManifestError, TrainingJob, is_dns_1035_label
 from tfdist.k8s.jobset_env import (
     COMPLETION_INDEX_ENV,
     JOB_INDEX_ENV,
@@ -53,6 +55,8 @@ from tfdist.k8s.jobset_env import (
 API_VERSION = "jobset.x-k8s.io/v1alpha2"
 KIND = "JobSet"
 PORT_NAME = "tfdist"
+# JobSet labels every pod of a JobSet with its name (and the replicated job, job index, ...).
+JOBSET_NAME_LABEL = "jobset.sigs.k8s.io/jobset-name"
 DEFAULT_MAX_RESTARTS = 3
 # Exit codes a restart may cure: killed by SIGKILL (the OOM killer, a grace period run out)
 # or SIGTERM, which is also what tfdist exits with after saving its state
@@ -77,6 +81,7 @@ def jobset_manifest(
 
     Returns:
       The manifest: a JobSet whose success follows the chief (worker 0's Job without one).
+      Apply `tfdist.k8s.network_policy(manifest)` beside it to admit only its own pods.
 
     Raises:
       ManifestError: a name that would make a pod name or the subdomain too long, or a
@@ -152,7 +157,7 @@ def jobset_tf_configs(job: TrainingJob, *, subdomain: str | None = None) -> dict
 def _replicated_job(
     job: TrainingJob, task_type: str, tasks: int, env: list[dict[str, Any]]
 ) -> dict[str, Any]:
-    container = job.container(port_name=PORT_NAME, env=env, task_type=task_type)
+    pod_spec = job.pod_spec(port_name=PORT_NAME, env=env, task_type=task_type)
     return {
         "name": task_type,
         "replicas": 1,
@@ -171,7 +176,7 @@ def _replicated_job(
                         {
                             "action": "FailJob",
                             "onExitCodes": {
-                                "containerName": container["name"],
+                                "containerName": CONTAINER_NAME,
                                 "operator": "NotIn",
                                 "values": list(RESTARTABLE_EXIT_CODES),
                             },
@@ -180,7 +185,7 @@ def _replicated_job(
                 },
                 "template": {
                     # A pod failure policy needs pods that Kubernetes never restarts in place.
-                    "spec": {"restartPolicy": "Never", "containers": [container]},
+                    "spec": {"restartPolicy": "Never", **pod_spec},
                 },
             }
         },
@@ -211,6 +216,7 @@ def _check(job: TrainingJob, *, max_restarts: int, subdomain: str | None) -> str
 __all__ = [
     "API_VERSION",
     "DEFAULT_MAX_RESTARTS",
+    "JOBSET_NAME_LABEL",
     "KIND",
     "RESTARTABLE_EXIT_CODES",
     "jobset_manifest",

@@ -40,6 +40,10 @@ from tfdist.layout import MULTI_WORKER_STRATEGIES, example_layout
 API_VERSION = "kubeflow.org/v1"
 KIND = "TFJob"
 PORT_NAME = "tfjob-port"  # the operator puts the port of this name in TF_CONFIG
+# The training-operator labels each pod with its job's name (kubeflow/training-operator:
+# JobController.GenLabels). Other Kubeflow jobs (PyTorchJob, ...) use the same label, so one
+# of the same name in the same namespace would be selected too.
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
 # Task type -> TFJob replica type, in the order pods are listed.
 REPLICA_TYPES = {"chief": "Chief", "worker": "Worker", "ps": "PS", "evaluator": "Evaluator"}
 # ExitCode: a signal-killed pod (preemption) is recreated, a failing program fails the job.
@@ -57,7 +61,8 @@ def tfjob_manifest(
       restart_policy: one of RESTART_POLICIES, for every replica type.
 
     Returns:
-      The manifest.
+      The manifest. Apply `tfdist.k8s.network_policy(manifest)` beside it to admit only its
+      own pods.
 
     Raises:
       ManifestError: an unknown restart policy, a name that would make a pod name too long,
@@ -78,9 +83,7 @@ def tfjob_manifest(
                 # Kubeflow's TFJob guide: pods do not work with Istio's sidecar injected, which
                 # user namespaces of a Kubeflow install enable by default.
                 "metadata": {"annotations": {"sidecar.istio.io/inject": "false"}},
-                "spec": {
-                    "containers": [job.container(port_name=PORT_NAME, env=env, task_type=task_type)]
-                },
+                "spec": job.pod_spec(port_name=PORT_NAME, env=env, task_type=task_type),
             },
         }
     return {
