@@ -54,7 +54,7 @@ def _save(weights, prefix: str, ranks: int) -> None:
         last = rank == ranks - 1
         shards.write(
             _Slices(weights, rank, ranks), prefix, rank=rank, ranks=ranks,
-            barrier=lambda: None, is_chief=last,
+            barrier=lambda failed=False: failed, is_chief=last,
         )  # fmt: skip
 
 

@@ -33,6 +33,16 @@ EXIT_PREEMPTED = 42
 # launcher never restarts a task that exits with it.
 EXIT_USAGE = 2
 
+# "The storage this job writes to cannot take its files": a full disk or quota, a read-only
+# or vanished model_dir, a file-size limit, or a model_dir another job holds. A restart meets
+# the same fault until someone fixes it, so the launcher does not restart a task that exits
+# with it; the same command run again after the fix resumes from the last good checkpoint.
+# 74 is sysexits.h's EX_IOERR; Kubernetes' ExitCode policy fails the job on it (1-127).
+EXIT_STORAGE = 74
+
+# The codes a restart cannot cure: the launcher stops there.
+NOT_RESTARTABLE = (EXIT_USAGE, EXIT_STORAGE)
+
 # Kubeflow's TFJob restartPolicy "ExitCode" recreates a pod that exits 128-255 and fails the
 # whole job on 1-127. A failure a restart cures (a preemption with state saved, a lost peer,
 # an unreachable parameter server) must then exit 128 or more: the environment variable below

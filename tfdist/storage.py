@@ -7,16 +7,20 @@ nothing.
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import logging
 import math
 import os
 import uuid
+from collections.abc import Callable
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.errors import TfdistError
+from tfdist.exit_codes import EXIT_STORAGE
 
 log = logging.getLogger(__name__)
 
@@ -109,3 +113,127 @@ def check_writable_directory(path: str, *, name: str) -> None:
         raise StorageError(
             f"{name} {path} cannot be written ({type(e).__name__}: {reason}). {fix}"
         ) from None
+
+
+# --- storage faults met while a job writes -------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Cause:
+    """One way a write can fail: how to recognise it, and what to tell the user."""
+
+    name: str  # what happened, as the line says it
+    fix: str  # what to do before running the same command again
+    errnos: tuple[int, ...]  # from Python's open/write (OSError)
+    words: tuple[str, ...]  # in TensorFlow's message (its filesystems name the errno's text)
+    kinds: tuple[type, ...] = ()  # TensorFlow's error classes that mean it whatever the words
+    restartable: bool = False  # a restart alone can cure it
+
+
+# In the order they are recognised. TensorFlow's local filesystem reports ENOSPC as
+# ResourceExhausted, EROFS and EACCES as PermissionDenied, EFBIG as OutOfRange and ENOENT as
+# NotFound, each with strerror's text in the message; gs:// and s3:// raise the same
+# classes (a bucket's quota is ResourceExhausted, a missing bucket NotFound), and a storage
+# service that did not answer Unavailable or DeadlineExceeded.
+CAUSES = (
+    Cause("no space left on the device", "free space there, or give the job a larger disk",
+          (errno.ENOSPC,), ("no space left",), (tf.errors.ResourceExhaustedError,)),
+    Cause("the disk quota is used up", "free space or raise the quota",
+          (errno.EDQUOT,), ("quota exceeded",)),
+    Cause("a file reached the file-size limit", "raise the limit (ulimit -f unlimited)",
+          (errno.EFBIG,), ("file too large",), (tf.errors.OutOfRangeError,)),
+    Cause("the filesystem is read-only", "remount it writable, or give another model_dir",
+          (errno.EROFS,), ("read-only file system",)),
+    Cause("permission denied", "give this user write permission there, or another model_dir",
+          (errno.EACCES, errno.EPERM), ("permission denied",),
+          (tf.errors.PermissionDeniedError,)),
+    Cause("the directory vanished", "recreate it (or restore it from a backup)",
+          (errno.ENOENT, errno.ESTALE), ("no such file", "not found"),
+          (tf.errors.NotFoundError,)),
+    Cause("the storage service did not answer", "check the storage service",
+          (errno.EIO, errno.ETIMEDOUT), ("input/output error", "timed out"),
+          (tf.errors.UnavailableError, tf.errors.DeadlineExceededError), restartable=True),
+)  # fmt: skip
+
+
+class StorageFault(StorageError):
+    """A file of the run could not be written: a full disk, a read-only or vanished
+    model_dir, a file-size limit. The job stops on every task with one line, exit code
+    EXIT_STORAGE (the launcher does not restart it: a restart meets the same fault), and the
+    last complete checkpoint stays the one the same command resumes from once it is fixed. A
+    storage service that did not answer is `restartable` instead.
+
+    Attributes:
+      cause: the Cause, one of CAUSES.
+      path: what could not be written.
+    """
+
+    def __init__(self, message: str, *, cause: Cause, path: str):
+        super().__init__(message)
+        self.cause, self.path = cause, path
+        self.restartable = cause.restartable
+        self.exit_code = 1 if cause.restartable else EXIT_STORAGE
+
+
+def cause_of(error: BaseException) -> Cause | None:
+    """The storage fault `error` (an OSError or a TensorFlow error from a write) stands for,
+    or None if it is not one."""
+    if isinstance(error, OSError) and not isinstance(error, TfdistError):
+        for cause in CAUSES:
+            if error.errno in cause.errnos:
+                return cause
+        return None
+    if not isinstance(error, tf.errors.OpError):
+        return None
+    text = (error.message or "").lower()
+    for cause in CAUSES:
+        if any(word in text for word in cause.words):
+            return cause
+    for cause in CAUSES:
+        if isinstance(error, cause.kinds):
+            return cause
+    return None
+
+
+def fault(cause: Cause, *, what: str, path: str, resume: str, where: str = "") -> StorageFault:
+    """The StorageFault for `cause` met writing `what` at `path`.
+
+    Args:
+      resume: where the same command resumes once it is fixed ("from checkpoint ckpt-60").
+      where: the task that met it, when it is another one ("on the chief").
+    """
+    then = (
+        "a restart of the job resumes"
+        if cause.restartable
+        else "then run the same command again: it resumes"
+    )
+    return StorageFault(
+        f"Cannot write the {what} {path}{' ' + where if where else ''}: {cause.name}. "
+        f"{cause.fix[0].upper()}{cause.fix[1:]}; {then} {resume}.",
+        cause=cause, path=path,
+    )  # fmt: skip
+
+
+def agree_on_fault(
+    tally: Callable[[list[int]], list[int]],
+    local: StorageError | None,
+    peer_fault: Callable[[Cause | None], StorageError],
+) -> None:
+    """Stops every task of a job when any of them met a fault writing (each calls this at the
+    same point: `tally` sums over them, a collective).
+
+    Args:
+      tally: sums a list of counts over the tasks (a runner's `tally`).
+      local: the fault this task met, if any: raised here.
+      peer_fault: the error of a task that met none, from the cause another one met (None:
+        not a Cause but another StorageError, e.g. a model_dir another job holds).
+    """
+    counts = [0] * (len(CAUSES) + 1)
+    if local is not None:
+        counts[CAUSES.index(local.cause) if isinstance(local, StorageFault) else -1] = 1
+    totals = tally(counts)
+    if local is not None:
+        raise local
+    if any(totals):
+        index = next(i for i, n in enumerate(totals) if n)
+        raise peer_fault(CAUSES[index] if index < len(CAUSES) else None)

@@ -120,6 +120,7 @@ class Trainer:
                 "repeats examples (some twice in one batch). Use a global batch of at most %d.",
                 config.global_batch_size, train_examples, train_examples,
             )  # fmt: skip
+        settings = None
         if config.model_dir is not None:
             settings = {
                 "model": config.model, "dataset": _comparable(config.dataset),
@@ -130,7 +131,7 @@ class Trainer:
                 "workers": cluster.num_workers if cluster is not None else 1,
                 "replicas": strategy.num_replicas_in_sync,
             }  # fmt: skip
-            check_resume_settings(config.model_dir, settings, write=self.is_chief)
+            check_resume_settings(config.model_dir, settings)
         if self.is_chief:
             log.info(
                 "%s; %d steps per epoch x %d epochs; %s on %s (%d training examples)",
@@ -162,6 +163,7 @@ class Trainer:
                 config.model_dir,
                 every_n_steps=config.checkpoint_every,
                 max_to_keep=config.max_checkpoints,
+                settings=settings,
             ),
             RunRecord(config.model_dir, global_batch_size=config.global_batch_size),
         ]

@@ -12,7 +12,13 @@ import threading
 import time
 from collections.abc import Sequence
 
-from tfdist.exit_codes import EXIT_PREEMPTED, EXIT_USAGE, RESTART_COUNT_ENV
+from tfdist.exit_codes import (
+    EXIT_PREEMPTED,
+    EXIT_STORAGE,
+    EXIT_USAGE,
+    NOT_RESTARTABLE,
+    RESTART_COUNT_ENV,
+)
 from tfdist.launch.output import NATIVE_LOGS_ENV, OncePerProcess, RuntimeLines
 from tfdist.launch.plan import (
     Task,
@@ -64,6 +70,8 @@ def _failure(returncode: int, *, with_code: bool = False) -> str:
         return f"was preempted (state saved, exit code {returncode})"
     if returncode == EXIT_USAGE:
         return f"stopped on a usage error (exit code {returncode}: see its error line)"
+    if returncode == EXIT_STORAGE:
+        return f"stopped on a storage fault (exit code {returncode}: see its error line)"
     if returncode < 0 and with_code:
         return f"failed with exit code {_exit_code(returncode)} ({_signal_name(-returncode)})"
     if returncode < 0:
@@ -222,12 +230,17 @@ class Launcher:
                 reader.join(_DRAIN_SECONDS)
         for task in self._tasks:
             self._say(f"{task.name} {self._outcome(task)}")
-        if failed is not None and failed[1] != EXIT_USAGE:
-            # A task's usage error can end its peers first (they lose it, a restartable
-            # failure): the usage error decides, so that no restart meets it again.
-            usage = [t for t, proc in self._procs.items() if proc.returncode == EXIT_USAGE]
-            if usage:
-                code, failed = EXIT_USAGE, (usage[0], EXIT_USAGE)
+        if failed is not None and failed[1] not in NOT_RESTARTABLE:
+            # A task's usage error or storage fault can end its peers first (they lose it,
+            # a restartable failure): it decides, so that no restart meets it again.
+            final = [
+                (t, proc.returncode)
+                for t, proc in self._procs.items()
+                if proc.returncode in NOT_RESTARTABLE
+            ]
+            if final:
+                failed = final[0]
+                code = failed[1]
         return code, failed
 
     def _exit_or_restart(self, code: int, failed: tuple[Task, int], deadline: float) -> int | None:
@@ -240,6 +253,12 @@ class Launcher:
         if returncode == EXIT_USAGE:  # the command is wrong: every restart would fail alike
             # Its failure was said when it happened; say only the decision.
             self._say(f"not restarting: {task.name}'s usage error would come back every time")
+            return code
+        if returncode == EXIT_STORAGE:
+            self._say(
+                f"not restarting: {task.name}'s storage fault would come back until it is "
+                "fixed; then run the same command again, which resumes from the last checkpoint"
+            )
             return code
         if self._restarts == self._max_restarts:
             if self._max_restarts:
@@ -330,7 +349,7 @@ class Launcher:
                 restart = (
                     task in workers
                     and self._worker_failure == "restart"
-                    and proc.returncode != EXIT_USAGE
+                    and proc.returncode not in NOT_RESTARTABLE
                 )
                 if restart and self._restart_in_place(task, proc.returncode):
                     exited.discard(task)

@@ -24,7 +24,8 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import TfdistError
-from tfdist.storage import strict_json, write_atomically
+from tfdist.storage import agree_on_fault, cause_of, fault, strict_json, write_atomically
+from tfdist.training import model_dir_lock
 from tfdist.training import shards as shard_files
 from tfdist.training.shards import Shards
 
@@ -47,13 +48,13 @@ _MUST_MATCH = (
 )  # fmt: skip
 
 
-def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> None:
+def check_resume_settings(model_dir: str, settings: dict) -> None:
     """Compares this job's settings with those the run in `model_dir` was saved with.
 
     Raises CheckpointMismatchError where resuming would be wrong (another model, dataset,
     optimizer, mixed precision or global batch); warns where the saved step means something new (another
-    number of workers or replicas, or of steps per epoch). With `write` (the chief), records
-    `settings` in model_dir/run.json for the next resume.
+    number of workers or replicas, or of steps per epoch). `record_settings` writes them
+    for the next resume (StepCheckpoint's `settings`, once it holds model_dir's lock).
     """
     path = os.path.join(model_dir, SETTINGS_FILE)
     # The files themselves, as restore_latest reads them (the state file can lag behind).
@@ -96,8 +97,29 @@ def check_resume_settings(model_dir: str, settings: dict, *, write: bool) -> Non
             log.warning(
                 "Resuming a run saved with %s=%s under %s=%s: %s", key, before, key, after, meaning
             )
-    if write:
-        write_atomically(path, strict_json(settings, what=SETTINGS_FILE, indent=2))
+
+
+def record_settings(model_dir: str, settings: dict, runner) -> None:
+    """The chief writes `settings` to model_dir/run.json for the next resume to compare; a
+    storage fault there stops every task with one line (each calls this at the same point)."""
+    path = os.path.join(model_dir, SETTINGS_FILE)
+    local = None
+    if runner.is_chief:
+        try:
+            write_atomically(path, strict_json(settings, what=SETTINGS_FILE, indent=2))
+        except (tf.errors.OpError, OSError) as error:
+            if (cause := cause_of(error)) is None:
+                raise
+            local = fault(cause, what="settings file", path=path, resume=_FROM_LAST)
+
+    def peer_fault(cause):
+        return fault(cause, what="settings file", path=path, resume=_FROM_LAST,
+                     where="on the chief")  # fmt: skip
+
+    agree_on_fault(runner.tally, local, peer_fault)
+
+
+_FROM_LAST = "from the last checkpoint"
 
 
 class Checkpoints:
@@ -207,9 +229,38 @@ class Checkpoints:
             return (getattr(error, "message", None) or str(error)).strip().splitlines()[0]
         return None
 
-    def save(self, step: int) -> None:
+    def save(self, step: int, *, tally: Callable[[list[int]], list[int]] = list) -> None:
+        """Saves checkpoint `step` (every task calls it at the same step).
+
+        A storage fault on any task (a full disk, a read-only or vanished directory, a file
+        size limit) stops every one with one line (StorageFault): the half-written
+        checkpoint is removed, and the one before it stays the resume point.
+
+        Args:
+          tally: sums counts over the job's tasks (the runner's `tally`).
+        """
         if self.manager is None:
             return
+        local = None
+        try:
+            self._save(step)
+        except (tf.errors.OpError, OSError, shard_files.PeerFailed) as error:
+            cause = None if isinstance(error, shard_files.PeerFailed) else cause_of(error)
+            if cause is None and not isinstance(error, shard_files.PeerFailed):
+                raise
+            self._discard(step)
+            if cause is not None:
+                where = self.directory if self._scratch is None else self._scratch
+                local = fault(cause, what="checkpoint", path=os.path.join(where, f"ckpt-{step}"),
+                              resume=self._resume_point())  # fmt: skip
+
+        def peer_fault(cause):
+            return fault(cause, what="checkpoint", path=os.path.join(self.directory, f"ckpt-{step}"),
+                         resume=self._resume_point(), where="on another task")  # fmt: skip
+
+        agree_on_fault(tally, local, peer_fault)
+
+    def _save(self, step: int) -> None:
         if self.shards is None:
             path = self.manager.save(checkpoint_number=step)
         else:
@@ -225,6 +276,29 @@ class Checkpoints:
                 self._drop_old_shards()
         if self._scratch is None:
             log.info("Saved checkpoint %s", path)
+
+    def _discard(self, step: int) -> None:
+        """What a failed save of `step` left: its temporary directory, its files, its shards
+        (on the chief; a worker's scratch is its own). Best effort: the storage failed."""
+        where = self._scratch or self.directory
+        prefix = os.path.join(where, f"ckpt-{step}")
+        try:
+            for path in tf.io.gfile.glob(prefix + "_temp*") + tf.io.gfile.glob(prefix + ".*"):
+                if tf.io.gfile.isdir(path):
+                    tf.io.gfile.rmtree(path)
+                else:
+                    tf.io.gfile.remove(path)
+        except (tf.errors.OpError, OSError) as error:
+            log.warning("Could not remove the half-written checkpoint %s: %s", prefix, error)
+
+    def _resume_point(self) -> str:
+        """Where the same command resumes: the newest checkpoint kept, as this task sees it."""
+        candidates = checkpoint_candidates(self.directory) if self._scratch is None else []
+        if candidates:
+            return f"from {candidates[0]}, the last complete checkpoint"
+        if self._scratch is None:
+            return "from the start (no checkpoint was completed)"
+        return f"from the last complete checkpoint in {self.directory}"
 
     def _drop_old_shards(self) -> None:
         """The shards of checkpoints the manager no longer keeps."""
@@ -269,6 +343,11 @@ class StepCheckpoint(keras.callbacks.Callback):
         None keeps nothing (the callback then only counts steps).
       every_n_steps: also save every this many steps (0: at epoch ends only).
       max_to_keep: how many of the newest checkpoints to keep.
+      settings: the run's settings, written to model_dir/run.json for the next resume to
+        compare (`check_resume_settings`); None writes none.
+
+    Before it reads or writes anything, the chief takes model_dir's lock (one job per
+    model_dir: `tfdist.training.model_dir_lock`); a second job stops there on every task.
 
     Attributes:
       restored_step: the step of the checkpoint restored at the start (0: none).
@@ -277,13 +356,22 @@ class StepCheckpoint(keras.callbacks.Callback):
 
     reads_batch_logs = False  # it counts steps: no metrics need reading for it
 
-    def __init__(self, model_dir: str | None, *, every_n_steps: int = 0, max_to_keep: int = 5):
+    def __init__(
+        self,
+        model_dir: str | None,
+        *,
+        every_n_steps: int = 0,
+        max_to_keep: int = 5,
+        settings: dict | None = None,
+    ):
         super().__init__()
         if not isinstance(every_n_steps, int) or every_n_steps < 0:
             raise ValueError(
                 f"every_n_steps must be a whole number >= 0. Received: {every_n_steps!r}"
             )
         self.model_dir, self.every_n_steps, self.max_to_keep = model_dir, every_n_steps, max_to_keep
+        self.settings = settings
+        self._holds_lock = False
         self.restored_step = self.step = 0
         self._runner = None
         self._checkpoints: Checkpoints | None = None
@@ -327,6 +415,11 @@ class StepCheckpoint(keras.callbacks.Callback):
             model=self.model, optimizer=self.model.optimizer, step=self._step_variable,
             **runner.checkpoint_state(),
         )  # fmt: skip
+        if self.model_dir and not self._holds_lock:
+            model_dir_lock.agree_to_hold(self.model_dir, runner)
+            self._holds_lock = True
+        if self.model_dir and self.settings is not None:
+            record_settings(self.model_dir, self.settings, runner)
         processes = runner.layout.processes
         self._checkpoints = Checkpoints(
             checkpoint, model_dir=self.model_dir, is_chief=runner.is_chief,
@@ -357,6 +450,12 @@ class StepCheckpoint(keras.callbacks.Callback):
     def on_train_end(self, logs=None):
         self._checkpoints.close()
 
+    def release(self) -> None:
+        """Lets go of model_dir's lock (when fit ends, however it ends)."""
+        if self._holds_lock:
+            self._holds_lock = False
+            model_dir_lock.let_go(self.model_dir)
+
     def backup_now(self, *, epoch: int, step: int) -> str | None:
         """Saves at `step` (fit stops there for a SIGTERM); returns the directory."""
         del epoch
@@ -371,7 +470,7 @@ class StepCheckpoint(keras.callbacks.Callback):
         self._last_saved = self.step
         self._runner.settle()  # every scheduled step applied, the replicas one model
         self._step_variable.assign(self.step)
-        self._checkpoints.save(self.step)
+        self._checkpoints.save(self.step, tally=self._runner.tally)
         if self.directory:
             self._saved_step = self.step
 

@@ -102,6 +102,7 @@ class Controller:
             ),
             fit_callbacks.writes_redirected(self.callbacks, is_chief=is_chief) as redirect,
             PreemptionWatcher(runner.agree, saves=self._saves_on_stop()) as self.watcher,
+            fit_callbacks.released(self.callbacks),
         ):
             self.redirect = redirect
             callback_list = fit_callbacks.callback_list(

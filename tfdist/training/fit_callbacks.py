@@ -79,6 +79,19 @@ def backups(
 
 
 @contextlib.contextmanager
+def released(callbacks: Sequence[keras.callbacks.Callback]) -> Iterator[None]:
+    """Calls each callback's `release()` when fit ends, however it ends: what a callback
+    holds for the length of a fit (tfdist's model_dir lock) is let go even when an error
+    skips `on_train_end`."""
+    try:
+        yield
+    finally:
+        for callback in callbacks:
+            if callable(getattr(callback, "release", None)):
+                callback.release()
+
+
+@contextlib.contextmanager
 def writes_redirected(
     callbacks: Sequence[keras.callbacks.Callback], *, is_chief: bool
 ) -> Iterator[_Redirect]:

@@ -13,12 +13,14 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import keras
 import tensorflow as tf
 
-from tfdist.storage import strict_json, write_atomically
+from tfdist.storage import agree_on_fault, cause_of, fault, strict_json, write_atomically
 from tfdist.strategies import strategy_kind
+from tfdist.training import model_dir_lock
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,10 @@ class RunHistory:
 
     @property
     def steps_trained(self) -> int:
-        return sum(s["steps_trained"] for s in self.sessions)
+        # With the steps before the first recorded session's start: a session that stopped
+        # before its first epoch's end left a checkpoint, but no line.
+        first = self.sessions[0]["resumed_from_step"] if self.sessions else 0
+        return first + sum(s["steps_trained"] for s in self.sessions)
 
     @property
     def train_seconds(self) -> float:
@@ -72,10 +77,16 @@ def read_run_history(lines: list[dict]) -> RunHistory:
     A session that started from step 0 begins a new run (a model_dir reused after its
     checkpoints were removed): what came before is not this run's. A session that resumed
     at step S replaces the epochs earlier sessions recorded after S.
+
+    A session's steps_trained are the steps of the run it trained: from its resume point to
+    the next session's (a session stopped inside an epoch trained up to its checkpoint, though
+    no line records that epoch) or, for the last, to its last epoch's step. Steps trained
+    again after a crash are counted once.
     """
     by_epoch: dict[int, dict] = {}
     sessions: dict[str, dict] = {}
     timings: dict[str, list[tuple[int, float]]] = {}
+    ends: dict[str, int] = {}  # each session's last recorded step
     for line in lines:
         if line["session"] not in sessions:  # a session's first epoch: where it started
             start = line["resumed_from_step"]
@@ -83,21 +94,26 @@ def read_run_history(lines: list[dict]) -> RunHistory:
                 by_epoch.clear()
                 sessions.clear()
                 timings.clear()
+                ends.clear()
             # Epochs an earlier session ended after this one's start were trained again.
             by_epoch = {e: h for e, h in by_epoch.items() if h["step"] <= start}
-        epoch = {k: v for k, v in line.items() if k not in _SESSION_FIELDS}
-        by_epoch[line["epoch"]] = epoch
         session = sessions.setdefault(
             line["session"],
             {"started": line["session"], "resumed_from_step": line["resumed_from_step"],
              "epochs": [], "steps_trained": 0, "train_seconds": 0.0},
         )  # fmt: skip
+        by_epoch[line["epoch"]] = {k: v for k, v in line.items() if k not in _SESSION_FIELDS}
         session["epochs"].append(line["epoch"])
-        session["steps_trained"] += line["steps_trained"]
         session["train_seconds"] += line["train_seconds"]
         timings.setdefault(line["session"], []).append(
             (line["steps_trained"], line["train_seconds"])
         )
+        ends[line["session"]] = line["step"]
+    ordered = list(sessions.values())
+    for i, session in enumerate(ordered):
+        following = ordered[i + 1] if i + 1 < len(ordered) else None
+        end = following["resumed_from_step"] if following else ends[session["started"]]
+        session["steps_trained"] = max(0, end - session["resumed_from_step"])
     return RunHistory(
         history=tuple(by_epoch[e] for e in sorted(by_epoch)),
         sessions=tuple(sessions.values()),
@@ -200,6 +216,7 @@ class RunRecord(keras.callbacks.Callback):
         self._runner = None
         self._writer = None
         self._lines: list[dict] = []
+        self._holds_lock = False
 
     def set_runner(self, runner) -> None:
         """Called by tfdist.fit before training: the runner says who writes, and what it did."""
@@ -222,6 +239,9 @@ class RunRecord(keras.callbacks.Callback):
         self._lines, self.result = [], None
         self._resumed_from_step: int | None = None
         self._step = 0
+        if self.model_dir and self._runner is not None and not self._holds_lock:
+            model_dir_lock.agree_to_hold(self.model_dir, self._runner)
+            self._holds_lock = True
         if self.model_dir and self._chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(os.path.join(self.model_dir, LOG_SUBDIR))
 
@@ -256,6 +276,12 @@ class RunRecord(keras.callbacks.Callback):
         if self.trained:
             self.finish()
 
+    def release(self) -> None:
+        """Lets go of model_dir's lock (when fit ends, however it ends)."""
+        if self._holds_lock:
+            self._holds_lock = False
+            model_dir_lock.let_go(self.model_dir)
+
     # --- what is recorded -------------------------------------------------------------------------
 
     def _metrics(self, logs: dict, *, examples_per_second: float) -> dict[str, float]:
@@ -283,14 +309,9 @@ class RunRecord(keras.callbacks.Callback):
                 "resumed_from_step": self._resumed_from_step or 0, "steps_trained": steps,
                 "train_seconds": seconds}  # fmt: skip
         self._lines.append(line)
+        self._append_history(line)
         if not self._chief:
             return
-        if self.model_dir:
-            path = os.path.join(self.model_dir, HISTORY_FILE)
-            earlier = _read_text(path)
-            if earlier and not earlier.endswith("\n"):
-                earlier += "\n"
-            write_atomically(path, earlier + strict_json(line, what=HISTORY_FILE) + "\n")
         parts = [f"epoch {epoch + 1}/{self.params['epochs']}", f"step {self._step}"]
         parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
         log.info("%s", "  ".join(parts))
@@ -299,6 +320,39 @@ class RunRecord(keras.callbacks.Callback):
                 for name, value in metrics.items():
                     tf.summary.scalar(name, value)
             self._writer.flush()
+
+    def _append_history(self, line: dict) -> None:
+        """The chief adds `line` to history.jsonl (every task calls this: a storage fault
+        there stops them all)."""
+        if not self.model_dir:
+            return
+        path = os.path.join(self.model_dir, HISTORY_FILE)
+
+        def append():
+            earlier = _read_text(path)
+            if earlier and not earlier.endswith("\n"):
+                earlier += "\n"
+            write_atomically(path, earlier + strict_json(line, what=HISTORY_FILE) + "\n")
+
+        self._write_on_chief("run's history", path, append)
+
+    def _write_on_chief(self, what: str, path: str, write: Callable[[], None]) -> None:
+        """The chief calls `write`; a storage fault there ends every task with one line (each
+        task calls this at the same point)."""
+        local = None
+        if self._chief:
+            try:
+                write()
+            except (tf.errors.OpError, OSError) as error:
+                if (cause := cause_of(error)) is None:
+                    raise
+                local = fault(cause, what=what, path=path, resume=_RESUME)
+        tally = self._runner.tally if self._runner is not None else list
+
+        def peer_fault(cause):
+            return fault(cause, what=what, path=path, resume=_RESUME, where="on the chief")
+
+        agree_on_fault(tally, local, peer_fault)
 
     def history(self) -> RunHistory:
         """Every session's epochs: model_dir/history.jsonl on the chief, else this session's."""
@@ -371,17 +425,27 @@ class RunRecord(keras.callbacks.Callback):
             resume_points=tuple(record.resume_points),
             sessions=record.sessions,
         )
-        if self.model_dir and self._chief:
-            write_atomically(os.path.join(self.model_dir, SUMMARY_FILE), self.result.to_json())
+        if self.model_dir:
+            path = os.path.join(self.model_dir, SUMMARY_FILE)
+            self._write_on_chief(
+                "run's summary", path, lambda: write_atomically(path, self.result.to_json())
+            )
             if self.export:
                 export_dir = os.path.join(self.model_dir, "export")
-                tf.io.gfile.makedirs(export_dir)
-                self.model.save(os.path.join(export_dir, "model.keras"))
-                log.info("Wrote %s and exported the model to %s", SUMMARY_FILE, export_dir)
+                self._write_on_chief("exported model", export_dir, lambda: self._export(export_dir))
         if self._writer is not None:
             self._writer.close()
             self._writer = None
         return self.result
+
+    def _export(self, export_dir: str) -> None:
+        tf.io.gfile.makedirs(export_dir)
+        self.model.save(os.path.join(export_dir, "model.keras"))
+        log.info("Wrote %s and exported the model to %s", SUMMARY_FILE, export_dir)
+
+
+# A record that could not be written loses no training: the checkpoints hold it.
+_RESUME = "from the last checkpoint, and records the rest"
 
 
 def _read_text(path: str) -> str:

@@ -221,7 +221,12 @@ class Runner(abc.ABC):
         Every lockstep worker must call this at the same point of the loop (it is a
         collective when there are several).
         """
-        return flag
+        return self.tally([int(flag)])[0] > 0
+
+    def tally(self, counts: Sequence[int]) -> list[int]:
+        """`counts` summed element by element over the lockstep workers (a collective when
+        there are several: every one calls it at the same point)."""
+        return list(counts)
 
     @property
     def needs_epoch_length(self) -> bool:

@@ -112,38 +112,53 @@ def has_shards(prefix: str) -> bool:
     return tf.io.gfile.exists(merged(prefix) + ".index")
 
 
-def write(shards: Shards, prefix: str, *, rank: int, ranks: int, barrier: Callable[[], None],
-          is_chief: bool) -> None:  # fmt: skip
+class PeerFailed(Exception):
+    """Another process could not write its part of a checkpoint: this one wrote nothing more."""
+
+
+def write(shards: Shards, prefix: str, *, rank: int, ranks: int,
+          barrier: Callable[[bool], bool], is_chief: bool) -> None:  # fmt: skip
     """Every process writes its part of checkpoint `prefix`; the chief merges them once all
-    have (every process calls it at the same step)."""
-    where = directory(prefix)
-    tf.io.gfile.makedirs(where)
-    part = f"{where}/part-{rank:05d}-of-{ranks:05d}"
-    entries = shards.entries()
-    if entries:
+    have (every process calls it at the same step).
+
+    Every process passes both barriers even when a write fails (the others would wait for
+    it): the one that failed raises its error, the others PeerFailed.
+    """
+    error = None
+    try:
+        where = directory(prefix)
+        tf.io.gfile.makedirs(where)
+        part = f"{where}/part-{rank:05d}-of-{ranks:05d}"
+        entries = shards.entries() or [  # a bundle all the same: the merge takes every rank's
+            Entry(f".empty/{rank}", tf.zeros([0]))
+        ]
         tf.raw_ops.SaveV2(
             prefix=part,
             tensor_names=[e.key for e in entries],
             shape_and_slices=[e.spec for e in entries],
             tensors=[e.value for e in entries],
         )
-    else:  # a bundle all the same: the merge takes every rank's
-        tf.raw_ops.SaveV2(prefix=part, tensor_names=[f".empty/{rank}"], shape_and_slices=[""],
-                          tensors=[tf.zeros([0])])  # fmt: skip
-    barrier()
+    except (tf.errors.OpError, OSError) as e:
+        error = e
+    if barrier(error is not None):
+        raise error or PeerFailed()
     if is_chief:
-        parts = [f"{where}/part-{r:05d}-of-{ranks:05d}" for r in range(ranks)]
-        # What a save of this step cut short left (a job stopped after its merge, before
-        # its ckpt-N), never mixed into this one.
-        for stale in tf.io.gfile.glob(merged(prefix) + ".*"):
-            _remove(stale)
-        tf.raw_ops.MergeV2Checkpoints(
-            checkpoint_prefixes=parts, destination_prefix=merged(prefix),
-            delete_old_dirs=False,
-        )  # fmt: skip
-        for p in parts:  # the merge moved their data files; their indexes are left
-            _remove(p + ".index")
-    barrier()
+        try:
+            parts = [f"{where}/part-{r:05d}-of-{ranks:05d}" for r in range(ranks)]
+            # What a save of this step cut short left (a job stopped after its merge, before
+            # its ckpt-N), never mixed into this one.
+            for stale in tf.io.gfile.glob(merged(prefix) + ".*"):
+                _remove(stale)
+            tf.raw_ops.MergeV2Checkpoints(
+                checkpoint_prefixes=parts, destination_prefix=merged(prefix),
+                delete_old_dirs=False,
+            )  # fmt: skip
+            for p in parts:  # the merge moved their data files; their indexes are left
+                _remove(p + ".index")
+        except (tf.errors.OpError, OSError) as e:
+            error = e
+    if barrier(error is not None):
+        raise error or PeerFailed()
 
 
 def read(shards: Shards, prefix: str) -> None:
@@ -185,13 +200,17 @@ def _remove(path: str) -> None:
         tf.io.gfile.remove(path)
 
 
-def barrier(strategy: tf.distribute.Strategy, processes: int) -> Callable[[], None]:
-    """A function that returns once every worker process has called it (a collective)."""
+def barrier(strategy: tf.distribute.Strategy, processes: int) -> Callable[[bool], bool]:
+    """A function that returns once every worker process has called it (a collective), and
+    says whether any of them passed `failed`."""
 
-    def wait() -> None:
-        if processes > 1:
-            ones = strategy.experimental_distribute_values_from_function(lambda _: tf.constant(1.0))
-            strategy.reduce(tf.distribute.ReduceOp.SUM, ones, axis=None).numpy()
+    def wait(failed: bool = False) -> bool:
+        if processes <= 1:
+            return failed
+        flags = strategy.experimental_distribute_values_from_function(
+            lambda _: tf.constant(float(failed))
+        )
+        return float(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)) > 0
 
     return wait
 

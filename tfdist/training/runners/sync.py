@@ -96,15 +96,18 @@ class SyncRunner(Runner):
     def lockstep_workers(self) -> int:
         return compat.sync_worker_count(self.strategy)
 
-    def agree(self, flag: bool) -> bool:
+    def tally(self, counts: Sequence[int]) -> list[int]:
         if self.lockstep_workers <= 1:
-            return flag
+            return list(counts)
         strategy = self.strategy
         with self.explained():
-            flags = strategy.experimental_distribute_values_from_function(
-                lambda _: tf.constant(int(flag), tf.int32)
+            values = strategy.experimental_distribute_values_from_function(
+                lambda _: tf.constant(list(counts), tf.int32)
             )
-            return int(strategy.reduce(tf.distribute.ReduceOp.SUM, flags, axis=None)) > 0
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
+        # Each of a worker's replicas gave its counts: a worker counts once.
+        per_worker = strategy.num_replicas_in_sync // self.lockstep_workers
+        return (total // per_worker).tolist()
 
     # --- building and data --------------------------------------------------------------------
 

@@ -1,0 +1,282 @@
+"""Storage faults end a job in one line on every task and lose nothing; one job per model_dir.
+
+Real faults on real filesystems: a small tmpfs filled mid-run and a model_dir made read-only
+mid-run (both in a user and mount namespace of the test's own, where an unprivileged process
+may mount), and a file-size limit set on a running process (prlimit). Each job is two worker
+processes under tfdist-launch (the file-size one a single process), and each resume is held
+to an uninterrupted run's weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import REPO, run_module
+from tfdist.exit_codes import EXIT_STORAGE
+
+pytestmark = pytest.mark.multiprocess
+TOLERANCE = 1e-5
+
+
+def _namespaces_allowed() -> bool:
+    probe = subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "true"],
+        capture_output=True,
+        check=False,
+    )
+    return probe.returncode == 0
+
+
+needs_namespaces = pytest.mark.skipif(
+    not _namespaces_allowed(), reason="this host allows no unprivileged user and mount namespaces"
+)
+
+
+def train(model_dir, data_dir, weights_dir, *, workers: int = 2, epochs: int = 3) -> list[str]:
+    """The binary under tfdist-launch: 2 workers, checkpoints every 5 of 66 steps."""
+    binary = [
+        sys.executable, "-m", "experiments.train", "--model=mlp", f"--epochs={epochs}",
+        "--checkpoint_every=5", "--eval_every=0", "--seed=3", f"--data_dir={data_dir}",
+        f"--model_dir={model_dir}", f"--save_weights_to={weights_dir}",
+    ]  # fmt: skip
+    if workers == 1:
+        return [*binary, "--strategy=one_device"]
+    return [sys.executable, "-m", "tfdist.launch", "--workers", str(workers), "--max_restarts",
+            "2", "--", *binary, "--strategy=multi_worker_mirrored"]  # fmt: skip
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"}
+    env.pop("TF_CONFIG", None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    here = tmp_path_factory.mktemp("data")
+    # The digits TFRecords, written once (a job's two workers then only read them).
+    made = run_module("experiments.train", "--strategy=one_device", "--model=mlp", "--epochs=1",
+                      "--steps_per_epoch=1", "--eval_every=0", f"--data_dir={here}")  # fmt: skip
+    assert made.returncode == 0, made.stderr[-2000:]
+    return here
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(data_dir, tmp_path_factory):
+    """The 2-worker run nothing stops: its chief's weights."""
+    here = tmp_path_factory.mktemp("uninterrupted")
+    whole = subprocess.run(train(here / "run", data_dir, here / "w"), cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert whole.returncode == 0, whole.stdout[-3000:]
+    return _weights(here / "w" / "worker_0.npz")
+
+
+def _weights(path) -> list[np.ndarray]:
+    with np.load(path) as saved:
+        return [saved[k] for k in saved.files]
+
+
+def _in_namespace(script: str, tmp_path) -> subprocess.CompletedProcess:
+    """Runs a bash script as root of a user and mount namespace of its own."""
+    path = tmp_path / "script.sh"
+    path.write_text("set -u\n" + script)
+    return subprocess.run(
+        ["unshare", "--user", "--map-root-user", "--mount", "bash", str(path)], cwd=REPO,
+        env=_env(), capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def _job_lines(output: str) -> dict[str, list[str]]:
+    """Each task's `error:` lines, by task (the launcher prefixes them)."""
+    lines: dict[str, list[str]] = {}
+    for match in re.finditer(r"^\[(worker:\d)\] (error: .*)$", output, re.M):
+        lines.setdefault(match[1], []).append(match[2])
+    return lines
+
+
+def _fault_then_resume(tmp_path, data_dir, fault: str, undo: str) -> tuple[str, str, str]:
+    """A 2-worker job on a 64 MB tmpfs meets `fault` once ckpt-10 is written; then `undo`,
+    and the same command again. Returns the first run's output, the second's, and the list
+    of the checkpoint directory between them."""
+    disk, run = tmp_path / "disk", tmp_path / "disk" / "run"
+    disk.mkdir()
+    command = shlex.join(train(run, data_dir, tmp_path / "w"))
+    script = f"""
+mount -t tmpfs -o size=64m tmpfs {disk}
+{command} > {tmp_path}/first.log 2>&1 &
+job=$!
+until [ -e {run}/checkpoints/ckpt-10.index ] || ! kill -0 $job 2>/dev/null; do sleep 0.05; done
+{fault}
+wait $job; echo "first exit $?" >> {tmp_path}/first.log
+ls -a {run}/checkpoints > {tmp_path}/listing
+{undo}
+{command} > {tmp_path}/second.log 2>&1
+echo "second exit $?" >> {tmp_path}/second.log
+cp -r {run} {tmp_path}/kept
+"""
+    done = _in_namespace(script, tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (tmp_path / "first.log").read_text(), (tmp_path / "second.log").read_text()
+    return first, second, (tmp_path / "listing").read_text()
+
+
+def _check_fault_and_resume(first, second, listing, cause: str, uninterrupted, tmp_path):
+    assert f"first exit {EXIT_STORAGE}" in first, first[-3000:]
+    errors = _job_lines(first)
+    # One line on every task, naming the path and the cause.
+    assert sorted(errors) == ["worker:0", "worker:1"], first[-3000:]
+    for lines in errors.values():
+        assert len(lines) == 1, lines
+        assert re.search(r"Cannot write the checkpoint \S+/checkpoints/ckpt-\d+", lines[0])
+        assert cause in lines[0] and "run the same command again" in lines[0], lines[0]
+    assert "Traceback" not in first
+    assert "not restarting: worker:" in first and "storage fault" in first
+    assert "restarting the job" not in first
+    # The half-written checkpoint is gone; the one the chief's line names is still there.
+    assert "_temp" not in listing, listing
+    named = re.search(r"resumes from \S+/(ckpt-\d+), the last complete", errors["worker:0"][0])
+    assert named and f"{named[1]}.index" in listing.split(), (errors, listing)
+    # The same command resumes there and ends where the uninterrupted run does.
+    assert "second exit 0" in second, second[-3000:]
+    assert "Restored " in second and f"{named[1]}" in second
+    summary = json.loads((tmp_path / "kept" / "summary.json").read_text())
+    assert summary["steps"] == 66 and summary["steps_trained"] == 66, summary
+    assert summary["resume_points"] == [int(named[1].split("-")[1])], summary
+    resumed = _weights(tmp_path / "w" / "worker_0.npz")
+    assert (
+        max(float(np.max(np.abs(a - b))) for a, b in zip(resumed, uninterrupted, strict=True))
+        <= TOLERANCE
+    )
+
+
+@needs_namespaces
+def test_a_disk_full_mid_run_is_one_line_on_every_task_and_the_resume_loses_nothing(
+    tmp_path, data_dir, uninterrupted
+):
+    first, second, listing = _fault_then_resume(
+        tmp_path, data_dir,
+        fault=f"dd if=/dev/zero of={tmp_path}/disk/filler bs=1M count=100 2>/dev/null",
+        undo=f"rm {tmp_path}/disk/filler",
+    )  # fmt: skip
+    _check_fault_and_resume(first, second, listing, "no space left on the device",
+                            uninterrupted, tmp_path)  # fmt: skip
+
+
+@needs_namespaces
+def test_a_model_dir_made_read_only_mid_run_is_one_line_on_every_task_and_resumes(
+    tmp_path, data_dir, uninterrupted
+):
+    run = tmp_path / "disk" / "run"
+    # A read-only mount of the model_dir over itself: what is opened from now on is
+    # read-only (a remount of the tmpfs itself is refused while the job holds files open).
+    first, second, listing = _fault_then_resume(
+        tmp_path, data_dir,
+        fault=f"mount --bind {run} {run} && mount -o remount,bind,ro {run}",
+        undo=f"umount {run}",
+    )  # fmt: skip
+    _check_fault_and_resume(first, second, listing, "the filesystem is read-only",
+                            uninterrupted, tmp_path)  # fmt: skip
+
+
+def test_a_file_size_limit_met_mid_run_is_one_line_and_keeps_the_last_checkpoint(
+    tmp_path, data_dir
+):
+    if subprocess.run(["prlimit", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("no prlimit on this host")
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train(run, data_dir, tmp_path / "w", workers=1), cwd=REPO,
+                            env=_env(), stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 240
+    while not (run / "checkpoints" / "ckpt-10.index").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+    # Files of the running process may grow no larger than 1 KB from now on.
+    subprocess.run(["prlimit", f"--pid={proc.pid}", "--fsize=1024"], check=True)
+    _, stderr = proc.communicate(timeout=240)
+    assert proc.returncode == EXIT_STORAGE, stderr[-3000:]
+    errors = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "a file reached the file-size limit" in errors[0], stderr[-3000:]
+    assert "ulimit -f" in errors[0] and "Traceback" not in stderr
+    names = os.listdir(run / "checkpoints")
+    assert not [n for n in names if "_temp" in n], names
+    resumed = subprocess.run(train(run, data_dir, tmp_path / "w", workers=1), cwd=REPO,
+                             env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == summary["steps_trained"] == 66 and summary["resumed_from_step"] >= 10
+
+
+def _kill_every_process_of(model_dir) -> None:
+    """SIGKILL to the launcher and each task of the job on `model_dir` (each task has a
+    session of its own)."""
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read()
+        except OSError:
+            continue
+        if pid.isdigit() and f"--model_dir={model_dir}".encode() in command:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_a_dead_jobs_lock_is_taken_over(
+    tmp_path, data_dir
+):
+    run = tmp_path / "run"
+    # Job A: long enough to be running while job B starts.
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        first = subprocess.Popen(train(run, data_dir, tmp_path / "wa", epochs=30), cwd=REPO,
+                                 env=_env(), stdout=out, stderr=subprocess.STDOUT,
+                                 start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (run / "checkpoints" / "ckpt-5.index").exists():
+            assert first.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.05)
+        lock = json.loads((run / "tfdist.lock").read_text())
+        started = time.monotonic()
+        second = subprocess.run(train(run, data_dir, tmp_path / "wb", epochs=60), cwd=REPO,
+                                env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert second.returncode == EXIT_STORAGE, second.stdout[-3000:]
+        errors = _job_lines(second.stdout)
+        assert sorted(errors) == ["worker:0", "worker:1"], second.stdout[-3000:]
+        for lines in errors.values():
+            assert len(lines) == 1 and "is in use by another job" in lines[0], lines
+            assert f"pid {lock['pid']}" in lines[0] and lock["host"] in lines[0], lines
+        assert "Traceback" not in second.stdout
+        assert "restarting the job" not in second.stdout
+        assert time.monotonic() - started < 120
+        assert first.poll() is None, log.read_text()[-3000:]  # job A trains on
+        # Job A dies without a chance to let go: its lock stays, and the next job takes it
+        # over (same host, its process gone).
+        _kill_every_process_of(run)
+        first.wait(timeout=60)
+    finally:
+        _kill_every_process_of(run)
+    assert (run / "tfdist.lock").exists()
+    again = subprocess.run(train(run, data_dir, tmp_path / "wa", epochs=30), cwd=REPO, env=_env(),
+                           capture_output=True, text=True, timeout=400)  # fmt: skip
+    assert again.returncode == 0, again.stdout[-3000:]
+    assert "Taking over" in again.stdout and "is no longer running" in again.stdout, again.stdout[
+        -5000:
+    ]
+    assert not (run / "tfdist.lock").exists()  # let go at the end
+    # Nothing job B tried is in the record: each epoch once, every step counted once.
+    summary = json.loads((run / "summary.json").read_text())
+    assert [h["epoch"] for h in summary["history"]] == sorted(
+        {h["epoch"] for h in summary["history"]}
+    )
+    assert summary["steps_trained"] == summary["steps"]
