@@ -49,6 +49,7 @@ from tfdist.app.evaluator import EvaluatorTimeoutError, evaluate_checkpoints  # 
 from tfdist.data import dataset_names  # noqa: E402
 from tfdist.models import model_names  # noqa: E402
 from tfdist.parallel import registry  # noqa: E402
+from tfdist.peers import lost_peers_explained  # noqa: E402
 from tfdist.strategies.defaults import (  # noqa: E402
     AUTO,
     TPU_STEPS_PER_EXECUTION,
@@ -364,7 +365,11 @@ def main(argv: list[str]) -> None:
         "steps_per_execution %d, mixed precision %s",
         config.steps_per_execution, config.mixed_precision or "none (float32)",
     )  # fmt: skip
-    with signals.doing("preparing the data and the model"):
+    with (
+        signals.doing("preparing the data and the model"),
+        # The chief may stop here (a model_dir it cannot write): its peers say so in a line.
+        lost_peers_explained(cluster, when="while this task prepared the data and the model"),
+    ):
         trainer = Trainer(config, strategy=strategy, cluster=cluster)
     result = trainer.fit()
     if FLAGS.save_weights_to:

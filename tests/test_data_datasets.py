@@ -56,6 +56,42 @@ def test_digits_follow_the_image_contract_and_hold_the_real_images(data_dir):
     assert [lookup[img.tobytes()] for img in restored] == labels.tolist()
 
 
+def test_the_binary_s_own_digits_read_back_as_a_tfrecord_directory(data_dir):
+    digits = prepare_dataset("digits", data_dir=data_dir)
+    again = prepare_dataset("tfrecord:" + os.path.join(data_dir, "digits"))
+    assert (again.info.image_shape, again.info.num_classes) == ((8, 8, 1), 10)
+    assert again.info.num_examples == digits.info.num_examples
+    batches = [d.dataset("test", batch_size=359, options=ONE_EPOCH) for d in (digits, again)]
+    (a, la), (b, lb) = (next(iter(batch)) for batch in batches)
+    assert np.array_equal(a.numpy(), b.numpy()) and np.array_equal(la.numpy(), lb.numpy())
+
+
+def test_digits_written_without_their_classes_are_written_again(tmp_path):
+    from tfdist.data import write_tfrecords
+
+    for split, n in (("train", 3), ("test", 2)):  # an older tfdist's sidecars: no classes
+        write_tfrecords({"image": np.zeros((n, 8, 8, 1), np.uint8),
+                         "label": np.zeros(n, np.int64)}, str(tmp_path / "digits"), name=split)  # fmt: skip
+    digits = prepare_dataset("digits", data_dir=str(tmp_path))
+    assert digits.info.num_examples == {"train": 1438, "test": 359}
+
+
+@pytest.mark.parametrize(
+    "label, shown",
+    [(np.zeros((4, 2), np.int64), r"int64\[2\] per example"),
+     (np.zeros(4, np.float32), r"float32\[\] per example")],
+    ids=["one-hot rows", "floats"],
+)  # fmt: skip
+def test_a_tfrecord_directory_s_labels_of_another_shape_are_named(tmp_path, label, shown):
+    from tfdist.data import write_tfrecords
+
+    for split in ("train", "test"):
+        write_tfrecords({"image": np.zeros((4, 8, 8, 1), np.uint8), "label": label},
+                        str(tmp_path), name=split, attributes={"classes": 2})  # fmt: skip
+    with pytest.raises(DataError, match=shown + r".*labels.argmax\(axis=1\)"):
+        prepare_dataset(f"tfrecord:{tmp_path}")
+
+
 def test_synthetic_has_the_asked_shape_and_is_seeded():
     data = prepare_dataset("synthetic", image_shape=(32, 32, 3), num_classes=5, num_examples=100)
     assert data.info.image_shape == (32, 32, 3) and data.info.num_examples["train"] == 100

@@ -257,3 +257,31 @@ def test_a_lost_peer_s_line_comes_first_without_the_runtime_s_abort_lines():
     )  # fmt: skip
     everything = RuntimeLines(show_all=True)
     assert [x for line in [*ABORT, LOST] for x in everything.passed(line)] == [*ABORT, LOST]
+
+
+# What a parameter-server job's coordinator printed for each function it registered or
+# removed on a worker that was killed (TensorFlow 2.21; 192 lines in one run).
+UNREACHABLE = [
+    b"E0000 00:00:1795868095.725634   32161 context.cc:873] Failed to register function "
+    b"remotely due to failed to connect to all addresses; last error: UNKNOWN: "
+    b"ipv4:127.0.0.1:36379: Failed to connect to remote host:",
+    b"Additional GRPC error information from remote target /job:worker/replica:0/task:1 "
+    b"while calling /tensorflow.eager.EagerService/Enqueue:",
+    b':UNKNOWN:Error received from peer  {grpc_message:"failed to connect to all addresses; '
+    b'last error: UNKNOWN: ipv4:127.0.0.1:36379: Connection refused", grpc_status:14}',
+    b"This could happen if the remote target has been disconnected from the client.",
+]
+
+
+def test_a_lost_peer_s_connection_refused_repeats_are_one_line():
+    lines = [b"epoch 1", *UNREACHABLE * 40, b"epoch 2", *UNREACHABLE * 8, b"final: done"]
+    out, dropped = relayed(lines, 0, later=(b"epoch", b"final"))
+    said = [line for line in out if b"cannot reach" in line]
+    assert len(said) == 1 and b"/job:worker/replica:0/task:1" in said[0], out
+    assert out == [b"epoch 1", said[0], b"epoch 2", b"final: done"]
+    assert dropped == 48 * 4 - 1
+    # Another peer's is said too; any other runtime line passes as before.
+    other = [UNREACHABLE[0], UNREACHABLE[1].replace(b"task:1", b"task:2"), *UNREACHABLE[2:]]
+    out, _ = relayed([*UNREACHABLE, b"epoch 1", *other, ABORT[0], b"epoch 2"], 0)
+    assert [b"task:2" in line for line in out if b"cannot reach" in line] == [False, True]
+    assert ABORT[0] in out

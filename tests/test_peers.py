@@ -327,9 +327,15 @@ def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(
     assert launcher.returncode == 0, output[-4000:]
     assert f"[launch] worker:{victim} killed by SIGKILL" in output, output[-4000:]
     assert "restarting the job (restart 1 of 1)" in output
+    # The survivor ends on its one line within the launcher's grace after SIGTERM (it was
+    # held by TensorFlow's shutdown, waiting for the peer it lost), and the restarted job
+    # says how it ended.
+    assert "still running" not in output, output[-4000:]
+    restarted = output.split("restarting the job (restart 1 of 1)", 1)[1]
+    assert re.search(r"^\[worker:0\] final: multi_worker_mirrored, 2 replica", restarted, re.M)
 
     summary = json.loads((model_dir / "summary.json").read_text())
-    assert summary["steps"] == 60
+    assert summary["steps"] == summary["steps_trained"] == 60
     # A kill after the last checkpoint (the delay is random, the run short) resumes at 60.
     assert 0 < summary["resumed_from_step"] <= 60 and summary["resumed_from_step"] % 4 == 0
 

@@ -280,3 +280,24 @@ def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_a_dead_jobs_lo
         {h["epoch"] for h in summary["history"]}
     )
     assert summary["steps_trained"] == summary["steps"]
+
+
+@needs_namespaces
+def test_a_model_dir_read_only_from_the_start_is_one_line_on_every_task(tmp_path, data_dir):
+    run = tmp_path / "disk" / "run"
+    run.mkdir(parents=True)
+    command = shlex.join(train(run, data_dir, tmp_path / "w"))
+    done = _in_namespace(
+        f"mount --bind {run} {run} && mount -o remount,bind,ro {run}\n"
+        f'{command} > {tmp_path}/job.log 2>&1; echo "exit $?" >> {tmp_path}/job.log\n',
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    output = (tmp_path / "job.log").read_text()
+    assert "exit 2" in output, output[-3000:]  # the chief's: the command names a bad model_dir
+    errors = _job_lines(output)
+    assert sorted(errors) == ["worker:0", "worker:1"], output[-3000:]
+    assert "cannot be written" in errors["worker:0"][0] and "Read-only" in errors["worker:0"][0]
+    # The other worker was building the model with the chief when it stopped.
+    assert errors["worker:1"][0].startswith("error: Lost worker:0"), errors
+    assert "Traceback" not in output and "restarting the job" not in output

@@ -274,6 +274,8 @@ def test_a_stopped_run_resumes_to_the_same_step_and_weights(
 
     first, second = read_summary(whole), read_summary(interrupted)
     assert second["resumed_from_step"] > 0 and second["steps"] == first["steps"] == 66
+    # Every step counted: those the stopped session trained after its last epoch's line too.
+    assert second["steps_trained"] == first["steps_trained"] == 66
     # The history holds every epoch, those the stopped session ended too.
     assert [(h["epoch"], h["step"]) for h in second["history"]] == [(1, 22), (2, 44), (3, 66)]
     assert second["resume_points"] == [second["resumed_from_step"]]
@@ -611,6 +613,12 @@ def test_the_run_record_keeps_this_runs_epochs():
     assert [h["epoch"] for h in record.history] == [1, 2, 3, 4]
     assert record.history[2]["train_loss"] == 0.25 and record.resume_points == [6]
     assert record.steps_trained == 15  # every step trained, the redone ones too
+    # Session a was stopped at step 7, inside epoch 3 (a checkpoint, but no line for it):
+    # its 7th step counts too.
+    record = read_run_history([line(1, "a", 0), line(2, "a", 0),
+                              {**line(3, "b", 7), "steps_trained": 2}, line(4, "b", 7)])  # fmt: skip
+    assert [s["steps_trained"] for s in record.sessions] == [7, 5]
+    assert record.steps_trained == 12 == record.history[-1]["step"]
     # Session c started from step 0 (the checkpoints were removed): a new run.
     record = read_run_history([line(1, "a", 0), line(2, "a", 0), line(1, "c", 0)])
     assert [h["epoch"] for h in record.history] == [1] and len(record.sessions) == 1

@@ -126,10 +126,18 @@ def exit_code_for(error: BaseException) -> int:
 def end_process(error: BaseException) -> NoReturn:
     """Prints `error`'s one line (`error: ...`, or the label its class gives) and exits with
     `exit_code_for(error)`: what the binaries do, and what a script's uncaught TfdistError
-    gets through `install_error_hook`."""
+    gets through `install_error_hook`.
+
+    An error whose class says `peers_gone` (a lost task) ends the process at once, past
+    Python's and TensorFlow's shutdown: TensorFlow's waits for the peers it lost, which held
+    the task well past the launcher's grace period after its SIGTERM."""
     label = getattr(error, "label", "error")
     print(f"{label}: {error}", file=sys.stderr, flush=True)
-    sys.exit(exit_code_for(error))
+    code = exit_code_for(error)
+    if getattr(error, "peers_gone", False):
+        sys.stdout.flush()
+        os._exit(code)
+    sys.exit(code)
 
 
 def install_error_hook() -> None:

@@ -19,11 +19,13 @@ its address.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import re
 import socket
 import time
+from collections.abc import Callable, Iterator
 
 from tfdist import logs
 from tfdist.cluster import CHIEF, PS, WORKER, ClusterInfo
@@ -62,6 +64,7 @@ class PeerError(TfdistError, RuntimeError):
 
     exit_code = 1
     restartable = True
+    peers_gone = True  # ends past TensorFlow's shutdown (tfdist.exit_codes.end_process)
 
 
 class PortTakenError(PeerError):
@@ -336,6 +339,7 @@ def explain_peer_error(
     starting: bool,
     startup_timeout: float | None = None,
     resume_hint: str = "",
+    when: str = "during training",
 ) -> PeerError | None:
     """A PeerError naming the missing task, or None when `error` is not about a peer.
 
@@ -346,6 +350,7 @@ def explain_peer_error(
         during training (peers that died or hung).
       startup_timeout: the start-up bound in force, quoted in the message.
       resume_hint: a sentence on where a restart resumes (the trainer's last checkpoint).
+      when: when this task lost the peer ("during training").
     """
     import tensorflow as tf
 
@@ -375,10 +380,38 @@ def explain_peer_error(
         return None
     how = "stopped sending heartbeats" if found["heartbeat"] else "closed its connection"
     return PeerError(
-        f"Lost {' and '.join(tasks)} during training: it {how} (crashed, killed or hung). The "
+        f"Lost {' and '.join(tasks)} {when}: it {how} (crashed, killed or hung). The "
         f"job cannot go on without it. {resume_hint}Restart the whole job to resume "
         "(tfdist-launch --max_restarts N restarts it for you)."
     )
+
+
+@contextlib.contextmanager
+def lost_peers_explained(
+    cluster: ClusterInfo | None, *, when: str, resume_hint: Callable[[], str] = str
+) -> Iterator[None]:
+    """Turns TensorFlow's error for a task of `cluster` that died (a collective aborted, a
+    socket closed) into one PeerError naming it, raised from inside the block.
+
+    Args:
+      cluster: this task's place in the job; None (one process) changes nothing.
+      when: when the block runs, for the message ("during training").
+      resume_hint: a sentence on where a restart resumes, asked for only when needed.
+    """
+    import tensorflow as tf
+
+    try:
+        yield
+    except (tf.errors.UnavailableError, tf.errors.DeadlineExceededError,
+            tf.errors.AbortedError) as error:  # fmt: skip
+        lost = None
+        if cluster is not None:
+            lost = explain_peer_error(
+                error, cluster, starting=False, resume_hint=resume_hint(), when=when
+            )
+        if lost is None:
+            raise
+        raise lost from None
 
 
 def _tasks(text: str, cluster: ClusterInfo) -> list[str]:

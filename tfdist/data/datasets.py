@@ -87,7 +87,12 @@ def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
     """
     directory = os.path.join(data_dir or default_data_dir(), "digits")
     prefixes = {split: os.path.join(directory, split) for split in SPLITS}
-    if not all(tf.io.gfile.exists(p + ".meta.json") for p in prefixes.values()):
+    # Written again when missing, or written before the sidecar kept the classes and the
+    # pixels' scale (which --dataset=tfrecord:DIR reads).
+    if not all(
+        tf.io.gfile.exists(p + META_SUFFIX) and "classes" in find_records(p).metadata.attributes
+        for p in prefixes.values()
+    ):
         check_writable_directory(directory, name="data_dir")
         from sklearn.datasets import load_digits  # deferred: only the first use needs it
 
@@ -102,6 +107,7 @@ def prepare_digits(data_dir: str | None = None) -> TFRecordImages:
                 name=split,
                 num_shards=DIGITS_SHARDS[split],
                 overwrite=True,
+                attributes={"classes": [str(c) for c in range(10)], "image_scale": 1 / 16},
             )
         log.info("Wrote the digits dataset as TFRecords to %s", directory)
     counts = {split: find_records(prefixes[split]).metadata.num_examples for split in SPLITS}
@@ -136,6 +142,12 @@ def prepare_tfrecord_dir(directory: str) -> TFRecordImages:
             f"{prefixes['train']} needs an 'image' feature of shape [H, W, C] or [H, W] and a "
             f"'label'; it has {', '.join(f'{k} {list(v.shape)}' for k, v in train.features.items())}. "
             "Name the arrays image and label when writing it."
+        )
+    if list(label.shape) or not label.dtype.startswith(("int", "uint")):
+        raise DataError(
+            f"{prefixes['train']}'s label is {label.dtype}{list(label.shape)} per example; the "
+            "binary trains on one integer class per example (int64[]). Write the labels as an "
+            "integer array of shape (N,), e.g. labels.argmax(axis=1) for one-hot rows."
         )
     counts_seen = []
     for meta in metas.values():  # labels counted per split: the test split may hold more

@@ -60,6 +60,11 @@ _TFDIST_LINE = re.compile(rb"^\d\d:\d\d:\d\d [A-Z]+ \S+: ")  # tfdist.logs.FORMA
 _AFTER_A_CLEAN_FINISH = re.compile(rb"coordination.?service|heartbeat|PollForError", re.I)
 # tfdist's one line at the end of a task (tfdist.exit_codes.end_process).
 _TFDIST_ERROR = re.compile(rb"^(error|preempted|interrupted): ")
+# A message that only says a peer cannot be reached (a parameter-server job's coordinator
+# after losing a worker repeats it for every function it registers or removes there: 192
+# lines in one run). Said once, with the peer; the repeats are counted.
+_UNREACHABLE = re.compile(rb"failed to connect to all addresses|Connection refused")
+_REMOTE_TARGET = re.compile(rb"remote target (/job:[\w-]+/replica:\d+/task:\d+)")
 
 
 class RuntimeLines:
@@ -81,6 +86,7 @@ class RuntimeLines:
         self.dropped = 0
         self.said_error = False  # the task printed its own one-line error
         self._last_held = 0.0
+        self._unreachable: set[bytes] = set()  # peers whose unreachability was said
 
     def passed(self, line: bytes, now: float | None = None) -> list[bytes]:
         """The lines to print now, given the task's next line (arrived at `now`)."""
@@ -102,7 +108,36 @@ class RuntimeLines:
             self.said_error = True
             self.dropped += len(held)
             return [line]
-        return [*held, line]
+        return [*self._unrepeated(held), line]
+
+    def _unrepeated(self, held: list[bytes]) -> list[bytes]:
+        """`held`, with each message that only says a peer cannot be reached said once per
+        peer, in one line; its repeats are counted in `dropped`."""
+        messages: list[list[bytes]] = []
+        for line in held:
+            if _RUNTIME_LINE.match(line) or not messages:
+                messages.append([line])
+            else:
+                messages[-1].append(line)
+        kept = []
+        for message in messages:
+            text = b" ".join(message)
+            if not _UNREACHABLE.search(text):
+                kept += message
+                continue
+            target = _REMOTE_TARGET.search(text)
+            peer = target.group(1) if target else b"a peer"
+            if peer in self._unreachable:
+                self.dropped += len(message)
+                continue
+            self._unreachable.add(peer)
+            self.dropped += len(message) - 1
+            kept.append(
+                b"TensorFlow's runtime cannot reach " + peer + b" (connection refused: it is not "
+                b"running); its repeats of this are held back (" + NATIVE_LOGS_ENV.encode()
+                + b"=all shows them)\n"
+            )  # fmt: skip
+        return kept
 
     def at_exit(self, returncode: int | None) -> list[bytes]:
         """The held lines to print once the task has exited with `returncode`."""
@@ -111,9 +146,9 @@ class RuntimeLines:
             if self.said_error:  # its teardown's complaints after its own line: counted
                 self.dropped += len(held)
                 return []
-            return held
+            return self._unrepeated(held)
         kept, dropping = [], False
-        for line in held:
+        for line in self._unrepeated(held):
             if _RUNTIME_LINE.match(line):
                 dropping = bool(_AFTER_A_CLEAN_FINISH.search(line))
             if not dropping:

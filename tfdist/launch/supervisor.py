@@ -492,7 +492,8 @@ class Launcher:
         if runtime.dropped:
             self._say(
                 f"{task.name}: {runtime.dropped} line(s) of TensorFlow's runtime log held back "
-                f"(they only repeat its own error line; {NATIVE_LOGS_ENV}=all shows them)"
+                f"(they only repeat its own error line or a lost peer's; {NATIVE_LOGS_ENV}=all "
+                "shows them)"
             )
 
     def _say(self, message: str) -> None:

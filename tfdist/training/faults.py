@@ -43,6 +43,7 @@ class ClusterTaskFailed(TfdistError, RuntimeError):
 
     exit_code = 1
     restartable = True  # a restart of the whole job resumes from the last checkpoint
+    peers_gone = True  # ends past TensorFlow's shutdown (tfdist.exit_codes.end_process)
 
     def __init__(
         self,

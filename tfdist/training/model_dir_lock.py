@@ -126,6 +126,7 @@ class ModelDirLock:
             host=socket.gethostname(), pid=os.getpid(), parent_pid=os.getppid(), started=now,
             renewed=now, token=uuid.uuid4().hex, process_start=_process_start(os.getpid()),
         )  # fmt: skip
+        tf.io.gfile.makedirs(self.model_dir)  # fit may be the first to write there
         for _ in range(3):  # a lock taken over by two jobs at once: one of them wins
             if self._create(mine):
                 break

@@ -78,10 +78,10 @@ def read_run_history(lines: list[dict]) -> RunHistory:
     checkpoints were removed): what came before is not this run's. A session that resumed
     at step S replaces the epochs earlier sessions recorded after S.
 
-    A session's steps_trained are the steps of the run it trained: from its resume point to
-    the next session's (a session stopped inside an epoch trained up to its checkpoint, though
-    no line records that epoch) or, for the last, to its last epoch's step. Steps trained
-    again after a crash are counted once.
+    A session's steps_trained are those its epochs' lines count, the steps it trained again
+    after a crash included, and at least those from its resume point to the next session's:
+    a session stopped inside an epoch trained up to the checkpoint the next one resumed
+    from, though no line records that epoch.
     """
     by_epoch: dict[int, dict] = {}
     sessions: dict[str, dict] = {}
@@ -104,6 +104,7 @@ def read_run_history(lines: list[dict]) -> RunHistory:
         )  # fmt: skip
         by_epoch[line["epoch"]] = {k: v for k, v in line.items() if k not in _SESSION_FIELDS}
         session["epochs"].append(line["epoch"])
+        session["steps_trained"] += line["steps_trained"]
         session["train_seconds"] += line["train_seconds"]
         timings.setdefault(line["session"], []).append(
             (line["steps_trained"], line["train_seconds"])
@@ -113,7 +114,7 @@ def read_run_history(lines: list[dict]) -> RunHistory:
     for i, session in enumerate(ordered):
         following = ordered[i + 1] if i + 1 < len(ordered) else None
         end = following["resumed_from_step"] if following else ends[session["started"]]
-        session["steps_trained"] = max(0, end - session["resumed_from_step"])
+        session["steps_trained"] = max(session["steps_trained"], end - session["resumed_from_step"])
     return RunHistory(
         history=tuple(by_epoch[e] for e in sorted(by_epoch)),
         sessions=tuple(sessions.values()),

@@ -13,7 +13,7 @@ whose first link, a StepClock, times the step's phases in the graph.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from collections.abc import Sequence
 
 import keras
@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.cluster import cluster_from_environment
-from tfdist.peers import explain_peer_error
+from tfdist.peers import lost_peers_explained
 from tfdist.training import loss_normalisation
 from tfdist.training.batch_norm import MovingStatistics
 from tfdist.training.fit_data import FitData, unpack
@@ -48,14 +48,6 @@ from tfdist.training.steps import (
     python_logs,
     step_logs,
     updates_through,
-)
-
-# What a lost peer raises in a synchronous step, depending on where it was waited for
-# (the errors tfdist.peers.explain_peer_error reads).
-_PEER_ERRORS = (
-    tf.errors.UnavailableError,
-    tf.errors.DeadlineExceededError,
-    tf.errors.AbortedError,
 )
 
 
@@ -421,22 +413,16 @@ class SyncRunner(Runner):
 
     # --- failures -------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def explained(self):
         # A peer that died mid-step surfaces here as whatever the collective it was waited
         # for raised; the job's cluster names the task.
-        try:
-            yield
-        except _PEER_ERRORS as e:
-            cluster = cluster_from_environment() if self.lockstep_workers > 1 else None
-            lost = None
-            if cluster is not None:
-                lost = explain_peer_error(
-                    e, cluster, starting=False, resume_hint=self._resume_hint()
-                )
-            if lost is None:
-                raise
-            raise lost from None
+        return lost_peers_explained(
+            self._cluster, when="during training", resume_hint=self._resume_hint
+        )
+
+    @functools.cached_property
+    def _cluster(self):
+        return cluster_from_environment() if self.lockstep_workers > 1 else None
 
     def _resume_hint(self) -> str:
         step, directory = self._checkpoint_status() if self._checkpoint_status else (None, None)
