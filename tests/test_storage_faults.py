@@ -238,7 +238,7 @@ def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_a_dead_jobs_lo
     # Job A: long enough to be running while job B starts.
     log = tmp_path / "first.log"
     with open(log, "w") as out:
-        first = subprocess.Popen(train(run, data_dir, tmp_path / "wa", epochs=30), cwd=REPO,
+        first = subprocess.Popen(train(run, data_dir, tmp_path / "wa", epochs=1000), cwd=REPO,
                                  env=_env(), stdout=out, stderr=subprocess.STDOUT,
                                  start_new_session=True)  # fmt: skip
     try:
@@ -267,7 +267,11 @@ def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_a_dead_jobs_lo
     finally:
         _kill_every_process_of(run)
     assert (run / "tfdist.lock").exists()
-    again = subprocess.run(train(run, data_dir, tmp_path / "wa", epochs=30), cwd=REPO, env=_env(),
+    # The same job again, to one epoch past where the killed one saved (22 steps an epoch).
+    saved = max(int(n[len("ckpt-") : -len(".index")]) for n in os.listdir(run / "checkpoints")
+                if n.endswith(".index"))  # fmt: skip
+    epochs = saved // 22 + 2
+    again = subprocess.run(train(run, data_dir, tmp_path / "wa", epochs=epochs), cwd=REPO, env=_env(),
                            capture_output=True, text=True, timeout=400)  # fmt: skip
     assert again.returncode == 0, again.stdout[-3000:]
     assert "Taking over" in again.stdout and "is no longer running" in again.stdout, again.stdout[
@@ -279,7 +283,7 @@ def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_a_dead_jobs_lo
     assert [h["epoch"] for h in summary["history"]] == sorted(
         {h["epoch"] for h in summary["history"]}
     )
-    assert summary["steps_trained"] == summary["steps"]
+    assert summary["steps_trained"] == summary["steps"] == 22 * epochs
 
 
 @needs_namespaces

@@ -62,8 +62,12 @@ restarts (--max_restarts N):
   and so on, so the program can resume from its checkpoint. A task that exits 42 was
   preempted with its state saved (42 is what TensorFlow's PreemptionCheckpointHandler exits
   with by default off GCE; see tfdist/exit_codes.py): it is restarted like a failure, and
-  logged as "preempted (state saved)". --timeout covers all attempts together. A signal to
-  the launcher (Ctrl-C, SIGTERM) never restarts anything.
+  logged as "preempted (state saved)". Two exits are never restarted, as a restart would
+  meet them again: 2 (a usage error in the command) and 74 (a storage fault: a full disk,
+  a read-only or vanished model_dir, a file-size limit, a model_dir another job holds; run
+  the same command again once it is fixed, and it resumes from the last checkpoint).
+  --timeout covers all attempts together. A signal to the launcher (Ctrl-C, SIGTERM) never
+  restarts anything.
 
 exit status:
   0        every program task exited 0
@@ -71,7 +75,8 @@ exit status:
            restarts were left; 42 means it was preempted with its state saved
   1        a worker or ps server exited by itself while the program ran, or every worker
            of a parameter-server job died
-  2        bad usage
+  2        bad usage (the launcher's, or a task's)
+  74       a task met a storage fault (its error line names the path and the cause)
   124      --timeout passed
   126/127  COMMAND cannot be run / was not found
   128+S    the launcher received signal S (130 for Ctrl-C, 143 for SIGTERM)
