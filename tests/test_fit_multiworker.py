@@ -61,7 +61,7 @@ def two_workers(tmp_path_factory):
     """One job of 2 workers (multi_worker_mirrored) running the modes these tests check:
     (the directory each mode wrote to, by mode; the job's output)."""
     out = tmp_path_factory.mktemp("two_workers")
-    modes = ("equivalence", "callbacks", "custom", "batch_norm", "dropin", "keras_io")
+    modes = ("equivalence", "callbacks", "custom", "batch_norm", "dropin", "keras_io", "per_call")
     output = launch(",".join(modes), out, "--workers", "2")
     return {mode: out / mode for mode in modes}, output
 
@@ -87,6 +87,21 @@ def test_two_workers_match_keras_on_one_device(references, two_workers):
                 np.testing.assert_allclose(logs["history"][key], values, atol=LOGS_TOLERANCE)
             for key, value in evaluation.items():
                 assert logs["evaluate"][key] == pytest.approx(value, abs=LOGS_TOLERANCE)
+
+
+@pytest.mark.xdist_group("fit_two_workers")
+def test_many_steps_a_call_on_two_workers_train_what_one_step_a_call_trains(
+    references, two_workers
+):
+    tmp_path = two_workers[0]["per_call"]
+    for task in ("worker_0", "worker_1"):
+        one, one_logs = written(tmp_path, task, "cnn_1")
+        assert max_diff(one, references["cnn"][0]) <= WEIGHTS_TOLERANCE, task
+        for steps in (4, "auto"):
+            got, logs = written(tmp_path, task, f"cnn_{steps}")
+            assert max_diff(got, one) <= 1e-6, (task, steps)
+            for key, values in one_logs["history"].items():
+                np.testing.assert_allclose(logs["history"][key], values, atol=1e-6)
 
 
 @pytest.mark.xdist_group("fit_two_workers")

@@ -1,18 +1,26 @@
-"""Benchmark: tfdist.fit against Keras's model.fit, same compiled model, data and batch.
+"""Benchmark: tfdist.fit against Keras's model.fit and against a compiled loop, same model,
+data and batch, at 1 and 16 steps per call (and tfdist's 'auto').
 
-For one_device and for mirrored over 2 logical CPUs, each trainer trains the same compiled cnn
-on the same digits TFRecord pipeline (batched with the global batch); the trainers take turns
-(A B A B ...) so the machine's drift hits them alike. Throughput is measured after a warm-up
-epoch (tracing excluded) over the remaining epochs, as examples per second; the table gives
-medians, min and max over the repeats and the median of the per-repeat ratios tfdist / Keras.
+The model is a 64 -> 256 -> 256 -> 10 MLP with Adam, on 8,192 random examples (cached and
+prefetched, 128 batches of 64 an epoch): small steps, where the fixed cost of each call shows.
+Three trainers train it from the same seed:
 
-  python -m tools.train_bench                      # about 3 minutes on 2 cores
-  python -m tools.train_bench --repeats 7 --out_csv /tmp/train_bench.csv
+- `keras fit`: Keras's own model.fit (compile's steps_per_execution);
+- `tfdist.fit`: tfdist's (its steps_per_execution, or 'auto');
+- `compiled loop`: the limit, no framework around it: one tf.function over the iterator runs
+  steps_per_execution steps of strategy.run(GradientTape, apply_gradients), no metrics, no
+  callbacks.
 
-This is a benchmark, not a test: it reports figures and never fails on them. Measured on 2
-shared cores (TensorFlow 2.21, Keras 3.15), median ratio tfdist.fit / keras fit: 1.013 on
-one_device and 1.067 on mirrored x2 (an earlier run, before a one-step call stopped taking a
-step count: 0.966 and 1.021).
+Under one_device and mirrored over 2 logical CPUs (in this process), and multi_worker_mirrored
+over 2 processes (tfdist-launch; Keras's fit cannot train there). The variants take turns
+(A B C ... A B C ...) so the machine's drift hits them alike. Throughput is measured after a
+warm-up epoch (tracing excluded) as examples per second; the table gives the medians over the
+repeats and the medians of the per-repeat ratios.
+
+  python -m tools.train_bench                      # about 12 minutes on 2 cores
+  python -m tools.train_bench --repeats 3 --no-multi_worker
+
+This is a benchmark, not a test: it reports figures and never fails on them.
 """
 
 from __future__ import annotations
@@ -22,16 +30,64 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tfdist.data import PipelineOptions, prepare_digits  # noqa: E402
-from tfdist.models import build_model  # noqa: E402
+from tfdist.errors import first_line  # noqa: E402
 from tools import harness  # noqa: E402
+
+EXAMPLES, BATCH, FEATURES, CLASSES = 8192, 64, 64, 10
+STEPS = EXAMPLES // BATCH
+TRAINERS = ("keras fit", "tfdist.fit", "compiled loop")
+# (trainer, steps per call) in the order they take turns.
+VARIANTS = (
+    ("keras fit", 1), ("tfdist.fit", 1), ("compiled loop", 1),
+    ("keras fit", 16), ("tfdist.fit", 16), ("compiled loop", 16),
+    ("tfdist.fit", "auto"),
+)  # fmt: skip
+# Keras's fit cannot train across worker processes.
+MULTI_WORKER_VARIANTS = tuple(v for v in VARIANTS if v[0] != "keras fit")
+
+
+def _data() -> tf.data.Dataset:
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((EXAMPLES, FEATURES), dtype=np.float32)
+    y = rng.integers(0, CLASSES, EXAMPLES)
+    return (
+        tf.data.Dataset.from_tensor_slices((x, y))
+        .batch(BATCH, drop_remainder=True)
+        .cache()
+        .repeat()
+        .prefetch(tf.data.AUTOTUNE)
+    )
+
+
+def _model(strategy, steps_per_execution: int) -> keras.Model:
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential(
+            [
+                keras.Input((FEATURES,)),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(256, activation="relu"),
+                keras.layers.Dense(CLASSES),
+            ]
+        )
+        model.compile(
+            keras.optimizers.Adam(1e-3),
+            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            metrics=["accuracy"],
+            steps_per_execution=steps_per_execution,
+        )
+    return model
 
 
 class _EpochClock(keras.callbacks.Callback):
@@ -43,46 +99,110 @@ class _EpochClock(keras.callbacks.Callback):
         self.ends.append(time.perf_counter())
 
 
-def throughput(
-    trainer: str, strategy, *, data_dir: str, batch: int, epochs: int, steps: int
-) -> float:
-    """Examples/s of one run: the same compiled model and pipeline, trained by `trainer`."""
-    digits = prepare_digits(data_dir)
-    options = PipelineOptions(shuffle_buffer=1024, seed=0, deterministic=True)
-    # A dataset batched with the global batch: both split each batch over the replicas.
-    dataset = digits.dataset("train", batch_size=batch, options=options)
+def _compiled_loop(model, strategy, data, *, per_call: int, epochs: int) -> list[float]:
+    """The limit: epochs of STEPS steps, `per_call` a call; returns each epoch's end time."""
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    optimizer = model.optimizer
     with strategy.scope():
-        keras.utils.set_random_seed(0)
-        model = build_model(
-            "cnn", input_shape=digits.info.image_shape, num_classes=digits.info.num_classes
-        )
-        model.compile(
-            keras.optimizers.Adam(0.003),
-            keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            metrics=["accuracy"],
-        )
+        optimizer.build(model.trainable_variables)
+
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            per_example = loss(y, model(x, training=True))
+            mean = tf.nn.compute_average_loss(per_example, global_batch_size=BATCH)
+        gradients = tape.gradient(mean, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables, strict=True))
+
+    @tf.function
+    def run(iterator, n):
+        for _ in tf.range(n):
+            x, y = next(iterator)
+            strategy.run(step, args=(x, y))
+
+    iterator = iter(strategy.experimental_distribute_dataset(data))
+    count = tf.constant(per_call)
+    ends = []
+    for _ in range(epochs):
+        for _ in range(STEPS // per_call):
+            run(iterator, count)
+        ends.append(time.perf_counter())
+    return ends
+
+
+def throughput(trainer: str, per_call, strategy, *, epochs: int) -> float | None:
+    """Examples/s of one run after its first epoch; None where the trainer fails."""
+    model = _model(strategy, per_call if isinstance(per_call, int) else 1)
+    data = _data()
     clock = _EpochClock()
-    fit = {
-        "tfdist.fit": lambda **kw: tfdist.fit(model, dataset, **kw),
-        "keras fit": lambda **kw: model.fit(dataset, **kw),
-    }
-    fit[trainer](epochs=epochs, steps_per_epoch=steps, verbose=0, callbacks=[clock])
+    if trainer == "compiled loop":
+        ends = _compiled_loop(model, strategy, data, per_call=per_call, epochs=epochs)
+    else:
+        options = dict(epochs=epochs, steps_per_epoch=STEPS, verbose=0, callbacks=[clock])
+        try:
+            if trainer == "keras fit":
+                model.fit(data, **options)
+            else:
+                tfdist.fit(model, data, steps_per_execution=per_call, **options)
+        except tf.errors.OpError as error:  # Keras's fit under mirrored, > 1 step a call
+            print(f"  {trainer} failed: {first_line(error)[:120]}", flush=True)
+            return None
+        ends = clock.ends
     # Epoch 1 traces the step: it is the warm-up, left out.
-    return (epochs - 1) * steps * batch / (clock.ends[-1] - clock.ends[0])
+    return (epochs - 1) * STEPS * BATCH / (ends[-1] - ends[0])
+
+
+def _task(argv: list[str]) -> int:
+    """One task of the multi-worker job: trains one variant, the chief writes its rate."""
+    trainer, per_call, epochs, out = argv
+    per_call = per_call if per_call == "auto" else int(per_call)
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    rate = throughput(trainer, per_call, strategy, epochs=int(epochs))
+    if tfdist.cluster_from_environment().is_chief:
+        with open(out, "w") as f:
+            json.dump({"examples_per_s": rate}, f)
+    return 0
+
+
+def _multi_worker(trainer: str, per_call, *, epochs: int) -> float | None:
+    with tempfile.TemporaryDirectory() as here:
+        out = os.path.join(here, "rate.json")
+        task = [sys.executable, "-m", "tools.train_bench", "--_task", trainer, str(per_call),
+                str(epochs), out]  # fmt: skip
+        harness.launch(task, layout=["--workers=2"], timeout=600, what=f"{trainer} x2")
+        with open(out) as f:
+            return json.load(f)["examples_per_s"]
+
+
+def _ratio(rows, strategy: str, a: tuple, b: tuple) -> str:
+    pairs = []
+    for repeat in sorted({r["repeat"] for r in rows}):
+        rate = {
+            (r["trainer"], r["steps_per_execution"]): r["examples_per_s"]
+            for r in rows
+            if r["repeat"] == repeat and r["strategy"] == strategy
+        }
+        if rate.get(a) and rate.get(b):
+            pairs.append(rate[a] / rate[b])
+    return f"{statistics.median(pairs):.3f}" if pairs else "-"
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--_task"]:
+        return _task(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m tools.train_bench", description=__doc__.split("\n\n")[0]
     )
     parser.add_argument("--repeats", type=int, default=5, help="runs of each variant (default 5)")
     parser.add_argument(
-        "--epochs", type=int, default=4, help="epochs per run; the first is warm-up"
+        "--epochs", type=int, default=4, help="epochs of 128 steps per run; the first is warm-up"
     )
     parser.add_argument(
-        "--steps", type=int, default=100, help="steps per epoch (short windows are noisy)"
+        "--multi_worker",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also the multi_worker_mirrored rows (2 processes; default: yes)",
     )
-    parser.add_argument("--global_batch_size", type=int, default=64)
     parser.add_argument(
         "--out_csv", default="train_bench.csv", help="where to write every measurement"
     )
@@ -95,59 +215,48 @@ def main(argv=None) -> int:
             "mirrored", cluster=None, devices=("/cpu:0", "/cpu:1")
         ),
     }
-    trainers = ("tfdist.fit", "keras fit")
+    names = [*strategies, *(["multi_worker x2"] if args.multi_worker else [])]
     rows = []
-    with tempfile.TemporaryDirectory() as data_dir:
-        prepare_digits(data_dir)
-        for repeat in range(args.repeats):
-            for strategy_name, make in strategies.items():
-                for loop_name in trainers:
-                    rate = throughput(
-                        loop_name,
-                        make(),
-                        data_dir=data_dir,
-                        batch=args.global_batch_size,
-                        epochs=args.epochs,
-                        steps=args.steps,
-                    )
-                    rows.append(
-                        {
-                            "repeat": repeat,
-                            "strategy": strategy_name,
-                            "loop": loop_name,
-                            "examples_per_s": rate,
-                        }
-                    )
-                    print(
-                        f"  repeat {repeat}  {strategy_name:<12} {loop_name:<10} {rate:8.0f} examples/s",
-                        flush=True,
-                    )
+    for repeat in range(args.repeats):
+        for name in names:
+            for trainer, per_call in VARIANTS if name in strategies else MULTI_WORKER_VARIANTS:
+                if name in strategies:
+                    rate = throughput(trainer, per_call, strategies[name](), epochs=args.epochs)
+                else:
+                    rate = _multi_worker(trainer, per_call, epochs=args.epochs)
+                rows.append({"repeat": repeat, "strategy": name, "trainer": trainer,
+                             "steps_per_execution": per_call, "examples_per_s": rate})  # fmt: skip
+                shown = "fails" if rate is None else f"{rate:8.0f} examples/s"
+                print(f"  repeat {repeat}  {name:<15} {trainer:<13} {per_call!s:>4}  {shown}",
+                      flush=True)  # fmt: skip
     harness.write_csv(args.out_csv, rows)
 
     print(
-        f"\n{'strategy':<12} {'loop':<10} {'median ex/s':>12} {'min':>8} {'max':>8} {'ratio tfdist.fit/keras (median of pairs)':>38}"
+        f"\n{'strategy':<15} {'steps/call':>10} {'keras fit':>10} {'tfdist.fit':>10} "
+        f"{'compiled loop':>13} {'tfdist/keras':>12} {'tfdist/loop':>11}"
     )
-    for strategy_name in strategies:
-        pairs = []
-        for repeat in range(args.repeats):
-            by_loop = {
-                r["loop"]: r["examples_per_s"]
-                for r in rows
-                if r["repeat"] == repeat and r["strategy"] == strategy_name
-            }
-            pairs.append(by_loop["tfdist.fit"] / by_loop["keras fit"])
-        for loop_name in trainers:
-            rates = [
-                r["examples_per_s"]
-                for r in rows
-                if r["strategy"] == strategy_name and r["loop"] == loop_name
-            ]
-            ratio = f"{statistics.median(pairs):.3f}" if loop_name == "tfdist.fit" else ""
+    for name in names:
+        for per_call in (1, 16, "auto"):
+
+            def median(trainer, per_call=per_call, name=name):
+                rates = [r["examples_per_s"] for r in rows if r["strategy"] == name
+                         and r["trainer"] == trainer and r["steps_per_execution"] == per_call]  # fmt: skip
+                if not rates:
+                    return "-"
+                if any(rate is None for rate in rates):
+                    return "fails"
+                return f"{statistics.median(rates):.0f}"
+
+            loop = ("compiled loop", 16 if per_call == "auto" else per_call)
             print(
-                f"{strategy_name:<12} {loop_name:<10} {statistics.median(rates):12.0f} {min(rates):8.0f} {max(rates):8.0f} {ratio:>38}"
+                f"{name:<15} {per_call!s:>10} {median('keras fit'):>10} {median('tfdist.fit'):>10} "
+                f"{median(*loop):>13} "
+                f"{_ratio(rows, name, ('tfdist.fit', per_call), ('keras fit', per_call)):>12} "
+                f"{_ratio(rows, name, ('tfdist.fit', per_call), loop):>11}"
             )
     print(
-        f"\nwrote {args.out_csv}; {args.repeats} repeats, {args.epochs - 1} timed epochs of {args.steps} steps, global batch {args.global_batch_size}"
+        f"\nwrote {args.out_csv}; {args.repeats} repeats, {args.epochs - 1} timed epochs of "
+        f"{STEPS} steps, global batch {BATCH}; 'auto' is held to the loop at 16 steps a call"
     )
     return 0
 

@@ -7,7 +7,7 @@
 
 MODES is one mode or several, comma-separated, run one after another on one strategy (a
 job's start costs more than most of its modes): the multi-worker ones (equivalence,
-callbacks, backup, custom, cnn, batch_norm, outside_scope, dropin) on a multi_worker_mirrored
+callbacks, backup, custom, cnn, per_call, batch_norm, outside_scope, dropin) on a multi_worker_mirrored
 strategy, the parameter-server ones (ps, custom_ps, dropin_ps) on a parameter_server one. Each task
 writes what a mode trained to OUT/<task>/ (one mode) or OUT/<mode>/<task>/ (several) for
 tests/test_fit_multiworker.py to check.
@@ -50,6 +50,18 @@ def equivalence(out: str, strategy) -> None:
         history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0)
         evaluation = tfdist.evaluate(model, data, verbose=0, return_dict=True)
         save(out, name, model, {"history": history.history, "evaluate": evaluation})
+
+
+def per_call(out: str, strategy) -> None:
+    """The cnn case at 1 and 4 steps a call (calls of 4, 4 and 2 of its 10 batches), and
+    'auto'."""
+    for steps in (1, 4, "auto"):
+        with strategy.scope():
+            model, data = fit_models.cnn()
+        history = tfdist.fit(
+            model, data, epochs=fit_models.EPOCHS, verbose=0, steps_per_execution=steps
+        )
+        save(out, f"cnn_{steps}", model, {"history": history.history})
 
 
 def custom_steps(out: str, strategy) -> None:
@@ -301,6 +313,7 @@ def keras_io(out: str, strategy) -> None:
 
 MODES = {
     "equivalence": equivalence,
+    "per_call": per_call,
     "keras_io": keras_io,
     "dropin": dropin,
     "dropin_ps": dropin_ps,

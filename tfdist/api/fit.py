@@ -82,6 +82,7 @@ def fit(
     validation_freq: int | list[int] = 1,
     strategy: tf.distribute.Strategy | None = None,
     step_hooks: Sequence[StepHook] = (),
+    steps_per_execution: int | str | None = None,
     **options: Any,
 ) -> keras.callbacks.History:
     """Trains a compiled Keras model under its tf.distribute strategy, as `model.fit` would.
@@ -110,6 +111,11 @@ def fit(
       strategy: the strategy to train under; default: the one the model was created under.
       step_hooks: StepHooks between each step's gradients and the optimizer's update, in
         order (tfdist.StepHook: accumulation, sharded updates, corrections plug in there).
+      steps_per_execution: steps run in one traced call, as compile's (the default: the
+        model's); 'auto' measures the first calls and chooses the count that keeps a
+        call's fixed cost near 5% (one step a call while a callback other than tfdist's
+        hooks every batch). Batch-level callbacks fire once a call with its last step's
+        logs, as in Keras; a call ends where StepCheckpoint's `every_n_steps` saves.
       **options: the parallel modes, by their keywords (tfdist.parallel.registry):
         {modes}
       (the rest: as for keras.Model.fit)
@@ -127,6 +133,13 @@ def fit(
     options = registry.resolve_auto(options, mode_defaults(strategy))
     for problem in registry.problems(options):
         raise FitError(problem)
+    if steps_per_execution not in (None, "auto") and not (
+        isinstance(steps_per_execution, int) and steps_per_execution >= 1
+    ):
+        raise FitError(
+            "steps_per_execution must be a whole number >= 1 or 'auto'. Received: "
+            f"steps_per_execution={steps_per_execution!r}"
+        )
     _check_count("epochs", epochs, minimum=0)
     _check_count("initial_epoch", initial_epoch, minimum=0)
     for name, value in (
@@ -175,6 +188,7 @@ def fit(
         options=dict(
             epochs=epochs, initial_epoch=initial_epoch, verbose=verbose,
             validation_steps=validation_steps, validation_freq=validation_freq,
+            steps_per_execution=steps_per_execution,
         ),
     )  # fmt: skip
     with _explained(runner):

@@ -47,7 +47,8 @@ class _RunConfig:
         epochs (may be fractional).
       lr_schedule: after warmup, 'constant' or 'cosine' decay to 0 at the last step.
       mixed_precision: None, 'mixed_float16' or 'mixed_bfloat16'.
-      steps_per_execution: training steps run by one tf.function call.
+      steps_per_execution: training steps run by one tf.function call, or 'auto': tfdist.fit
+        measures the first calls and chooses (tfdist.training.call_length).
       seed: seeds the initial weights and the data order.
       shuffle_buffer: examples in the shuffle buffer; 0 = no shuffle, a fixed data order.
       eval_every: evaluate every this many epochs (0: only at the end).
@@ -78,7 +79,7 @@ class _RunConfig:
     warmup_epochs: float = 0.0
     lr_schedule: str = "constant"
     mixed_precision: str | None = None
-    steps_per_execution: int = 1
+    steps_per_execution: int | str = 1
     seed: int = 0
     shuffle_buffer: int = 10_000
     eval_every: int = 1
@@ -95,13 +96,10 @@ class _RunConfig:
             _choice("mixed_precision", self.mixed_precision, MIXED_PRECISION)
         for problem in registry.problems(self.mode_options()):
             raise ConfigError(problem)
-        for name in (
-            "global_batch_size",
-            "epochs",
-            "steps_per_execution",
-            "base_batch_size",
-            "max_checkpoints",
-        ):
+        names = ["global_batch_size", "epochs", "base_batch_size", "max_checkpoints"]
+        if self.steps_per_execution != "auto":
+            names.append("steps_per_execution")
+        for name in names:
             _positive_int(name, getattr(self, name))
         if self.steps_per_epoch is not None:
             _positive_int("steps_per_epoch", self.steps_per_epoch)

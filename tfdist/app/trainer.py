@@ -244,7 +244,10 @@ class Trainer:
                 loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                 metrics=metrics,
                 weighted_metrics=weighted,
-                steps_per_execution=self.config.steps_per_execution,
+                # 'auto' is tfdist.fit's to choose (fit below).
+                steps_per_execution=self.config.steps_per_execution
+                if isinstance(self.config.steps_per_execution, int)
+                else 1,
             )
 
     def evaluate(self) -> dict[str, float]:
@@ -285,6 +288,7 @@ class Trainer:
             # replicas' logs: no collective); in a log file the epoch line says it all.
             verbose=1 if self.is_chief and sys.stdout.isatty() else 0,
             strategy=self.strategy,
+            steps_per_execution=self.config.steps_per_execution,
             **self.config.mode_options(),
         )
         if self.record.trained:

@@ -48,8 +48,12 @@ def replica_layout(strategy: tf.distribute.Strategy) -> ReplicaLayout:
     """The layout of a strategy whose replicas step in this process (and, under
     multi_worker_mirrored, in its peers): every strategy but parameter_server, whose steps
     run on other processes (its runner says so itself)."""
+    try:
+        devices = tuple(strategy.extended.worker_devices)
+    except RuntimeError:  # the default strategy (no scope): one replica, where ops land
+        devices = ("/cpu:0",) if not tf.config.list_logical_devices("GPU") else ("/gpu:0",)
     return ReplicaLayout(
-        devices=tuple(strategy.extended.worker_devices),
+        devices=devices,
         processes=compat.sync_worker_count(strategy),
         process_index=worker_rank(strategy),
         replicas=strategy.num_replicas_in_sync,

@@ -433,6 +433,13 @@ class StepCheckpoint(keras.callbacks.Callback):
         if self.restored_step and self.directory:
             self._saved_step = self.restored_step
 
+    def steps_until_due(self) -> int | None:
+        """Steps until the next save `every_n_steps` asks for: tfdist.fit ends a call of
+        several steps (steps_per_execution) there, so that the save lands on its step."""
+        if not self.every_n_steps:
+            return None
+        return self.every_n_steps - self.step % self.every_n_steps
+
     def on_epoch_begin(self, epoch, logs=None):
         # An epoch of known length starts at a multiple of it (a resumed one too: its batch
         # numbers start where the checkpoint left it); else where the last one ended.

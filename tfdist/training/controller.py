@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 
 import keras
 import tensorflow as tf
 
 from tfdist import compat, signals
-from tfdist.training import fit_callbacks
+from tfdist.training import call_length, fit_callbacks
 from tfdist.training.fit_data import FitData
 from tfdist.training.preemption import Preempted, PreemptionWatcher
 from tfdist.training.runner import Runner
@@ -63,7 +64,21 @@ class Controller:
         self.verbose = options["verbose"]
         self.validation_steps = options["validation_steps"]
         self.validation_freq = options["validation_freq"]
-        self.per_call = max(1, int(model.steps_per_execution))
+        # Steps a call: fit's steps_per_execution, else the model's (compile's); 'auto'
+        # measures the first calls, then chooses (tfdist.training.call_length).
+        per_call = options.get("steps_per_execution")
+        self.auto = None
+        if per_call == call_length.AUTO:
+            per_call = 1
+            needing = call_length.every_step_needed(callbacks)
+            if needing and runner.is_chief:
+                log.info(
+                    "steps_per_execution='auto': one step a call, as %s hook every batch",
+                    ", ".join(needing),
+                )
+            elif not needing:
+                self.auto = call_length.AutoCallLength(runner.tally, runner.is_chief)
+        self.per_call = max(1, int(per_call or model.steps_per_execution))
         self.iterator = None
         self.pass_position = 0
         # Steps run without asking for the end of the data when its length is known:
@@ -170,7 +185,8 @@ class Controller:
         step = start_step
         vote_every = max(1, (self.steps or 10 * _VOTES_PER_EPOCH) // _VOTES_PER_EPOCH)
         while self.steps is None or step < self.steps:
-            n = self.per_call if self.steps is None else min(self.per_call, self.steps - step)
+            n = self._call_length(step)
+            started = time.perf_counter()
             callbacks.on_train_batch_begin(step)
             done, logs = runner.train(iterator, n, bounded=self.bounded, logs=self.batch_logs)
             if done:
@@ -184,6 +200,8 @@ class Controller:
                     or step // vote_every != previous // vote_every
                 ) and self.watcher.agreed():
                     self._preempted(epoch, step)
+                if self.auto is not None:
+                    self.auto.observe(done, time.perf_counter() - started)
             if done < n:  # the data ran out
                 if self.user_steps is not None:
                     self.iterator = None
@@ -204,6 +222,18 @@ class Controller:
                 self.iterator = None
         runner.settle()
         return runner.logs()
+
+    def _call_length(self, step: int) -> int:
+        """How many steps the next call runs: steps_per_execution, cut at the epoch's end
+        and at the next step a callback must see end (a checkpoint's `every_n_steps`), so
+        that what runs at a step boundary runs at the step it names."""
+        n = self.per_call if self.auto is None else self.auto.length()
+        n = n if self.steps is None else min(n, self.steps - step)
+        for callback in self.callbacks:
+            due = getattr(callback, "steps_until_due", None)
+            if n > 1 and callable(due) and (left := due()) is not None:
+                n = max(1, min(n, left))
+        return n
 
     def _agreed_stop(self) -> bool:
         # Callbacks decide on the same reduced logs everywhere; the agreement also covers a

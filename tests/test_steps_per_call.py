@@ -1,0 +1,139 @@
+"""Many steps per call (steps_per_execution, and 'auto'): the same weights and history as one
+step a call, the callbacks fired as Keras fires them, checkpoints at the steps they name.
+
+Across worker processes: tests/test_fit_multiworker.py (the `per_call` mode); a SIGTERM in the
+middle of a call: tests/test_training.py (the binary, --steps_per_execution=8).
+"""
+
+from __future__ import annotations
+
+import os
+
+import keras
+import numpy as np
+import pytest
+
+import tfdist
+from tests import zero_cases
+
+TOLERANCE = 1e-6
+EPOCHS = 3  # 10 steps an epoch
+
+
+def _mirrored():
+    return tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"])
+
+
+def _train(strategy, per_call, **keywords):
+    x, y = zero_cases.data()
+    with strategy.scope():
+        model = zero_cases.mlp("adam")
+    history = tfdist.fit(
+        model, x, y, batch_size=zero_cases.GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
+        verbose=0, steps_per_execution=per_call, **keywords,
+    )  # fmt: skip
+    return model, history.history
+
+
+@pytest.mark.parametrize(
+    "layout",
+    ["one_device", "mirrored x2", "zero2 on mirrored x2"],
+)
+def test_many_steps_a_call_train_what_one_step_a_call_trains(layout):
+    strategy = (
+        tfdist.build_strategy("one_device", cluster=None) if layout == "one_device" else _mirrored()
+    )
+    keywords = {"shard_optimizer": "zero2"} if layout.startswith("zero2") else {}
+    one, one_history = _train(strategy, 1, **keywords)
+    # 4 a call: calls of 4, 4 and 2 steps an epoch; 'auto': probes, then its own count.
+    for per_call in (4, "auto"):
+        many, history = _train(strategy, per_call, **keywords)
+        diff = zero_cases.max_diff(one.get_weights(), many.get_weights())
+        assert diff <= TOLERANCE, (per_call, diff)
+        assert int(many.optimizer.iterations.numpy()) == EPOCHS * zero_cases.STEPS
+        for key, values in one_history.items():
+            np.testing.assert_allclose(history[key], values, atol=TOLERANCE, err_msg=key)
+
+
+class _Record(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.calls.append(("epoch_begin", epoch))
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.calls.append(("batch_begin", batch))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append(("batch_end", batch, round(float(logs["loss"]), 5)))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.calls.append(("epoch_end", epoch, round(float(logs["loss"]), 5)))
+
+
+def test_batch_hooks_fire_once_a_call_as_keras_fires_them():
+    x, y = zero_cases.data()
+    seen = {}
+    for trainer in ("keras", "tfdist"):
+        model = zero_cases.mlp("adam")
+        model.compile(model.optimizer, "mse", steps_per_execution=3)  # calls of 3, 3, 3, 1
+        record = _Record()
+        options = dict(batch_size=zero_cases.GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+                       callbacks=[record])  # fmt: skip
+        if trainer == "keras":
+            model.fit(x, y, **options)
+        else:
+            tfdist.fit(model, x, y, **options)
+        seen[trainer] = record.calls
+    # Keras numbers a short last call's end as if it had run them all (batch 11 of an epoch
+    # of 10); tfdist gives the step that ran, which its StepCheckpoint counts from.
+    last = zero_cases.STEPS - 1
+    first_epoch_end = seen["keras"].index(next(c for c in seen["keras"] if c[0] == "epoch_end"))
+    assert seen["keras"][first_epoch_end - 1][:2] == ("batch_end", last + 2)
+    keras_calls = [(c[0], min(c[1], last), *c[2:]) if c[0] == "batch_end" else c
+                   for c in seen["keras"]]  # fmt: skip
+    assert seen["tfdist"] == keras_calls
+    assert seen["keras"][:5] == [
+        ("epoch_begin", 0), ("batch_begin", 0), seen["keras"][2], ("batch_begin", 3),
+        seen["keras"][4],
+    ]  # fmt: skip
+    assert seen["keras"][2][:2] == ("batch_end", 2)
+
+
+def test_a_call_ends_where_a_checkpoint_is_due(tmp_path):
+    x, y = zero_cases.data()
+    model = zero_cases.mlp("adam")
+    saves = tfdist.StepCheckpoint(str(tmp_path), every_n_steps=4, max_to_keep=20)
+    tfdist.fit(
+        model, x, y, batch_size=zero_cases.GLOBAL_BATCH, epochs=2, shuffle=False, verbose=0,
+        steps_per_execution=3, callbacks=[saves],
+    )  # fmt: skip
+    steps = sorted(
+        int(name[len("ckpt-") : -len(".index")])
+        for name in os.listdir(tmp_path / "checkpoints")
+        if name.endswith(".index")
+    )
+    # Every 4th step and every epoch's end (10 steps an epoch), though a call runs 3.
+    assert steps == [4, 8, 10, 12, 16, 20]
+
+
+def test_auto_keeps_one_step_a_call_for_a_callback_that_needs_every_batch(caplog):
+    x, y = zero_cases.data()
+    model = zero_cases.mlp("adam")
+    record = _Record()
+    with caplog.at_level("INFO", logger="tfdist"):
+        tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, epochs=1, shuffle=False,
+                   verbose=0, steps_per_execution="auto", callbacks=[record])  # fmt: skip
+    assert "one step a call, as _Record hook every batch" in caplog.text
+    assert [c[1] for c in record.calls if c[0] == "batch_end"] == list(range(zero_cases.STEPS))
+
+
+@pytest.mark.parametrize("value", [0, -1, "fast", 2.5])
+def test_a_bad_steps_per_execution_is_one_line(value):
+    x, y = zero_cases.data()
+    model = zero_cases.mlp("adam")
+    with pytest.raises(tfdist.FitError, match=r"steps_per_execution must be a whole number >= 1"):
+        tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, verbose=0,
+                   steps_per_execution=value)  # fmt: skip
