@@ -101,7 +101,9 @@ def test_installed_k8s_command_writes_a_jobset_and_a_tfjob(fresh_env):
         # Read back by the fresh environment's own PyYAML: the manifest is plain YAML.
         check = subprocess.run(
             [str(venv_bin / "python"), "-c",
-             "import sys, yaml; m = yaml.safe_load(sys.stdin); print(m['kind'], m['metadata']['name'])"],
+             "import sys, yaml\n"
+             "for m in yaml.safe_load_all(sys.stdin): print(m['kind'], m['metadata']['name'])"],
             input=result.stdout, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
-        assert check.stdout.split() == [kind, "demo"], check.stderr
+        # The job, then the NetworkPolicy that admits only its own pods.
+        assert check.stdout.split() == [kind, "demo", "NetworkPolicy", "demo"], check.stderr

@@ -314,32 +314,27 @@ class RunRecord(keras.callbacks.Callback):
                 "resumed_from_step": self._resumed_from_step or 0, "steps_trained": steps,
                 "train_seconds": seconds}  # fmt: skip
         self._lines.append(line)
-        self._append_history(line)
-        if not self._chief:
-            return
-        parts = [f"epoch {epoch + 1}/{self.params['epochs']}", f"step {self._step}"]
-        parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
-        log.info("%s", "  ".join(parts))
-        if self._writer is not None:
-            with self._writer.as_default(step=self._step):
-                for name, value in metrics.items():
-                    tf.summary.scalar(name, value)
-            self._writer.flush()
-
-    def _append_history(self, line: dict) -> None:
-        """The chief adds `line` to history.jsonl (every task calls this: a storage fault
-        there stops them all)."""
+        if self._chief:
+            parts = [f"epoch {epoch + 1}/{self.params['epochs']}", f"step {self._step}"]
+            parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
+            log.info("%s", "  ".join(parts))
         if not self.model_dir:
             return
         path = os.path.join(self.model_dir, HISTORY_FILE)
 
-        def append():
+        def record():  # the chief's: history.jsonl, then TensorBoard's scalars
             earlier = _read_text(path)
             if earlier and not earlier.endswith("\n"):
                 earlier += "\n"
             write_atomically(path, earlier + strict_json(line, what=HISTORY_FILE) + "\n")
+            if self._writer is not None:
+                with self._writer.as_default(step=self._step):
+                    for name, value in metrics.items():
+                        tf.summary.scalar(name, value)
+                self._writer.flush()
 
-        self._write_on_chief("run's history", path, append)
+        # Every task calls this: a storage fault on the chief stops them all.
+        self._write_on_chief("run's history", path, record)
 
     def _write_on_chief(self, what: str, path: str, write: Callable[[], None]) -> None:
         """The chief calls `write`; a storage fault there ends every task with one line (each

@@ -18,6 +18,10 @@ and parameter_server), so these are measured as the steps ran:
 A model's own train_step is timed too, except where it runs a step a call: on data of unknown
 length under a synchronous strategy, and always under central_storage.
 
+With several steps a call (steps_per_execution) on data of known length, a synchronous
+strategy times each call's last step: the breakdown is a sample of one step a call, and the
+other steps run without the marks (their control edges cost a small step more than they tell).
+
 If adding workers makes `exchange` grow faster than `compute` shrinks, they do not help.
 """
 
