@@ -137,3 +137,22 @@ def test_a_bad_steps_per_execution_is_one_line(value):
     with pytest.raises(tfdist.FitError, match=r"steps_per_execution must be a whole number >= 1"):
         tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, verbose=0,
                    steps_per_execution=value)  # fmt: skip
+
+
+def test_auto_chooses_the_count_that_makes_a_call_s_fixed_cost_five_percent():
+    from tfdist.training.call_length import SCHEDULE, AutoCallLength
+
+    fixed, step = 1e-3, 0.5e-3
+    tallies = []
+    auto = AutoCallLength(lambda counts: tallies.append(counts) or counts, is_chief=True)
+    for call in range(len(SCHEDULE)):
+        n = auto.length()
+        # The first call traces (slow, not counted); the others take c + n s.
+        auto.observe(n, 2.0 if call == 0 else fixed + n * step)
+    assert auto.chosen == 40 == auto.length()  # 1 ms / (5% of 0.5 ms)
+    assert tallies == [[40]]
+    # A worker takes the chief's count, whatever it measured itself.
+    worker = AutoCallLength(lambda counts: [40], is_chief=False)
+    for _ in SCHEDULE:
+        worker.observe(worker.length(), 1.0)
+    assert worker.chosen == 40

@@ -3,13 +3,12 @@
 A call of `tfdist.fit` runs k steps in one traced loop, then returns to Python for the
 callbacks, the logs and a preemption vote. That return costs about the same whatever k is;
 for a small model it can cost as much as a step. `AutoCallLength` measures both on the run's
-first steps, which train as usual: calls of one step (the first traces it), then two calls of
-up to `PROBE` steps (the first traces the loop; an epoch's end or a checkpoint may cut them
-to P steps), and then chooses the k that makes the fixed cost at most `TARGET_OVERHEAD` of a
-call:
+first calls, which train as usual: calls of `PROBE` and `PROBE // 2` steps in turn (the first
+traces the loop and is not counted; an epoch's end or a checkpoint may cut a call shorter,
+and it still counts). A line through the calls' times, t(n) = c + n s, gives the fixed cost
+c and a step's time s; the chosen k makes c at most `TARGET_OVERHEAD` of a call:
 
-    t1 = c + s,   tP = c + P s   =>   c = (P t1 - tP) / (P - 1),   s = t1 - c
-    k  = ceil(c / (TARGET_OVERHEAD * s)), between 1 and `LIMIT`
+    k = ceil(c / (TARGET_OVERHEAD * s)), between 1 and `LIMIT`
 
 Every lockstep worker must run calls of the same length (a call's steps are collectives), so
 the chief's choice is every worker's (one tally at the choice).
@@ -23,11 +22,14 @@ import math
 import statistics
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 log = logging.getLogger(__name__)
 
 AUTO = "auto"
-PROBE = 16  # steps in each of the two probing calls
-SINGLE_CALLS = 4  # calls of one step first (the first traces the step)
+PROBE = 16
+# The probing calls' lengths, in turn; the first traces the loop and is not counted.
+SCHEDULE = (PROBE, PROBE // 2, PROBE, PROBE // 2, PROBE)
 TARGET_OVERHEAD = 0.05
 LIMIT = 512
 
@@ -44,40 +46,41 @@ class AutoCallLength:
     agree: Callable[[list[int]], list[int]]
     is_chief: bool
     chosen: int | None = None
-    _singles: list[float] = dataclasses.field(default_factory=list)
-    _probes: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+    _calls: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
     def length(self) -> int:
         if self.chosen is not None:
             return self.chosen
-        return 1 if len(self._singles) < SINGLE_CALLS else PROBE
+        return SCHEDULE[min(len(self._calls), len(SCHEDULE) - 1)]
 
     def observe(self, steps: int, seconds: float) -> None:
-        """What the last call ran (`steps` of them, fewer at an epoch's end) in `seconds`."""
+        """What the last call ran (`steps` of them) in `seconds`."""
         if self.chosen is not None:
             return
-        if len(self._singles) < SINGLE_CALLS:
-            if steps == 1:
-                self._singles.append(seconds)
-            return
-        if steps > 1:  # a probe (cut short at an epoch's end or a checkpoint, it still counts)
-            self._probes.append((steps, seconds))
-        if len(self._probes) == 2:
+        self._calls.append((steps, seconds))
+        if len(self._calls) >= len(SCHEDULE):
             self._choose()
 
     def _choose(self) -> None:
-        one = statistics.median(self._singles[1:])  # the first traced the step
-        steps, probe = self._probes[1]  # the first traced the loop
-        fixed = max(0.0, (steps * one - probe) / (steps - 1))
-        step = max(one - fixed, 1e-9)
-        mine = min(LIMIT, max(1, math.ceil(fixed / (TARGET_OVERHEAD * step))))
+        by_length: dict[int, list[float]] = {}
+        for steps, seconds in self._calls[1:]:  # the first traced the loop
+            by_length.setdefault(steps, []).append(seconds)
+        points = sorted((n, statistics.median(t)) for n, t in by_length.items())
+        if len(points) < 2:  # every call cut to one length: longer ones never run here
+            fixed, step, mine = 0.0, 0.0, points[0][0]
+        else:
+            lengths, times = zip(*points, strict=True)
+            step, fixed = (float(v) for v in np.polyfit(lengths, times, 1))
+            fixed, step = max(fixed, 0.0), max(step, 1e-9)
+            ratio = round(fixed / (TARGET_OVERHEAD * step), 6)  # a fit's rounding: not a step more
+            mine = min(LIMIT, max(1, math.ceil(ratio)))
         self.chosen = self.agree([mine if self.is_chief else 0])[0]
         if self.is_chief:
             log.info(
                 "steps_per_execution='auto': a call costs %.2f ms beyond its steps of %.2f ms "
                 "each; running %d step(s) a call (the fixed cost %.1f%% of a call)",
                 1e3 * fixed, 1e3 * step, self.chosen,
-                100 * fixed / (fixed + self.chosen * step),
+                100 * fixed / max(fixed + self.chosen * step, 1e-12),
             )  # fmt: skip
 
 
