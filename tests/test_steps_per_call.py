@@ -156,3 +156,9 @@ def test_auto_chooses_the_count_that_makes_a_call_s_fixed_cost_five_percent():
     for _ in SCHEDULE:
         worker.observe(worker.length(), 1.0)
     assert worker.chosen == 40
+    # A fixed cost too small to measure (noise puts the line below zero): a probe's length.
+    quiet = AutoCallLength(lambda counts: counts, is_chief=True)
+    for call in range(len(SCHEDULE)):
+        n = quiet.length()
+        quiet.observe(n, 2.0 if call == 0 else n * step - 1e-5)
+    assert quiet.chosen == 16

@@ -5,8 +5,9 @@ callbacks, the logs and a preemption vote. That return costs about the same what
 for a small model it can cost as much as a step. `AutoCallLength` measures both on the run's
 first calls, which train as usual: calls of `PROBE` and `PROBE // 2` steps in turn (the first
 traces the loop and is not counted; an epoch's end or a checkpoint may cut a call shorter,
-and it still counts). A line through the calls' times, t(n) = c + n s, gives the fixed cost
-c and a step's time s; the chosen k makes c at most `TARGET_OVERHEAD` of a call:
+and it still counts). A line through the fastest call of each length, t(n) = c + n s, gives
+the fixed cost c and a step's time s; the chosen k makes c at most `TARGET_OVERHEAD` of a
+call (a fixed cost too small to measure takes `PROBE`):
 
     k = ceil(c / (TARGET_OVERHEAD * s)), between 1 and `LIMIT`
 
@@ -19,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import statistics
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 AUTO = "auto"
 PROBE = 16
 # The probing calls' lengths, in turn; the first traces the loop and is not counted.
-SCHEDULE = (PROBE, PROBE // 2, PROBE, PROBE // 2, PROBE)
+SCHEDULE = (PROBE, *(PROBE // 2, PROBE) * 4)
 TARGET_OVERHEAD = 0.05
 LIMIT = 512
 
@@ -65,15 +65,19 @@ class AutoCallLength:
         by_length: dict[int, list[float]] = {}
         for steps, seconds in self._calls[1:]:  # the first traced the loop
             by_length.setdefault(steps, []).append(seconds)
-        points = sorted((n, statistics.median(t)) for n, t in by_length.items())
+        # The fastest call of each length: another process's burst only ever slows one.
+        points = sorted((n, min(t)) for n, t in by_length.items())
         if len(points) < 2:  # every call cut to one length: longer ones never run here
             fixed, step, mine = 0.0, 0.0, points[0][0]
         else:
             lengths, times = zip(*points, strict=True)
             step, fixed = (float(v) for v in np.polyfit(lengths, times, 1))
-            fixed, step = max(fixed, 0.0), max(step, 1e-9)
-            ratio = round(fixed / (TARGET_OVERHEAD * step), 6)  # a fit's rounding: not a step more
-            mine = min(LIMIT, max(1, math.ceil(ratio)))
+            step = max(step, 1e-9)
+            if fixed <= 0:  # too small to measure here: a probe's length costs nothing
+                fixed, mine = 0.0, PROBE
+            else:
+                ratio = round(fixed / (TARGET_OVERHEAD * step), 6)  # a fit's rounding
+                mine = min(LIMIT, max(1, math.ceil(ratio)))
         self.chosen = self.agree([mine if self.is_chief else 0])[0]
         if self.is_chief:
             log.info(
