@@ -156,8 +156,7 @@ flags.DEFINE_string(
     "steps_per_execution",
     AUTO,
     f"Training steps per tf.function call. 'auto': {TPU_STEPS_PER_EXECUTION} on a TPU (each "
-    "call is a round trip to the TPU's host); elsewhere measured on the first calls and chosen "
-    "so that a call's fixed cost is about 5% of it.",
+    "call is a round trip to the TPU's host), 1 elsewhere.",
 )
 flags.register_validator(
     "steps_per_execution",
@@ -265,9 +264,7 @@ FLAGS = flags.FLAGS
 # Flags whose 'auto' depends on the hardware, resolved once the strategy is built (a mode's
 # 'auto' is its runner's default: mode_defaults).
 _AUTO_RESOLVERS = {
-    "steps_per_execution": lambda strategy: (
-        TPU_STEPS_PER_EXECUTION if auto_steps_per_execution(strategy) > 1 else AUTO
-    ),
+    "steps_per_execution": auto_steps_per_execution,
     "mixed_precision": auto_mixed_precision,
 }
 # Flags that map one to one onto TrainConfig fields.

@@ -65,19 +65,19 @@ def test_auto_settings_of_a_strategy_object():
 
 
 @pytest.mark.parametrize(
-    "args, steps, precision",
+    "args, steps, precision, before",
     [
-        ((), 1, None),
-        (("--steps_per_execution=8", "--mixed_precision=mixed_bfloat16"), 8, "mixed_bfloat16"),
-        (("--mixed_precision=none",), 1, None),
+        ((), 1, None, 1),
+        (("--steps_per_execution=8", "--mixed_precision=mixed_bfloat16"), 8, "mixed_bfloat16", 8),
+        (("--mixed_precision=none",), 1, None, 1),
     ],
 )
-def test_binary_resolves_auto_flags_for_the_strategy(train_flags, args, steps, precision):
+def test_binary_resolves_auto_flags_for_the_strategy(train_flags, args, steps, precision, before):
     train_flags(*args)
     config = train_binary.train_config(tfdist.build_strategy("one_device", cluster=None))
     assert (config.steps_per_execution, config.mixed_precision) == (steps, precision)
     # Before the strategy exists, 'auto' takes TrainConfig's defaults, so flags validate early.
-    assert train_binary.train_config().steps_per_execution == steps
+    assert train_binary.train_config().steps_per_execution == before
 
 
 def test_binary_rejects_a_bad_steps_per_execution(train_flags):

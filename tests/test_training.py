@@ -252,7 +252,7 @@ def test_a_stopped_run_resumes_to_the_same_step_and_weights(
     whole, whole_weights = uninterrupted_run
     interrupted = tmp_path / "interrupted"
     # 8 steps a call (cut at the checkpoints every 5 steps): the signal lands inside a call,
-    # which ends before the save; the uninterrupted run took the binary's default ('auto').
+    # which ends before the save; the uninterrupted run took one step a call.
     flags = [f"--steps_per_execution={per_call}"]
     proc = subprocess.Popen(
         train_command(interrupted, data_dir, tmp_path / "w2", *flags),
