@@ -160,33 +160,32 @@ def _check_fault_and_resume(first, second, listing, cause: str, uninterrupted, t
     )
 
 
-@needs_namespaces
-def test_a_disk_full_mid_run_is_one_line_on_every_task_and_the_resume_loses_nothing(
-    tmp_path, data_dir, uninterrupted
-):
-    first, second, listing = _fault_then_resume(
-        tmp_path, data_dir,
-        fault=f"dd if=/dev/zero of={tmp_path}/disk/filler bs=1M count=100 2>/dev/null",
-        undo=f"rm {tmp_path}/disk/filler",
-    )  # fmt: skip
-    _check_fault_and_resume(first, second, listing, "no space left on the device",
-                            uninterrupted, tmp_path)  # fmt: skip
-
-
-@needs_namespaces
-def test_a_model_dir_made_read_only_mid_run_is_one_line_on_every_task_and_resumes(
-    tmp_path, data_dir, uninterrupted
-):
-    run = tmp_path / "disk" / "run"
+# (the fault, its undoing, the cause the line names), in a shell inside the namespace.
+MID_RUN_FAULTS = {
+    "disk full": (
+        "dd if=/dev/zero of={disk}/filler bs=1M count=100 2>/dev/null",
+        "rm {disk}/filler",
+        "no space left on the device",
+    ),
     # A read-only mount of the model_dir over itself: what is opened from now on is
     # read-only (a remount of the tmpfs itself is refused while the job holds files open).
-    first, second, listing = _fault_then_resume(
-        tmp_path, data_dir,
-        fault=f"mount --bind {run} {run} && mount -o remount,bind,ro {run}",
-        undo=f"umount {run}",
-    )  # fmt: skip
-    _check_fault_and_resume(first, second, listing, "the filesystem is read-only",
-                            uninterrupted, tmp_path)  # fmt: skip
+    "model_dir read-only": (
+        "mount --bind {run} {run} && mount -o remount,bind,ro {run}",
+        "umount {run}",
+        "the filesystem is read-only",
+    ),
+}
+
+
+@needs_namespaces
+@pytest.mark.parametrize("fault", MID_RUN_FAULTS)
+def test_a_fault_mid_run_is_one_line_on_every_task_and_the_resume_loses_nothing(
+    tmp_path, data_dir, uninterrupted, fault
+):
+    disk = tmp_path / "disk"
+    make, undo, cause = (text.format(disk=disk, run=disk / "run") for text in MID_RUN_FAULTS[fault])
+    first, second, listing = _fault_then_resume(tmp_path, data_dir, fault=make, undo=undo)
+    _check_fault_and_resume(first, second, listing, cause, uninterrupted, tmp_path)
 
 
 def test_a_file_size_limit_met_mid_run_is_one_line_and_keeps_the_last_checkpoint(
