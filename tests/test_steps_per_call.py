@@ -8,6 +8,8 @@ middle of a call: tests/test_training.py (the binary, --steps_per_execution=8).
 from __future__ import annotations
 
 import os
+import re
+import time
 
 import keras
 import numpy as np
@@ -15,6 +17,7 @@ import pytest
 
 import tfdist
 from tests import zero_cases
+from tfdist.parallel import Pipeline
 
 TOLERANCE = 1e-6
 EPOCHS = 3  # 10 steps an epoch
@@ -24,30 +27,42 @@ def _mirrored():
     return tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"])
 
 
-def _train(strategy, per_call, **keywords):
+def _train(strategy, per_call, mode=None):
     x, y = zero_cases.data()
     with strategy.scope():
         model = zero_cases.mlp("adam")
     history = tfdist.fit(
         model, x, y, batch_size=zero_cases.GLOBAL_BATCH, epochs=EPOCHS, shuffle=False,
-        verbose=0, steps_per_execution=per_call, **keywords,
+        verbose=0, steps_per_execution=per_call, **(MODES[mode](model) if mode else {}),
     )  # fmt: skip
     return model, history.history
 
 
+# tfdist's modes by their fit keywords, on mirrored x2 (the pipeline: two stages).
+MODES = {
+    "zero2": lambda model: {"shard_optimizer": "zero2"},
+    "zero3": lambda model: {"shard_optimizer": "zero3"},
+    "local SGD": lambda model: {"average_every": 3},
+    "pipeline": lambda model: {
+        "pipeline": Pipeline(cut_before=[model.layers[2].name], micro_batches=2)
+    },
+}
+
+
 @pytest.mark.parametrize(
     "layout",
-    ["one_device", "mirrored x2", "zero2 on mirrored x2"],
+    ["one_device", "mirrored x2", *(f"{mode} on mirrored x2" for mode in MODES)],
 )
 def test_many_steps_a_call_train_what_one_step_a_call_trains(layout):
     strategy = (
         tfdist.build_strategy("one_device", cluster=None) if layout == "one_device" else _mirrored()
     )
-    keywords = {"shard_optimizer": "zero2"} if layout.startswith("zero2") else {}
-    one, one_history = _train(strategy, 1, **keywords)
+    mode = layout.removesuffix(" on mirrored x2")
+    mode = mode if mode in MODES else None
+    one, one_history = _train(strategy, 1, mode)
     # 4 a call: calls of 4, 4 and 2 steps an epoch; 'auto': probes, then its own count.
     for per_call in (4, "auto"):
-        many, history = _train(strategy, per_call, **keywords)
+        many, history = _train(strategy, per_call, mode)
         diff = zero_cases.max_diff(one.get_weights(), many.get_weights())
         assert diff <= TOLERANCE, (per_call, diff)
         assert int(many.optimizer.iterations.numpy()) == EPOCHS * zero_cases.STEPS
@@ -162,3 +177,26 @@ def test_auto_chooses_the_count_that_makes_a_call_s_fixed_cost_five_percent():
         n = quiet.length()
         quiet.observe(n, 2.0 if call == 0 else n * step - 1e-5)
     assert quiet.chosen == 16
+
+
+class _EpochWall(keras.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        self.began = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds = time.perf_counter() - self.began
+
+
+def test_a_call_s_timed_step_is_one_step_not_the_call(caplog):
+    # The call's last step is timed; its clock starts when the call's loop has run. Started
+    # with the call, its 'input' held the 15 steps before it.
+    x, y = zero_cases.data()
+    model = zero_cases.mlp("adam")
+    wall = _EpochWall()
+    with caplog.at_level("INFO", logger="tfdist"):
+        tfdist.fit(model, x, y, batch_size=len(x) // 16, epochs=2, shuffle=False, verbose=0,
+                   steps_per_execution=16, callbacks=[wall])  # fmt: skip
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Epoch 2:"))
+    step_ms = float(re.match(r"Epoch 2: step (\S+) ms", line)[1])
+    per_step_ms = 1e3 * wall.seconds / 16  # the epoch's wall time, its one call included
+    assert step_ms < 4 * per_step_ms, (line, per_step_ms)

@@ -71,7 +71,12 @@ class Controller:
         if per_call == call_length.AUTO:
             per_call = 1
             needing = call_length.every_step_needed(callbacks)
-            if needing and runner.is_chief:
+            if not runner.train_waits_for_steps:
+                log.info(
+                    "steps_per_execution='auto': one step a closure, as a closure's time is "
+                    "hidden by its asynchronous dispatch; give a number to run more"
+                )
+            elif needing and runner.is_chief:
                 log.info(
                     "steps_per_execution='auto': one step a call, as %s hook every batch",
                     ", ".join(needing),

@@ -194,6 +194,9 @@ class Runner(abc.ABC):
     # What 'auto' means for a mode's keyword under this runner (registry keyword -> value);
     # a keyword not listed means off.
     mode_defaults: ClassVar[dict[str, Any]] = {}
+    # Whether `train` returns once its steps have run, so that its wall time is theirs
+    # (steps_per_execution='auto' measures it); False where it only schedules them.
+    train_waits_for_steps: ClassVar[bool] = True
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy

@@ -79,6 +79,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
 
     kinds = ("parameter_server",)
     mode_defaults = {"max_staleness": PS_MAX_STALENESS}
+    train_waits_for_steps = False  # closures are scheduled on the workers
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)

@@ -165,8 +165,10 @@ class SyncRunner(Runner):
         local = strategy.experimental_local_results(times)
         return outputs, tf.add_n(list(local)) / len(local)
 
-    def _next(self, iterator):
-        asked = tf.timestamp()
+    def _next(self, iterator, after=()):
+        """The next batch, and when it was asked for (after `after`: the step before)."""
+        with tf.control_dependencies(after):
+            asked = tf.timestamp()
         with tf.control_dependencies([asked]):
             return next(iterator), asked
 
@@ -194,10 +196,13 @@ class SyncRunner(Runner):
 
                 @tf.function
                 def train(iterator, n):
+                    ran = tf.constant(0)
                     for _ in tf.range(n - 1):
                         self._untimed_step(next(iterator))
-                    # The call's last step is timed: a sample of its steps' phases.
-                    outputs, times = self._step(*self._next(iterator))
+                        ran += 1
+                    # The call's last step is timed: a sample of its steps' phases. Its
+                    # clock starts when the loop has ended (the loop's count says so).
+                    outputs, times = self._step(*self._next(iterator, after=[ran]))
                     return (outputs if custom else None), times
 
             self._train_fns[kind] = train
