@@ -165,13 +165,6 @@ flags.register_validator(
     lambda value: value == AUTO or (value.isdigit() and int(value) >= 1),
     message="--steps_per_execution must be 'auto' or a positive whole number.",
 )
-flags.DEFINE_bool(
-    "staleness_aware_lr",
-    _DEFAULTS.staleness_aware_lr,
-    "parameter_server only: divide each update's learning rate by max(1, its staleness), the "
-    "updates that reached the parameters between the worker's read and its write (Zhang et "
-    "al., 2016). Staleness is reported either way (summary.json, TensorBoard).",
-)
 
 
 # The parallel modes, one flag per entry of tfdist/parallel/registry.py ("Which exchange for
@@ -180,7 +173,9 @@ def _define_mode_flags() -> None:
     for mode in registry.flagged():
         name, value = mode.keyword, mode.value
         text = (mode.help or mode.summary).replace("{auto}", describe_mode_default(name))
-        if isinstance(value, registry.Choice):
+        if isinstance(value, registry.Switch):
+            flags.DEFINE_bool(name, mode.default, text)
+        elif isinstance(value, registry.Choice):
             words = ["none", *value.choices, *([AUTO] if mode.auto else [])]
             default = AUTO if mode.auto else (mode.default or "none")
             flags.DEFINE_enum(name, default, words, text)
@@ -277,7 +272,7 @@ _CONFIG_FLAGS = [
     "dataset", "data_dir", "model", "global_batch_size", "epochs", "steps_per_epoch", "optimizer",
     "learning_rate", "momentum", "lr_scaling", "base_batch_size", "warmup_epochs", "lr_schedule",
     "mixed_precision", "steps_per_execution", "seed", "shuffle_buffer", "eval_every", "model_dir",
-    "checkpoint_every", "staleness_aware_lr", "skip_corrupt",
+    "checkpoint_every", "skip_corrupt",
     *(mode.keyword for mode in registry.flagged()),
 ]  # fmt: skip
 

@@ -85,11 +85,11 @@ def test_two_fits_go_on_from_the_consensus_and_duals_of_the_first(strategy):
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"rho": 0}, r"admm's rho must be a number > 0\. Received: rho=0"),
-        ({"rho": -1.0}, r"admm\['rho'\] must be a number >= 0\. Received: admm\['rho'\]=-1\.0"),
+        ({"rho": 0}, r"admm\['rho'\] must be a number > 0\. Received: admm\['rho'\]=0"),
+        ({"rho": -1.0}, r"admm\['rho'\] must be a number > 0\. Received: admm\['rho'\]=-1\.0"),
         (
             {"rh": 1.0},
-            r"admm takes a dict of rho \(a number >= 0\), every \(a whole number >= 1, "
+            r"admm takes a dict of rho \(a number > 0\), every \(a whole number >= 1, "
             r"default 1\) \(unknown rh; missing rho\)",
         ),  # fmt: skip
         ({"rho": 1.0, "every": 0}, r"admm\['every'\] must be a whole number >= 1"),

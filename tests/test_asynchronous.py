@@ -180,7 +180,10 @@ def run(out, case: str) -> tuple[list[np.ndarray], dict]:
     return weights, json.loads((out / f"{case}.json").read_text())
 
 
-CASES = ("plain", "dc", "momentum", "max_staleness_0", "max_staleness_1", "dc_max_staleness_1")
+CASES = (
+    "plain", "dc", "momentum", "max_staleness_0", "max_staleness_1", "dc_max_staleness_1",
+    "staleness_aware_lr",
+)  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -195,6 +198,8 @@ def test_with_one_worker_every_correction_trains_as_keras_fit(tmp_path):
         assert zero_cases.max_diff(model.get_weights(), weights) <= TOLERANCE, case
         assert record["history"]["staleness_max"] == [0.0]
     assert run(tmp_path, "momentum")[1]["hook"]["momentum_applied"] == pytest.approx(0.9)
+    assert run(tmp_path, "staleness_aware_lr")[1]["rate"] == "StalenessAwareSchedule"
+    assert run(tmp_path, "plain")[1]["rate"] != "StalenessAwareSchedule"
 
 
 @pytest.mark.multiprocess

@@ -104,6 +104,37 @@ def test_a_resume_checks_the_modes_whose_state_is_laid_out_by_them():
     assert registry.resume_settings({}) == {"shard_optimizer": None}
 
 
+def test_an_entry_marked_resume_must_match_is_all_a_mode_needs_to_refuse_a_changed_resume(
+    tmp_path, monkeypatch
+):
+    """The binary's resume check reads the registry: an entry that says resume_must_match
+    (here local SGD's, marked so for the test, as a new mode's would be) is refused on a
+    resume under another value, with nothing else to edit."""
+    from tfdist.app import Trainer
+    from tfdist.training.checkpoints import CheckpointMismatchError
+
+    def trainer(**options):
+        config = TrainConfig(
+            model="mlp", shuffle_buffer=0, global_batch_size=32, epochs=1, steps_per_epoch=2,
+            eval_every=0, data_dir=str(tmp_path / "data"), model_dir=str(tmp_path / "run"),
+            **options,
+        )  # fmt: skip
+        mirrored = tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"])
+        return Trainer(config, strategy=mirrored)
+
+    trainer(average_every=None).fit()
+    trainer(average_every=2)  # unmarked: local SGD keeps no state of its own, it resumes
+    marked = tuple(
+        dataclasses.replace(m, resume_must_match=True) if m.keyword == "average_every" else m
+        for m in registry.MODES
+    )
+    monkeypatch.setattr(registry, "MODES", marked)
+    trainer(average_every=None).fit()  # the run.json of a run under the marked entry
+    with pytest.raises(CheckpointMismatchError, match=r"saved with average_every=None; this "
+                       r"job has average_every=2"):  # fmt: skip
+        trainer(average_every=2)
+
+
 def test_an_unknown_keyword_names_the_closest_one_of_fit_s():
     with pytest.raises(FitError, match="unknown keyword `shard_optimiser` .*`shard_optimizer`"):
         tfdist.fit(None, shard_optimiser="zero2")
@@ -115,3 +146,32 @@ def test_the_binary_parses_each_mode_s_flag_into_the_config(train_flags):
     assert (config.shard_optimizer, config.accumulate_steps, config.max_staleness) == (
         "zero1", 2, 3,
     )  # fmt: skip
+
+
+def _edge_values(value) -> list:
+    """The values at the edge of what an entry's value kind takes."""
+    if isinstance(value, registry.Number):
+        step = 1 if value.whole else 1e-3
+        return [value.minimum + step if value.above else value.minimum]
+    if isinstance(value, registry.Options):
+        return [{name: _edge_values(field)[0] for name, field in value.fields.items()}]
+    if isinstance(value, registry.Choice):
+        return list(value.choices)
+    if isinstance(value, registry.Switch):
+        return [True]
+    return []
+
+
+def test_each_mode_s_builder_takes_every_value_at_its_entry_s_bounds():
+    """The registry is the only truth on bounds: what an entry's value kind takes, the
+    mode's builder takes too (a bound the builder alone holds would refuse it there)."""
+    built = 0
+    for m in registry.MODES:
+        if m.keyword is None or m.builder is None:
+            continue
+        settings = {k: registry.mode(k).default for k in m.takes}
+        for value in _edge_values(m.value):
+            assert registry.problems({m.keyword: value}) == [], (m.keyword, value)
+            m.build(value, model=None, settings=settings)
+            built += 1
+    assert built >= len(registry.MODES) - 3

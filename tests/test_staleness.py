@@ -8,6 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist import compat
 from tfdist.app import ConfigError, TrainConfig, Trainer
 from tfdist.training.callbacks import WarmupSchedule
 from tfdist.training.staleness import StalenessAwareSchedule, StalenessStats, UpdateCounter
@@ -77,6 +78,22 @@ def test_staleness_aware_lr_is_refused_for_synchronous_strategies(tmp_path):
     config = TrainConfig(model="mlp", staleness_aware_lr=True, data_dir=str(tmp_path))
     with pytest.raises(
         tfdist.FitError,
-        match=r"parameter-server training only.*Received: a StalenessAwareSchedule under one_device",
+        match=r"staleness_aware_lr corrects for asynchronous updates, which only "
+        r"parameter_server training makes.*Received: staleness_aware_lr under one_device",
     ):
         Trainer(config, strategy=tfdist.build_strategy("one_device", cluster=None)).fit()
+
+
+def test_staleness_aware_lr_wraps_the_optimizer_s_rate_once():
+    from tfdist.parallel.asynchronous import StalenessAwareRate
+
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.3), "mse")
+    hook = StalenessAwareRate(True)
+    hook.build(model, runner=None)
+    rate = compat.learning_rate_schedule(model.optimizer)
+    assert isinstance(rate, StalenessAwareSchedule) and float(rate(0)) == pytest.approx(0.3)
+    hook.build(model, runner=None)  # a second fit: already wrapped
+    assert compat.learning_rate_schedule(model.optimizer) is rate
+    restored = StalenessAwareSchedule.from_config(rate.get_config())
+    assert float(restored(5)) == pytest.approx(0.3)

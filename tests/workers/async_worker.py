@@ -21,6 +21,7 @@ import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
 from tests import custom_step_models, zero_cases  # noqa: E402
+from tfdist import compat  # noqa: E402
 from tfdist.parallel import BoundedStaleness, MomentumCorrection  # noqa: E402
 
 # name -> (fit keywords, the hook whose summary is kept), made fresh for each run
@@ -32,6 +33,7 @@ CASES = {
     "max_staleness_0": lambda: _hooked(BoundedStaleness(0)),
     "max_staleness_1": lambda: _hooked(BoundedStaleness(1)),
     "dc_max_staleness_1": lambda: ({"async_correction": "dc", "max_staleness": 1}, None),
+    "staleness_aware_lr": lambda: ({"staleness_aware_lr": True, "max_staleness": None}, None),
     # Two epochs, the first of them taking turns; max_staleness left to fit ('auto': none
     # after a warm-up).
     "warmup": lambda: ({"async_warmup": zero_cases.STEPS, "epochs": 2}, None),
@@ -58,7 +60,9 @@ def main(out: str) -> None:
         )  # fmt: skip
         np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(out, f"{name}.json"), "w") as f:
-            json.dump({"history": history.history, "hook": hook.summary() if hook else {}}, f)
+            rate = type(compat.learning_rate_schedule(model.optimizer)).__name__
+            json.dump({"history": history.history, "hook": hook.summary() if hook else {},
+                       "rate": rate}, f)  # fmt: skip
     # The keras.io model with its own train_step, which applies its update itself.
     with strategy.scope():
         model, data = custom_step_models.keras_io()

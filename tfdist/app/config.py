@@ -56,9 +56,6 @@ class _RunConfig:
         (None: nothing is written).
       checkpoint_every: also checkpoint every this many steps (0: at epoch ends only).
       max_checkpoints: checkpoints to keep.
-      staleness_aware_lr: parameter-server training only: divide each update's learning
-        rate by max(1, its staleness), the number of updates that reached the parameters
-        between the worker's read and its write (Zhang et al., 2016).
       {modes}
     """
 
@@ -86,7 +83,6 @@ class _RunConfig:
     model_dir: str | None = None
     checkpoint_every: int = 0
     max_checkpoints: int = 3
-    staleness_aware_lr: bool = False
 
     def __post_init__(self):
         _choice("optimizer", self.optimizer, OPTIMIZERS)
@@ -107,11 +103,6 @@ class _RunConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ConfigError(f"{name} must be a whole number >= 0. Received: {name}={value!r}")
-        if not isinstance(self.staleness_aware_lr, bool):
-            raise ConfigError(
-                "staleness_aware_lr must be True or False. "
-                f"Received: staleness_aware_lr={self.staleness_aware_lr!r}"
-            )
         if not self.learning_rate > 0:
             raise ConfigError(
                 f"learning_rate must be positive. Received: learning_rate={self.learning_rate!r}"

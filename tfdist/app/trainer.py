@@ -29,9 +29,8 @@ from tfdist.storage import check_writable_directory
 from tfdist.strategies import check_tpu_node_paths, tpu_node_address
 from tfdist.strategies.defaults import needs_static_shapes
 from tfdist.training import chain
-from tfdist.training.checkpoints import StepCheckpoint, check_resume_settings
+from tfdist.training.checkpoints import MUST_MATCH, StepCheckpoint, check_resume_settings
 from tfdist.training.report import RunRecord, TrainResult
-from tfdist.training.staleness import StalenessAwareSchedule
 
 log = logging.getLogger(__name__)
 
@@ -122,16 +121,16 @@ class Trainer:
             )  # fmt: skip
         settings = None
         if config.model_dir is not None:
+            modes = registry.resume_settings(config.mode_options())
             settings = {
                 "model": config.model, "dataset": _comparable(config.dataset),
                 "optimizer": config.optimizer, "mixed_precision": config.mixed_precision,
-                "global_batch_size": config.global_batch_size,
-                **registry.resume_settings(config.mode_options()),
+                "global_batch_size": config.global_batch_size, **modes,
                 "steps_per_epoch": self.steps_per_epoch,
                 "workers": cluster.num_workers if cluster is not None else 1,
                 "replicas": strategy.num_replicas_in_sync,
             }  # fmt: skip
-            check_resume_settings(config.model_dir, settings)
+            check_resume_settings(config.model_dir, settings, must_match=[*MUST_MATCH, *modes])
         if self.is_chief:
             log.info(
                 "%s; %d steps per epoch x %d epochs; %s on %s (%d training examples)",
@@ -155,8 +154,6 @@ class Trainer:
             finally:
                 keras.mixed_precision.set_dtype_policy(previous_policy)
             schedule = build_schedule(config, steps_per_epoch=self.steps_per_epoch)
-            if config.staleness_aware_lr:  # fit's parameter-server runner scales it per update
-                schedule = StalenessAwareSchedule(schedule)
             self.optimizer = build_optimizer(config, schedule)
         self.callbacks = [
             StepCheckpoint(

@@ -50,10 +50,10 @@ class ADMM(LocalUpdates):
 
     def __init__(self, rho: float, every: int = 1, *, timeout_seconds=None):
         if isinstance(rho, bool) or not isinstance(rho, (int, float)) or not rho > 0:
-            raise LocalUpdateError(f"admm's rho must be a number > 0. Received: rho={rho!r}")
+            raise LocalUpdateError(f"admm['rho'] must be a number > 0. Received: rho={rho!r}")
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise LocalUpdateError(
-                f"admm's every must be a whole number >= 1. Received: every={every!r}"
+                f"admm['every'] must be a whole number >= 1. Received: every={every!r}"
             )
         super().__init__(timeout_seconds=timeout_seconds)
         self.rho, self.every = float(rho), every

@@ -24,6 +24,10 @@ step (tfdist.training.runner.AsyncStep):
   and its update is applied after step t - 1's. No update is then more than s updates stale:
   s = 0 is sequentially consistent (staleness 0, the workers take turns), and larger s lets
   up to s + 1 steps compute at once.
+- StalenessAwareRate (`staleness_aware_lr=True`; Zhang et al., 2016, "Staleness-aware
+  Async-SGD for distributed deep learning"): each update's learning rate is divided by
+  max(1, tau), so a gradient computed from old weights moves them less
+  (tfdist/training/staleness.py's StalenessAwareSchedule, scaled per update by the runner).
 - SynchronousWarmup (`async_warmup=n`): the first n steps take turns as under
   `max_staleness=0`, then the updates go through as asynchronously as the bound allows. A
   network's first steps are where staleness costs most: SGD with momentum that leaves a
@@ -45,6 +49,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.training.runner import AsyncStep, Runner, StepHook
+from tfdist.training.staleness import StalenessAwareSchedule
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +254,31 @@ class MomentumCorrection(StepHook):
     def summary(self) -> dict[str, float | int | None]:
         mean = float(self.mean_staleness.numpy())
         return {"momentum_applied": float(self.explicit(mean)), "momentum_asked": self.momentum}
+
+
+class StalenessAwareRate(StepHook):
+    """`staleness_aware_lr=True`: each update's learning rate divided by max(1, its
+    staleness) (Zhang et al., 2016). The optimizer's rate is wrapped in a
+    StalenessAwareSchedule (once: a second fit finds it wrapped), which the parameter_server
+    runner scales around each update."""
+
+    asynchronous_only = True
+
+    def __init__(self, on: bool = True):
+        self.on = on
+
+    @property
+    def name(self) -> str:
+        return "staleness_aware_lr"
+
+    def build(self, model: keras.Model, runner: Runner) -> None:
+        optimizer = model.optimizer
+        rate = compat.learning_rate_schedule(optimizer)
+        if isinstance(rate, StalenessAwareSchedule):
+            return
+        if not isinstance(rate, keras.optimizers.schedules.LearningRateSchedule):
+            rate = float(keras.ops.convert_to_numpy(optimizer.learning_rate))  # a plain rate
+        optimizer.learning_rate = StalenessAwareSchedule(rate)
 
 
 class BoundedStaleness(StepHook):

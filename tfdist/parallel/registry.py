@@ -78,24 +78,39 @@ class Choice:
 
 @dataclasses.dataclass(frozen=True)
 class Number:
-    """A number >= `minimum`, a whole one if `whole` (None also means off where the default
-    is None)."""
+    """A number >= `minimum` (> it if `above`), a whole one if `whole` (None also means off
+    where the default is None). The bound is the mode's own: its builder checks no other."""
 
     minimum: float
     whole: bool = False
+    above: bool = False
 
     def problem(self, keyword: str, value: Any) -> str | None:
         kinds = (int,) if self.whole else (int, float)
         if value is None or (
-            isinstance(value, kinds) and not isinstance(value, bool) and value >= self.minimum
+            isinstance(value, kinds)
+            and not isinstance(value, bool)
+            and (value > self.minimum if self.above else value >= self.minimum)
         ):
             return None
         return f"{keyword} must be {self.describe()}. Received: {keyword}={value!r}"
 
     def describe(self) -> str:
-        return (
-            f"a whole number >= {self.minimum:g}" if self.whole else f"a number >= {self.minimum:g}"
-        )
+        kind = "a whole number" if self.whole else "a number"
+        return f"{kind} {'>' if self.above else '>='} {self.minimum:g}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Switch:
+    """True (on) or False (off)."""
+
+    def problem(self, keyword: str, value: Any) -> str | None:
+        if isinstance(value, bool):
+            return None
+        return f"{keyword} must be True or False. Received: {keyword}={value!r}"
+
+    def describe(self) -> str:
+        return "True | False"
 
 
 def Whole(minimum: int) -> Number:  # noqa: N802 (reads as the type it makes)
@@ -181,7 +196,7 @@ class Options:
         return "a dict of " + ", ".join(one(name) for name in self.fields)
 
 
-Value = Choice | Number | Options | RunnerFactoryValue
+Value = Choice | Number | Options | RunnerFactoryValue | Switch
 
 
 # --- the entries --------------------------------------------------------------------------------
@@ -271,6 +286,19 @@ MODES: tuple[Mode, ...] = (
         value=Choice(("dc", "momentum")),
         place=Place.CORRECTION,
         builder="tfdist.parallel.asynchronous:correction",
+    ),
+    Mode(
+        keyword="staleness_aware_lr",
+        summary="parameter_server: True divides each update's learning rate by max(1, its "
+        "staleness) (Zhang et al., 2016); tfdist.parallel.asynchronous",
+        help="parameter_server only: divide each update's learning rate by max(1, its "
+        "staleness), the updates that reached the parameters between the worker's read and its "
+        "write (Zhang et al., 2016). Staleness is reported either way (summary.json, "
+        "TensorBoard).",
+        value=Switch(),
+        default=False,
+        place=Place.CORRECTION,
+        builder="tfdist.parallel.asynchronous:StalenessAwareRate",
     ),
     Mode(
         keyword="max_staleness",
@@ -372,7 +400,9 @@ MODES: tuple[Mode, ...] = (
         "local steps on its own data's loss plus rho/2 ||w - z + u||^2; every `every` steps "
         "one all-reduce sets the consensus z and the duals u. Converges to the optimum of the "
         "whole data although no example crosses between replicas.",
-        value=Options({"rho": Number(minimum=0.0), "every": Whole(minimum=1)}, {"every": 1}),
+        value=Options(
+            {"rho": Number(minimum=0.0, above=True), "every": Whole(minimum=1)}, {"every": 1}
+        ),
         place=Place.UPDATE,
         builder="tfdist.parallel.admm:from_options",
     ),
@@ -512,6 +542,7 @@ __all__ = [
     "Options",
     "Place",
     "RunnerFactoryValue",
+    "Switch",
     "Whole",
     "chain",
     "fill_docstring",

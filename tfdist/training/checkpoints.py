@@ -18,7 +18,7 @@ import re
 import shutil
 import tempfile
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import keras
 import tensorflow as tf
@@ -39,22 +39,33 @@ class CheckpointMismatchError(TfdistError, ValueError):
 CHECKPOINT_SUBDIR = "checkpoints"
 # The settings a run's checkpoints were written under, beside them: a resume compares.
 SETTINGS_FILE = "run.json"
-# Settings a resume must keep: with another model, dataset or optimizer (mixed precision
-# wraps it in a LossScaleOptimizer; sharding keeps its state apart) the checkpoint does not
-# fit; with another global batch its step counts batches of another size (another data
-# position and schedule). The others may change, with a warning.
-_MUST_MATCH = (
-    "model", "dataset", "optimizer", "mixed_precision", "global_batch_size", "shard_optimizer",
-)  # fmt: skip
+# Settings every resume must keep: with another model, dataset or optimizer (mixed
+# precision wraps it in a LossScaleOptimizer) the checkpoint does not fit; with another
+# global batch its step counts batches of another size (another data position and
+# schedule). The parallel modes whose registry entry says `resume_must_match` (their state
+# is laid out by them) are the caller's to add. The others may change, with a warning.
+MUST_MATCH = ("model", "dataset", "optimizer", "mixed_precision", "global_batch_size")
+# What a saved step means after a change of these (the warning says it).
+_MEANING = {
+    "steps_per_epoch": "epochs now end every {after} steps, so the saved step falls in "
+    "another epoch",
+    "workers": "each step still trains the same number of examples, but they are now split "
+    "over another number of replicas, so the order of the examples from here on differs "
+    "from an uninterrupted run's",
+}
+_MEANING["replicas"] = _MEANING["workers"]
 
 
-def check_resume_settings(model_dir: str, settings: dict) -> None:
+def check_resume_settings(
+    model_dir: str, settings: dict, *, must_match: Collection[str] = MUST_MATCH
+) -> None:
     """Compares this job's settings with those the run in `model_dir` was saved with.
 
-    Raises CheckpointMismatchError where resuming would be wrong (another model, dataset,
-    optimizer, mixed precision or global batch); warns where the saved step means something new (another
-    number of workers or replicas, or of steps per epoch). `record_settings` writes them
-    for the next resume (StepCheckpoint's `settings`, once it holds model_dir's lock).
+    Raises CheckpointMismatchError where a setting in `must_match` changed (resuming would
+    be wrong: another model, dataset, optimizer, mixed precision, global batch, or a mode
+    whose state the checkpoint lays out); warns where another one changed, saying what the
+    saved step now means. `record_settings` writes them for the next resume
+    (StepCheckpoint's `settings`, once it holds model_dir's lock).
     """
     path = os.path.join(model_dir, SETTINGS_FILE)
     # The files themselves, as restore_latest reads them (the state file can lag behind).
@@ -71,7 +82,7 @@ def check_resume_settings(model_dir: str, settings: dict) -> None:
         changed = {
             k: (saved[k], settings[k]) for k in settings if k in saved and saved[k] != settings[k]
         }
-        refused = [k for k in _MUST_MATCH if k in changed]
+        refused = [k for k in must_match if k in changed]
         if refused:
             what = ", ".join(f"{k}={changed[k][0]!r}" for k in refused)
             now = ", ".join(f"{k}={changed[k][1]!r}" for k in refused)
@@ -87,13 +98,8 @@ def check_resume_settings(model_dir: str, settings: dict) -> None:
                 f"with the settings it was saved with, or start afresh in a new model_dir."
             )
         for key, (before, after) in changed.items():
-            meaning = (
-                f"epochs now end every {after} steps, so the saved step falls in another epoch"
-                if key == "steps_per_epoch"
-                else "each step still trains the same number of examples, but they are now "
-                "split over another number of replicas, so the order of the examples from "
-                "here on differs from an uninterrupted run's"
-            )
+            meaning = _MEANING.get(key, "the run goes on from its step under the new value")
+            meaning = meaning.format(after=after)
             log.warning(
                 "Resuming a run saved with %s=%s under %s=%s: %s", key, before, key, after, meaning
             )

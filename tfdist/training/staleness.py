@@ -81,10 +81,10 @@ class StalenessAwareSchedule(keras.optimizers.schedules.LearningRateSchedule):
     momentum, v = m*v - lr*g) both are the same.
 
     Args:
-      base: the schedule whose rate is scaled.
+      base: the schedule whose rate is scaled, or a constant rate.
     """
 
-    def __init__(self, base: keras.optimizers.schedules.LearningRateSchedule):
+    def __init__(self, base: keras.optimizers.schedules.LearningRateSchedule | float):
         self.base = base
         self._factor = None
 
@@ -98,15 +98,20 @@ class StalenessAwareSchedule(keras.optimizers.schedules.LearningRateSchedule):
             self._factor = None
 
     def __call__(self, step):
-        rate = self.base(step)
+        rate = self.base(step) if callable(self.base) else tf.constant(self.base, tf.float32)
         return rate if self._factor is None else rate * self._factor
 
     def get_config(self):
+        if isinstance(self.base, (int, float)):
+            return {"base": float(self.base)}
         return {"base": keras.saving.serialize_keras_object(self.base)}
 
     @classmethod
     def from_config(cls, config):
-        return cls(keras.saving.deserialize_keras_object(config["base"]))
+        base = config["base"]
+        if isinstance(base, (int, float)):
+            return cls(base)
+        return cls(keras.saving.deserialize_keras_object(base))
 
 
 # Per closure on the coordinator: [sum of tau, max of tau, updates] over its steps.
