@@ -22,6 +22,7 @@ from tfdist.strategies import (
     COLLECTIVE_CHOICES,
     COMPRESSION_CHOICES,
     REPLICA_PER_DEVICE_STRATEGIES,
+    names,
     strategy_names,
 )
 
@@ -136,9 +137,9 @@ def _check_cpu_devices_apply(cluster: ClusterInfo | None) -> None:
     """--num_cpu_devices makes replicas of one process: only mirrored and central_storage
     have them, so anywhere else the flag would be ignored, which is refused."""
     name = STRATEGY.value
-    if name == "auto":
+    if name == names.AUTO:
         # With a cluster, 'auto' is its strategy; alone on a host without GPUs, one_device.
-        name = (cluster.cluster_strategy if cluster else None) or "one_device"
+        name = (cluster.cluster_strategy if cluster else None) or names.ONE_DEVICE
     if name in REPLICA_PER_DEVICE_STRATEGIES:
         return
     how = (

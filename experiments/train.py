@@ -50,6 +50,7 @@ from tfdist.data import dataset_names  # noqa: E402
 from tfdist.models import model_names  # noqa: E402
 from tfdist.parallel import registry  # noqa: E402
 from tfdist.peers import lost_peers_explained  # noqa: E402
+from tfdist.strategies import names  # noqa: E402
 from tfdist.strategies.defaults import (  # noqa: E402
     AUTO,
     TPU_STEPS_PER_EXECUTION,
@@ -60,15 +61,7 @@ from tfdist.strategies.tpu import runs_on_tpu  # noqa: E402
 from tfdist.training.runners import describe_mode_default, mode_defaults  # noqa: E402
 
 log = logging.getLogger("tfdist.train")
-_STRATEGY_NAMES = [
-    "auto",
-    "one_device",
-    "mirrored",
-    "multi_worker_mirrored",
-    "parameter_server",
-    "central_storage",
-    "tpu",
-]
+_STRATEGY_NAMES = [names.AUTO, *names.NAMES]
 _DEFAULTS = TrainConfig()
 
 # What it trains.

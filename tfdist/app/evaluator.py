@@ -33,7 +33,7 @@ from tfdist.app.config import TrainConfig
 from tfdist.app.trainer import Trainer
 from tfdist.errors import TfdistError, first_line
 from tfdist.storage import strict_json, write_atomically
-from tfdist.strategies import build_strategy
+from tfdist.strategies import build_strategy, names
 from tfdist.training.checkpoints import CHECKPOINT_SUBDIR
 from tfdist.training.report import LOG_SUBDIR, SUMMARY_FILE
 
@@ -178,7 +178,7 @@ class CheckpointEvaluator:
         # The Trainer gets no model_dir so that it writes nothing of its own.
         self.trainer = Trainer(
             dataclasses.replace(config, model_dir=None),
-            strategy=build_strategy("one_device", cluster=None),
+            strategy=build_strategy(names.ONE_DEVICE, cluster=None),
         )
         self.trainer.compile()
         self.total_steps = self.trainer.total_steps

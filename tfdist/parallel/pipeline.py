@@ -62,14 +62,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.collective.keys import group_key_base
+from tfdist.collective.keys import block, group_key_base
 from tfdist.collective.transport import ProcessLinks, ProcessRing, Transfers
 from tfdist.errors import FitError
 from tfdist.parallel import units, updates
 from tfdist.parallel.host import host_device, host_scope
 from tfdist.parallel.schedules import SCHEDULES, Pass, schedule, simulate
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
-from tfdist.strategies import strategy_kind
+from tfdist.strategies import needs_coordinator
 from tfdist.training import loss_normalisation, shards
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
@@ -80,14 +80,11 @@ from tfdist.training.steps import custom_train_step
 
 log = logging.getLogger(__name__)
 
-# Group keys of the stage-to-stage links (one 2-member group per neighbouring pair), of the
-# rings that average a stage's gradients over the pipelines (one ring per stage, 1000 keys
-# apart) and of the rings that sum a tied weight's gradients over the stages holding it
-# (one per set of holders); collective/keys.py holds every range.
-
+# Group keys of the stage-to-stage links (one 2-member group per neighbouring pair); the
+# rings that average a stage's gradients over the pipelines (a block of 1000 keys per
+# stage) and those that sum a tied weight's gradients over the stages holding it (one block
+# per set of holders) take blocks of their ranges; collective/keys.py holds every range.
 LINK_GROUP_KEY_BASE = group_key_base("pipeline_links")
-STAGE_RING_GROUP_KEY_BASE = group_key_base("pipeline_stage_rings")
-TIED_RING_GROUP_KEY_BASE = group_key_base("pipeline_tied_rings")
 
 # The stages write the model back in buckets of this many bytes of float64 sums (a larger
 # variable alone): what the epoch's end adds to a process's peak. Every weight and slot at
@@ -177,7 +174,7 @@ class Pipeline:
                 "them, or use shard_optimizer='zero3', which recomputes each unit. "
                 f"Received: {len(recomputed)} recomputed layer(s)"
             )
-        if strategy_kind(strategy) == "parameter_server":
+        if needs_coordinator(strategy):  # parameter_server: a replica per worker, split
             from tfdist.parallel.downpour import SplitReplicaRunner
 
             return SplitReplicaRunner(model, strategy, self)
@@ -385,7 +382,7 @@ class PipelineRunner(SyncRunner):
                 rank=r.pipeline,
                 ranks=self.pipelines,
                 timeout_seconds=self.options.timeout_seconds,
-                group_key_base=STAGE_RING_GROUP_KEY_BASE + 1000 * r.stage.index,
+                group_key_base=block("pipeline_stage_rings", r.stage.index, size=1000),
             )
         # A tied weight's gradient is summed over every replica of the stages holding it:
         # one ring per set of holders, over the pipelines x holders processes.
@@ -396,7 +393,7 @@ class PipelineRunner(SyncRunner):
                         rank=r.pipeline * len(holders) + holders.index(r.stage.index),
                         ranks=self.pipelines * len(holders),
                         timeout_seconds=self.options.timeout_seconds,
-                        group_key_base=TIED_RING_GROUP_KEY_BASE + 1000 * k,
+                        group_key_base=block("pipeline_tied_rings", k, size=1000),
                     )
         return rings
 

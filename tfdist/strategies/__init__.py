@@ -10,6 +10,7 @@ Example:
 
 One module per concern:
 
+  names.py             the strategies' names, spelled once (imports nothing)
   options.py           StrategyOptions, the choices they take, StrategyError
   registry.py          build_strategy, the name -> builder dict, 'auto', strategy_kind
   single_host.py       one_device, mirrored, central_storage
@@ -39,38 +40,39 @@ ReplicaLayout, batch_multiple, the 'auto' defaults) or a runner, and strategy_ki
 strategy for messages.
 """
 
-from tfdist.strategies.multi_worker import joins_worker_processes, worker_rank
-from tfdist.strategies.options import (
-    ALL_REDUCE_CHOICES,
-    COLLECTIVE_CHOICES,
-    COMPRESSION_CHOICES,
-    DEFAULT_PS_MIN_SHARD_BYTES,
-    StrategyError,
-    StrategyOptions,
-)
-from tfdist.strategies.parameter_server import (
-    distribute_datasets,
-    needs_coordinator,
-    task_name_in_tf_config,
-)
-from tfdist.strategies.registry import (
-    ALIASES,
-    REPLICA_PER_DEVICE_STRATEGIES,
-    SINGLE_HOST_STRATEGIES,
-    build_strategy,
-    describe_strategy,
-    resolve_auto,
-    strategy_kind,
-    strategy_names,
-)
-from tfdist.strategies.replicas import ReplicaLayout, replica_layout
-from tfdist.strategies.tpu import (
-    batch_multiple,
-    check_tpu_node_paths,
-    detect_tpu,
-    runs_on_tpu,
-    tpu_node_address,
-)
+from tfdist.lazy import lazy_exports
+
+# Each public name -> the module that defines it, imported on first use (names.py imports
+# nothing: the launcher reads it without TensorFlow).
+_EXPORTS = {
+    "ALIASES": "tfdist.strategies.registry",
+    "ALL_REDUCE_CHOICES": "tfdist.strategies.options",
+    "COLLECTIVE_CHOICES": "tfdist.strategies.options",
+    "COMPRESSION_CHOICES": "tfdist.strategies.options",
+    "DEFAULT_PS_MIN_SHARD_BYTES": "tfdist.strategies.options",
+    "REPLICA_PER_DEVICE_STRATEGIES": "tfdist.strategies.registry",
+    "ReplicaLayout": "tfdist.strategies.replicas",
+    "SINGLE_HOST_STRATEGIES": "tfdist.strategies.registry",
+    "StrategyError": "tfdist.strategies.options",
+    "StrategyOptions": "tfdist.strategies.options",
+    "batch_multiple": "tfdist.strategies.tpu",
+    "build_strategy": "tfdist.strategies.registry",
+    "check_tpu_node_paths": "tfdist.strategies.tpu",
+    "describe_strategy": "tfdist.strategies.registry",
+    "detect_tpu": "tfdist.strategies.tpu",
+    "distribute_datasets": "tfdist.strategies.parameter_server",
+    "joins_worker_processes": "tfdist.strategies.multi_worker",
+    "needs_coordinator": "tfdist.strategies.parameter_server",
+    "replica_layout": "tfdist.strategies.replicas",
+    "resolve_auto": "tfdist.strategies.registry",
+    "runs_on_tpu": "tfdist.strategies.tpu",
+    "strategy_kind": "tfdist.strategies.registry",
+    "strategy_names": "tfdist.strategies.registry",
+    "task_name_in_tf_config": "tfdist.strategies.parameter_server",
+    "tpu_node_address": "tfdist.strategies.tpu",
+    "worker_rank": "tfdist.strategies.multi_worker",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 __all__ = [
     "ALIASES",

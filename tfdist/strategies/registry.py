@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfdist import devices as _devices
 from tfdist.cluster import FROM_ENV, ClusterInfo, cluster_from_environment
-from tfdist.strategies import keras_guard
+from tfdist.strategies import keras_guard, names
 from tfdist.strategies.multi_worker import build_multi_worker_mirrored, joins_worker_processes
 from tfdist.strategies.options import (
     StrategyError,
@@ -34,20 +34,17 @@ from tfdist.strategies.tpu import build_tpu, detect_tpu
 
 log = logging.getLogger(__name__)
 
-ALIASES = {"default": "one_device"}
-# Strategies that train in one process on this host's devices.
-SINGLE_HOST_STRATEGIES = ("one_device", "mirrored", "central_storage")
-# Of those, the ones with a replica per local device, so more devices (configure_cpu_devices
-# splitting the CPU, say) make more replicas; one_device keeps one.
-REPLICA_PER_DEVICE_STRATEGIES = ("mirrored", "central_storage")
+ALIASES = names.ALIASES
+SINGLE_HOST_STRATEGIES = names.SINGLE_HOST
+REPLICA_PER_DEVICE_STRATEGIES = names.REPLICA_PER_DEVICE
 
 _BUILDERS: dict[str, Callable[[ClusterInfo | None, StrategyOptions], tf.distribute.Strategy]] = {
-    "one_device": build_one_device,
-    "mirrored": build_mirrored,
-    "multi_worker_mirrored": build_multi_worker_mirrored,
-    "parameter_server": build_parameter_server,
-    "central_storage": build_central_storage,
-    "tpu": build_tpu,
+    names.ONE_DEVICE: build_one_device,
+    names.MIRRORED: build_mirrored,
+    names.MULTI_WORKER_MIRRORED: build_multi_worker_mirrored,
+    names.PARAMETER_SERVER: build_parameter_server,
+    names.CENTRAL_STORAGE: build_central_storage,
+    names.TPU: build_tpu,
 }
 
 
@@ -120,20 +117,22 @@ def build_strategy(
 
 def strategy_names() -> list[str]:
     """Every name build_strategy accepts."""
-    return ["auto", *_BUILDERS, *ALIASES]
+    return [names.AUTO, *_BUILDERS, *ALIASES]
 
 
 def resolve_auto(cluster: ClusterInfo | None, *, tpu_address: str | None, num_gpus: int) -> str:
     """The strategy 'auto' stands for, given the cluster and the hardware (a pure function)."""
     if cluster is not None and cluster.is_evaluator:
-        return "one_device"  # the evaluator never joins training: it evaluates on its own device
+        return (
+            names.ONE_DEVICE
+        )  # the evaluator never joins training: it evaluates on its own device
     if cluster is not None and cluster.cluster_strategy is not None:
         return cluster.cluster_strategy
     if tpu_address is not None:
-        return "tpu"
+        return names.TPU
     if num_gpus > 1:
-        return "mirrored"
-    return "one_device"
+        return names.MIRRORED
+    return names.ONE_DEVICE
 
 
 def strategy_kind(strategy: tf.distribute.Strategy) -> str:
@@ -143,14 +142,14 @@ def strategy_kind(strategy: tf.distribute.Strategy) -> str:
     CollectiveAllReduceStrategy, ParameterServerStrategy a ParameterServerStrategyV2).
     """
     kinds = [  # subclasses before their bases
-        ("tpu", tf.distribute.TPUStrategy),
-        ("parameter_server", tf.distribute.experimental.ParameterServerStrategy),
-        ("central_storage", tf.distribute.experimental.CentralStorageStrategy),
-        ("multi_worker_mirrored", tf.distribute.MultiWorkerMirroredStrategy),
-        ("mirrored", tf.distribute.MirroredStrategy),
-        ("one_device", tf.distribute.OneDeviceStrategy),
+        (names.TPU, tf.distribute.TPUStrategy),
+        (names.PARAMETER_SERVER, tf.distribute.experimental.ParameterServerStrategy),
+        (names.CENTRAL_STORAGE, tf.distribute.experimental.CentralStorageStrategy),
+        (names.MULTI_WORKER_MIRRORED, tf.distribute.MultiWorkerMirroredStrategy),
+        (names.MIRRORED, tf.distribute.MirroredStrategy),
+        (names.ONE_DEVICE, tf.distribute.OneDeviceStrategy),
     ]
-    return next((kind for kind, cls in kinds if isinstance(strategy, cls)), "default")
+    return next((kind for kind, cls in kinds if isinstance(strategy, cls)), names.DEFAULT)
 
 
 def describe_strategy(strategy: tf.distribute.Strategy, cluster: ClusterInfo | None) -> str:

@@ -6,13 +6,12 @@ one_device, mirrored (a replica per device, gradients summed across them) and ce
 
 from __future__ import annotations
 
-import itertools
-
 import tensorflow as tf
 
 from tfdist import compat
 from tfdist import devices as _devices
 from tfdist.cluster import ClusterInfo
+from tfdist.collective import keys
 from tfdist.strategies.all_reduce import mirrored_cross_device_ops
 from tfdist.strategies.options import StrategyError, StrategyOptions
 
@@ -47,21 +46,17 @@ def build_one_device(cluster: ClusterInfo | None, options: StrategyOptions):
     return tf.distribute.OneDeviceStrategy(chosen[0])
 
 
-# TensorFlow numbers the collective groups of every MirroredStrategy from 1, so a second one
-# over a different number of devices in the same process (a notebook re-run, a test suite)
-# aborts with "joining a group with size 4, but that group has size 2". Each build takes its
-# own key range from here (the spacing TensorFlow's own tests use), given to that strategy
-# object alone.
-_MIRRORED_KEY_BASES = itertools.count(0, 100_000)
-
-
 def build_mirrored(cluster: ClusterInfo | None, options: StrategyOptions):
     """MirroredStrategy over the local devices, with its own collective key range."""
     chosen = _local_devices(options)
     return compat.mirrored_strategy(
         chosen,
         cross_device_ops=mirrored_cross_device_ops(options, chosen),
-        collective_key_base=next(_MIRRORED_KEY_BASES),
+        # TensorFlow numbers every MirroredStrategy's groups from 1, so a second one over
+        # another number of devices in this process (a notebook re-run, a test suite) would
+        # abort with "joining a group with size 4, but that group has size 2": each takes
+        # its own block of keys.
+        collective_key_base=keys.next_mirrored_base(),
     )
 
 

@@ -23,6 +23,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.cluster import cluster_from_environment
 from tfdist.peers import lost_peers_explained
+from tfdist.strategies import names
 from tfdist.training import loss_normalisation
 from tfdist.training.batch_norm import MovingStatistics
 from tfdist.training.fit_data import FitData, unpack
@@ -54,7 +55,13 @@ from tfdist.training.steps import (
 class SyncRunner(Runner):
     """Synchronous strategies; see the module docstring."""
 
-    kinds = ("default", "one_device", "mirrored", "multi_worker_mirrored", "tpu")
+    kinds = (
+        names.DEFAULT,
+        names.ONE_DEVICE,
+        names.MIRRORED,
+        names.MULTI_WORKER_MIRRORED,
+        names.TPU,
+    )
     # Whether `build` builds the user's optimizer where it is not built (a runner that keeps
     # its slots elsewhere, a pipeline's stages, builds it itself).
     builds_optimizer = True
