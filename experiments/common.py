@@ -13,6 +13,7 @@ from absl import logging as absl_logging
 
 import tfdist
 from tfdist import logs, signals
+from tfdist import strategy_kinds as kinds
 from tfdist.cluster import ClusterInfo
 from tfdist.errors import TfdistError
 from tfdist.exit_codes import EXIT_USAGE, end_process
@@ -22,7 +23,6 @@ from tfdist.strategies import (
     COLLECTIVE_CHOICES,
     COMPRESSION_CHOICES,
     REPLICA_PER_DEVICE_STRATEGIES,
-    names,
     strategy_names,
 )
 
@@ -137,9 +137,9 @@ def _check_cpu_devices_apply(cluster: ClusterInfo | None) -> None:
     """--num_cpu_devices makes replicas of one process: only mirrored and central_storage
     have them, so anywhere else the flag would be ignored, which is refused."""
     name = STRATEGY.value
-    if name == names.AUTO:
+    if name == kinds.AUTO:
         # With a cluster, 'auto' is its strategy; alone on a host without GPUs, one_device.
-        name = (cluster.cluster_strategy if cluster else None) or names.ONE_DEVICE
+        name = (cluster.cluster_strategy if cluster else None) or kinds.ONE_DEVICE
     if name in REPLICA_PER_DEVICE_STRATEGIES:
         return
     how = (

@@ -38,6 +38,7 @@ from absl import app, flags  # noqa: E402
 import tfdist  # noqa: E402
 from experiments import common  # noqa: E402
 from experiments.configs import CONFIGS  # noqa: E402
+from tfdist import strategy_kinds as kinds  # noqa: E402
 from tfdist.app import TrainConfig, Trainer  # noqa: E402
 from tfdist.app.config import (  # noqa: E402
     LR_SCALING,
@@ -50,7 +51,6 @@ from tfdist.data import dataset_names  # noqa: E402
 from tfdist.models import model_names  # noqa: E402
 from tfdist.parallel import registry  # noqa: E402
 from tfdist.peers import lost_peers_explained  # noqa: E402
-from tfdist.strategies import names  # noqa: E402
 from tfdist.strategies.defaults import (  # noqa: E402
     AUTO,
     TPU_STEPS_PER_EXECUTION,
@@ -61,7 +61,7 @@ from tfdist.strategies.tpu import runs_on_tpu  # noqa: E402
 from tfdist.training.runners import describe_mode_default, mode_defaults  # noqa: E402
 
 log = logging.getLogger("tfdist.train")
-_STRATEGY_NAMES = [names.AUTO, *names.NAMES]
+_STRATEGY_NAMES = [kinds.AUTO, *kinds.NAMES]
 _DEFAULTS = TrainConfig()
 
 # What it trains.

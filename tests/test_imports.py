@@ -178,6 +178,57 @@ def test_tfdist_has_no_import_circles():
     )
 
 
+def package_graph(graph: Mapping[str, set[str]], root: Path = ROOT) -> dict[str, set[str]]:
+    """The import graph between tfdist's packages (tfdist.data, tfdist.strategies, ...) and
+    its top-level modules (tfdist.cluster, ...): each module counted as its package."""
+
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        if len(parts) > 1 and (root / parts[1]).is_dir():
+            return ".".join(parts[:2])
+        return module
+
+    packages: dict[str, set[str]] = {}
+    for module, imported in graph.items():
+        if module == PACKAGE:
+            continue  # the facade's lazy table imports nothing
+        own = unit(module)
+        packages.setdefault(own, set()).update(
+            unit(other) for other in imported if unit(other) not in (own, PACKAGE)
+        )
+    return packages
+
+
+def test_tfdist_s_packages_import_one_another_without_circles():
+    # A package in a circle with another cannot be read, tested or moved apart from it.
+    packages = package_graph(import_graph(ROOT, PACKAGE))
+    assert {"tfdist.strategies", "tfdist.collective", "tfdist.layout"} <= set(packages)
+    found = circles(packages)
+    assert not found, "tfdist's packages import one another in circles:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
+def test_tfdist_never_imports_the_binaries_or_the_tools():
+    # experiments/ and tools/ are tfdist's users: the library works without them.
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom) and node.level == 0
+                else []
+            )
+            found += [
+                f"{path.relative_to(ROOT.parent)}:{node.lineno}: {name}"
+                for name in names
+                if name.split(".")[0] in ("experiments", "tools", "tests")
+            ]
+    assert not found, "tfdist imports its users:\n" + "\n".join(found)
+
+
 # Each layer imports only layers below it (lower number). A module not listed is in the
 # base layer (0): cluster, strategies, data, collective, compat, ... A package and its
 # modules share a layer.

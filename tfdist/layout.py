@@ -15,11 +15,11 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence, Sized
 from typing import Any
 
+from tfdist import strategy_kinds as kinds
 from tfdist.errors import TfdistError
-from tfdist.strategies import names
 
 TASK_TYPES = ("chief", "worker", "ps", "evaluator")
-MULTI_WORKER_STRATEGIES = names.MULTI_WORKER
+MULTI_WORKER_STRATEGIES = kinds.MULTI_WORKER
 # TensorFlow knows one task of each of these types; more must be workers.
 SINGLE_TASK_TYPES = ("chief", "evaluator")
 
@@ -61,9 +61,9 @@ class Layout:
         training where two or more tasks compute (the chief counts, the evaluator not).
         """
         if self.ps:
-            return names.PARAMETER_SERVER
+            return kinds.PARAMETER_SERVER
         if self.chief + self.workers > 1:
-            return names.MULTI_WORKER_MIRRORED
+            return kinds.MULTI_WORKER_MIRRORED
         return None
 
     def describe(self) -> str:
@@ -102,7 +102,7 @@ def launch_flags(layout: Layout) -> str:
 
 def example_layout(strategy: str | None) -> Layout:
     """The smallest layout that runs `strategy` across processes, for messages."""
-    if strategy == names.PARAMETER_SERVER:
+    if strategy == kinds.PARAMETER_SERVER:
         return Layout(chief=1, workers=2, ps=1)
     return Layout(workers=2)
 
@@ -158,12 +158,12 @@ def _check_strategy(layout: Layout, strategy: str, spell: Callable[[Layout], str
     calls_for = layout.strategy
     if strategy == calls_for:
         return
-    if calls_for is None and strategy != names.PARAMETER_SERVER:
+    if calls_for is None and strategy != kinds.PARAMETER_SERVER:
         return  # one task trains: any single-host strategy, or a collective of one
     received = f"Received: strategy={strategy!r}, {layout.describe()}"
     if strategy in MULTI_WORKER_STRATEGIES:
         fit = spell(example_layout(strategy))
-        if strategy == names.PARAMETER_SERVER:
+        if strategy == kinds.PARAMETER_SERVER:
             raise LayoutError(
                 f"'parameter_server' needs a chief, workers and ps tasks: use e.g. `{fit}`, "
                 f"or {_calls_for(calls_for)} for this layout. {received}"
@@ -196,8 +196,8 @@ def flag_value(args: Sequence[str], flag: str) -> str | None:
 
 # tfdist's strategy names and alias: a --strategy flag with another value belongs to some
 # other program.
-STRATEGY_NAMES = (names.AUTO, *names.NAMES)
-STRATEGY_ALIASES = names.ALIASES
+STRATEGY_NAMES = (kinds.AUTO, *kinds.NAMES)
+STRATEGY_ALIASES = kinds.ALIASES
 
 
 def command_strategy(command: Sequence[str]) -> str | None:

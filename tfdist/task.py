@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from tfdist import strategy_kinds as kinds
 from tfdist.cluster import CHIEF, WORKER, cluster_from_environment
-from tfdist.strategies import names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +47,7 @@ def this_task() -> TaskInfo:
     if cluster is None:
         return TaskInfo(WORKER, 0, 0, 1, True)
     workers = len(cluster.cluster.get(WORKER, ()))
-    if cluster.cluster_strategy == names.PARAMETER_SERVER:
+    if cluster.cluster_strategy == kinds.PARAMETER_SERVER:
         rank = cluster.task_index if cluster.task_type == WORKER else None
         return TaskInfo(cluster.task_type, cluster.task_index, rank, workers, cluster.is_chief)
     chiefs = len(cluster.cluster.get(CHIEF, ()))

@@ -29,11 +29,12 @@ import time
 import tensorflow as tf
 
 from tfdist import signals
+from tfdist import strategy_kinds as kinds
 from tfdist.app.config import TrainConfig
 from tfdist.app.trainer import Trainer
 from tfdist.errors import TfdistError, first_line
 from tfdist.storage import strict_json, write_atomically
-from tfdist.strategies import build_strategy, names
+from tfdist.strategies import build_strategy
 from tfdist.training.checkpoints import CHECKPOINT_SUBDIR
 from tfdist.training.report import LOG_SUBDIR, SUMMARY_FILE
 
@@ -178,7 +179,7 @@ class CheckpointEvaluator:
         # The Trainer gets no model_dir so that it writes nothing of its own.
         self.trainer = Trainer(
             dataclasses.replace(config, model_dir=None),
-            strategy=build_strategy(names.ONE_DEVICE, cluster=None),
+            strategy=build_strategy(kinds.ONE_DEVICE, cluster=None),
         )
         self.trainer.compile()
         self.total_steps = self.trainer.total_steps

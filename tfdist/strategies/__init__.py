@@ -10,7 +10,6 @@ Example:
 
 One module per concern:
 
-  names.py             the strategies' names, spelled once (imports nothing)
   options.py           StrategyOptions, the choices they take, StrategyError
   registry.py          build_strategy, the name -> builder dict, 'auto', strategy_kind
   single_host.py       one_device, mirrored, central_storage
@@ -42,8 +41,8 @@ strategy for messages.
 
 from tfdist.lazy import lazy_exports
 
-# Each public name -> the module that defines it, imported on first use (names.py imports
-# nothing: the launcher reads it without TensorFlow).
+# Each public name -> the module that defines it, imported on first use (the strategies'
+# names themselves are tfdist/strategy_kinds.py's, read without TensorFlow).
 _EXPORTS = {
     "ALIASES": "tfdist.strategies.registry",
     "ALL_REDUCE_CHOICES": "tfdist.strategies.options",

@@ -19,8 +19,9 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist import devices as _devices
+from tfdist import strategy_kinds as kinds
 from tfdist.cluster import FROM_ENV, ClusterInfo, cluster_from_environment
-from tfdist.strategies import keras_guard, names
+from tfdist.strategies import keras_guard
 from tfdist.strategies.multi_worker import build_multi_worker_mirrored, joins_worker_processes
 from tfdist.strategies.options import (
     StrategyError,
@@ -34,17 +35,17 @@ from tfdist.strategies.tpu import build_tpu, detect_tpu
 
 log = logging.getLogger(__name__)
 
-ALIASES = names.ALIASES
-SINGLE_HOST_STRATEGIES = names.SINGLE_HOST
-REPLICA_PER_DEVICE_STRATEGIES = names.REPLICA_PER_DEVICE
+ALIASES = kinds.ALIASES
+SINGLE_HOST_STRATEGIES = kinds.SINGLE_HOST
+REPLICA_PER_DEVICE_STRATEGIES = kinds.REPLICA_PER_DEVICE
 
 _BUILDERS: dict[str, Callable[[ClusterInfo | None, StrategyOptions], tf.distribute.Strategy]] = {
-    names.ONE_DEVICE: build_one_device,
-    names.MIRRORED: build_mirrored,
-    names.MULTI_WORKER_MIRRORED: build_multi_worker_mirrored,
-    names.PARAMETER_SERVER: build_parameter_server,
-    names.CENTRAL_STORAGE: build_central_storage,
-    names.TPU: build_tpu,
+    kinds.ONE_DEVICE: build_one_device,
+    kinds.MIRRORED: build_mirrored,
+    kinds.MULTI_WORKER_MIRRORED: build_multi_worker_mirrored,
+    kinds.PARAMETER_SERVER: build_parameter_server,
+    kinds.CENTRAL_STORAGE: build_central_storage,
+    kinds.TPU: build_tpu,
 }
 
 
@@ -117,22 +118,22 @@ def build_strategy(
 
 def strategy_names() -> list[str]:
     """Every name build_strategy accepts."""
-    return [names.AUTO, *_BUILDERS, *ALIASES]
+    return [kinds.AUTO, *_BUILDERS, *ALIASES]
 
 
 def resolve_auto(cluster: ClusterInfo | None, *, tpu_address: str | None, num_gpus: int) -> str:
     """The strategy 'auto' stands for, given the cluster and the hardware (a pure function)."""
     if cluster is not None and cluster.is_evaluator:
         return (
-            names.ONE_DEVICE
+            kinds.ONE_DEVICE
         )  # the evaluator never joins training: it evaluates on its own device
     if cluster is not None and cluster.cluster_strategy is not None:
         return cluster.cluster_strategy
     if tpu_address is not None:
-        return names.TPU
+        return kinds.TPU
     if num_gpus > 1:
-        return names.MIRRORED
-    return names.ONE_DEVICE
+        return kinds.MIRRORED
+    return kinds.ONE_DEVICE
 
 
 def strategy_kind(strategy: tf.distribute.Strategy) -> str:
@@ -141,15 +142,15 @@ def strategy_kind(strategy: tf.distribute.Strategy) -> str:
     TensorFlow's class names differ from the public ones (MultiWorkerMirroredStrategy is a
     CollectiveAllReduceStrategy, ParameterServerStrategy a ParameterServerStrategyV2).
     """
-    kinds = [  # subclasses before their bases
-        (names.TPU, tf.distribute.TPUStrategy),
-        (names.PARAMETER_SERVER, tf.distribute.experimental.ParameterServerStrategy),
-        (names.CENTRAL_STORAGE, tf.distribute.experimental.CentralStorageStrategy),
-        (names.MULTI_WORKER_MIRRORED, tf.distribute.MultiWorkerMirroredStrategy),
-        (names.MIRRORED, tf.distribute.MirroredStrategy),
-        (names.ONE_DEVICE, tf.distribute.OneDeviceStrategy),
+    classes = [  # subclasses before their bases
+        (kinds.TPU, tf.distribute.TPUStrategy),
+        (kinds.PARAMETER_SERVER, tf.distribute.experimental.ParameterServerStrategy),
+        (kinds.CENTRAL_STORAGE, tf.distribute.experimental.CentralStorageStrategy),
+        (kinds.MULTI_WORKER_MIRRORED, tf.distribute.MultiWorkerMirroredStrategy),
+        (kinds.MIRRORED, tf.distribute.MirroredStrategy),
+        (kinds.ONE_DEVICE, tf.distribute.OneDeviceStrategy),
     ]
-    return next((kind for kind, cls in kinds if isinstance(strategy, cls)), names.DEFAULT)
+    return next((kind for kind, cls in classes if isinstance(strategy, cls)), kinds.DEFAULT)
 
 
 def describe_strategy(strategy: tf.distribute.Strategy, cluster: ClusterInfo | None) -> str:

@@ -9,7 +9,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.strategies import names
+from tfdist import strategy_kinds as kinds
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import (
@@ -35,7 +35,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
     call and is not timed, as under the synchronous runner on data of unknown length.
     """
 
-    kinds = (names.CENTRAL_STORAGE,)
+    kinds = (kinds.CENTRAL_STORAGE,)
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)

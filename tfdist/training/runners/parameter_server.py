@@ -24,7 +24,8 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.strategies import names, task_name_in_tf_config
+from tfdist import strategy_kinds as kinds
+from tfdist.strategies import task_name_in_tf_config
 from tfdist.strategies.replicas import ReplicaLayout
 from tfdist.training import fit_callbacks
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
@@ -77,7 +78,7 @@ class ClaimUpdate(StepHook):
 class ParameterServerRunner(StatelessMetricsRunner):
     """parameter_server: closures of `n` steps scheduled on any free worker; see the module."""
 
-    kinds = (names.PARAMETER_SERVER,)
+    kinds = (kinds.PARAMETER_SERVER,)
     mode_defaults = {"max_staleness": PS_MAX_STALENESS}
     train_waits_for_steps = False  # closures are scheduled on the workers
 

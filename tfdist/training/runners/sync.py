@@ -21,9 +21,9 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist import strategy_kinds as kinds
 from tfdist.cluster import cluster_from_environment
 from tfdist.peers import lost_peers_explained
-from tfdist.strategies import names
 from tfdist.training import loss_normalisation
 from tfdist.training.batch_norm import MovingStatistics
 from tfdist.training.fit_data import FitData, unpack
@@ -56,11 +56,11 @@ class SyncRunner(Runner):
     """Synchronous strategies; see the module docstring."""
 
     kinds = (
-        names.DEFAULT,
-        names.ONE_DEVICE,
-        names.MIRRORED,
-        names.MULTI_WORKER_MIRRORED,
-        names.TPU,
+        kinds.DEFAULT,
+        kinds.ONE_DEVICE,
+        kinds.MIRRORED,
+        kinds.MULTI_WORKER_MIRRORED,
+        kinds.TPU,
     )
     # Whether `build` builds the user's optimizer where it is not built (a runner that keeps
     # its slots elsewhere, a pipeline's stages, builds it itself).

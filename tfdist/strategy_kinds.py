@@ -1,8 +1,8 @@
-"""The strategies' names: the one place they are spelled.
+"""The strategies' names (what tfdist.strategy_kind returns): the one place they are spelled.
 
 Everything else names a strategy through these constants (tests/test_strategy_names.py
 looks for copies). This module imports nothing, so the launcher and the manifest writers,
-which start without TensorFlow, read the same names as the builders.
+which start without TensorFlow, read the same names as the builders in tfdist/strategies/.
 """
 
 from __future__ import annotations
