@@ -127,6 +127,20 @@ def test_local_sgd_averages_every_k_steps_and_at_each_settle():
     assert zero_cases.max_diff(sync, model.get_weights()) > 1e-4  # it did train locally
 
 
+@pytest.mark.parametrize("every", [3, 5])  # 5: each epoch's last step averaged already
+def test_each_epoch_end_logs_how_far_apart_the_replicas_were(every, caplog):
+    with caplog.at_level("INFO", logger="tfdist"):
+        train(mirrored(2), "sgd_momentum", average_every=every, epochs=2)
+    lines = [
+        r.getMessage() for r in caplog.records if "replicas' weights averaged" in r.getMessage()
+    ]
+    assert len(lines) == 2, lines
+    if every == 5:
+        assert all("they were one model already" in line for line in lines), lines
+    else:
+        assert all("from their mean" in line for line in lines), lines
+
+
 def test_optimizer_state_is_averaged_only_when_asked():
     strategy = mirrored(2)
     slots = {}

@@ -234,12 +234,16 @@ class LocalUpdates(StepHook):
             self._settle_fn = tf.function(self._average_replicas)
         distance, relative = (float(x) for x in self._settle_fn())
         self.spreads.append((distance, relative))
-        if self.is_chief and distance > 0:
+        if not self.is_chief:
+            return
+        if distance > 0:
             log.info(
                 "%s: replicas' weights averaged (the farthest was %.3g from their mean, "
                 "%.3g of its norm)",
                 self.name, distance, relative,
             )  # fmt: skip
+        else:  # the last step averaged them: the README's line is still owed
+            log.info("%s: replicas' weights averaged (they were one model already)", self.name)
 
     def _average_replicas(self) -> tf.Tensor:
         """Every replica's weights (and, if averaged, slots) set to the mean over all
