@@ -87,7 +87,7 @@ def test_the_planners_step_peak_is_the_allocators_within_15_percent(layout, work
     import keras
 
     from tests.test_plan import cluster
-    from tfdist.plan import Layout, ModelCost, Training, estimate
+    from tfdist.plan import ModelCost, ParallelLayout, Training, estimate
 
     measured = max(r[p] for r in records(layout, workers) for p in ("first step", "steps"))
     dense = [
@@ -99,10 +99,10 @@ def test_the_planners_step_peak_is_the_allocators_within_15_percent(layout, work
     model.compile(keras.optimizers.Adam(), "sparse_categorical_crossentropy")
     if layout == "pipeline":  # one stage per process, cut where peak_bench cuts it
         cuts = tuple(peak_bench.CUTS[workers])
-        planned_layout = Layout(stages=workers, micro_batches=2, cut_before=cuts)
+        planned_layout = ParallelLayout(stages=workers, micro_batches=2, cut_before=cuts)
     else:
         zero = {"plain": 0, "zero1": 1, "zero2": 2, "zero3": 3}[layout]
-        planned_layout = Layout(data=workers, zero=zero)
+        planned_layout = ParallelLayout(data=workers, zero=zero)
     planned = estimate(
         planned_layout, Training(ModelCost.of(model), batch=peak_bench.BATCH), cluster()
     ).memory

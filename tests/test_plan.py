@@ -16,9 +16,9 @@ import pytest
 from tfdist.plan import (
     Cluster,
     Device,
-    Layout,
     Link,
     ModelCost,
+    ParallelLayout,
     PlanError,
     Training,
     Unit,
@@ -79,7 +79,7 @@ def test_the_bubble_is_s_minus_1_over_m_plus_s_minus_1():
     ],
 )
 def test_the_zero_stages_hold_their_share(zero, weights, grads, optimizer):
-    e = estimate(Layout(data=4, zero=zero), Training(four_units(), batch=16), cluster())
+    e = estimate(ParallelLayout(data=4, zero=zero), Training(four_units(), batch=16), cluster())
     assert e.weights == pytest.approx(weights * MIB)
     assert e.gradients == pytest.approx(grads * MIB)
     assert e.optimizer == pytest.approx(optimizer * MIB)
@@ -88,25 +88,27 @@ def test_the_zero_stages_hold_their_share(zero, weights, grads, optimizer):
 
 def test_data_parallel_time_is_compute_update_and_one_ring_all_reduce():
     c = cluster()
-    e = estimate(Layout(data=4), Training(four_units(), batch=16), c)
+    e = estimate(ParallelLayout(data=4), Training(four_units(), batch=16), c)
     compute = 4 * 3 * 4e9 / 1e12  # 4 examples x 3 passes x 4 GFLOP at 1 TFLOP/s
     update = 4 * MIB * (3 + 2 * 2) / 1e12
     assert e.compute == pytest.approx(compute + update)
     assert e.exchange == pytest.approx(2 * 3 * 1e-6 + 1.5 * 4 * MIB / 1e9)
     assert e.bubble == 0.0
     # Across hosts the ring takes the slower link.
-    two_hosts = estimate(Layout(data=8), Training(four_units(), batch=32), cluster(2, 4))
+    two_hosts = estimate(ParallelLayout(data=8), Training(four_units(), batch=32), cluster(2, 4))
     assert two_hosts.exchange == pytest.approx(2 * 7 * 1e-5 + 2 * 7 / 8 * 4 * MIB / 1e8)
 
 
 def test_a_pipeline_holds_its_stage_and_its_schedules_micro_batches():
     training = Training(four_units(), batch=16)
-    one_f_one_b = estimate(Layout(stages=4, micro_batches=8), training, cluster())
+    one_f_one_b = estimate(ParallelLayout(stages=4, micro_batches=8), training, cluster())
     assert one_f_one_b.weights == pytest.approx(MIB)  # one layer a stage
     assert one_f_one_b.optimizer == pytest.approx(2 * MIB)
     micro = 16 / 8
     assert one_f_one_b.activations == pytest.approx(MIB * micro * 4)  # stage 0: S in flight
-    gpipe = estimate(Layout(stages=4, micro_batches=8, schedule="gpipe"), training, cluster())
+    gpipe = estimate(
+        ParallelLayout(stages=4, micro_batches=8, schedule="gpipe"), training, cluster()
+    )
     assert gpipe.activations == pytest.approx(MIB * micro * 8)  # all M
     # The idle time is the bubble's share of the (M + S - 1) slots.
     slot = 3 * 1e9 * micro / 1e12 + 2 * (1e-6 + 4096 * micro / 1e9)
@@ -143,7 +145,7 @@ def test_the_tensor_exchange_counts_every_gather_tfdist_s_layers_run():
     cost.split_bytes, cost.tensor_blocks = 3 * MIB, 1  # 1 MiB stays whole
     link = Link(1e-6, 1e9, gathers=Link(1e-5, 1e8))
     c = cluster(intra=link, inter=link)
-    e = estimate(Layout(tensor=4), Training(cost, batch=16), c)
+    e = estimate(ParallelLayout(tensor=4), Training(cost, batch=16), c)
     width = cost.block_activation_bytes  # 4096 per example
     inputs, partials = width * 4 * 4, width * 16 * 4  # every replica's 4, its group's 16
     gather = lambda nbytes: 3 * 1e-5 + 0.75 * nbytes / 1e8  # noqa: E731
@@ -156,7 +158,7 @@ def test_the_tensor_exchange_counts_every_gather_tfdist_s_layers_run():
 def test_a_tensor_layout_divides_the_split_weights():
     cost = four_units()
     cost.split_bytes, cost.tensor_blocks = 2 * MIB, 1
-    e = estimate(Layout(tensor=4), Training(cost, batch=16), cluster())
+    e = estimate(ParallelLayout(tensor=4), Training(cost, batch=16), cluster())
     assert e.weights == pytest.approx(2 * MIB / 4 + 2 * MIB)
 
 

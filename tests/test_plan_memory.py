@@ -13,7 +13,7 @@ import pytest
 
 import tfdist
 from tests.test_plan import cluster
-from tfdist.plan import Layout, ModelCost, Training, costs, estimate
+from tfdist.plan import ModelCost, ParallelLayout, Training, costs, estimate
 
 
 def mlp() -> keras.Model:
@@ -30,8 +30,8 @@ def mlp() -> keras.Model:
 @pytest.mark.parametrize(
     "layout",
     [
-        Layout(data=4), Layout(data=4, zero=1), Layout(data=4, zero=2), Layout(data=4, zero=3),
-        Layout(data=2, stages=2, micro_batches=2), Layout(tensor=2, data=2), Layout(tensor=4),
+        ParallelLayout(data=4), ParallelLayout(data=4, zero=1), ParallelLayout(data=4, zero=2), ParallelLayout(data=4, zero=3),
+        ParallelLayout(data=2, stages=2, micro_batches=2), ParallelLayout(tensor=2, data=2), ParallelLayout(tensor=4),
     ],
     ids=lambda layout: layout.name,
 )  # fmt: skip
@@ -73,5 +73,5 @@ def test_the_planned_bytes_are_what_each_device_holds_during_fit(layout):
     assert most == pytest.approx(planned.weights + planned.optimizer, rel=0.10), (held, planned)
 
 
-def scope_on_host(layout: Layout) -> bool:
+def scope_on_host(layout: ParallelLayout) -> bool:
     return layout.stages > 1 or layout.zero == 3

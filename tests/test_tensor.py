@@ -31,7 +31,7 @@ from tfdist.parallel import (
     tensor_parallel,
 )
 from tfdist.parallel.tensor import dense_weights
-from tfdist.parallel.tensor.layout import plan_of
+from tfdist.parallel.tensor.layout_map import plan_of
 
 TOLERANCE = 1e-5
 VOCAB, LENGTH, WIDTH, CLASSES = 32, 6, 16, 3
@@ -526,7 +526,7 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     twice, an epoch each, as users do. During fit each replica's device holds 3x its share
     (Adam: its parts and what it holds whole, with their slots), and the host the model."""
     from tests import keras_hub_models
-    from tfdist.parallel.tensor.layout import plan_of
+    from tfdist.parallel.tensor.layout_map import plan_of
 
     reference, history = gemma_reference
     replicas = range(1, 3) if devices == 2 else range(4)

@@ -406,7 +406,7 @@ def calibrate_models(sizes: Sizes, repeats: int) -> tuple[object, dict]:
 
 def predicted(layout: str, machine, models: dict):
     """The planner's estimate of `layout` on `machine` (a Cluster) for its model."""
-    from tfdist.plan import Layout, Training, estimate
+    from tfdist.plan import ParallelLayout, Training, estimate
 
     figures = models[layout.split()[0]]
     cluster = dataclasses.replace(
@@ -416,7 +416,7 @@ def predicted(layout: str, machine, models: dict):
         device=dataclasses.replace(machine.device, memory_bandwidth=figures["bandwidth"]),
     )
     training = Training(figures["cost"], batch=figures["batch"])
-    return estimate(Layout(**LAYOUTS[layout]), training, cluster)
+    return estimate(ParallelLayout(**LAYOUTS[layout]), training, cluster)
 
 
 def measure_layout(layout: str, sizes: Sizes, steps: int) -> float:

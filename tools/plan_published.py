@@ -70,7 +70,7 @@ class Row:
 def horovod_rows(overlap: bool) -> list[Row]:
     import keras
 
-    from tfdist.plan import Cluster, Device, Layout, Link, ModelCost, Training, estimate
+    from tfdist.plan import Cluster, Device, Link, ModelCost, ParallelLayout, Training, estimate
 
     builders = {
         "InceptionV3": keras.applications.InceptionV3,
@@ -98,7 +98,7 @@ def horovod_rows(overlap: bool) -> list[Row]:
             efficiency=1.0, overlap=overlap, name="Horovod's cluster",
         )  # fmt: skip
         training = Training(costs[name], batch=64 * gpus)
-        e = estimate(Layout(data=gpus), training, cluster)
+        e = estimate(ParallelLayout(data=gpus), training, cluster)
         rows.append(
             Row("Horovod" + ("" if overlap else " (after)"), name, gpus, published, e.efficiency(gpus), e.compute * 1e3,
                 e.exchange * 1e3)
@@ -141,7 +141,7 @@ def gpt2_cost(hidden: int, heads: int, layers: int):
 
 
 def megatron_rows() -> list[Row]:
-    from tfdist.plan import Cluster, Device, Layout, Link, Training, estimate
+    from tfdist.plan import Cluster, Device, Link, ParallelLayout, Training, estimate
 
     rows, speed = [], None
     for params, gpus, ms, published, (hidden, heads, layers) in MEGATRON:
@@ -159,7 +159,7 @@ def megatron_rows() -> list[Row]:
             inter=Link(5e-6, 1200e9 / 8), efficiency=1.0, name="DGX-2H",
             tensor_exchange="group",  # Megatron's all-reduce within the group
         )  # fmt: skip
-        e = estimate(Layout(tensor=gpus), training, cluster)
+        e = estimate(ParallelLayout(tensor=gpus), training, cluster)
         rows.append(
             Row("Megatron", f"GPT-2 {params}B", gpus, published, e.efficiency(gpus),
                 e.compute * 1e3, e.exchange * 1e3)

@@ -161,7 +161,7 @@ def fit(
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
-    runner = runner_for(model, strategy, layout=registry.layout_of(options))
+    runner = runner_for(model, strategy, layout=registry.runner_factory_of(options))
     hooks = registry.chain(options, chain.check_hooks(step_hooks), model=model)
     _check_host_scope(model, options, hooks)
     chain.check_chain(hooks)

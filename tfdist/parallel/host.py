@@ -35,7 +35,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.parallel import updates
-from tfdist.strategies import replica_layout
+from tfdist.strategies import replica_placement
 from tfdist.training.memory import nbytes
 
 WHO = "a model built in tfdist.host_scope"
@@ -43,7 +43,7 @@ WHO = "a model built in tfdist.host_scope"
 
 def host_device(strategy: tf.distribute.Strategy) -> str:
     """This process's CPU, where the whole model is kept."""
-    first = tf.DeviceSpec.from_string(replica_layout(strategy).devices[0])
+    first = tf.DeviceSpec.from_string(replica_placement(strategy).devices[0])
     return first.replace(device_type="CPU", device_index=0).to_string()
 
 
@@ -78,7 +78,7 @@ class Slices:
     """
 
     def __init__(self, strategy: tf.distribute.Strategy):
-        layout = replica_layout(strategy)
+        layout = replica_placement(strategy)
         self.strategy, self.devices = strategy, list(layout.devices)
         self.ranks, self.first = layout.replicas, layout.first_replica
         # Every replica in this process (logical devices, GPUs): a whole read puts their

@@ -97,7 +97,7 @@ class LocalUpdates(StepHook):
         optimizer = model.optimizer
         updates.check_copyable(optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError)
         layout = updates.one_replica_per_process(
-            runner.layout, who=self.name, error=LocalUpdateError
+            runner.placement, who=self.name, error=LocalUpdateError
         )
         devices = list(layout.devices)
         self.variables = list(model.trainable_variables)

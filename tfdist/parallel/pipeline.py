@@ -228,7 +228,7 @@ class PipelineRunner(SyncRunner):
 
     @property
     def processes(self) -> int:
-        return self.layout.processes
+        return self.placement.processes
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         model, options = self.model, self.options
@@ -277,12 +277,12 @@ class PipelineRunner(SyncRunner):
 
     def _home_key(self) -> tuple:
         options = self.options
-        return (options.cut_before, options.chunks_per_device, self.layout)
+        return (options.cut_before, options.chunks_per_device, self.placement)
 
     def _grid(self) -> tuple[list[int], dict[int, str]]:
         """Sets the pipelines and the devices each takes; returns this process's ranks
         (pipeline p's stage k is rank p * stages + k) and each rank's device."""
-        stages, layout = self.stages, self.layout
+        stages, layout = self.stages, self.placement
         devices = list(layout.devices)
         processes = layout.processes
         replicas = layout.replicas

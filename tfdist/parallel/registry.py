@@ -457,7 +457,7 @@ def problems(options: Mapping[str, Any]) -> list[str]:
     return found
 
 
-def layout_of(options: Mapping[str, Any]) -> Any:
+def runner_factory_of(options: Mapping[str, Any]) -> Any:
     """The runner factory `options` name (the pipeline), or None."""
     factories = [
         options[m.keyword]
@@ -548,7 +548,7 @@ __all__ = [
     "fill_docstring",
     "flagged",
     "keywords",
-    "layout_of",
+    "runner_factory_of",
     "mode",
     "resolve_auto",
     "problems",

@@ -22,7 +22,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError, TfdistError
-from tfdist.strategies import ReplicaLayout
+from tfdist.strategies import ReplicaPlacement
 from tfdist.training import shards, sparse_rows
 
 
@@ -317,8 +317,8 @@ class WholeStandIn(StandIn):
 
 
 def one_replica_per_process(
-    layout: ReplicaLayout, *, who: str, error: type[FitError] = FitError
-) -> ReplicaLayout:
+    layout: ReplicaPlacement, *, who: str, error: type[FitError] = FitError
+) -> ReplicaPlacement:
     """`layout` (a runner's), if a mode that exchanges its own buffers can run on it: not one
     compiled program (TPU cores), and across processes one device each. Raises `error`,
     naming `who`, otherwise."""

@@ -268,7 +268,9 @@ class ShardedUpdate(StepHook):
         optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
         self.optimizer = optimizer
         variables = list(model.trainable_variables)
-        layout = updates.one_replica_per_process(runner.layout, who=self.name, error=ShardingError)
+        layout = updates.one_replica_per_process(
+            runner.placement, who=self.name, error=ShardingError
+        )
         devices = list(layout.devices)
         ranks = layout.replicas
         if ranks < 2:

@@ -127,7 +127,7 @@ class ShardedParameters(StepHook):
             return  # a later fit: the slices keep the optimizer's state
         optimizer = model.optimizer
         _check_optimizer(optimizer)
-        layout = updates.one_replica_per_process(runner.layout, who=NAME, error=ShardingError)
+        layout = updates.one_replica_per_process(runner.placement, who=NAME, error=ShardingError)
         if layout.replicas < 2:
             raise ShardingError(
                 f"{NAME} shards the weights over the replicas, and this strategy has 1. Use 2 "

@@ -24,7 +24,7 @@ _EXPORTS = {
     "Link": "tfdist.plan.cluster",
     "PlanError": "tfdist.plan.cluster",
     "Estimate": "tfdist.plan.costs",
-    "Layout": "tfdist.plan.costs",
+    "ParallelLayout": "tfdist.plan.costs",
     "Training": "tfdist.plan.costs",
     "estimate": "tfdist.plan.costs",
     "layouts_for": "tfdist.plan.costs",

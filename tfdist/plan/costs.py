@@ -91,7 +91,7 @@ def bubble(stages: int, micro_batches: int, chunks: int = 1) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class Layout:
+class ParallelLayout:
     """How N devices train: `data` replicas of a model that is itself split into `stages`
     pipeline stages (with `micro_batches`) or over `tensor` devices, optionally with
     `zero` (1, 2 or 3) sharding over the data replicas."""
@@ -124,16 +124,16 @@ class Layout:
         return " x ".join(parts)
 
 
-def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list[Layout]:
+def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list[ParallelLayout]:
     """Every layout tfdist runs on `devices` devices (over `hosts` hosts) for a global batch
     of `batch` and a model of `units` layers a pipeline may cut between. Tensor parallelism
     runs over one host's devices only (tfdist's split layers live in one process)."""
     found = []
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     if batch % devices == 0:
-        found.append(Layout(data=devices))
+        found.append(ParallelLayout(data=devices))
         if devices > 1:
-            found += [Layout(data=devices, zero=z) for z in (1, 2, 3)]
+            found += [ParallelLayout(data=devices, zero=z) for z in (1, 2, 3)]
     for stages in divisors[1:]:
         if stages > units:
             continue
@@ -141,12 +141,12 @@ def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list
         per_pipeline = batch // data if batch % data == 0 else 0
         for m in (4 * stages, 2 * stages, stages):
             if per_pipeline and per_pipeline % m == 0:
-                found.append(Layout(data=data, stages=stages, micro_batches=m))
+                found.append(ParallelLayout(data=data, stages=stages, micro_batches=m))
                 break
     for tensor in divisors[1:] if hosts == 1 else ():
         data = devices // tensor
         if batch % devices == 0:
-            found.append(Layout(data=data, tensor=tensor))
+            found.append(ParallelLayout(data=data, tensor=tensor))
     return found
 
 
@@ -154,7 +154,7 @@ def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list
 class Estimate:
     """What the planner predicts for one layout (bytes per device, seconds per step)."""
 
-    layout: Layout
+    layout: ParallelLayout
     weights: float
     gradients: float
     optimizer: float
@@ -203,7 +203,7 @@ class Training:
         return self.activation_bytes / 4
 
 
-def estimate(layout: Layout, training: Training, cluster: Cluster) -> Estimate:
+def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Estimate:
     """The bytes per device and the step time of `layout` (see the module)."""
     model, batch = training.model, training.batch
     if layout.devices > cluster.devices:

@@ -21,7 +21,7 @@ One module per concern:
                        what TPU cores ask of training (runs_on_tpu, batch_multiple)
   all_reduce.py        the CrossDeviceOps an all_reduce option names (TensorFlow's or the ring)
   cluster_checks.py    what a multi-process strategy checks of the cluster first
-  replicas.py          ReplicaLayout: where a strategy's replicas are (devices, processes,
+  replicas.py          ReplicaPlacement: where a strategy's replicas are (devices, processes,
                        rank), as runners and split layers ask it
   defaults.py          what 'auto' means for settings that depend on the hardware
   smoke.py             a few exact training steps of a tiny model under any strategy
@@ -35,7 +35,7 @@ in tfdist.compat.
 
 What depends on the kind of a strategy is decided here and in the training runners
 (tfdist/training/runners/), never elsewhere: the rest of tfdist asks for values (a
-ReplicaLayout, batch_multiple, the 'auto' defaults) or a runner, and strategy_kind names a
+ReplicaPlacement, batch_multiple, the 'auto' defaults) or a runner, and strategy_kind names a
 strategy for messages.
 """
 
@@ -50,7 +50,7 @@ _EXPORTS = {
     "COMPRESSION_CHOICES": "tfdist.strategies.options",
     "DEFAULT_PS_MIN_SHARD_BYTES": "tfdist.strategies.options",
     "REPLICA_PER_DEVICE_STRATEGIES": "tfdist.strategies.registry",
-    "ReplicaLayout": "tfdist.strategies.replicas",
+    "ReplicaPlacement": "tfdist.strategies.replicas",
     "SINGLE_HOST_STRATEGIES": "tfdist.strategies.registry",
     "StrategyError": "tfdist.strategies.options",
     "StrategyOptions": "tfdist.strategies.options",
@@ -62,7 +62,7 @@ _EXPORTS = {
     "distribute_datasets": "tfdist.strategies.parameter_server",
     "joins_worker_processes": "tfdist.strategies.multi_worker",
     "needs_coordinator": "tfdist.strategies.parameter_server",
-    "replica_layout": "tfdist.strategies.replicas",
+    "replica_placement": "tfdist.strategies.replicas",
     "resolve_auto": "tfdist.strategies.registry",
     "runs_on_tpu": "tfdist.strategies.tpu",
     "strategy_kind": "tfdist.strategies.registry",
@@ -80,7 +80,7 @@ __all__ = [
     "COMPRESSION_CHOICES",
     "DEFAULT_PS_MIN_SHARD_BYTES",
     "REPLICA_PER_DEVICE_STRATEGIES",
-    "ReplicaLayout",
+    "ReplicaPlacement",
     "SINGLE_HOST_STRATEGIES",
     "StrategyError",
     "StrategyOptions",
@@ -92,7 +92,7 @@ __all__ = [
     "distribute_datasets",
     "joins_worker_processes",
     "needs_coordinator",
-    "replica_layout",
+    "replica_placement",
     "resolve_auto",
     "runs_on_tpu",
     "strategy_kind",

@@ -1,7 +1,7 @@
 """Where a strategy's replicas are: this process's devices, the processes that step together,
 this process's rank among them, and whether the replicas are one compiled program.
 
-The runners of tfdist.fit answer `runner.layout` from here, and layers that split weights
+The runners of tfdist.fit answer `runner.placement` from here, and layers that split weights
 over the replicas read it when they are created; neither asks a strategy's kind.
 """
 
@@ -17,7 +17,7 @@ from tfdist.strategies.tpu import runs_on_tpu
 
 
 @dataclasses.dataclass(frozen=True)
-class ReplicaLayout:
+class ReplicaPlacement:
     """Where a runner's replicas are, as the runner sees them: what a mode that keeps or
     exchanges buffers of its own asks, instead of asking the strategy.
 
@@ -44,7 +44,7 @@ class ReplicaLayout:
         return self.process_index * len(self.devices)
 
 
-def replica_layout(strategy: tf.distribute.Strategy) -> ReplicaLayout:
+def replica_placement(strategy: tf.distribute.Strategy) -> ReplicaPlacement:
     """The layout of a strategy whose replicas step in this process (and, under
     multi_worker_mirrored, in its peers): every strategy but parameter_server, whose steps
     run on other processes (its runner says so itself)."""
@@ -52,7 +52,7 @@ def replica_layout(strategy: tf.distribute.Strategy) -> ReplicaLayout:
         devices = tuple(strategy.extended.worker_devices)
     except RuntimeError:  # the default strategy (no scope): one replica, where ops land
         devices = ("/cpu:0",) if not tf.config.list_logical_devices("GPU") else ("/gpu:0",)
-    return ReplicaLayout(
+    return ReplicaPlacement(
         devices=devices,
         processes=compat.sync_worker_count(strategy),
         process_index=worker_rank(strategy),
@@ -61,4 +61,4 @@ def replica_layout(strategy: tf.distribute.Strategy) -> ReplicaLayout:
     )
 
 
-__all__ = ["ReplicaLayout", "replica_layout"]
+__all__ = ["ReplicaPlacement", "replica_placement"]

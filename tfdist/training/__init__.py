@@ -50,7 +50,7 @@ tfdist/parallel/ and one entry in tfdist/parallel/registry.py:
         keeps_optimizer_state = True                 # BackupAndRestore cannot save it
 
         def build(self, model, runner):              # slices, and an optimizer per slice:
-            layout = runner.layout                   # this process's devices, its rank,
+            layout = runner.placement                   # this process's devices, its rank,
             ...                                      # the processes (not the strategy)
 
         def apply(self, grads_and_vars, apply_next):
@@ -93,7 +93,7 @@ from tfdist.lazy import lazy_exports
 
 _EXPORTS = {
     "AsyncStep": "tfdist.training.runner",
-    "ReplicaLayout": "tfdist.strategies.replicas",
+    "ReplicaPlacement": "tfdist.strategies.replicas",
     "Runner": "tfdist.training.runner",
     "RunnerFactory": "tfdist.training.runner",
     "StepHook": "tfdist.training.runner",

@@ -426,11 +426,11 @@ class StepCheckpoint(keras.callbacks.Callback):
             self._holds_lock = True
         if self.model_dir and self.settings is not None:
             record_settings(self.model_dir, self.settings, runner)
-        processes = runner.layout.processes
+        processes = runner.placement.processes
         self._checkpoints = Checkpoints(
             checkpoint, model_dir=self.model_dir, is_chief=runner.is_chief,
             max_to_keep=self.max_to_keep, shards=runner.checkpoint_shards(),
-            rank=runner.layout.process_index, ranks=processes,
+            rank=runner.placement.process_index, ranks=processes,
             barrier=shard_files.barrier(runner.strategy, processes),
         )  # fmt: skip
         self._checkpoints.restore_latest()

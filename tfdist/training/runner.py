@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import keras
 import tensorflow as tf
 
-from tfdist.strategies.replicas import ReplicaLayout, replica_layout
+from tfdist.strategies.replicas import ReplicaPlacement, replica_placement
 from tfdist.training.shards import Shards
 
 # (gradient, variable) pairs, as the optimizer's `apply_gradients` takes them.
@@ -101,7 +101,7 @@ class StepHook:
         Args:
           model: the compiled, built model.
           runner: the runner that trains it: `runner.strategy`, `runner.is_chief` and
-            `runner.layout` (this process's devices, the processes, its rank) answer what
+            `runner.placement` (this process's devices, the processes, its rank) answer what
             the hook needs to know of the job.
         """
 
@@ -111,7 +111,7 @@ class StepHook:
         registry hands a hook that keeps optimizer state to every fit of its model, as
         Keras's optimizer keeps its slots between fit calls). Records this build otherwise;
         a hook with state of its own begins its `build` with it."""
-        key = (id(model), runner.layout)
+        key = (id(model), runner.placement)
         if getattr(self, "_built_for", None) == key:
             return True
         self._built_for = key
@@ -209,9 +209,9 @@ class Runner(abc.ABC):
         """Whether this process writes files and reports (one process in a job)."""
 
     @property
-    def layout(self) -> ReplicaLayout:
-        """Where the replicas are (see tfdist.strategies.ReplicaLayout)."""
-        return replica_layout(self.strategy)
+    def placement(self) -> ReplicaPlacement:
+        """Where the replicas are (see tfdist.strategies.ReplicaPlacement)."""
+        return replica_placement(self.strategy)
 
     @property
     def lockstep_workers(self) -> int:

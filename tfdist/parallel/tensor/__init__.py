@@ -45,7 +45,7 @@ weights would not be updated correctly: train with tfdist.fit.
 
 keras-hub's models say how they split: `tensor_parallel(model, layout_map=
 Backbone.get_layout_map(mesh))` trains a model built in tfdist.host_scope with every weight
-the map splits over the mesh's `model` axis held in parts, no layer rewritten (layout.py).
+the map splits over the mesh's `model` axis held in parts, no layer rewritten (layout_map.py).
 
 Across worker processes: not built yet (each process would hold only its parts, and a
 checkpoint would need them gathered); local devices of one mirrored strategy only.

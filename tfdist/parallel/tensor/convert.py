@@ -20,7 +20,7 @@ from tfdist.parallel.tensor.layers import (
     _Split,
     _SplitDense,
 )
-from tfdist.parallel.tensor.layout import SPLIT_BY_TFDIST, apply_layout_map
+from tfdist.parallel.tensor.layout_map import SPLIT_BY_TFDIST, apply_layout_map
 from tfdist.parallel.tensor.mappings import TensorParallelError
 from tfdist.strategies import keras_guard
 
@@ -32,7 +32,7 @@ def tensor_parallel(
     layers split over `degree` replicas (call it inside the strategy's scope); or, given a
     Keras `layout_map` (keras-hub's `Backbone.get_layout_map(mesh)`), `model` itself, marked
     to train with every weight the map splits over the mesh's `model_axis` held in parts
-    (tfdist.parallel.tensor.layout: build the model in tfdist.host_scope).
+    (tfdist.parallel.tensor.layout_map: build the model in tfdist.host_scope).
 
     A Dense layer whose output feeds only another Dense becomes a ColumnParallelDense and
     that one a RowParallelDense (an MLP block: one exchange forward); an Embedding a

@@ -26,7 +26,7 @@ from tfdist.parallel.tensor.mappings import (
     scatter_to_parts,
     step_sizes,
 )
-from tfdist.strategies import replica_layout
+from tfdist.strategies import replica_placement
 
 
 class _Split(keras.layers.Layer):
@@ -55,7 +55,7 @@ class _Split(keras.layers.Layer):
                 "trained model with tfdist.parallel.dense_model(model). "
                 f"Received: no strategy (tensor_parallel={self.tensor_parallel})"
             )
-        layout = replica_layout(tf.distribute.get_strategy())
+        layout = replica_placement(tf.distribute.get_strategy())
         if layout.processes > 1:
             raise TensorParallelError(
                 f"{type(self).__name__} splits weights over the local devices of one "

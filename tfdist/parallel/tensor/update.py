@@ -15,7 +15,7 @@ import tensorflow as tf
 
 from tfdist.parallel import updates
 from tfdist.parallel.tensor.layers import split_layers
-from tfdist.parallel.tensor.layout import LayoutParallel, plan_of
+from tfdist.parallel.tensor.layout_map import LayoutParallel, plan_of
 from tfdist.parallel.tensor.mappings import TensorParallelError, summed_over
 from tfdist.training.runner import Runner, StepHook
 
@@ -53,7 +53,7 @@ class TensorParallelUpdate(StepHook):
                 f"clipping. Received: clipnorm={optimizer.clipnorm}"
             )
         layers = split_layers(model)
-        replicas = runner.layout.replicas
+        replicas = runner.placement.replicas
         self.degree = {layer.tensor_parallel for layer in layers}
         if len(self.degree) != 1:
             raise TensorParallelError(

@@ -26,7 +26,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist import strategy_kinds as kinds
 from tfdist.strategies import task_name_in_tf_config
-from tfdist.strategies.replicas import ReplicaLayout
+from tfdist.strategies.replicas import ReplicaPlacement
 from tfdist.training import fit_callbacks
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData
@@ -200,9 +200,9 @@ class ParameterServerRunner(StatelessMetricsRunner):
     # --- the runner interface -------------------------------------------------------------------
 
     @property
-    def layout(self) -> ReplicaLayout:
+    def placement(self) -> ReplicaPlacement:
         # The steps run on the workers, one closure at a time each: none on this process.
-        return ReplicaLayout(devices=(), replicas=self.strategy.num_replicas_in_sync)
+        return ReplicaPlacement(devices=(), replicas=self.strategy.num_replicas_in_sync)
 
     @property
     def needs_epoch_length(self) -> bool:

@@ -401,7 +401,7 @@ class SyncRunner(Runner):
             model, strategy = self.model, self.strategy
             # Weights held in parts across worker processes (zero3, a pipeline) are read by
             # collectives, which the strategy cannot make inside a cond's branch.
-            together = self.layout.processes > 1 and any(
+            together = self.placement.processes > 1 and any(
                 getattr(compat.storage_of(v), "read_by_collectives", False)
                 for v in model.trainable_variables
             )

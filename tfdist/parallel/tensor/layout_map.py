@@ -448,7 +448,7 @@ class LayoutParallel(StepHook):
                 "(clipnorm) is not known where a part is updated. Use clipvalue, or no "
                 f"clipping. Received: clipnorm={optimizer.clipnorm}"
             )
-        layout = runner.layout
+        layout = runner.placement
         if layout.processes > 1 or layout.single_program:
             raise TensorParallelError(
                 "tensor_parallel(layout_map=...) splits weights over the local devices of "
