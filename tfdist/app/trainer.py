@@ -83,6 +83,25 @@ class Trainer:
         self.cluster = cluster
         self.is_chief = cluster.is_chief if cluster is not None else True
         self.plan = plan_batches(strategy, config.global_batch_size)
+        self._check_modes_and_paths()
+        self._prepare_data()
+        settings = self._check_resume()
+        self._build_model_and_optimizer()
+        self.callbacks = [
+            StepCheckpoint(
+                config.model_dir,
+                every_n_steps=config.checkpoint_every,
+                max_to_keep=config.max_checkpoints,
+                settings=settings,
+            ),
+            RunRecord(config.model_dir, global_batch_size=config.global_batch_size),
+        ]
+
+    # --- construction, step by step -------------------------------------------------------------
+
+    def _check_modes_and_paths(self) -> None:
+        """The modes against the per-replica batch, and every path before it is used."""
+        config, strategy = self.config, self.strategy
         # The data is a dataset_fn of per-replica batches, which fit cannot measure.
         chain.check_batch(
             registry.chain(config.mode_options(), (), model=None),
@@ -98,8 +117,12 @@ class Trainer:
         check_tpu_node_paths(tpu_node_address(strategy), paths)
         if config.model_dir is not None and self.is_chief:  # the others write elsewhere
             check_writable_directory(config.model_dir, name="model_dir")
+
+    def _prepare_data(self) -> None:
+        """The dataset (written as TFRecords where it must be), and the epoch's length."""
+        config = self.config
         # TPUs compile a program per input shape, so evaluation pads its last batches.
-        self.static_shapes = needs_static_shapes(strategy)
+        self.static_shapes = needs_static_shapes(self.strategy)
         if self.static_shapes and self.is_chief:
             log.info(
                 "Evaluation pads its last batches to full ones for the TPU's static shapes; "
@@ -119,18 +142,6 @@ class Trainer:
                 "repeats examples (some twice in one batch). Use a global batch of at most %d.",
                 config.global_batch_size, train_examples, train_examples,
             )  # fmt: skip
-        settings = None
-        if config.model_dir is not None:
-            modes = registry.resume_settings(config.mode_options())
-            settings = {
-                "model": config.model, "dataset": _comparable(config.dataset),
-                "optimizer": config.optimizer, "mixed_precision": config.mixed_precision,
-                "global_batch_size": config.global_batch_size, **modes,
-                "steps_per_epoch": self.steps_per_epoch,
-                "workers": cluster.num_workers if cluster is not None else 1,
-                "replicas": strategy.num_replicas_in_sync,
-            }  # fmt: skip
-            check_resume_settings(config.model_dir, settings, must_match=[*MUST_MATCH, *modes])
         if self.is_chief:
             log.info(
                 "%s; %d steps per epoch x %d epochs; %s on %s (%d training examples)",
@@ -138,7 +149,28 @@ class Trainer:
                 config.dataset, train_examples,
             )  # fmt: skip
 
-        with strategy.scope():
+    def _check_resume(self) -> dict | None:
+        """The settings this run's checkpoints are written under (None without a
+        model_dir), checked against those of the run it resumes."""
+        config, cluster = self.config, self.cluster
+        if config.model_dir is None:
+            return None
+        modes = registry.resume_settings(config.mode_options())
+        settings = {
+            "model": config.model, "dataset": _comparable(config.dataset),
+            "optimizer": config.optimizer, "mixed_precision": config.mixed_precision,
+            "global_batch_size": config.global_batch_size, **modes,
+            "steps_per_epoch": self.steps_per_epoch,
+            "workers": cluster.num_workers if cluster is not None else 1,
+            "replicas": self.strategy.num_replicas_in_sync,
+        }  # fmt: skip
+        check_resume_settings(config.model_dir, settings, must_match=[*MUST_MATCH, *modes])
+        return settings
+
+    def _build_model_and_optimizer(self) -> None:
+        """The model, under the strategy and the run's dtype policy, and its optimizer."""
+        config = self.config
+        with self.strategy.scope():
             keras.utils.set_random_seed(config.seed)
             # Layers take the dtype policy when they are built; the global policy is restored
             # right after so the process is left as it was found.
@@ -155,15 +187,6 @@ class Trainer:
                 keras.mixed_precision.set_dtype_policy(previous_policy)
             schedule = build_schedule(config, steps_per_epoch=self.steps_per_epoch)
             self.optimizer = build_optimizer(config, schedule)
-        self.callbacks = [
-            StepCheckpoint(
-                config.model_dir,
-                every_n_steps=config.checkpoint_every,
-                max_to_keep=config.max_checkpoints,
-                settings=settings,
-            ),
-            RunRecord(config.model_dir, global_batch_size=config.global_batch_size),
-        ]
 
     # --- data ---------------------------------------------------------------------------------
 
