@@ -285,3 +285,12 @@ def test_a_lost_peer_s_connection_refused_repeats_are_one_line():
     out, _ = relayed([*UNREACHABLE, b"epoch 1", *other, ABORT[0], b"epoch 2"], 0)
     assert [b"task:2" in line for line in out if b"cannot reach" in line] == [False, True]
     assert ABORT[0] in out
+
+
+def test_after_a_clean_finish_a_peer_that_finished_first_is_no_news():
+    # Worker 1's runtime, as worker 0 exits first (2 workers, the main job).
+    out, dropped = relayed([b"final: done", *UNREACHABLE], 0, later=(b"final",))
+    assert out == [b"final: done"] and dropped == len(UNREACHABLE)
+    # A task that failed says it: its last word may be why.
+    out, _ = relayed([b"epoch 1", *UNREACHABLE], 1)
+    assert any(b"cannot reach" in line for line in out), out

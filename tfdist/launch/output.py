@@ -7,7 +7,7 @@
   whether they matter, so that after a lost peer tfdist's own line comes first and the
   abort lines that only repeat it are counted, not printed (TFDIST_NATIVE_LOGS=all shows
   them); after a clean finish, the coordination service's complaints that its peers have
-  gone are dropped.
+  gone, and the runtime's that it cannot reach them, are dropped.
 """
 
 from __future__ import annotations
@@ -113,14 +113,8 @@ class RuntimeLines:
     def _unrepeated(self, held: list[bytes]) -> list[bytes]:
         """`held`, with each message that only says a peer cannot be reached said once per
         peer, in one line; its repeats are counted in `dropped`."""
-        messages: list[list[bytes]] = []
-        for line in held:
-            if _RUNTIME_LINE.match(line) or not messages:
-                messages.append([line])
-            else:
-                messages[-1].append(line)
         kept = []
-        for message in messages:
+        for message in _messages(held):
             text = b" ".join(message)
             if not _UNREACHABLE.search(text):
                 kept += message
@@ -147,10 +141,25 @@ class RuntimeLines:
                 self.dropped += len(held)
                 return []
             return self._unrepeated(held)
-        kept, dropping = [], False
-        for line in self._unrepeated(held):
-            if _RUNTIME_LINE.match(line):
-                dropping = bool(_AFTER_A_CLEAN_FINISH.search(line))
-            if not dropping:
-                kept.append(line)
+        # After a clean finish, its peers finishing first is no news: the coordination
+        # service's goodbyes, and the runtime's "cannot reach" a peer that has exited
+        # (counted).
+        kept = []
+        for message in _messages(held):
+            text = b" ".join(message)
+            if _UNREACHABLE.search(text):
+                self.dropped += len(message)
+            elif not _AFTER_A_CLEAN_FINISH.search(message[0]):
+                kept += message
         return kept
+
+
+def _messages(held: list[bytes]) -> list[list[bytes]]:
+    """`held` cut into messages: each runtime line with the lines that continue it."""
+    messages: list[list[bytes]] = []
+    for line in held:
+        if _RUNTIME_LINE.match(line) or not messages:
+            messages.append([line])
+        else:
+            messages[-1].append(line)
+    return messages

@@ -489,7 +489,7 @@ class Launcher:
             returncode = None
         for out in runtime.at_exit(returncode):
             write(out)
-        if runtime.dropped:
+        if runtime.dropped and returncode != 0:  # a clean finish's are nobody's business
             self._say(
                 f"{task.name}: {runtime.dropped} line(s) of TensorFlow's runtime log held back "
                 f"(they only repeat its own error line or a lost peer's; {NATIVE_LOGS_ENV}=all "
