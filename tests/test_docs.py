@@ -38,7 +38,6 @@ NOT_RUN = {
     "tests": "runs the test suite itself",
     "job": "runs in a task of a multi-worker or parameter-server job, which tfdist-launch "
     "starts (the guide gives the command)",
-    "fragment": "a part of a program, shown where the surrounding text explains it",
 }
 RUNS = {"python", "bash", "json"}
 SHOWN = {"text", "toml", "yaml"}  # output, or a file's contents
