@@ -247,6 +247,40 @@ def test_tfdist_plan_ranks_a_keras_hub_causal_lm_on_two_hosts_of_eight(capsys):
     assert steps == sorted(steps)  # ranked fastest first
 
 
+def test_a_model_too_small_to_split_is_planned_on_one_device(capsys):
+    """Every split costs a tiny model more in exchange than it saves: one device ranks
+    first and the verdict says so, naming the fastest split and its ratio."""
+    code = plan_main(["--model", "tests.test_plan:tiny", "--batch", "64",
+                      "--hosts", "1", "--devices_per_host", "4", "--device", "h100"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    rows = [line for line in out.splitlines() if line[:4].strip().isdigit()]
+    assert rows[0].split()[1:3] == ["one", "device"], rows[0]
+    assert float(rows[0].split()[-6]) > 0  # its step shows, not 0.0
+    verdict = next(line for line in out.splitlines() if line.startswith("Best: "))
+    assert verdict.startswith("Best: one device. The fastest layout of several devices, ")
+    assert "x data 4" in verdict
+
+
+def test_a_model_that_gains_from_devices_is_not_planned_on_one():
+    cost = four_units()
+    estimates = costs.plan(Training(cost, batch=64), cluster())
+    assert "one device" in [e.layout.name for e in estimates]
+    best = estimates[0]
+    assert best.layout.devices == 4 and best.speedup > 1
+    assert costs.best_choice(estimates, cluster()) == (
+        f"Best: {best.layout.name}, {best.speedup:.1f}x one device's step."
+    )
+
+
+def tiny() -> keras.Model:
+    model = keras.Sequential([
+        keras.Input((64,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10),
+    ])  # fmt: skip
+    model.compile("adam", "sparse_categorical_crossentropy")
+    return model
+
+
 @pytest.mark.multiprocess
 def test_an_uncompiled_model_needs_optimizer_to_be_planned(capsys):
     """Its optimizer's state cannot be counted: one line says so; --optimizer plans it."""

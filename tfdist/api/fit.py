@@ -106,6 +106,8 @@ def fit(
             model.compile("sgd", "mse")
         history = tfdist.fit(model, dataset, epochs=2)
 
+    Every argument of keras.Model.fit is taken, with its meaning; tfdist's own are these.
+
     Args:
       model: a Keras model compiled under `strategy.scope()` (or under none, for one device).
       strategy: the strategy to train under; default: the one the model was created under.
@@ -118,7 +120,6 @@ def fit(
         logs, as in Keras; a call ends where StepCheckpoint's `every_n_steps` saves.
       **options: the parallel modes, by their keywords (tfdist.parallel.registry):
         {modes}
-      (the rest: as for keras.Model.fit)
 
     Returns:
       The History callback, as keras.Model.fit returns it (`history.history`: epoch logs).

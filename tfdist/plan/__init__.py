@@ -24,6 +24,7 @@ _EXPORTS = {
     "Link": "tfdist.plan.cluster",
     "PlanError": "tfdist.plan.cluster",
     "Estimate": "tfdist.plan.costs",
+    "best_choice": "tfdist.plan.costs",
     "ParallelLayout": "tfdist.plan.costs",
     "Training": "tfdist.plan.costs",
     "estimate": "tfdist.plan.costs",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 from pathlib import Path
@@ -151,11 +152,14 @@ def training_of(model, args):
 
 
 def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
+    from tfdist.plan.costs import best_choice
+
     model = training.model
     lines = [
         cluster.describe(),
-        f"model {model.name}: {model.params / 1e6:.1f} M parameters, "
-        f"{model.forward_flops / 1e9:.2f} GFLOP forward per example, "
+        f"model {model.name}: {_parameters(model.params)}, "
+        f"{model.forward_flops / 1e9:.{2 if model.forward_flops >= 1e7 else 6}f} GFLOP forward "
+        "per example, "
         f"{model.activation_bytes * training.activation_scale() / 2**20:.1f} MiB of activations per "
         f"example; global batch {training.batch}, {training.precision}, optimizer state "
         f"{model.slots_per_param} x the weights",
@@ -171,10 +175,11 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         lines.append(
             f"{(str(i) if fits else '-'):>4s}  {e.layout.name:28s} {gib(e.weights)} {gib(e.gradients)} "
             f"{gib(e.optimizer)} {gib(e.activations)} {gib(e.buffers)} {gib(e.memory)} "
-            f"{('yes' if fits else 'no'):>4s} {e.step * 1e3:8.1f} {e.compute * 1e3:8.1f} "
-            f"{e.exchange * 1e3:8.1f} {e.bubble * 1e3:8.1f} {e.speedup:7.1f} "
+            f"{('yes' if fits else 'no'):>4s} {_ms(e.step)} {_ms(e.compute)} "
+            f"{_ms(e.exchange)} {_ms(e.bubble)} {_times(e.speedup)} "
             f"{e.efficiency(e.layout.devices):6.1%}"
         )
+    lines.append("\n" + best_choice(estimates, cluster))
     lines.append(
         "\nBytes per device in GiB; step = compute + exchange + bubble; speedup against one "
         f"device training the whole batch (efficiency: speedup / {n}). Layouts that do not fit "
@@ -187,6 +192,24 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         )
     )
     return "\n".join(lines)
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds, to three significant digits below 1 ms: a small model's step is
+    microseconds, and a column of 0.0 would hide which layout is fastest."""
+    ms = seconds * 1e3
+    if ms >= 1 or ms == 0:
+        return f"{ms:8.1f}"
+    decimals = min(6, max(3, 2 - math.floor(math.log10(ms))))
+    return f"{ms:8.{decimals}f}"
+
+
+def _times(speedup: float) -> str:
+    return f"{speedup:7.1f}" if speedup >= 1 else f"{speedup:7.3f}"
+
+
+def _parameters(count: int) -> str:
+    return f"{count / 1e6:.1f} M parameters" if count >= 100_000 else f"{count:,} parameters"
 
 
 if __name__ == "__main__":

@@ -119,9 +119,9 @@ class ParallelLayout:
             parts.append(f"tensor {self.tensor}")
         if self.zero:
             parts.append(f"zero{self.zero}")
-        if self.data > 1 or not parts:
+        if self.data > 1:
             parts.append(f"data {self.data}")
-        return " x ".join(parts)
+        return " x ".join(parts) or "one device"
 
 
 def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list[ParallelLayout]:
@@ -414,11 +414,19 @@ def _tensor(layout, training, cluster, w, act, speed, data_link) -> Estimate:
 
 def plan(training: Training, cluster: Cluster, devices: int | None = None) -> list[Estimate]:
     """Every layout on the cluster's devices (or `devices` of them), fitting ones first,
-    fastest first."""
+    fastest first.
+
+    One device training the whole batch is among them (`ParallelLayout()`, named "one
+    device"), so a model too small to gain from splitting its step ranks it first, and
+    `best_choice` says so.
+    """
     n = devices or cluster.devices
     units = len(training.model.units)
     hosts = -(-n // cluster.devices_per_host)
     layouts = layouts_for(n, training.batch, units, hosts=hosts)
+    if n > 1:
+        # The reference every speed-up is measured against is a choice too.
+        layouts.append(ParallelLayout())
     estimates = [estimate(x, training, cluster) for x in layouts]
     if not estimates:
         raise PlanError(
@@ -426,3 +434,29 @@ def plan(training: Training, cluster: Cluster, devices: int | None = None) -> li
             f"that {n} divides. Received: batch={training.batch}"
         )
     return sorted(estimates, key=lambda e: (not e.fits(cluster), e.step))
+
+
+def best_choice(estimates: Sequence[Estimate], cluster: Cluster) -> str:
+    """One sentence naming the fastest layout that fits, and saying so when that is one
+    device: every split of the step then costs more in exchange than it saves in compute."""
+    fitting = [e for e in estimates if e.fits(cluster)]
+    if not fitting:
+        return (
+            "No layout fits: every one holds more than a device's "
+            f"{cluster.device.memory / 2**30:.0f} GiB. Use devices with more memory, a "
+            "smaller global batch, --recompute, or more devices."
+        )
+    best = fitting[0]
+    if best.layout.devices > 1:
+        return f"Best: {best.layout.name}, {best.speedup:.1f}x one device's step."
+    split = [e for e in fitting if e.layout.devices > 1]
+    if not split:
+        return "Best: one device; no layout of several devices fits."
+    runner_up = split[0]
+    return (
+        f"Best: one device. The fastest layout of several devices, {runner_up.layout.name}, "
+        f"takes {runner_up.step * 1e3:.3g} ms a step against one device's "
+        f"{best.step * 1e3:.3g} ms ({runner_up.speedup:.2g}x): its exchange costs more than "
+        "the compute it divides. Train on one device, or give each device more work (a "
+        "larger global batch or model)."
+    )

@@ -213,9 +213,10 @@ class ColumnParallelDense(_SplitDense):
 
     Args:
       units: output units (divisible by T).
-      activation, use_bias, kernel_initializer, bias_initializer: as keras.layers.Dense.
       gather_output: gather the columns (True) or leave them split for a RowParallelDense.
-      tensor_parallel: T, the replicas each weight is split over (default: all of them).
+      **kwargs: `tensor_parallel`, T, the replicas each weight is split over (default: all
+        of them); `activation`, `use_bias`, `kernel_initializer` and `bias_initializer` as
+        keras.layers.Dense takes them.
     """
 
     def __init__(self, units: int, *, gather_output: bool = False, **kwargs):
