@@ -1,7 +1,7 @@
 """Shared test set-up: quiet TensorFlow, four logical CPUs, helpers to run binaries, and the
 fast tier.
 
-The fast tier (`pytest --fast`, under 3 minutes on 2 cores) runs the tests of modules marked
+The fast tier (`pytest --fast`, about a minute on 2 cores) runs the tests of modules marked
 `pytestmark = pytest.mark.fast` (the logic, cluster, launcher, Kubernetes, schedule, registry
 and error-message tests), less those marked `multiprocess`: no TensorFlow process is
 launched, no wheel built, no model trained. A test in an unmarked module runs in the whole
