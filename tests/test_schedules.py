@@ -7,7 +7,16 @@ import doctest
 import pytest
 
 from tfdist.parallel import schedules
-from tfdist.parallel.schedules import Pass, bubble_formula, schedule, simulate
+from tfdist.parallel.schedules import (
+    COMPUTE,
+    Action,
+    Kind,
+    Pass,
+    bubble_formula,
+    lowered,
+    schedule,
+    simulate,
+)
 
 pytestmark = pytest.mark.fast
 
@@ -73,3 +82,45 @@ def test_a_schedule_that_deadlocks_and_bad_arguments_are_refused():
 def test_the_module_example_holds():
     failures, _ = doctest.testmod(schedules)
     assert failures == 0
+
+
+@pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+def test_every_plan_gets_its_sends_receives_and_updates_from_its_compute_order(name, chunks):
+    """`lowered`: a receive just before each pass whose input another stage makes, a send
+    just after each pass another stage takes from, each send matched by one receive on the
+    neighbouring stage, one update per stage after its every pass; simulate reads the
+    lowered lists as it reads the compute orders."""
+    stages, micro_batches = 4, 8
+    plans = schedule(name, stages, micro_batches, chunks=chunks)
+    program = lowered(plans)
+    last = stages * chunks - 1
+    sent, received = set(), set()
+    for device, (plan, actions) in enumerate(zip(plans, program, strict=True)):
+        assert [a for a in actions if a.kind in COMPUTE] == plan
+        for k, a in enumerate(actions):
+            stage = a.stage(device, stages)
+            if a.kind in (Kind.SEND_ACTIVATION, Kind.SEND_GRADIENT):
+                made = Kind.FORWARD if a.kind == Kind.SEND_ACTIVATION else actions[k - 1].kind
+                assert actions[k - 1] == Action(made, a.micro_batch, a.chunk)
+                to = stage + (1 if a.kind == Kind.SEND_ACTIVATION else -1)
+                sent.add((a.kind == Kind.SEND_ACTIVATION, to, a.micro_batch))
+            if a.kind in (Kind.RECV_ACTIVATION, Kind.RECV_GRADIENT):
+                consumer = actions[k + 1]
+                assert consumer.kind in COMPUTE and consumer.micro_batch == a.micro_batch
+                received.add((a.kind == Kind.RECV_ACTIVATION, stage, a.micro_batch))
+        updates = [a for a in actions if a.kind == Kind.UPDATE]
+        assert updates == [Action(Kind.UPDATE, None, c) for c in range(chunks)]
+        assert actions[-chunks:] == updates
+    assert sent == received
+    assert len(sent) == 2 * last * micro_batches  # each cut: M activations and M gradients
+    assert simulate(program).bubble == simulate(plans).bubble
+    assert simulate(program).length == simulate(plans).length
+
+
+def test_actions_are_typed_and_print_as_their_letters():
+    assert Action("F", 3) == Action(Kind.FORWARD, 3) and Action("F", 3).kind is Kind.FORWARD
+    assert [str(a) for a in lowered(schedule("1f1b", 2, 2))[0]] == [
+        "F0", "SF0", "F1", "SF1", "RB0", "B0", "RB1", "B1", "U",
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="'X' is not a valid Kind"):
+        Action("X", 0)
