@@ -84,7 +84,33 @@ def test_the_module_example_holds():
     assert failures == 0
 
 
-@pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2)])
+@pytest.mark.parametrize("stages", [1, 2, 4, 8])
+@pytest.mark.parametrize("micro_batches", [1, 2, 4, 8, 16])
+def test_zero_bubble_runs_each_forward_input_and_weight_pass_once_below_1f1b_s_bubble(
+    stages, micro_batches
+):
+    """ZB-H1: every F, I and W once, each W after its I, no more held than 1F1B holds, and
+    a smaller bubble than 1F1B's at the same S and M wherever 1F1B has one."""
+    plans = schedule("zero_bubble", stages, micro_batches)
+    for plan in plans:
+        assert sorted(map(str, plan)) == sorted(
+            f"{kind}{m}" for kind in "FIW" for m in range(micro_batches)
+        )
+        for p in plan:
+            if p.kind == Kind.BACKWARD_WEIGHT:
+                assert plan.index(Action("I", p.micro_batch)) < plan.index(p)
+    zero_bubble = simulate(plans)
+    one_f_one_b = simulate(schedule("1f1b", stages, micro_batches))
+    assert zero_bubble.peak_activations <= one_f_one_b.peak_activations
+    if stages > 1:
+        assert zero_bubble.bubble < one_f_one_b.bubble
+        assert zero_bubble.length < one_f_one_b.length
+    else:
+        assert zero_bubble.bubble == one_f_one_b.bubble == 0.0
+
+
+@pytest.mark.parametrize("name, chunks", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2),
+                                          ("zero_bubble", 1)])  # fmt: skip
 def test_every_plan_gets_its_sends_receives_and_updates_from_its_compute_order(name, chunks):
     """`lowered`: a receive just before each pass whose input another stage makes, a send
     just after each pass another stage takes from, each send matched by one receive on the
@@ -119,8 +145,8 @@ def test_every_plan_gets_its_sends_receives_and_updates_from_its_compute_order(n
 
 def test_actions_are_typed_and_print_as_their_letters():
     assert Action("F", 3) == Action(Kind.FORWARD, 3) and Action("F", 3).kind is Kind.FORWARD
-    assert [str(a) for a in lowered(schedule("1f1b", 2, 2))[0]] == [
-        "F0", "SF0", "F1", "SF1", "RB0", "B0", "RB1", "B1", "U",
+    assert [str(a) for a in lowered(schedule("zero_bubble", 2, 2))[0]] == [
+        "F0", "SF0", "F1", "SF1", "RB0", "I0", "W0", "RB1", "I1", "W1", "U",
     ]  # fmt: skip
     with pytest.raises(ValueError, match="'X' is not a valid Kind"):
         Action("X", 0)

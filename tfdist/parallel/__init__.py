@@ -19,9 +19,9 @@
   a time-varying exponential graph): no all-reduce, no server.
 - admm.py: ADMM, consensus ADMM SGD: local steps on each replica's own loss plus a penalty,
   then a consensus and dual update every k steps.
-- schedules.py: pipeline schedules (GPipe, 1F1B, interleaved 1F1B) as typed actions per
-  device, and their simulation: the step's length, the bubble, the activations each
-  stage holds.
+- schedules.py: pipeline schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) as typed
+  actions per device, and their simulation: the step's length, the bubble, the activations
+  each stage holds.
 - stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
 - pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner
   factory: it replaces the runner); pipeline_runner.py its runner, pipeline_home.py where

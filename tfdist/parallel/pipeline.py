@@ -79,9 +79,11 @@ class Pipeline:
       micro_batches: M, the micro-batches each pipeline's share of a batch is cut into
         (it must divide that share). More shrinks the bubble, (S-1)/(M+S-1).
       schedule: 'gpipe' (every forward, then every backward: M micro-batches' activations
-        held), '1f1b' (a forward and a backward in turn: at most S-s held on stage s) or
+        held), '1f1b' (a forward and a backward in turn: at most S-s held on stage s),
         'interleaved' (1F1B over `chunks_per_device` stages per device: the bubble falls to
-        (S-1)/(vM+S-1); M a multiple of the devices per pipeline; local devices only).
+        (S-1)/(vM+S-1); M a multiple of the devices per pipeline; local devices only) or
+        'zero_bubble' (ZB-H1: each backward cut into the input's gradient and the weights',
+        the latter put off to fill 1F1B's idle time; 1F1B's most held).
       chunks_per_device: v, the stages each device holds under the interleaved schedule:
         the model is cut into S*v stages and device d of a pipeline holds stages d, d+S, ...
       timeout_seconds: how long a transfer between worker processes may wait for its peer

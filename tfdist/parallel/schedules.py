@@ -17,6 +17,11 @@ own forward. A schedule gives each device the order of its passes:
   micro-batches of one chunk before moving to the next, so the pipe fills v times faster:
   the bubble falls to (S-1)/(v*M + S-1) of the step, (S-1)/(v*M) of the work, for M a
   multiple of S (as Megatron-LM requires), at the cost of v times the sends.
+- Zero bubble, ZB-H1 (Qi et al., 2023): a backward is cut in two, the input's gradient (I),
+  which the stage before waits for, and the weights' gradient (W), which nobody waits for.
+  Each stage runs its forwards and I passes in 1F1B order and puts off each W by S-s-1
+  micro-batches, so the W passes fill the drain where 1F1B's stages wait. Its activations
+  are held until their W.
 
 A plan is a list of `Action`s per device: the compute passes (F, B; or F, I, W) that the
 plans below give, and, from `lowered`, what every plan needs beside them, derived from its
@@ -35,6 +40,8 @@ Example:
     ['RF0', 'F0', 'SF0', 'RF1']
     >>> round(simulate(plan).bubble, 4) == round(bubble_formula(4, 8), 4)
     True
+    >>> simulate(schedule("zero_bubble", 4, 8)).bubble < simulate(plan).bubble
+    True
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ import dataclasses
 import enum
 from collections.abc import Callable, Sequence
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero_bubble")
 
 
 class Kind(enum.StrEnum):
@@ -149,11 +156,48 @@ def interleaved(stages: int, micro_batches: int, chunks: int) -> Plan:
     return plans
 
 
+def zero_bubble(stages: int, micro_batches: int) -> Plan:
+    """ZB-H1: each backward cut into I (the input's gradient, which the stage before waits
+    for) and W (the weights'). The order is list scheduling with a forward as long as a
+    whole backward, I and W half of it each: whenever a stage is free it starts the earliest
+    pass it can, an I before an F before a W at the same time, and at most S-s micro-batches
+    between their F and their W on stage s (1F1B's most held): so the W passes fill the
+    time 1F1B's stages wait for gradients, and no stage holds more than under 1F1B."""
+    _check(stages, micro_batches)
+    plans: Plan = [[] for _ in range(stages)]
+    clock = [0.0] * stages
+    ends: dict[tuple[Kind, int, int], float] = {}  # (F or I, stage, micro-batch): its end
+    fwd, inp, wgt = Kind.FORWARD, Kind.BACKWARD_INPUT, Kind.BACKWARD_WEIGHT
+    length, rank = {fwd: 1.0, inp: 0.5, wgt: 0.5}, {inp: 0, fwd: 1, wgt: 2}
+    done = {kind: [0] * stages for kind in rank}  # passes of each kind each stage has run
+    while any(n < micro_batches for n in done[wgt]):
+        chosen = None  # (start, rank, stage, kind): the earliest; at once, I, F, then W
+        for s in range(stages):
+            ready = {}  # kind -> when its input exists (None: not yet)
+            if done[inp][s] < done[fwd][s]:  # its gradient: the next stage's I, or its loss
+                m = done[inp][s]
+                ready[inp] = ends.get((fwd, s, m) if s == stages - 1 else (inp, s + 1, m))
+            if done[fwd][s] < micro_batches and done[fwd][s] - done[wgt][s] < stages - s:
+                ready[fwd] = 0.0 if s == 0 else ends.get((fwd, s - 1, done[fwd][s]))
+            if done[wgt][s] < done[inp][s]:
+                ready[wgt] = 0.0
+            for kind, at in ready.items():
+                if at is not None:
+                    option = (max(clock[s], at), rank[kind], s, kind)
+                    chosen = option if chosen is None else min(chosen, option)
+        start, _, s, kind = chosen
+        m = done[kind][s]
+        done[kind][s] += 1
+        clock[s] = ends[kind, s, m] = start + length[kind]
+        plans[s].append(Action(kind, m))
+    return plans
+
+
 def schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> Plan:
     """The schedule called `name` (one of SCHEDULES; the interleaved one's devices hold
     `chunks` stages each): each device's compute actions in order (`lowered` adds the
     transfers and updates)."""
-    builders = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    builders = {"gpipe": gpipe, "1f1b": one_f_one_b, "zero_bubble": zero_bubble}
     if name == "interleaved":
         return interleaved(stages, micro_batches, chunks)
     if name not in builders:
