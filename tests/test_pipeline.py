@@ -59,6 +59,9 @@ def max_diff(want, got) -> float:
         (2, "1f1b", 4),
         (2, "gpipe", 2),
         (4, "interleaved", 2),  # 2 pipelines x 2 devices, each holding 2 of the 4 stages
+        (4, "zero_bubble", 4),  # each backward in two passes: the input's, the weights'
+        (2, "zero_bubble", 4),
+        (4, "zero_bubble", 1),
     ],
 )
 def test_a_pipeline_trains_the_weights_keras_trains_unsplit(

@@ -29,6 +29,7 @@ from tfdist.parallel import Pipeline  # noqa: E402
 CASES = {
     "1f1b_m2": dict(cut_before=["d3"], micro_batches=2),
     "gpipe_m4": dict(cut_before=["d3"], micro_batches=4, schedule="gpipe"),
+    "zero_bubble_m4": dict(cut_before=["d3"], micro_batches=4, schedule="zero_bubble"),
     "interleaved": dict(
         cut_before=["d2", "d3", "d4"],
         micro_batches=2,

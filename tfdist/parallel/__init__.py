@@ -19,11 +19,15 @@
   a time-varying exponential graph): no all-reduce, no server.
 - admm.py: ADMM, consensus ADMM SGD: local steps on each replica's own loss plus a penalty,
   then a consensus and dual update every k steps.
-- schedules.py: pipeline schedules (GPipe, 1F1B) and their simulation: the step's length,
-  the bubble, the activations each stage holds.
+- schedules.py: pipeline schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) as typed
+  actions per device, and their simulation: the step's length, the bubble, the activations
+  each stage holds.
 - stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
 - pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner
-  factory: it replaces the runner).
+  factory: it replaces the runner); pipeline_runner.py its runner, pipeline_home.py where
+  its stages keep the weights, pipeline_step.py one step's program.
+- executor.py: the one executor of every schedule's actions (Pipeline's and Downpour's);
+  stage_links.py the sends and receives between stages.
 - downpour.py: SplitReplicaRunner, a Pipeline under parameter_server: each worker's replica
   cut into stages over that worker's devices, training asynchronously (Downpour SGD).
 - tensor/: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
@@ -57,7 +61,7 @@ _EXPORTS = {
     "LocalUpdateError": "tfdist.parallel.local_sgd",
     "LocalUpdates": "tfdist.parallel.local_sgd",
     "Pipeline": "tfdist.parallel.pipeline",
-    "PipelineRunner": "tfdist.parallel.pipeline",
+    "PipelineRunner": "tfdist.parallel.pipeline_runner",
     "Stage": "tfdist.parallel.stages",
     "StageError": "tfdist.parallel.stages",
     "chain": "tfdist.parallel.stages",

@@ -40,10 +40,11 @@ from collections.abc import Sequence
 import keras
 import tensorflow as tf
 
-from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.parallel.schedules import Pass, schedule, simulate
+from tfdist.parallel.executor import Executor, StageInput, StepOptions
+from tfdist.parallel.schedules import schedule
+from tfdist.parallel.stage_links import StageLinks
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
 from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import shards_of
@@ -110,140 +111,50 @@ class SplitReplicaRunner(ParameterServerRunner):
 
 
 class _ReplicaStep:
-    """One step's program over a worker's stage devices (built once, while tracing)."""
+    """One step's program over a worker's stage devices (built once, while tracing): the
+    pipeline's executor (executor.py) over one pipeline whose stages are all here."""
 
     def __init__(self, runner: SplitReplicaRunner):
         self.runner, self.model = runner, runner.model
-        self.micro_batches = runner.options.micro_batches
-        self.width = len(runner.devices)
-
-    def device(self, stage: int) -> str:
-        return self.runner.devices[stage % self.width]
-
-    def micro(self, tensor, m: int):
-        if tensor is None:
-            return None
-
-        def cut(t):
-            size = tf.shape(t)[0] // self.micro_batches
-            return t[m * size : (m + 1) * size]
-
-        return tf.nest.map_structure(cut, tensor)
+        width = len(runner.devices)
+        self.devices = {stage.index: runner.devices[stage.index % width] for stage in runner.stages}
+        links = StageLinks(runner.stages, [(0, k) for k in self.devices])
+        # The objective is scaled as the user's optimizer scales it: its apply_gradients
+        # (on the ps) unscales the gradients.
+        options = StepOptions(
+            micro_batches=runner.options.micro_batches, scale_loss=self.model.optimizer.scale_loss
+        )
+        self.executor = Executor(
+            self.model, runner.stages, runner.plan, links, runner.metric_variables, options
+        )
 
     def run(self, batch, state):
         runner, model = self.runner, self.model
-        x, y, sample_weight = unpack(batch)
         trainable, statistics = model.trainable_variables, model.non_trainable_variables
-        weights, stats = {}, {}
+        given = {}
         for stage in runner.stages:  # each stage reads its weights from the ps
-            with tf.device(self.device(stage.index)):
-                weights[stage.index] = [tf.identity(trainable[i].value) for i in stage.trainable]
-                stats[stage.index] = [tf.identity(statistics[i].value) for i in stage.non_trainable]
-        saved: dict[tuple[int, int], tuple] = {}
-        crossed: dict[tuple[int, int], list] = {}  # (stage, m): what crosses the cut after it
-        upstream: dict[tuple[int, int], list] = {}  # (stage, m): the gradients coming back
+            device = self.devices[stage.index]
+            with tf.device(device):
+                given[0, stage.index] = StageInput(
+                    device,
+                    [tf.identity(trainable[i].value) for i in stage.trainable],
+                    [tf.identity(statistics[i].value) for i in stage.non_trainable],
+                )
+        step = self.executor.run(batch, given, state)
         grads: dict[int, object] = {}  # position in trainable -> the summed gradient
-        last_end: dict[int, list] = collections.defaultdict(list)  # device -> its last pass
-        last = len(runner.stages) - 1
-        for d, p in self._order():
-            k = p.chunk * self.width + d
-            stage = runner.stages[k]
-            with tf.device(self.device(k)):
-                if p.kind == "F":
-                    if k == 0:
-                        inputs = _after(last_end[d], self.micro(x, p.micro_batch))
-                        given, mask = inputs, None
-                    else:  # what crossed the cut, and the model's inputs it reads
-                        inputs = _after(last_end[d], crossed.pop((k - 1, p.micro_batch)))
-                        flat = tf.nest.flatten(self.micro(x, p.micro_batch))
-                        given, mask = stage.call_args(inputs, flat)
-                    with tf.GradientTape() as tape:
-                        tape.watch(weights[k])
-                        if k:
-                            tape.watch(stage.watched(inputs))
-                        out, new_stats, losses = stage.model.stateless_call(
-                            weights[k], stats[k], given, training=True, return_losses=True,
-                            **({} if mask is None else {"mask": mask}),
-                        )  # fmt: skip
-                        regularization = tf.add_n(losses) / self.micro_batches if losses else None
-                        objective = None
-                        if k == last:
-                            y_m = self.micro(y, p.micro_batch)
-                            w_m = self.micro(sample_weight, p.micro_batch)
-                            loss = compat.compiled_loss(model)(y_m, out, w_m)
-                            objective = loss / self.micro_batches
-                            if regularization is not None:
-                                objective = objective + regularization
-                            objective = model.optimizer.scale_loss(objective)
-                    stats[k] = list(new_stats)
-                    size = tf.cast(batch_size(out), tf.float32)
-                    if k == last:
-                        state = updates.metric_state(
-                            self.model,
-                            self.runner.metric_variables,
-                            state,
-                            y_m,
-                            out,
-                            w_m,
-                            loss,
-                            size,
-                        )
-                    if regularization is not None:  # the logged loss counts each penalty
-                        state = updates.added_to_loss(
-                            self.model,
-                            self.runner.metric_variables,
-                            state,
-                            regularization * self.micro_batches * size,
-                        )
-                    saved[k, p.micro_batch] = (tape, inputs, out, regularization, objective)
-                    if k < last:
-                        crossed[k, p.micro_batch] = stage.passed_on(out, inputs if k else [])
-                    last_end[d] = tf.nest.flatten(out)
-                else:
-                    tape, inputs, out, regularization, objective = saved.pop((k, p.micro_batch))
-                    sources = [*weights[k], *(stage.watched(inputs) if k else [])]
-                    passed = {}
-                    if objective is not None:
-                        with tf.control_dependencies(last_end[d]):
-                            got = tape.gradient(objective, sources)
-                    else:
-                        back = _after(last_end[d], upstream.pop((k, p.micro_batch)))
-                        targets, seeds, passed = stage.seeds(out, back)
-                        if regularization is not None:
-                            targets.append(regularization)
-                            # The penalty is in the loss the optimizer scales.
-                            seeds.append(model.optimizer.scale_loss(tf.ones_like(regularization)))
-                        got = (
-                            tape.gradient(targets, sources, output_gradients=seeds)
-                            if targets
-                            else [None] * len(sources)
-                        )
-                    own = got[: len(stage.trainable)]
-                    for i, g in zip(stage.trainable, own, strict=True):
-                        if g is not None:
-                            grads[i] = g if i not in grads else updates.added(grads[i], g)
-                    ends = [g for g in own if g is not None][:1]
-                    if k:
-                        back = stage.sent_back(got[len(stage.trainable) :], inputs, passed)
-                        upstream[k - 1, p.micro_batch] = back
-                        ends = back or ends
-                    last_end[d] = [updates.dense_part(g) for g in ends]
-        # The statistics after each stage's last forward pass are the model's (BatchNorm's
-        # moving averages), written to the ps as a step of the unsplit model writes them.
         for stage in runner.stages:
-            for i, value in zip(stage.non_trainable, stats[stage.index], strict=True):
+            own = step.stages[0, stage.index]
+            # The statistics after each stage's last forward pass are the model's (BatchNorm's
+            # moving averages), written to the ps as a step of the unsplit model writes them.
+            for i, value in zip(stage.non_trainable, own.statistics, strict=True):
                 statistics[i].assign(value)
+            for i, g in zip(stage.trainable, own.grads, strict=True):
+                if g is not None:  # a tied weight's: summed over the stages holding it
+                    grads[i] = g if i not in grads else updates.added(grads[i], g)
+        if step.count is not None:  # the gradients of the sums: over the step's count
+            grads = {i: _divided(g, step.count) for i, g in grads.items()}
         pairs = [(grads.get(i), v) for i, v in enumerate(trainable)]
-        return pairs, state
-
-    def _order(self) -> list[tuple[int, Pass]]:
-        """Every (device, pass), each after the passes it needs: by when the schedule starts
-        it (`simulate`: a pass starts after those it consumes end), as Pipeline's runner
-        orders its own."""
-        plan = self.runner.plan
-        starts = simulate(plan).starts
-        timed = sorted((starts[d][k], d, k) for d in range(self.width) for k in range(len(plan[d])))
-        return [(d, plan[d][k]) for _, d, k in timed]
+        return pairs, step.state
 
 
 def worker_devices(cluster: dict, width: int) -> list[str]:
@@ -274,9 +185,7 @@ def worker_devices(cluster: dict, width: int) -> list[str]:
     )
 
 
-def _after(ends: list, value):
-    """`value`, once the tensors `ends` (a device's previous pass) exist."""
-    if not ends:
-        return value
-    with tf.control_dependencies(ends):
-        return tf.nest.map_structure(tf.identity, value)
+def _divided(g, count):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values / tf.cast(count, g.values.dtype), g.indices, g.dense_shape)
+    return g / tf.cast(count, g.dtype)

@@ -1,0 +1,245 @@
+"""Where a pipeline keeps a model's weights and its optimizer's slots: in its stage
+replicas, and nowhere else (see Home).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from typing import TYPE_CHECKING
+
+import keras
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.errors import FitError
+from tfdist.parallel import updates
+from tfdist.training import shards
+
+if TYPE_CHECKING:
+    from tfdist.parallel.pipeline_runner import PipelineRunner, StageReplica
+
+
+class Home(shards.Shards):
+    """Where a pipeline keeps a model's weights and its optimizer's slots, from the first
+    fit on: in this process's stage replicas, and nowhere else.
+
+    Each trainable weight's storage, and each of the user's optimizer's slots' (see
+    compat.replace_storage), becomes a `Staged`: reading it reads the stage replica that
+    holds it (across worker processes, that replica's process sends it to every process,
+    a collective all make together, as all save together); assigning it assigns every
+    replica of this process that holds it. So `model.save`, `get_weights`, evaluation,
+    callbacks and checkpoints see one Keras model, read one variable at a time, and a
+    restore (`load_weights`, BackupAndRestore) lands in the stages. It lives as long as
+    the model (its storages point here): a later fit on the same layout goes on with the
+    same stage replicas, slots and all.
+    """
+
+    def __init__(self, key: tuple, runner: PipelineRunner, replicas: list[StageReplica]):
+        self.key, self.strategy, self.processes = key, runner.strategy, runner.processes
+        self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
+        # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
+        self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
+        self.staged: list[tuple[str, Staged]] = []  # by checkpoint key (shards.py)
+        self._placeholders: dict[tf.DType, tf.Variable] = {}
+        self._sent = tf.function(self._send_part, reduce_retracing=True)
+
+    @staticmethod
+    def of(model: keras.Model) -> Home | None:
+        for variable in model.trainable_variables:
+            storage = compat.storage_of(variable)
+            if isinstance(storage, Staged):
+                return storage.home
+        return None
+
+    # --- which replica holds what ---------------------------------------------------------
+
+    def holding(self, i: int) -> tuple[int, ...]:
+        """The stages that hold trainable weight `i` (several for a tied weight)."""
+        return self.tied.get(i) or tuple(s.index for s in self.stages if i in s.trainable)
+
+    def source(self, i: int) -> bool:
+        """Whether this process sends weight `i` (and its slots) where it is read: it holds
+        pipeline 0's first stage holding it. In one process every stage is here."""
+        if self.processes == 1:
+            return True
+        r = self.replicas[0]
+        return r.pipeline == 0 and r.stage.index == min(self.holding(i))
+
+    def copies(self, i: int, slot: str | None = None) -> list[keras.Variable]:
+        """This process's replicas' copies of weight `i` (or of its slot named `slot`),
+        the source's first."""
+        out = []
+        for r in self._ordered:
+            if i not in r.stage.trainable:
+                continue
+            if slot is None:
+                out.append(r.trainable[r.stage.trainable.index(i)])
+            else:  # none where the stage's optimizer keeps no such slot
+                out += [v for v in r.optimizer.variables if v.name == slot][:1]
+        return out
+
+    # --- moving in --------------------------------------------------------------------------
+
+    def take_weights(self, model: keras.Model) -> None:
+        """Each trainable weight's value moves into its stage replicas and its whole copy
+        is dropped, one weight at a time."""
+        for i, weight in enumerate(model.trainable_variables):
+            self._take(weight, i, self.copies(i), shards.weight_key(i))
+        compat.forget_traced_functions(model)  # they read the whole copies
+        gc.collect()  # the whole copies sit in reference cycles: freed now
+
+    def take_slots(self, model: keras.Model, fresh: set[int]) -> None:
+        """The same for the user's optimizer's slots, matched to the stage optimizers' by
+        name (a copy's slots are named after the weight, as the user's are). A slot whose
+        storage is in `fresh` (ids) was made without a value: the stage's slot, built by the
+        same optimizer, starts as it would."""
+        user = model.optimizer
+        paths = {v.path.replace("/", "_"): i for i, v in enumerate(model.trainable_variables)}
+        skip = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
+        for slot in user.variables:
+            if id(slot) in skip:
+                continue
+            i = _weight_of(slot.name, paths)
+            copies = [] if i is None else self.copies(i, slot.name)
+            if i is None or (self.copies(i) and not copies):
+                raise FitError(
+                    f"Cannot match the optimizer state {slot.name!r} of "
+                    f"{type(user).__name__} with a weight's slot in the pipeline's stages "
+                    "(its slots are not named after the weights): the stages could not "
+                    f"keep it. Use a Keras optimizer. Received: {type(user).__name__}"
+                )
+            name = slot.name[len(model.trainable_variables[i].path) + 1 :]  # "momentum"
+            self._take(slot, i, copies, shards.slot_key(i, name), fresh)
+        gc.collect()
+
+    def _take(
+        self,
+        variable: keras.Variable,
+        i: int,
+        copies: list,
+        key: str,
+        fresh: set[int] = frozenset(),
+    ) -> None:
+        old = compat.storage_of(variable)
+        if not self.holding(i):
+            return  # no stage reads the weight: it keeps its storage
+        staged = Staged(self, old, variable.shape, copies, self.source(i))
+        # A read of a weight held in parts (another layout's stages, host_scope's slices)
+        # is a collective: every process makes it.
+        if id(old) not in fresh and (copies or getattr(old, "read_by_collectives", False)):
+            staged.assign(tf.convert_to_tensor(old))
+        compat.replace_storage(variable, staged)
+        self.staged.append((key, staged))
+
+    # --- sharded checkpoints --------------------------------------------------------------
+
+    def entries(self) -> list[shards.Entry]:
+        """This process's part of a sharded checkpoint: each weight and slot it is the
+        source of, whole (each is written by one process)."""
+        return [
+            shards.Entry(key, tf.identity(staged.copies[0].value))
+            for key, staged in self.staged
+            if staged.source and staged.copies
+        ]
+
+    def wanted(self) -> list[shards.Wanted]:
+        """What this process's stages read back: each weight and slot they hold."""
+        return [
+            shards.Wanted(key, staged.dtype, staged.assign)
+            for key, staged in self.staged
+            if staged.copies
+        ]
+
+    # --- reading --------------------------------------------------------------------------
+
+    def read(self, staged: Staged) -> tf.Tensor:
+        if self.processes == 1:
+            return tf.identity(staged.copies[0].value)
+        context = tf.distribute.get_replica_context()
+        part = self._part(staged)
+        if context is not None and context.strategy is self.strategy:
+            with tf.device(self.replicas[0].device):
+                return context.all_reduce(tf.distribute.ReduceOp.SUM, part)
+        with updates.read_together("a pipeline"):
+            return self._sent(part)
+
+    def _part(self, staged: Staged) -> tf.Tensor:
+        """What this process adds to a read across processes: the value at its source,
+        zeros elsewhere (so the sum is the value, exactly)."""
+        with tf.device(self.replicas[0].device):
+            if staged.source:
+                return tf.identity(staged.copies[0].value)
+            return tf.zeros(staged.shape, staged.dtype)
+
+    def _send_part(self, part: tf.Tensor) -> tf.Tensor:
+        def replica(part):
+            with tf.device(self.replicas[0].device):
+                part = tf.identity(part)
+                return tf.distribute.get_replica_context().all_reduce(
+                    tf.distribute.ReduceOp.SUM, part, options=updates.read_options()
+                )
+
+        sent = self.strategy.run(replica, args=(part,))
+        return self.strategy.experimental_local_results(sent)[0]
+
+    def placeholder(self, dtype) -> tf.Variable:
+        """An empty variable: the resource handle of a weight no replica here holds."""
+        dtype = tf.as_dtype(dtype)
+        if dtype not in self._placeholders:
+            device = self.replicas[0].device
+
+            def make():
+                with tf.device(device):
+                    return tf.Variable(tf.zeros([0], dtype), trainable=False)
+
+            self._placeholders[dtype] = updates.outside_strategy(make)
+        return self._placeholders[dtype]
+
+
+class Staged(updates.WholeStandIn):
+    """A weight's (or a slot's) storage under a pipeline: see Home."""
+
+    def __init__(self, home: Home, old, shape, copies: list[keras.Variable], source: bool):
+        dtype = old.dtype  # not `old` itself: the stand-in must not keep the whole copy
+        super().__init__(old, lambda: copies[0] if copies else home.placeholder(dtype))
+        self.shape = tf.TensorShape(shape)
+        self.home, self.copies, self.source = home, copies, source
+        self.trainable = getattr(old, "trainable", True)
+
+    def read(self) -> tf.Tensor:
+        return self.home.read(self)
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        del use_locking, name, read_value
+        value = tf.convert_to_tensor(value, self.dtype)
+        for copy in self.copies:
+            copy.assign(value)
+
+
+@contextlib.contextmanager
+def empty_variables():
+    """While entered, each variable made is an empty placeholder (its initial value is
+    made and dropped, one at a time); yields the list of those made, to be given their
+    storage (compat.replace_storage). Keras's optimizers make every slot in `build`, at
+    once: this keeps the user's optimizer from holding every slot whole while it is built,
+    when the stages hold them."""
+    made: list[tf.Variable] = []
+
+    def creator(next_creator, **kwargs):
+        value = kwargs["initial_value"]
+        value = value() if callable(value) else value
+        kwargs["initial_value"] = tf.zeros([0], tf.as_dtype(value.dtype).base_dtype)
+        kwargs.pop("shape", None)
+        made.append(next_creator(**kwargs))
+        return made[-1]
+
+    with tf.variable_creator_scope(creator):
+        yield made
+
+
+def _weight_of(slot: str, paths: dict[str, int]) -> int | None:
+    """The weight a Keras optimizer's slot was made for: slots are named
+    "<weight path, '/' as '_'>_<slot>"; the longest such path."""
+    found = [p for p in paths if slot.startswith(p + "_")]
+    return paths[max(found, key=len)] if found else None

@@ -1,0 +1,441 @@
+"""The runner of a pipeline (see pipeline.py): it cuts the model into stages, places their
+replicas on the strategy's devices (or worker processes), moves the model's weights and
+its optimizer's slots into them (pipeline_home.py), and trains a batch a step, each step a
+program of its own (pipeline_step.py) for each micro-batch size.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tfdist import compat
+from tfdist.collective.keys import block
+from tfdist.collective.transport import ProcessLinks, ProcessRing
+from tfdist.errors import FitError
+from tfdist.parallel import updates
+from tfdist.parallel.host import host_device
+from tfdist.parallel.pipeline_home import Home, empty_variables
+from tfdist.parallel.pipeline_step import StepProgram
+from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
+from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
+from tfdist.training import shards
+from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.memory import nbytes
+from tfdist.training.runner import StepHook
+from tfdist.training.runners.common import batch_size, logs_from_state
+from tfdist.training.runners.sync import SyncRunner
+from tfdist.training.steps import custom_train_step
+
+if TYPE_CHECKING:
+    from tfdist.parallel.pipeline import Pipeline
+
+log = logging.getLogger(__name__)
+
+# The stages write the model back in buckets of this many bytes of float64 sums (a larger
+# variable alone): what the epoch's end adds to a process's peak. Every weight and slot at
+# once made that peak 21.6x the weights (tools/peak_bench.py); 4 MiB buckets, 5.5x.
+SETTLE_BUCKET_BYTES = 4 * 2**20
+
+
+@dataclasses.dataclass
+class StageReplica:
+    """One replica of one stage: its place, its weights and its optimizer (on its device)."""
+
+    stage: Stage
+    pipeline: int
+    device: str
+    trainable: list[keras.Variable]
+    non_trainable: list[keras.Variable]
+    optimizer: keras.optimizers.Optimizer | None  # built once the weights have moved in
+
+
+class PipelineRunner(SyncRunner):
+    """Trains a model cut into pipeline stages (see the module docstring).
+
+    Evaluation, the chief, agreement between workers and failure messages are the
+    synchronous runner's: the model's weights read from the stages (see Home).
+    """
+
+    builds_optimizer = False  # its slots are the stages' (see Home)
+
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, options: Pipeline):
+        super().__init__(model, strategy)
+        self.options = options
+        self.stages: list[Stage] = []
+        self.replicas: list[StageReplica] = []  # this process's
+        self.pipelines = 1
+        self.devices_per_pipeline = 1
+        self._state: list[np.ndarray] = []
+        self._programs: dict[int, StepProgram] = {}
+        self._thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self._loaded = False
+        self.tied: dict[int, tuple[int, ...]] = {}  # weight -> the stages holding it
+        # By stage (its pipelines' replicas) and by a tied weight's holders (theirs).
+        self._rings: dict[int | tuple[int, ...], ProcessRing] = {}
+        # Between worker processes: activations forward, their gradients back. TensorFlow's
+        # collective runtime remembers each instance key's shape for the life of the
+        # process, so each step program (one per micro-batch size) takes keys of its own.
+        self.links = ProcessLinks(
+            group_key_base=LINK_GROUP_KEY_BASE, timeout_seconds=options.timeout_seconds
+        )
+        self.last_passes: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
+
+    # --- building -------------------------------------------------------------------------------
+
+    @property
+    def processes(self) -> int:
+        return self.placement.processes
+
+    def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
+        model, options = self.model, self.options
+        if step_hooks:
+            raise FitError(
+                "A pipeline takes no step hooks: its micro-batches already accumulate "
+                "gradients (drop accumulate_steps), and each stage keeps only its own "
+                "optimizer state (drop shard_optimizer). "
+                f"Received: {', '.join(h.name for h in step_hooks)}"
+            )
+        if custom_train_step(model):
+            raise FitError(
+                f"Model {model.name!r} has its own train_step, which runs the whole model at "
+                "once; a pipeline runs its layers stage by stage with the compiled loss and "
+                "metrics. Move the step's logic into compile()'s loss and metrics, or train "
+                "without pipeline=. Received: a model with train_step overridden"
+            )
+        updates.check_copyable(model.optimizer, who="A pipeline's stages")
+        super().build(sample_batch)  # all but the optimizer's slots, which the stages keep
+        home = Home.of(model)
+        if home is not None and home.key == self._home_key():
+            # A later fit on the same layout: its stages go on with their weights and slots.
+            self.stages, self.tied, self.replicas = home.stages, home.tied, home.replicas
+            self._grid()
+        else:
+            self.stages = split(model, options.cut_before)
+            self.tied = tied(self.stages)
+            self._place(*self._grid())
+            held = sum(nbytes(v) or 0 for r in self.replicas for v in r.trainable)
+            whole = sum(nbytes(v) or 0 for v in model.trainable_variables)
+            log.info(
+                "The stages hold the model's weights (%.1f MB here of %.1f MB) and their "
+                "optimizer's state; no process holds the whole model.",
+                held / 2**20,
+                whole / 2**20,
+            )
+        if self.tied:
+            names = sorted({model.trainable_variables[i].path for i in self.tied})
+            log.info(
+                "Weights used by several stages (tied) are held by each of them, their "
+                "gradients summed: %s",
+                ", ".join(names),
+            )
+        self._rings = self._make_rings()
+        self._state = self._zeros()
+
+    def _home_key(self) -> tuple:
+        options = self.options
+        return (options.cut_before, options.chunks_per_device, self.placement)
+
+    def _grid(self) -> tuple[list[int], dict[int, str]]:
+        """Sets the pipelines and the devices each takes; returns this process's ranks
+        (pipeline p's stage k is rank p * stages + k) and each rank's device."""
+        stages, layout = self.stages, self.placement
+        devices = list(layout.devices)
+        processes = layout.processes
+        replicas = layout.replicas
+        if processes > 1 and len(devices) > 1:
+            raise FitError(
+                "A pipeline across worker processes takes one device per process (stage "
+                f"replicas are processes); this job has {processes} processes with "
+                f"{len(devices)} devices each. Run one process per device. "
+                f"Received: {replicas} replicas"
+            )
+        chunks = self.options.chunks_per_device
+        width = devices_for(len(stages), chunks, self.options.micro_batches, holder="a pipeline's")
+        if chunks > 1 and processes > 1:
+            raise FitError(
+                "The interleaved schedule runs over one process's devices (each device holds "
+                f"{chunks} stages); this job has {processes} worker processes. Use "
+                "schedule='1f1b' across processes. Received: chunks_per_device="
+                f"{chunks}"
+            )
+        self.devices_per_pipeline = width
+        if replicas % width:
+            raise StageError(
+                f"{len(stages)} stages need a multiple of {width} replicas (D pipelines x "
+                f"{width} devices); the strategy has {replicas}. Cut the model into a "
+                "number of stages that divides the replicas, or change the devices/workers. "
+                f"Received: {len(stages)} stages over {replicas} replicas"
+            )
+        self.pipelines = replicas // width
+        if processes > 1:
+            ranks = [layout.process_index]
+            devices = {ranks[0]: devices[0]}
+        else:
+            # Pipeline p's stage k: its device is p's (k mod width)-th (interleaved: each
+            # device holds the stages k, k + width, ...).
+            ranks = list(range(self.pipelines * len(stages)))
+            devices = {
+                rank: devices[(rank // len(stages)) * width + (rank % len(stages)) % width]
+                for rank in ranks
+            }
+        return ranks, devices
+
+    def _place(self, ranks: list[int], devices: dict[int, str]) -> None:
+        """Makes this process's stage replicas and moves the model's weights and its
+        optimizer's slots into them (see Home)."""
+        stages = self.stages
+        trainable = self.model.trainable_variables
+        non_trainable = self.model.non_trainable_variables
+
+        def make():
+            made = []
+            for rank in ranks:
+                pipeline, index = divmod(rank, len(stages))
+                stage, device = stages[index], devices[rank]
+                with tf.device(device):
+                    # Named as the model's own (its path's '/' as '_'), so the optimizer
+                    # copy's slots are named as the user's optimizer's for the same weight.
+                    copies = [_copy(trainable[i]) for i in stage.trainable]
+                    statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
+                made.append(StageReplica(stage, pipeline, device, copies, statistics, None))
+            return made
+
+        self.replicas = updates.outside_strategy(make)
+        home = Home(self._home_key(), self, self.replicas)
+        user = self.model.optimizer
+        empty: list[tf.Variable] = []  # the slots made without a value, if it builds now
+        if not user.built:  # its slots made empty: each is given its stage's below
+
+            def outside(build):
+                def run():
+                    with empty_variables() as made:  # in the thread that builds
+                        build()
+                    empty.extend(made)
+
+                return updates.outside_strategy(run)
+
+            compat.build_optimizer_plainly(user, trainable, host_device(self.strategy), outside)
+        # The weights move into the stages first, each whole copy dropped as it goes, then
+        # the stages' optimizers are built: the whole model and the slots never coexist.
+        home.take_weights(self.model)
+
+        def build_optimizers():
+            for r in self.replicas:
+                with tf.device(r.device):
+                    r.optimizer = updates.optimizer_copy(user, r.trainable)
+
+        updates.outside_strategy(build_optimizers)
+        home.take_slots(self.model, fresh={id(v) for v in empty})
+
+    def _make_rings(self) -> dict:
+        """Between worker processes: a ring per stage over its pipelines' replicas, and one
+        per set of stages holding a tied weight."""
+        rings: dict[int | tuple[int, ...], ProcessRing] = {}
+        if self.processes == 1:
+            return rings
+        for r in self.replicas:
+            rings[r.stage.index] = ProcessRing(
+                rank=r.pipeline,
+                ranks=self.pipelines,
+                timeout_seconds=self.options.timeout_seconds,
+                group_key_base=block("pipeline_stage_rings", r.stage.index, size=1000),
+            )
+        # A tied weight's gradient is summed over every replica of the stages holding it:
+        # one ring per set of holders, over the pipelines x holders processes.
+        for k, holders in enumerate(sorted(set(self.tied.values()))):
+            for r in self.replicas:
+                if r.stage.index in holders:
+                    rings[holders] = ProcessRing(
+                        rank=r.pipeline * len(holders) + holders.index(r.stage.index),
+                        ranks=self.pipelines * len(holders),
+                        timeout_seconds=self.options.timeout_seconds,
+                        group_key_base=block("pipeline_tied_rings", k, size=1000),
+                    )
+        return rings
+
+    def checkpoint_shards(self) -> shards.Shards:
+        return Home.of(self.model)
+
+    def check_callbacks(self, callbacks) -> None:
+        super().check_callbacks(callbacks)
+        for callback in callbacks:
+            if isinstance(callback, keras.callbacks.BackupAndRestore) and isinstance(
+                callback.save_freq, int
+            ):
+                raise FitError(
+                    "Under a pipeline the stages keep the statistics (BatchNormalization's) "
+                    "while an epoch trains and write them into the model at its end; "
+                    "BackupAndRestore with save_freq=<steps> would back up stale ones. Use "
+                    "save_freq='epoch', or tfdist.StepCheckpoint, which settles the stages "
+                    f"before it saves. Received: save_freq={callback.save_freq}"
+                )
+
+    # --- data -------------------------------------------------------------------------------------
+
+    def iterator(self, data: FitData, *, skip: int = 0):
+        if data.dataset is None:
+            raise FitError(
+                "A pipeline feeds each stage from the global batches, so it takes a dataset "
+                "batched with the global batch (or arrays with batch_size), not a dataset_fn. "
+                "Received: a dataset_fn"
+            )
+        dataset = data.dataset.skip(skip) if skip else data.dataset
+        return iter(dataset)
+
+    def _split_batch(self, batch) -> int:
+        size = int(batch_size(unpack(batch)[0]))
+        parts = self.pipelines * self.options.micro_batches
+        if size % parts:
+            raise FitError(
+                f"A batch of {size} examples does not split into {self.pipelines} pipeline(s) "
+                f"x {self.options.micro_batches} micro-batches: make the global batch a "
+                f"multiple of {parts} (and batch with drop_remainder=True, or give "
+                "steps_per_epoch, so the last batch is full too). "
+                f"Received: micro_batches={self.options.micro_batches}, batch of {size}"
+            )
+        return size // parts
+
+    # --- training ---------------------------------------------------------------------------------
+
+    def begin(self, global_step: int, *, total_steps=None, checkpoint_status=None) -> None:
+        super().begin(global_step, total_steps=total_steps, checkpoint_status=checkpoint_status)
+        self._loaded = False  # callbacks may have restored the model: load it into the stages
+
+    def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
+        with self.explained():
+            if not self._loaded:
+                self._load()
+            done = 0
+            while done < n:
+                batch = iterator.get_next_as_optional()
+                if not batch.has_value():
+                    break
+                batch = batch.get_value()
+                micro = self._split_batch(batch)
+                program = self._program(micro)
+                # In a thread of its own, outside any strategy's scope (scopes are per
+                # thread): under one, Keras would scale the compiled loss by the replicas.
+                if self._thread is None:
+                    self._thread = concurrent.futures.ThreadPoolExecutor(
+                        1, thread_name_prefix="tfdist-pipeline"
+                    )
+                state, times = self._thread.submit(program.function, batch).result()
+                self._state = [a + np.asarray(b) for a, b in zip(self._state, state, strict=True)]
+                self.last_passes = program.passes(times)
+                done += 1
+            return done, (self._read(logs) if logs and done else None)
+
+    def _program(self, micro: int) -> StepProgram:
+        if micro not in self._programs:
+            self._programs[micro] = StepProgram(self, micro)
+        return self._programs[micro]
+
+    def _zeros(self) -> list[np.ndarray]:
+        return [np.zeros(v.shape, v.dtype) for v in self.metric_variables]
+
+    def reset(self) -> None:
+        super().reset()
+        self._state = self._zeros()
+
+    def _read(self, scope: str) -> dict[str, float]:
+        if scope == "local" or self.processes == 1:
+            return logs_from_state(self.model, self.metric_variables, self._state)
+        return self.logs()
+
+    def logs(self) -> dict[str, float]:
+        state = self._state
+        if self.processes > 1:
+            state = self._summed_over_workers(state)
+        return logs_from_state(self.model, self.metric_variables, state)
+
+    def _summed_over_workers(self, arrays: list[np.ndarray]) -> list[np.ndarray]:
+        """Each array summed over every worker process (a collective: all call it)."""
+        flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays] or [[]])
+        strategy = self.strategy
+        with self.explained():
+            values = strategy.experimental_distribute_values_from_function(
+                lambda _: tf.constant(flat)
+            )
+            total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
+        out, at = [], 0
+        for a in arrays:
+            size = int(np.prod(np.shape(a)))
+            out.append(total[at : at + size].reshape(np.shape(a)).astype(np.asarray(a).dtype))
+            at += size
+        return out
+
+    def step_times(self) -> dict[str, float] | None:
+        return None
+
+    # --- the whole model and the stages -----------------------------------------------------------
+
+    def _load(self) -> None:
+        """The stages take the model's statistics (BatchNormalization's): its weights and
+        its optimizer's slots are the stages' own already (see Home)."""
+        non_trainable = self.model.non_trainable_variables
+        for r in self.replicas:
+            for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
+                copy.assign(non_trainable[i].value)
+        self._loaded = True
+
+    def settle(self) -> None:
+        """Writes the stages' statistics into the model, on every replica (a collective
+        across worker processes); the weights and slots are read from the stages where
+        they are read, so nothing else is written back."""
+        if self._thread is not None:  # made again if training goes on
+            self._thread.shutdown()
+            self._thread = None
+        if not self._loaded:
+            return  # nothing trained since the model was last loaded
+        targets = self.model.non_trainable_variables  # the same list on every process
+        held: dict[int, list] = {}  # target -> this process's copies of it
+        for r in self.replicas:
+            for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):
+                held.setdefault(i, []).append(copy)
+        # Each target takes the mean of every replica's copy of it (BatchNormalization's
+        # statistics are averaged over the pipelines). In buckets of SETTLE_BUCKET_BYTES,
+        # the same on every process: one bucket's sums exist at a time.
+        for bucket in _buckets(targets, SETTLE_BUCKET_BYTES):
+            sums, copies = [], np.zeros(len(bucket), np.float64)
+            for j, k in enumerate(bucket):
+                total = np.zeros(targets[k].shape, np.float64)
+                for mine in held.get(k, []):
+                    total += np.asarray(mine.value, np.float64)
+                    copies[j] += 1
+                sums.append(total)
+            if self.processes > 1:
+                *sums, copies = self._summed_over_workers([*sums, copies])
+            for k, total, count in zip(bucket, sums, copies, strict=True):
+                targets[k].assign((total / max(count, 1.0)).astype(targets[k].dtype))
+            del sums
+
+
+def _buckets(variables: list, limit: int) -> list[list[int]]:
+    """Positions of `variables` in runs of at most `limit` bytes (a larger one alone)."""
+    out, size = [[]], 0
+    for k, v in enumerate(variables):
+        bytes_ = int(np.prod(v.shape)) * 8
+        if out[-1] and size + bytes_ > limit:
+            out.append([])
+            size = 0
+        out[-1].append(k)
+        size += bytes_
+    return [b for b in out if b]
+
+
+def _copy(variable) -> keras.Variable:
+    """A plain variable shaped as `variable` (its value is loaded before training)."""
+    return keras.Variable(
+        np.zeros(variable.shape, variable.dtype),
+        dtype=variable.dtype,
+        trainable=variable.trainable,
+        name=variable.path.replace("/", "_"),
+    )

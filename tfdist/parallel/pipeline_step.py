@@ -1,0 +1,265 @@
+"""One training step of a pipeline's stage replicas in this process (see pipeline.py).
+
+The passes run in the executor (executor.py), in a graph without tf.function's ordering of
+stateful ops; then each stage's gradients are summed over the stages that hold a tied weight
+and averaged over the pipelines (in the graph in one process, by a ring per stage across
+processes), and each stage's optimizer copy takes one step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import TYPE_CHECKING
+
+import numpy as np
+import tensorflow as tf
+
+from tfdist.parallel import updates
+from tfdist.parallel.executor import Executor, StageInput, StepOptions
+from tfdist.parallel.schedules import schedule
+from tfdist.parallel.stage_links import StageLinks
+
+if TYPE_CHECKING:
+    from tfdist.parallel.pipeline_runner import PipelineRunner, StageReplica
+
+
+@dataclasses.dataclass
+class _Result:
+    """What one stage replica's passes give its update."""
+
+    grads: list[tf.Tensor]
+    statistics: list[tf.Tensor]
+    times: tf.Tensor  # [passes, 2]: each pass's start and end
+
+
+class StepProgram:
+    """Builds one training step of this process's stage replicas, for micro-batches of
+    `micro` examples: every pass in its schedule's order (the executor), the gradients
+    averaged over the pipelines, one optimizer step per stage. The traced function takes
+    the global batch and returns (the step's metric state, each replica's pass times)."""
+
+    def __init__(self, runner: PipelineRunner, micro: int):
+        self.runner, self.micro = runner, micro
+        self.model = runner.model
+        options = runner.options
+        self.local = {(r.pipeline, r.stage.index): r for r in runner.replicas}
+        # Between processes the sends and receives are collective transfers, with keys of
+        # this program's own: TensorFlow's collective runtime remembers each instance key's
+        # shape for the life of the process.
+        transfers = runner.links.program() if runner.processes > 1 else None
+        self.links = StageLinks(runner.stages, self.local, transfers=transfers, micro=micro)
+        # One pass order per device of a pipeline (a pass's chunk c on device d is stage
+        # c * width + d).
+        plan = schedule(
+            options.schedule, runner.devices_per_pipeline, options.micro_batches,
+            chunks=options.chunks_per_device,
+        )  # fmt: skip
+        self.executor = Executor(
+            self.model, runner.stages, plan, self.links, runner.metric_variables,
+            StepOptions(
+                micro_batches=options.micro_batches, pipelines=runner.pipelines, micro=micro,
+                timed=True, processes=runner.processes,
+            ),
+        )  # fmt: skip
+        self.names: dict[str, list[str]] = {}  # replica -> its passes, in the order run
+        # (pipeline, stage) -> which of its weights' gradients are sparse (IndexedSlices).
+        self.sparse: dict[tuple[int, int], list[bool]] = {}
+        self.counted = False  # whether the step's gradients are of sums over its count
+        self._passes = None  # the passes' program, built when the step is first traced
+        self.function = tf.function(self.step)
+
+    def passes(self, times) -> dict[tuple[int, int], list[tuple[str, float, float]]]:
+        """{(pipeline, stage): [(pass, start, end), ...]} of one step, from its `times`."""
+        out = {}
+        for key, value in times.items():
+            pipeline, stage = (int(k) for k in key.split("_"))
+            out[pipeline, stage] = [
+                (name, float(t[0]), float(t[1]))
+                for name, t in zip(self.names[key], np.asarray(value), strict=True)
+            ]
+        return out
+
+    # --- the step ---------------------------------------------------------------------------------
+
+    def step(self, batch):
+        """The traced step: the passes' program, then the exchange and the updates."""
+        flat = tf.nest.flatten(batch)
+        keys = sorted(self.local)
+        values = []
+        for key in keys:
+            r = self.local[key]
+            with tf.device(r.device):
+                values += [tf.identity(v.value) for v in [*r.trainable, *r.non_trainable]]
+        if self._passes is None:
+            # Without tf.function's ordering of stateful ops in program order: its chain of
+            # the passes' timestamps (stateful, no resource) would make every pass wait for
+            # the one built before it, on every stage, and the stages would take turns.
+            # Here only the schedule's own dependencies order them (transport.py's reason).
+            specs = [tf.TensorSpec(t.shape, t.dtype) for t in [*flat, *values]]
+            structure = batch
+            self._passes = tf.compat.v1.wrap_function(
+                lambda *args: self._all_passes(structure, len(flat), keys, args), specs
+            )
+        outputs = list(self._passes(*flat, *values))
+        results: dict[tuple[int, int], _Result] = {}
+        at = 0
+        for key in keys:
+            r = self.local[key]
+            grads = []
+            for variable, sparse in zip(r.trainable, self.sparse[key], strict=True):
+                if sparse:
+                    # A tensor: Keras's sparse ops (RMSprop's divide) read its dtype.
+                    shape = tf.constant(np.asarray(variable.shape, np.int64))
+                    grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], shape))
+                    at += 2
+                else:
+                    grads.append(outputs[at])
+                    at += 1
+            statistics = outputs[at : at + len(r.non_trainable)]
+            at += len(r.non_trainable)
+            results[key] = _Result(grads, statistics, outputs[at])
+            at += 1
+        count = None
+        if self.counted:  # the step's count over its micro-batches and pipelines
+            count, at = outputs[at], at + 1
+        state = outputs[at:]
+        updates = self._update(results, count)
+        with tf.control_dependencies(updates):
+            state = [tf.identity(s) for s in state]
+        times = {f"{p}_{s}": results[p, s].times for p, s in keys}
+        return state, times
+
+    def _all_passes(self, structure, batch_length: int, keys, args) -> list[tf.Tensor]:
+        """Every pass of this process's stage replicas, in the schedule's order per stage.
+
+        Takes the batch (flattened) and each replica's weights and statistics; returns per
+        replica its weight gradients (summed over the micro-batches), its statistics after
+        the last forward pass, its passes' [start, end] times; then the metric state.
+        """
+        batch = tf.nest.pack_sequence_as(structure, list(args[:batch_length]))
+        given, at = {}, batch_length
+        for key in keys:
+            r = self.local[key]
+            trainable, statistics = len(r.trainable), len(r.non_trainable)
+            given[key] = StageInput(
+                r.device, list(args[at : at + trainable]),
+                list(args[at + trainable : at + trainable + statistics]),
+            )  # fmt: skip
+            at += trainable + statistics
+        state = [tf.zeros(v.shape, v.dtype) for v in self.runner.metric_variables]
+        step = self.executor.run(batch, given, state)
+        self.names = {f"{p}_{s}": step.stages[p, s].names for p, s in keys}
+        outputs = []
+        for key in keys:
+            own = step.stages[key]
+            grads = [
+                _no_rows(w) if g is None else g
+                for g, w in zip(own.grads, given[key].weights, strict=True)
+            ]
+            # A sparse gradient (an Embedding's rows) leaves the program as its values and
+            # indices; `step` makes it an IndexedSlices again.
+            self.sparse[key] = [isinstance(g, tf.IndexedSlices) for g in grads]
+            for g in grads:
+                outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
+            outputs += [*own.statistics, own.times]
+        self.counted = step.count is not None
+        if self.counted:
+            outputs.append(step.count)
+        outputs += step.state
+        return self.links.after_sends(outputs)
+
+    def _update(self, results: dict[tuple[int, int], _Result], count=None) -> list[tf.Tensor]:
+        """Each replica's gradients summed over the stages that hold the weight (tied
+        weights) and averaged over the pipelines, then one optimizer step. With `count`
+        (the step's count of unmasked elements), the summed gradients are of the loss's
+        sums: divided by it instead."""
+        runner, pipelines = self.runner, self.runner.pipelines
+        user = self.model.optimizer
+        # The user's optimizer counts the steps (callbacks read its iterations) and gives
+        # each step's rate: a callback may have changed it since the last step.
+        step = tf.identity(user.iterations.value)
+        learning_rate = updates.learning_rate_at(user, step)
+        done = []
+        for (pipeline, index), result in results.items():
+            r = self.local[pipeline, index]
+            if runner.processes > 1:
+                grads = self._summed_between_processes(r, result.grads)
+            else:  # every replica of every stage is on a device here
+                with tf.device(r.device):
+                    grads = [
+                        functools.reduce(
+                            updates.added,
+                            [
+                                results[q, s].grads[runner.stages[s].trainable.index(i)]
+                                for q in range(pipelines)
+                                for s in runner.tied.get(i, (index,))
+                            ],
+                        )
+                        for i in r.stage.trainable
+                    ]
+            if count is not None:
+                grads = [_scaled(g, 1.0 / count) for g in grads]
+            elif pipelines > 1:
+                grads = [_scaled(g, 1.0 / pipelines) for g in grads]
+            with tf.device(r.device):
+                done.append(_apply(r.optimizer, grads, r.trainable, step, learning_rate))
+                for variable, value in zip(r.non_trainable, result.statistics, strict=True):
+                    variable.assign(value)
+        with tf.control_dependencies(done):
+            done.append(user.iterations.assign_add(1))
+        return done
+
+    def _summed_between_processes(self, r: StageReplica, grads: list) -> list:
+        """`grads` summed over the pipelines' replicas of this stage (a ring per stage), and
+        a tied weight's over every replica of the stages that hold it (a ring per set of
+        holders); sparse gradients travel dense."""
+        runner = self.runner
+        out = list(grads)
+        # holders -> positions in `grads`, in the model's order of the weights: every member
+        # of a ring passes the same weights in the same order (stages may list tied weights
+        # in orders of their own)
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for j, i in sorted(enumerate(r.stage.trainable), key=lambda pair: pair[1]):
+            groups.setdefault(runner.tied.get(i, ()), []).append(j)
+        for holders, positions in groups.items():
+            if not holders and runner.pipelines == 1:
+                continue
+            ring = runner._rings[holders or r.stage.index]
+            summed = ring.all_reduce_many([tf.convert_to_tensor(grads[j]) for j in positions])
+            for j, g in zip(positions, summed, strict=True):
+                out[j] = g
+        return out
+
+
+def _no_rows(weight) -> tf.Tensor | tf.IndexedSlices:
+    """The gradient of a weight this stage holds but does not use (a tied layer's weight
+    another stage reads): no rows, so that added to the other holder's sparse rows it keeps
+    them apart as one device's tape does (dense zeros would sum them: Adam then squares
+    each token's rows together, 0.03 from one device on keras-hub's Llama)."""
+    if weight.shape.rank == 0:
+        return tf.zeros_like(weight)
+    return tf.IndexedSlices(
+        tf.zeros([0, *weight.shape[1:]], weight.dtype),
+        tf.zeros([0], tf.int64),
+        tf.constant(weight.shape.as_list(), tf.int64),
+    )
+
+
+def _scaled(g, factor: float):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(
+            g.values * tf.cast(factor, g.values.dtype), g.indices, g.dense_shape
+        )
+    return g * tf.cast(factor, g.dtype)
+
+
+def _apply(optimizer, grads, variables, step, learning_rate) -> tf.Tensor:
+    """One step of a stage's optimizer copy: the user's `step` (Adam's bias correction reads
+    it) at the user's `learning_rate`."""
+    optimizer.iterations.assign(tf.cast(step, optimizer.iterations.dtype))
+    updates.update_step(
+        optimizer, grads, variables, learning_rate=learning_rate,
+        weight_decay=optimizer.weight_decay or 0.0,
+    )  # fmt: skip
+    return optimizer.iterations.assign_add(1)
