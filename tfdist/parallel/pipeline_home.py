@@ -5,8 +5,9 @@ replicas, and nowhere else (see Home).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
-from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 import tensorflow as tf
@@ -14,10 +15,20 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.parallel import updates
+from tfdist.parallel.stages import Stage
 from tfdist.training import shards
 
-if TYPE_CHECKING:
-    from tfdist.parallel.pipeline_runner import PipelineRunner, StageReplica
+
+@dataclasses.dataclass
+class StageReplica:
+    """One replica of one stage: its place, its weights and its optimizer (on its device)."""
+
+    stage: Stage
+    pipeline: int
+    device: str
+    trainable: list[keras.Variable]
+    non_trainable: list[keras.Variable]
+    optimizer: keras.optimizers.Optimizer | None  # built once the weights have moved in
 
 
 class Home(shards.Shards):
@@ -35,7 +46,8 @@ class Home(shards.Shards):
     same stage replicas, slots and all.
     """
 
-    def __init__(self, key: tuple, runner: PipelineRunner, replicas: list[StageReplica]):
+    # runner: the PipelineRunner (pipeline_runner.py, which imports this module)
+    def __init__(self, key: tuple, runner: Any, replicas: list[StageReplica]):
         self.key, self.strategy, self.processes = key, runner.strategy, runner.processes
         self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
         # By pipeline, then stage: pipeline 0's first holder of a weight is its source.

@@ -7,10 +7,9 @@ program of its own (pipeline_step.py) for each micro-batch size.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import keras
 import numpy as np
@@ -22,7 +21,7 @@ from tfdist.collective.transport import ProcessLinks, ProcessRing
 from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device
-from tfdist.parallel.pipeline_home import Home, empty_variables
+from tfdist.parallel.pipeline_home import Home, StageReplica, empty_variables
 from tfdist.parallel.pipeline_step import StepProgram
 from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
@@ -34,27 +33,12 @@ from tfdist.training.runners.common import batch_size, logs_from_state
 from tfdist.training.runners.sync import SyncRunner
 from tfdist.training.steps import custom_train_step
 
-if TYPE_CHECKING:
-    from tfdist.parallel.pipeline import Pipeline
-
 log = logging.getLogger(__name__)
 
 # The stages write the model back in buckets of this many bytes of float64 sums (a larger
 # variable alone): what the epoch's end adds to a process's peak. Every weight and slot at
 # once made that peak 21.6x the weights (tools/peak_bench.py); 4 MiB buckets, 5.5x.
 SETTLE_BUCKET_BYTES = 4 * 2**20
-
-
-@dataclasses.dataclass
-class StageReplica:
-    """One replica of one stage: its place, its weights and its optimizer (on its device)."""
-
-    stage: Stage
-    pipeline: int
-    device: str
-    trainable: list[keras.Variable]
-    non_trainable: list[keras.Variable]
-    optimizer: keras.optimizers.Optimizer | None  # built once the weights have moved in
 
 
 class PipelineRunner(SyncRunner):
@@ -66,7 +50,12 @@ class PipelineRunner(SyncRunner):
 
     builds_optimizer = False  # its slots are the stages' (see Home)
 
-    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, options: Pipeline):
+    def __init__(
+        self,
+        model: keras.Model,
+        strategy: tf.distribute.Strategy,
+        options: Any,  # a tfdist.parallel.Pipeline (pipeline.py makes this runner)
+    ):
         super().__init__(model, strategy)
         self.options = options
         self.stages: list[Stage] = []

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import updates
 from tfdist.parallel.executor import Executor, StageInput, StepOptions
+from tfdist.parallel.pipeline_home import StageReplica
 from tfdist.parallel.schedules import schedule
 from tfdist.parallel.stage_links import StageLinks
-
-if TYPE_CHECKING:
-    from tfdist.parallel.pipeline_runner import PipelineRunner, StageReplica
 
 
 @dataclasses.dataclass
@@ -39,7 +37,8 @@ class StepProgram:
     averaged over the pipelines, one optimizer step per stage. The traced function takes
     the global batch and returns (the step's metric state, each replica's pass times)."""
 
-    def __init__(self, runner: PipelineRunner, micro: int):
+    # runner: the PipelineRunner (pipeline_runner.py, which imports this module)
+    def __init__(self, runner: Any, micro: int):
         self.runner, self.micro = runner, micro
         self.model = runner.model
         options = runner.options
