@@ -49,6 +49,19 @@ def max_diff(want, got) -> float:
     return max(float(np.max(np.abs(a - b))) for a, b in zip(want, got, strict=True))
 
 
+def test_the_batch_line_says_the_pipelines_and_their_stages(caplog):
+    # Not "4 replica(s) x 4 per replica": 2 pipelines of 2 stages hold the 4 devices.
+    with mirrored().scope():
+        model = pipeline_cases.mlp()
+    pipeline = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2)
+    with caplog.at_level("INFO", logger="tfdist"):
+        tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
+    assert (
+        "Global batch 16 = 2 pipeline(s) x 8 per pipeline, each of 2 stages over 2 device(s) "
+        "in 2 micro-batch(es) of 4 (1f1b; mirrored)"
+    ) in caplog.text
+
+
 @pytest.mark.parametrize(
     "stages, schedule, micro_batches",
     [

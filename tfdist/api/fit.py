@@ -35,7 +35,6 @@ import tensorflow as tf
 
 from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
-from tfdist.data.distribute import plan_batches
 from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
 from tfdist.parallel import host, registry, units
@@ -172,7 +171,7 @@ def fit(
     runner.build(data.sample_batch, hooks)
     if runner.is_chief:
         if data.global_batch is not None:
-            log.info("%s", plan_batches(strategy, data.global_batch).describe())
+            log.info("%s", runner.describe_batch(data.global_batch))
         named = [hook.name for hook in hooks]
         if named:
             log.info("Between each step's gradients and its update: %s", ", ".join(named))

@@ -25,6 +25,7 @@ from tfdist.parallel.pipeline_home import Home, StageReplica, empty_variables
 from tfdist.parallel.pipeline_step import StepProgram
 from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
 from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
+from tfdist.strategies import strategy_kind
 from tfdist.training import shards
 from tfdist.training.fit_data import FitData, unpack
 from tfdist.training.memory import nbytes
@@ -127,6 +128,16 @@ class PipelineRunner(SyncRunner):
             )
         self._rings = self._make_rings()
         self._state = self._zeros()
+
+    def describe_batch(self, global_batch: int) -> str:
+        options, stages = self.options, len(self.stages)
+        per = global_batch // self.pipelines
+        return (
+            f"Global batch {global_batch} = {self.pipelines} pipeline(s) x {per} per pipeline, "
+            f"each of {stages} stages over {self.devices_per_pipeline} device(s) in "
+            f"{options.micro_batches} micro-batch(es) of {per // options.micro_batches} "
+            f"({options.schedule}; {strategy_kind(self.strategy)})"
+        )
 
     def _home_key(self) -> tuple:
         options = self.options

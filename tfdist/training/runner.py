@@ -231,6 +231,12 @@ class Runner(abc.ABC):
         there are several: every one calls it at the same point)."""
         return list(counts)
 
+    def describe_batch(self, global_batch: int) -> str:
+        """The line that says how a global batch splits over what trains it (logged once)."""
+        from tfdist.data.distribute import plan_batches
+
+        return plan_batches(self.strategy, global_batch).describe()
+
     @property
     def needs_epoch_length(self) -> bool:
         """Whether an epoch must be given a length (the data streams without end)."""
