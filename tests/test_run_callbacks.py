@@ -90,3 +90,23 @@ def test_step_checkpoint_outside_tfdist_fit_says_what_to_use(tmp_path):
     model = user_model()
     with pytest.raises(TypeError, match="needs tfdist.fit's loop.*BackupAndRestore"):
         model.fit(data(), epochs=1, verbose=0, callbacks=[tfdist.StepCheckpoint(str(tmp_path))])
+
+
+def test_a_run_killed_after_its_last_checkpoint_counts_every_step_it_trained(tmp_path):
+    """Killed after the final checkpoint but before the last epoch's line: the session that
+    resumes there trains nothing and writes no line, and the summary still counts the
+    steps the killed one trained (tests/test_peers.py's random kill found it)."""
+    from tfdist.app import TrainConfig, Trainer
+
+    config = TrainConfig(
+        model="mlp", global_batch_size=32, epochs=2, steps_per_epoch=3, eval_every=0,
+        shuffle_buffer=0, data_dir=str(tmp_path / "data"), model_dir=str(tmp_path / "run"),
+    )  # fmt: skip
+    one = tfdist.build_strategy("one_device", cluster=None)
+    Trainer(config, strategy=one).fit()
+    history = tmp_path / "run" / "history.jsonl"
+    lines = history.read_text().splitlines()
+    history.write_text(lines[0] + "\n")  # the kill: epoch 2 saved at step 6, its line lost
+    result = Trainer(config, strategy=one).fit()
+    assert (result.steps, result.resumed_from_step) == (6, 6)
+    assert result.steps_trained == 6

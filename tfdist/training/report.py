@@ -408,7 +408,7 @@ class RunRecord(keras.callbacks.Callback):
             replicas=replicas,
             global_batch_size=self.global_batch_size,
             per_replica_batch_size=self.global_batch_size // replicas,
-            steps=max(resumed, self._step),
+            steps=(steps := max(resumed, self._step)),
             epochs=self.params["epochs"],
             resumed_from_step=resumed,
             train_loss=last.get("train_loss"),
@@ -420,7 +420,10 @@ class RunRecord(keras.callbacks.Callback):
             **staleness,
             exchange=figures,
             history=history,
-            steps_trained=record.steps_trained,
+            # Every step to the last was trained at least once: also those of a session
+            # killed after its last checkpoint but before its epoch's line, which the
+            # session resuming there (with nothing left to train) records no line for.
+            steps_trained=max(record.steps_trained, steps),
             train_seconds=record.train_seconds,
             resume_points=tuple(record.resume_points),
             sessions=record.sessions,
