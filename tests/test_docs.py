@@ -6,7 +6,9 @@ other in one fresh interpreter (a later block may use what an earlier one define
 bash block on its own, both in an empty directory with this checkout on PYTHONPATH and the
 interpreter's scripts (tfdist-launch, tfdist-plan, ...) on PATH; a json block must parse.
 A block that cannot run here follows a comment `<!-- not-run: REASON -->`, REASON one of
-NOT_RUN's keys; `text` blocks are printed output and never run.
+NOT_RUN's keys; `text` blocks are printed output and never run. Where that output is
+deterministic, the text block follows a comment `<!-- output -->` and must be exactly what
+the python block before it printed.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class Block:
     lang: str
     code: str
     not_run: str | None
+    checked: bool = False  # printed output, compared with what the block before prints
 
     def __str__(self) -> str:
         return f"{self.page}:{self.line} ({self.lang})"
@@ -60,6 +63,7 @@ FENCE = re.compile(
     re.S | re.M,
 )
 MARK = re.compile(r"<!--\s*not-run:\s*([\w-]+)\s*-->")
+OUTPUT = re.compile(r"<!--\s*output\s*-->")
 
 
 def pages() -> list[Path]:
@@ -79,6 +83,7 @@ def blocks(page: Path) -> list[Block]:
                 lang=m.group("lang"),
                 code=textwrap.dedent(m.group("body")),
                 not_run=mark.group(1) if mark else None,
+                checked=bool(before and OUTPUT.search(before[-1])),
             )
         )
     return found
@@ -220,24 +225,36 @@ def _env() -> dict[str, str]:
     return env
 
 
-def _run(args: list[str], cwd: Path, what: str) -> None:
+def _run(args: list[str], cwd: Path, what: str) -> str:
     result = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, (
         f"{what} failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n"
         f"{result.stderr[-5000:]}"
     )
+    return result.stdout
 
 
 PYTHON_PAGES = sorted({b.page for b in all_blocks() if b.lang == "python" and b.not_run is None})
 BASH_BLOCKS = [b for b in all_blocks() if b.lang == "bash" and b.not_run is None]
 
 
+SEPARATOR = "--- tfdist docs: the next block's output ---"
+
+
 @pytest.mark.parametrize("page", PYTHON_PAGES)
 def test_a_page_s_python_blocks_run_in_order(page, tmp_path):
-    runnable = [b for b in blocks(DOCS / page) if b.lang == "python" and b.not_run is None]
-    script = "\n\n".join(f"# --- {b}\n{b.code}" for b in runnable)
+    found = blocks(DOCS / page)
+    runnable = [b for b in found if b.lang == "python" and b.not_run is None]
+    script = "\n\n".join(f"# --- {b}\nprint({SEPARATOR!r}, flush=True)\n{b.code}" for b in runnable)
     (tmp_path / "page.py").write_text(script)
-    _run([sys.executable, "page.py"], tmp_path, f"the python blocks of {page}")
+    printed = _run([sys.executable, "page.py"], tmp_path, f"the python blocks of {page}")
+    outputs = dict(zip(runnable, printed.split(SEPARATOR + "\n")[1:], strict=True))
+    for before, shown in zip(found, found[1:], strict=False):
+        if shown.checked:
+            assert before in outputs, f"{shown}: an output block after no python block that runs"
+            assert outputs[before].strip() == shown.code.strip(), (
+                f"{shown} is not what {before} prints:\n{outputs[before]}"
+            )
 
 
 @pytest.mark.parametrize("block", BASH_BLOCKS, ids=str)
