@@ -136,6 +136,23 @@ def test_fit_called_twice_trains_as_keras_fit_called_twice(stage):
     assert int(model.optimizer.iterations.numpy()) == 2 * zero_cases.STEPS
 
 
+def test_a_fit_that_would_leave_sharded_optimizer_state_behind_is_one_line():
+    # Keras's own optimizer was never built on the whole weights: it said "Unknown
+    # variable"; zero1 -> zero2 would have started the slots again from zero, silently.
+    x, y = zero_cases.data()
+    with mirrored(2).scope():
+        model = zero_cases.mlp("adam")
+    tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero1")
+    for keywords in ({}, {"shard_optimizer": "zero2"}, {"accumulate_steps": 2}):
+        with pytest.raises(FitError, match=r"held by shard_optimizer='zero1' from an earlier "
+                           r"tfdist.fit.*or compile the model again"):  # fmt: skip
+            tfdist.fit(model, x, y, batch_size=48, verbose=0, **keywords)
+    tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero1")  # goes on
+    with mirrored(2).scope():
+        model.compile(keras.optimizers.Adam(0.01), "mse")  # a new optimizer: any mode
+    tfdist.fit(model, x, y, batch_size=48, verbose=0, accumulate_steps=2)
+
+
 def test_accumulation_equals_one_larger_batch_and_composes_with_sharding():
     x, y = zero_cases.data()
     keras_model = zero_cases.mlp("adam")  # Keras's own fit, one device, whole batches

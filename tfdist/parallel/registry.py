@@ -39,6 +39,8 @@ import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from tfdist.errors import FitError
+
 
 class Place(enum.IntEnum):
     """Where a mode's hook sits in the step's chain, first to last."""
@@ -473,6 +475,9 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
     placed: list[tuple[int, int, Any]] = [
         (Place.USER, order, hook) for order, hook in enumerate(user_hooks)
     ]
+    kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {}) if model is not None else {}
+    optimizer = id(getattr(model, "optimizer", None))  # a recompiled model starts afresh
+    used = set()
     for order, m in enumerate(MODES):
         if m.place is None or (m.keyword is None and model is None):
             continue
@@ -484,11 +489,30 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
         if hook is not None and model is not None and hook.keeps_optimizer_state:
             # The same hook for every fit of this model with these options: its optimizer
             # state goes on, as Keras's optimizer's slots do between fit calls.
-            kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {})  # not tracked by Keras
-            hook = kept.setdefault((m.name, repr(value), repr(settings)), hook)
+            key = (optimizer, m.keyword, repr(value), repr(settings))
+            hook = kept.setdefault(key, hook)  # on the model, not tracked by Keras
+            used.add(key)
         if hook is not None:
             placed.append((m.place, order, hook))
+    _refuse_state_left_behind(kept, used, optimizer, options)
     return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]
+
+
+def _refuse_state_left_behind(kept: dict, used: set, optimizer: int, options) -> None:
+    """An earlier fit's mode holds this optimizer's state (zero1/2/3's shards, local SGD's
+    replicas' slots): a fit without that mode would not continue it (Keras's own optimizer
+    was never built on the model's weights, or would start again from zero)."""
+    for key in kept:
+        owner, keyword, value = key[:3]
+        if owner != optimizer or key in used or keyword is None:
+            continue
+        now = options.get(keyword, mode(keyword).default)
+        raise FitError(
+            f"This model's optimizer state is held by {keyword}={value} from an earlier "
+            f"tfdist.fit, which this fit ({keyword}={now!r}) would not continue. Fit it "
+            f"again with {keyword}={value}, or compile the model again (a new optimizer) "
+            f"to train it another way. Received: {keyword}={now!r} after {keyword}={value}"
+        )
 
 
 AUTO = "auto"
