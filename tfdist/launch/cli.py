@@ -312,7 +312,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "tfdist-launch: note: the tasks' TensorFlow servers listen on every interface of "
             "this host, whatever address TF_CONFIG names (TensorFlow's server takes none), "
             "and admit whoever connects: on a shared or public host run one-host jobs with "
-            "--private_network, or firewall the task ports (README 'Security')",
+            "--private_network, or firewall the task ports (docs/reference/security.md)",
             file=sys.stderr,
             flush=True,
         )

@@ -9,8 +9,8 @@ with a public interface any process that reaches the port can join a task's coll
 of its own (`unshare --user --map-root-user --net`, which most Linux hosts allow without
 privileges): its loopback interface is the job's alone, the tasks reach each other there,
 and nothing outside the namespace can connect to them, while files, signals and the
-terminal are the host's. Where namespaces are not allowed, the launcher says so; the README
-gives the firewall recipe.
+terminal are the host's. Where namespaces are not allowed, the launcher says so;
+docs/reference/security.md gives the firewall recipe.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def enter(argv: Sequence[str]) -> None:
         raise UsageError(
             f"--private_network needs a user and network namespace of the job's own, and "
             f"{why}. Drop --private_network and keep the task ports from other hosts with a "
-            "firewall (README 'Security'). Received: --private_network"
+            "firewall (docs/reference/security.md). Received: --private_network"
         )
     os.environ[INSIDE_ENV] = "1"
     os.execv(

@@ -242,7 +242,7 @@ class LocalUpdates(StepHook):
                 "%.3g of its norm)",
                 self.name, distance, relative,
             )  # fmt: skip
-        else:  # the last step averaged them: the README's line is still owed
+        else:  # the last step averaged them: the docs promise the line
             log.info("%s: replicas' weights averaged (they were one model already)", self.name)
 
     def _average_replicas(self) -> tf.Tensor:

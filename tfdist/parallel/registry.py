@@ -327,8 +327,8 @@ MODES: tuple[Mode, ...] = (
         "tfdist.parallel.asynchronous",
         help="parameter_server only: the first this many steps take turns (staleness 0), then "
         "the updates go through asynchronously (within --max_staleness). For SGD with "
-        "momentum, whose stale updates stall it on the first steps' plateau (README "
-        "'Exchanging less').",
+        "momentum, whose stale updates stall it on the first steps' plateau "
+        "(docs/guides/exchange.md).",
         value=Whole(minimum=1),
         place=Place.BOUND,
         builder="tfdist.parallel.asynchronous:SynchronousWarmup",
@@ -348,7 +348,7 @@ MODES: tuple[Mode, ...] = (
         help="Synchronous strategies: shard the optimizer's state over the replicas (zero1: "
         "1/N of the slots per replica), with zero2 the gradients too (reduce-scatter, then "
         "all-gather), with zero3 the weights too (each gathered where a layer reads it). Same "
-        "result as unsharded; see README 'Sharded optimizer state'.",
+        "result as unsharded; see docs/guides/zero.md.",
         value=Choice(("zero1", "zero2", "zero3")),
         place=Place.UPDATE,
         builder="tfdist.parallel.zero3:shard_hook",

@@ -98,7 +98,7 @@ class FitData:
                 log.warning(
                     "A tf.data.Dataset built before fit goes to each of the %d parameter-server "
                     "workers as it is, so they read the same batches in the same order and "
-                    "apply each one %d times (README: 0.38 against 0.80 test accuracy). Pass a "
+                    "apply each one %d times (docs/benchmarks.md: 0.38 against 0.80 test accuracy). Pass a "
                     "dataset_fn(input_context) that shuffles with "
                     "tfdist.data.worker_shuffle instead, or arrays.",
                     workers, workers,
