@@ -140,7 +140,8 @@ def test_a_fit_that_would_leave_sharded_optimizer_state_behind_is_one_line():
     # Keras's own optimizer was never built on the whole weights: it said "Unknown
     # variable"; zero1 -> zero2 would have started the slots again from zero, silently.
     x, y = zero_cases.data()
-    with mirrored(2).scope():
+    strategy = mirrored(2)
+    with strategy.scope():
         model = zero_cases.mlp("adam")
     tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero1")
     for keywords in ({}, {"shard_optimizer": "zero2"}, {"accumulate_steps": 2}):
@@ -148,7 +149,7 @@ def test_a_fit_that_would_leave_sharded_optimizer_state_behind_is_one_line():
                            r"tfdist.fit.*or compile the model again"):  # fmt: skip
             tfdist.fit(model, x, y, batch_size=48, verbose=0, **keywords)
     tfdist.fit(model, x, y, batch_size=48, verbose=0, shard_optimizer="zero1")  # goes on
-    with mirrored(2).scope():
+    with strategy.scope():
         model.compile(keras.optimizers.Adam(0.01), "mse")  # a new optimizer: any mode
     tfdist.fit(model, x, y, batch_size=48, verbose=0, accumulate_steps=2)
 

@@ -477,7 +477,7 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
     ]
     kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {}) if model is not None else {}
     optimizer = id(getattr(model, "optimizer", None))  # a recompiled model starts afresh
-    used = set()
+    used, made = set(), {}  # made: kept only once this fit's chain is allowed
     for order, m in enumerate(MODES):
         if m.place is None or (m.keyword is None and model is None):
             continue
@@ -490,11 +490,12 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
             # The same hook for every fit of this model with these options: its optimizer
             # state goes on, as Keras's optimizer's slots do between fit calls.
             key = (optimizer, m.keyword, repr(value), repr(settings))
-            hook = kept.setdefault(key, hook)  # on the model, not tracked by Keras
+            hook = kept[key] if key in kept else made.setdefault(key, hook)
             used.add(key)
         if hook is not None:
             placed.append((m.place, order, hook))
     _refuse_state_left_behind(kept, used, optimizer, options)
+    kept.update(made)  # on the model, not tracked by Keras
     return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]
 
 
