@@ -88,6 +88,25 @@ def run_module(
     )
 
 
+def launch_downpour(out, workers: int, what: str) -> None:
+    """tests/workers/downpour_worker.py run by a chief, `workers` workers and 2 ps tasks."""
+    result = run_module(
+        "tools.launch", "--chief", "--workers", str(workers), "--ps", "2", "--timeout", "280",
+        "--", sys.executable, "-m", "tests.workers.downpour_worker", str(out), what,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def downpour_one_worker(tmp_path_factory):
+    """One parameter-server job (a chief, 1 worker, 2 ps) of downpour_worker's `one` cases,
+    shared by tests/test_downpour.py and tests/test_sparse_rows.py (both in xdist_group
+    'downpour', so the job runs once). Returns where it wrote."""
+    out = tmp_path_factory.mktemp("downpour-one")
+    launch_downpour(out, 1, "one")
+    return out
+
+
 def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
 

@@ -40,6 +40,33 @@ def llama_causal_lm() -> keras.Model:
     return _compiled(keras_hub.models.LlamaCausalLM(backbone=backbone, preprocessor=None))
 
 
+def mistral_causal_lm() -> keras.Model:
+    """2 decoder layers, 2 query heads sharing 1 key/value head, a sliding window shorter
+    than the sequence, logits from a table of their own (untied, ReversibleEmbedding's
+    `reverse_embeddings`); compiled as gemma_causal_lm is."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.MistralBackbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32, sliding_window=4,
+    )  # fmt: skip
+    return _compiled(keras_hub.models.MistralCausalLM(backbone=backbone, preprocessor=None))
+
+
+def phi3_causal_lm() -> keras.Model:
+    """2 decoder layers, 2 query heads sharing 1 key/value head, untied logits; compiled as
+    gemma_causal_lm is."""
+    import keras_hub
+
+    keras.utils.set_random_seed(0)
+    backbone = keras_hub.models.Phi3Backbone(
+        vocabulary_size=VOCAB, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+        hidden_dim=16, intermediate_dim=32,
+    )  # fmt: skip
+    return _compiled(keras_hub.models.Phi3CausalLM(backbone=backbone, preprocessor=None))
+
+
 def qwen_causal_lm() -> keras.Model:
     """2 decoder layers, 4 query heads sharing 2 key/value heads, biased query, key and
     value projections, tied embeddings; compiled as gemma_causal_lm is."""

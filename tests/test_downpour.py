@@ -10,31 +10,20 @@ worker's devices is refused with one message (many).
 from __future__ import annotations
 
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from tests import pipeline_cases, test_optimizer_changes
-from tests.conftest import run_module
+from tests.conftest import launch_downpour
 from tests.workers.downpour_worker import CALLBACK_CASES, CASES, FITS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.xdist_group("downpour")]
 
 
-def launch(out, workers: int, what: str) -> None:
-    result = run_module(
-        "tools.launch", "--chief", "--workers", str(workers), "--ps", "2", "--timeout", "280",
-        "--", sys.executable, "-m", "tests.workers.downpour_worker", str(out), what,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-3000:]
-
-
-@pytest.fixture(scope="module")
-def one_worker(tmp_path_factory):
-    out = tmp_path_factory.mktemp("downpour-one")
-    launch(out, 1, "one")
-    return out
+@pytest.fixture
+def one_worker(downpour_one_worker):
+    return downpour_one_worker
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
@@ -72,7 +61,7 @@ def test_every_callback_s_rate_reaches_the_parameter_servers_as_keras_applies_it
 
 
 def test_split_replicas_train_asynchronously_on_three_workers_and_two_ps(tmp_path):
-    launch(tmp_path, 3, "many")
+    launch_downpour(tmp_path, 3, "many")
     history = json.loads((tmp_path / "many.json").read_text())["history"]
     assert history["loss"][-1] < 0.9 * history["loss"][0], history
     assert max(history["staleness_max"]) >= 1, history  # three workers in flight at once

@@ -360,14 +360,14 @@ def gemma_reference():
     after `epochs` epochs, each computed once."""
     done = {}
 
-    def fit(epochs: int):
-        if epochs not in done:
-            model = keras_hub_models.gemma_causal_lm()
+    def fit(epochs: int, build=keras_hub_models.gemma_causal_lm):
+        if (epochs, build) not in done:
+            model = build()
             history = model.fit(
                 keras_hub_models.token_data(), epochs=epochs, verbose=0, shuffle=False
             )
-            done[epochs] = (model.get_weights(), history.history)
-        return done[epochs]
+            done[epochs, build] = (model.get_weights(), history.history)
+        return done[epochs, build]
 
     return fit
 
@@ -523,13 +523,18 @@ def test_a_pipeline_across_processes_trains_in_mixed_bfloat16(four_processes):
 
 @pytest.mark.xdist_group("pipeline_four_processes")
 @pytest.mark.multiprocess
-def test_gemma_cut_inside_its_backbone_trains_across_processes_as_keras_on_one_device(
-    four_processes, gemma_reference
+@pytest.mark.parametrize("name", ["gemma", "mistral"])
+def test_keras_hub_lms_cut_inside_their_backbones_train_across_processes_as_keras_on_one_device(
+    four_processes, gemma_reference, name
 ):
-    """2 pipelines x 2 stages on 4 processes; the tied embedding's gradient is summed over
-    the first and last stages' processes of both pipelines (a ring of 4)."""
-    run = next(run for run in pipeline_worker.RUNS if run[0] == "gemma")
-    want, history = gemma_reference(epochs=1)
+    """2 pipelines x 2 stages on 4 processes. Gemma: the tied embedding's gradient is summed
+    over the first and last stages' processes of both pipelines (a ring of 4). Mistral: each
+    stage's token rows (repeated within a batch) are gathered as rows over its pipelines,
+    which Adam squares apart as one device does."""
+    run = next(run for run in pipeline_worker.RUNS if run[0] == name)
+    build = {"gemma": keras_hub_models.gemma_causal_lm,
+             "mistral": keras_hub_models.mistral_causal_lm}[name]  # fmt: skip
+    want, history = gemma_reference(1, build)
     for task, got, logs in written(four_processes, run):
         assert max_diff(want, got) <= TOLERANCE, task
         assert logs["loss"] == pytest.approx(history["loss"], abs=1e-5), task

@@ -7,7 +7,8 @@ parameter-server job; each task first splits its CPU into 2 logical devices.
 one: the pipeline tests' Adam MLP (tests/pipeline_cases.py), each worker's replica split over
 its 2 devices, one epoch in order (fit twice in one case), for each case below; writes OUT/<case>.npz (the weights),
 OUT/<case>.json (history, the devices its program asked for) for tests/test_downpour.py;
-then CALLBACK_CASES, with the learning-rate callbacks.
+then SPARSE_ROWS_CASES (keras-hub's Mistral, for tests/test_sparse_rows.py); then
+CALLBACK_CASES, with the learning-rate callbacks.
 many: the same model with SGD, 3 workers training asynchronously for 3 epochs; then a model
 whose replica needs 3 devices (refused: the workers have 2).
 """
@@ -72,6 +73,33 @@ def asked_devices(runner) -> list[str]:
     return sorted(devices)
 
 
+# keras-hub's Mistral (token rows repeated within a batch, Adam): its gradient's rows go
+# to the ps as rows, from the plain replica and from the split one (tests/test_sparse_rows.py).
+SPARSE_ROWS_CASES = {
+    "mistral_ps": None,
+    "mistral_downpour": "transformer_layer_1",
+}
+
+
+def sparse_rows(strategy, out: str) -> None:
+    from tests import keras_hub_models
+
+    for name, cut in SPARSE_ROWS_CASES.items():
+        with strategy.scope():
+            model = keras_hub_models.mistral_causal_lm()
+        pipeline = None
+        if cut is not None:
+            pipeline = Pipeline(cut_before=[f"{model.backbone.name}/{cut}"], micro_batches=2)
+        history = tfdist.fit(
+            model, keras_hub_models.token_data(), epochs=1, verbose=0, max_staleness=0,
+            steps_per_epoch=keras_hub_models.EXAMPLES // keras_hub_models.GLOBAL_BATCH,
+            pipeline=pipeline,
+        )  # fmt: skip
+        np.savez(os.path.join(out, f"{name}.npz"), *model.get_weights())
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({"history": history.history}, f)
+
+
 def main(out: str, what: str) -> None:
     tfdist.configure_cpu_devices(2)
     if tfdist.serve_if_needed():
@@ -92,6 +120,7 @@ def main(out: str, what: str) -> None:
             record = {"history": history.history, "devices": asked_devices(KeptPipeline.made[-1])}
             with open(os.path.join(out, f"{name}.json"), "w") as f:
                 json.dump(record, f)
+        sparse_rows(strategy, out)
         from tests import test_optimizer_changes
 
         for name, options in CALLBACK_CASES.items():

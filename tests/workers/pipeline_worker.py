@@ -7,7 +7,8 @@ stages, the model built under strategy.scope(); or 2 pipelines x 2 stages, built
 host_scope, what Pipeline.scope returns): tests/pipeline_cases.py's model under each
 schedule with M = 1 and 4, once under mixed_bfloat16 (activations cross the processes in
 bfloat16), and keras-hub's Gemma causal LM cut inside its backbone (its tied embedding held
-by the first and the last stage). It writes the weights and history to
+by the first and the last stage), and its Mistral (untied tables: each stage's token rows
+gathered as rows over its 2 pipelines). It writes the weights and history to
 OUT/<run>/<task>.{npz,json} for tests/test_pipeline.py to compare.
 """
 
@@ -33,6 +34,7 @@ RUNS = [
     ("mlp", 2, "1f1b", 4, None),
     ("mlp", 2, "1f1b", 2, "mixed_bfloat16"),
     ("gemma", 2, "1f1b", 2, None),
+    ("mistral", 2, "1f1b", 2, None),
 ]
 
 
@@ -67,6 +69,9 @@ def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: 
         if model_name == "gemma":
             model, data = keras_hub_models.gemma_causal_lm(), keras_hub_models.token_data()
             cuts = [f"{model.backbone.name}/decoder_block_1"]
+        elif model_name == "mistral":
+            model, data = keras_hub_models.mistral_causal_lm(), keras_hub_models.token_data()
+            cuts = [f"{model.backbone.name}/transformer_layer_1"]
         else:
             model, data = pipeline_cases.mlp(), pipeline_cases.data()
             cuts = pipeline_cases.CUTS[stages]

@@ -20,6 +20,7 @@ import re
 import weakref
 from collections.abc import Sequence
 
+import numpy as np
 import tensorflow as tf
 
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES, fused_all_reduce
@@ -281,6 +282,60 @@ class ProcessRing(_PointToPointAllReduce):
             ("all_gather", bounds, chunk.dtype), tf.TensorSpec([end - start], chunk.dtype), build
         )
         return program(chunk)
+
+    def all_gather_rows(self, rows: tf.IndexedSlices) -> tf.IndexedSlices:
+        """Every rank's rows of a sparse gradient, end to end in rank order, on every rank.
+
+        One device's tape holds a row per lookup (a token repeated in a batch has several),
+        and Adam squares each row apart: summing the ranks' rows into a dense gradient would
+        square their sum. So the rows travel as they are: around the ring, each step passes
+        on the block received last, its row count first (ranks hold different numbers of
+        rows: a stage that holds a table it does not read holds none).
+
+        Args:
+          rows: this rank's rows; every rank passes the same dense_shape and dtype.
+
+        Returns:
+          An IndexedSlices of every rank's rows (values and indices), in rank order.
+        """
+        values, dense_shape = rows.values, rows.dense_shape
+        if self.ranks == 1:
+            return rows
+        width = int(np.prod(values.shape[1:]))  # a row's elements
+        # A row travels as its elements and its index, bit for bit, in one buffer: float64
+        # values with an int64 index, anything narrower as float32 with an int32 index.
+        wide = values.dtype == tf.float64
+        wire, index_dtype = (tf.float64, tf.int64) if wide else (tf.float32, tf.int32)
+        index = tf.bitcast(tf.cast(rows.indices, index_dtype), wire)[:, None]
+        packed = tf.concat([tf.reshape(tf.cast(values, wire), [-1, width]), index], axis=1)
+
+        def build(flat, transfers):
+            blocks = {self.rank: flat}
+            left = (self.rank - 1) % self.ranks
+            for step in range(self.ranks - 1):
+                sent = blocks[(self.rank - step) % self.ranks]
+                # The count of rows (exact in float32 below 2**24 rows), then the rows.
+                count = tf.cast(tf.shape(sent)[:1] // (width + 1), wire)
+                transfers.send(count, group_key=self._group_base + self.rank, key=2 * step)
+                transfers.send(sent, group_key=self._group_base + self.rank, key=2 * step + 1)
+                size = transfers.receive([1], group_key=self._group_base + left, key=2 * step)
+                blocks[(self.rank - step - 1) % self.ranks] = transfers.receive(
+                    tf.cast(size, tf.int32) * (width + 1), group_key=self._group_base + left,
+                    key=2 * step + 1, after=sent,
+                )  # fmt: skip
+            return tf.concat([blocks[r] for r in range(self.ranks)], axis=0)
+
+        program = self._compiled(
+            ("all_gather_rows", width, wire), tf.TensorSpec([None], wire), build
+        )
+        gathered = tf.reshape(program(tf.reshape(packed, [-1])), [-1, width + 1])
+        indices = tf.bitcast(gathered[:, width], index_dtype)
+        shape = tf.concat([[-1], tf.shape(values)[1:]], axis=0)
+        return tf.IndexedSlices(
+            tf.cast(tf.reshape(gathered[:, :width], shape), values.dtype),
+            tf.cast(indices, rows.indices.dtype),
+            dense_shape,
+        )
 
     def _exchange(self, transfers: Transfers, first: int = 0):
         """The ring's transport: send right, receive from the left, one instance key a step."""

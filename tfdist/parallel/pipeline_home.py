@@ -50,6 +50,7 @@ class Home(shards.Shards):
     def __init__(self, key: tuple, runner: Any, replicas: list[StageReplica]):
         self.key, self.strategy, self.processes = key, runner.strategy, runner.processes
         self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
+        self.shared = runner.shared
         # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
         self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
         self.staged: list[tuple[str, Staged]] = []  # by checkpoint key (shards.py)

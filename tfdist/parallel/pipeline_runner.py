@@ -24,7 +24,7 @@ from tfdist.parallel.host import host_device
 from tfdist.parallel.pipeline_home import Home, StageReplica, empty_variables
 from tfdist.parallel.pipeline_step import StepProgram
 from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
-from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
+from tfdist.parallel.stages import SharedWeight, Stage, StageError, devices_for, shared, split, tied
 from tfdist.strategies import strategy_kind
 from tfdist.training import shards
 from tfdist.training.fit_data import FitData, unpack
@@ -68,6 +68,7 @@ class PipelineRunner(SyncRunner):
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._loaded = False
         self.tied: dict[int, tuple[int, ...]] = {}  # weight -> the stages holding it
+        self.shared: dict[int, SharedWeight] = {}  # weight -> who holds it and who reads it
         # By stage (its pipelines' replicas) and by a tied weight's holders (theirs).
         self._rings: dict[int | tuple[int, ...], ProcessRing] = {}
         # Between worker processes: activations forward, their gradients back. TensorFlow's
@@ -106,10 +107,12 @@ class PipelineRunner(SyncRunner):
         if home is not None and home.key == self._home_key():
             # A later fit on the same layout: its stages go on with their weights and slots.
             self.stages, self.tied, self.replicas = home.stages, home.tied, home.replicas
+            self.shared = home.shared
             self._grid()
         else:
             self.stages = split(model, options.cut_before)
             self.tied = tied(self.stages)
+            self.shared = shared(self.stages)
             self._place(*self._grid())
             held = sum(nbytes(v) or 0 for r in self.replicas for v in r.trainable)
             whole = sum(nbytes(v) or 0 for v in model.trainable_variables)
@@ -119,15 +122,33 @@ class PipelineRunner(SyncRunner):
                 held / 2**20,
                 whole / 2**20,
             )
-        if self.tied:
-            names = sorted({model.trainable_variables[i].path for i in self.tied})
-            log.info(
-                "Weights used by several stages (tied) are held by each of them, their "
-                "gradients summed: %s",
-                ", ".join(names),
-            )
+        self._log_shared()
         self._rings = self._make_rings()
         self._state = self._zeros()
+
+    def _log_shared(self) -> None:
+        """Names the weights several stages hold: tied ones (read by several), and those of a
+        layer called on both sides of a cut that only one stage reads."""
+        names = self.model.trainable_variables
+        tied = sorted(names[i].path for i, s in self.shared.items() if s.tied)
+        if tied:
+            log.info(
+                "Weights read by several stages (tied) are held by each of them, their "
+                "gradients summed: %s",
+                ", ".join(tied),
+            )
+        alone = sorted(
+            f"{names[i].path} (read by stage {s.users[0]})"
+            for i, s in self.shared.items()
+            if len(s.users) == 1
+        )
+        if alone:
+            log.info(
+                "Weights of a layer called on both sides of a cut, read by one stage only "
+                "(not tied), are held by each stage that calls the layer, and take the "
+                "reading stage's gradient: %s",
+                ", ".join(alone),
+            )
 
     def describe_batch(self, global_batch: int) -> str:
         options, stages = self.options, len(self.stages)

@@ -20,6 +20,7 @@ from tfdist.parallel.executor import Executor, StageInput, StepOptions
 from tfdist.parallel.pipeline_home import StageReplica
 from tfdist.parallel.schedules import schedule
 from tfdist.parallel.stage_links import StageLinks
+from tfdist.training import sparse_rows
 
 
 @dataclasses.dataclass
@@ -211,12 +212,13 @@ class StepProgram:
 
     def _summed_between_processes(self, r: StageReplica, grads: list) -> list:
         """`grads` summed over the pipelines' replicas of this stage (a ring per stage), and
-        a tied weight's over every replica of the stages that hold it (a ring per set of
-        holders); sparse gradients travel dense."""
+        a shared weight's over every replica of the stages that hold it (a ring per set of
+        holders). Rows looked up by the batch travel as rows (one device's tape keeps each
+        lookup's row apart, and Adam squares each apart); other gradients travel dense."""
         runner = self.runner
         out = list(grads)
         # holders -> positions in `grads`, in the model's order of the weights: every member
-        # of a ring passes the same weights in the same order (stages may list tied weights
+        # of a ring passes the same weights in the same order (stages may list shared weights
         # in orders of their own)
         groups: dict[tuple[int, ...], list[int]] = {}
         for j, i in sorted(enumerate(r.stage.trainable), key=lambda pair: pair[1]):
@@ -225,10 +227,33 @@ class StepProgram:
             if not holders and runner.pipelines == 1:
                 continue
             ring = runner._rings[holders or r.stage.index]
-            summed = ring.all_reduce_many([tf.convert_to_tensor(grads[j]) for j in positions])
-            for j, g in zip(positions, summed, strict=True):
-                out[j] = g
+            rows = [j for j in positions if self._as_rows(r.stage.trainable[j], grads[j])]
+            dense = [j for j in positions if j not in rows]
+            if dense:
+                summed = ring.all_reduce_many([tf.convert_to_tensor(grads[j]) for j in dense])
+                for j, g in zip(dense, summed, strict=True):
+                    out[j] = g
+            for j in rows:
+                out[j] = ring.all_gather_rows(_as_slices(grads[j]))
         return out
+
+    def _as_rows(self, i: int, g) -> bool:
+        """Whether weight `i`'s gradient crosses the processes as rows. The members of a
+        ring must agree: for a weight several stages hold, the stages' probe decided
+        (stages.shared), the same on every process; a stage's own weight is decided by its
+        gradient, which every replica of the stage traces alike."""
+        shared = self.runner.shared.get(i)
+        if shared is not None:
+            return shared.rows
+        return isinstance(g, tf.IndexedSlices) and not sparse_rows.batch_independent(g.indices)
+
+
+def _as_slices(g) -> tf.IndexedSlices:
+    """`g` as rows: a dense gradient as every row of its weight once (the same update)."""
+    if isinstance(g, tf.IndexedSlices):
+        return g
+    g = tf.convert_to_tensor(g)
+    return tf.IndexedSlices(g, tf.range(tf.shape(g, out_type=tf.int64)[0]), tf.shape(g, tf.int64))
 
 
 def _no_rows(weight) -> tf.Tensor | tf.IndexedSlices:
