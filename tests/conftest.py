@@ -107,6 +107,20 @@ def downpour_one_worker(tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="session")
+def sparse_rows_job(tmp_path_factory):
+    """One job of 2 worker processes training tests/workers/sparse_rows_worker.py's runs,
+    shared by tests/test_sparse_rows.py and tests/test_saves.py (both in xdist_group
+    'sparse_rows'). Returns (where it wrote, the launcher's output)."""
+    out = tmp_path_factory.mktemp("sparse_rows")
+    result = run_module(
+        "tools.launch", "--workers", "2", "--timeout", "400", "--",
+        sys.executable, "-m", "tests.workers.sparse_rows_worker", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    return out, result.stdout
+
+
 def _not_json(constant: str):
     raise ValueError(f"{constant} is not JSON")
 

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from tests import keras_hub_models
-from tests.conftest import run_module
 from tests.workers import downpour_worker, sparse_rows_worker
 from tfdist.parallel.stages import shared, split
 
@@ -49,15 +47,9 @@ def written(here, task: str) -> tuple[list[np.ndarray], dict]:
     )
 
 
-@pytest.fixture(scope="module")
-def two_workers(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sparse_rows")
-    result = run_module(
-        "tools.launch", "--workers", "2", "--timeout", "400", "--",
-        sys.executable, "-m", "tests.workers.sparse_rows_worker", str(out),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
-    return out, result.stdout
+@pytest.fixture
+def two_workers(sparse_rows_job):
+    return sparse_rows_job
 
 
 @pytest.mark.multiprocess

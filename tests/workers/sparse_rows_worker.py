@@ -5,8 +5,9 @@
 keras-hub causal LMs (tests/keras_hub_models.py) look up token rows that repeat within a
 batch: one device's tape holds a row per occurrence, and Adam squares each apart. Each worker
 trains every run of RUNS, one after the other, on the same token batches, and writes the
-weights, the history and the exchange that crossed to OUT/<run>/<task>.{npz,json};
-tests/test_sparse_rows.py holds each against Keras's fit on one device.
+weights and the history to OUT/<run>/<task>.{npz,json}, and for the runs in SAVED the
+chief's model.save to OUT/<run>/worker_0.keras; tests/test_sparse_rows.py holds each against
+Keras's fit on one device, tests/test_saves.py trains the saves on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ RUNS = [
     ("mistral", "zero3", "adam"),
     ("mistral", "local_sgd", "sgd"),
 ]
+
+
+# Runs whose model every worker saves with model.save (tests/test_saves.py loads them).
+SAVED = ("zero1", "zero2", "zero3", "pipeline")
 
 
 def run_name(model: str, mode: str, optimizer: str) -> str:
@@ -88,6 +93,10 @@ def main(out: str) -> None:
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(here, f"{name}.json"), "w") as f:
             json.dump(history.history, f)
+        if run[1] in SAVED:
+            # Every worker saves (the sharded state is gathered: a collective); the chief
+            # writes the path, the others a scratch copy (tfdist's guard of model.save).
+            model.save(os.path.join(here, f"{name}.keras"))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ from tfdist.collective.ring import (
 )
 from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
-from tfdist.parallel import host, updates
+from tfdist.parallel import host, saved_state, updates
 from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
 
@@ -315,6 +315,7 @@ class ShardedUpdate(StepHook):
             ]
         )
         self.devices = devices
+        saved_state.keep_in_saves(outer, model, self.whole_slots)
         self.ring = None
         if layout.processes > 1:
             self.ring = ProcessRing(

@@ -64,7 +64,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import host, units, updates
+from tfdist.parallel import host, saved_state, units, updates
 from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
 from tfdist.training import shards as shard_files
 from tfdist.training import sparse_rows
@@ -202,6 +202,7 @@ class ShardedParameters(StepHook):
                     slots[int(found.group(1)), found.group(2)] = slot
             self.slots.append(slots)
         self.slot_names = sorted({name for slots in self.slots for _, name in slots})
+        saved_state.keep_in_saves(optimizer, model, self.whole_slots)
         self._gatherers: dict = {}
         # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
         # (this replica's whole gradient of it, and the part the tape was given).
