@@ -111,6 +111,77 @@ def own_keys():
 CASES = {"keras_io": keras_io, "own_keys": own_keys}
 
 
+class GAN(keras.Model):
+    """keras.io's "DCGAN" shape: a discriminator and a generator, each with an optimizer of
+    its own that train_step applies (compile takes them; the base optimizer is unused)."""
+
+    LATENT = 4
+
+    def __init__(self, discriminator, generator, **kwargs):
+        super().__init__(**kwargs)
+        self.discriminator, self.generator = discriminator, generator
+        self.seed_generator = keras.random.SeedGenerator(11)
+
+    def compile(self, d_optimizer, g_optimizer, loss_fn):
+        super().compile()
+        self.d_optimizer, self.g_optimizer, self.loss_fn = d_optimizer, g_optimizer, loss_fn
+        # Built here: under a mirrored strategy an optimizer first built inside the traced
+        # step fails, in Keras's own fit too ("You must feed a value for placeholder tensor
+        # 'cond/Placeholder'").
+        self.d_optimizer.build(self.discriminator.trainable_variables)
+        self.g_optimizer.build(self.generator.trainable_variables)
+        self.d_loss_metric = keras.metrics.Mean(name="d_loss")
+        self.g_loss_metric = keras.metrics.Mean(name="g_loss")
+
+    @property
+    def metrics(self):
+        return [self.d_loss_metric, self.g_loss_metric]
+
+    def call(self, x):
+        # Under a strategy Keras (its fit too) builds a model by calling it on a batch.
+        return self.discriminator(x)
+
+    def train_step(self, real):
+        size = tf.shape(real)[0]
+        latent = keras.random.normal((size, self.LATENT), seed=self.seed_generator)
+        both = tf.concat([self.generator(latent), real], axis=0)
+        labels = tf.concat([tf.ones((size, 1)), tf.zeros((size, 1))], axis=0)
+        with tf.GradientTape() as tape:
+            d_loss = self.loss_fn(labels, self.discriminator(both))
+        grads = tape.gradient(d_loss, self.discriminator.trainable_weights)
+        self.d_optimizer.apply_gradients(
+            zip(grads, self.discriminator.trainable_weights, strict=True)
+        )
+        latent = keras.random.normal((size, self.LATENT), seed=self.seed_generator)
+        with tf.GradientTape() as tape:
+            fooled = self.discriminator(self.generator(latent))
+            g_loss = self.loss_fn(tf.zeros((size, 1)), fooled)
+        grads = tape.gradient(g_loss, self.generator.trainable_weights)
+        self.g_optimizer.apply_gradients(zip(grads, self.generator.trainable_weights, strict=True))
+        self.d_loss_metric.update_state(d_loss)
+        self.g_loss_metric.update_state(g_loss)
+        return {"d_loss": self.d_loss_metric.result(), "g_loss": self.g_loss_metric.result()}
+
+
+def gan():
+    keras.utils.set_random_seed(7)
+    discriminator = keras.Sequential(
+        [keras.Input((16,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)],
+        name="discriminator",
+    )
+    generator = keras.Sequential(
+        [keras.Input((GAN.LATENT,)), keras.layers.Dense(16)], name="generator"
+    )
+    model = GAN(discriminator, generator)
+    model.compile(
+        d_optimizer=keras.optimizers.Adam(1e-3),
+        g_optimizer=keras.optimizers.Adam(1e-3),
+        loss_fn=keras.losses.BinaryCrossentropy(from_logits=True),
+    )
+    real = np.random.default_rng(7).normal(size=(EXAMPLES, 16)).astype("float32")
+    return model, tf.data.Dataset.from_tensor_slices(real).batch(GLOBAL_BATCH)
+
+
 class BatchLogs(keras.callbacks.Callback):
     """Keeps every training batch's logs (reading them is what crashed on nested dicts)."""
 

@@ -15,6 +15,8 @@ replicas. Multi-worker and parameter-server runs are in tests/test_fit_multiwork
 
 from __future__ import annotations
 
+import re
+
 import keras
 import numpy as np
 import pytest
@@ -128,3 +130,30 @@ def test_a_step_that_returns_no_dict_is_one_clear_error():
     _, data = models.own_keys()
     with pytest.raises(FitError, match="returns a dict of logs .* Received: a .*Tensor"):
         tfdist.fit(model, data, epochs=1, verbose=0)
+
+
+@pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
+def test_a_step_that_applies_optimizers_of_its_own_is_refused_by_zero_in_one_line(shard):
+    """keras.io's GAN applies d_optimizer and g_optimizer itself: a sharded update of the
+    optimizer compile took would leave theirs whole on every replica, silently."""
+    with mirrored().scope():
+        model, data = models.gan()
+    with pytest.raises(FitError, match=(
+        r"Model 'gan\w*' has its own train_step, which applies d_optimizer \(Adam\), "
+        r"g_optimizer \(Adam\) itself; .*Received: a train_step with optimizers "
+        r"d_optimizer, g_optimizer"
+    )):  # fmt: skip
+        tfdist.fit(model, data, verbose=0, shard_optimizer=shard)
+
+
+def test_the_step_times_measure_the_exchange_of_a_step_s_own_optimizers(caplog):
+    """The breakdown timed only the optimizer compile took: a GAN's step said 'exchange
+    0.00 ms (0%)'. Its two optimizers' updates (the all-reduce and the update) are timed."""
+    with mirrored().scope():
+        model, data = models.gan()
+    with caplog.at_level("INFO", logger="tfdist"):
+        history = tfdist.fit(model, data, verbose=0)
+    assert set(history.history) == {"d_loss", "g_loss"}
+    line = next(r.getMessage() for r in caplog.records if "exchange" in r.getMessage())
+    exchange = float(re.search(r"exchange ([0-9.]+) ms", line).group(1))
+    assert exchange > 0.0, line

@@ -315,6 +315,39 @@ def test_parameter_server_run_ends_when_the_chief_finishes(tmp_path):
     assert_all_gone(recorded_pids(tmp_path))
 
 
+def test_a_dead_ps_seen_with_the_chief_s_exit_is_named_as_the_cause(tmp_path):
+    """The chief reports a lost ps and exits; when the launcher sees both ended in one round
+    (a loaded machine), the ps is the cause, not the chief (it had said the chief failed and
+    the ps was 'stopped'). The launcher is frozen while both end, so they are seen together."""
+    command = task_command(tmp_path, 4, {"chief-0": "sleep", "ps-0": "sleep"})
+    launcher = subprocess.Popen(
+        launch_argv("--chief", "--workers", "2", "--ps", "1", "--grace", "1", command=command),
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 20
+        while len(recorded_pids(tmp_path)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = recorded_pids(tmp_path)
+        os.kill(launcher.pid, signal.SIGSTOP)
+        os.kill(pids["ps-0.0"], signal.SIGKILL)  # the ps dies first...
+        time.sleep(0.3)
+        os.kill(pids["chief-0.0"], signal.SIGTERM)  # ...then the chief ends, reporting it
+        time.sleep(0.3)
+        os.kill(launcher.pid, signal.SIGCONT)
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert (
+        "[launch] ps:0 was killed by SIGKILL; parameter-server training cannot continue" in stdout
+    ), stdout + stderr
+    assert "[launch] ps:0 stopped" not in stdout
+    assert launcher.returncode == 137, stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
 def test_a_parameter_server_that_exits_by_itself_is_a_failure(tmp_path):
     command = task_command(tmp_path, 3, {"ps-0": "exit:0"})
 

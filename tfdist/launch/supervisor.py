@@ -339,9 +339,13 @@ class Launcher:
         workers = [task for task in self._serving if task.type == "worker"]
         exited: set[Task] = set()
         while not self._signals:
-            for task, proc in self._procs.items():
-                if task in exited or proc.poll() is None:
-                    continue
+            ended = [t for t, p in self._procs.items() if t not in exited and p.poll() is not None]
+            # A dead ps is the cause of what ends with it (the chief reports the lost ps and
+            # exits): seen in the same round, the ps is told first, or the chief's exit
+            # would be blamed and the ps said to be stopped.
+            ended.sort(key=lambda t: t.type != "ps")
+            for task in ended:
+                proc = self._procs[task]
                 exited.add(task)
                 if proc.returncode == 0 and task not in self._serving:
                     continue

@@ -62,7 +62,7 @@ from tfdist.collective.ring import (
 from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
 from tfdist.parallel import host, saved_state, updates
-from tfdist.training import sparse_rows
+from tfdist.training import sparse_rows, steps
 from tfdist.training.runner import Runner, StepHook
 
 STAGES = (1, 2)
@@ -265,6 +265,7 @@ class ShardedUpdate(StepHook):
                 "strategy.scope() for zero1/zero2, or train it with shard_optimizer='zero3'. "
                 f"Received: {self.name} on a host_scope model"
             )
+        refuse_own_optimizers(model, self.name)
         optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
         self.optimizer = optimizer
         variables = list(model.trainable_variables)
@@ -709,6 +710,21 @@ def _count_scaled_step(scaling, finite) -> None:
         return tf.constant(False)
 
     tf.cond(finite, counted, overflowed)
+
+
+def refuse_own_optimizers(model: keras.Model, name: str) -> None:
+    """Refuses a model whose custom train_step applies optimizers of its own: the hook
+    shards the optimizer compile took, and theirs would stay whole on every replica."""
+    own = steps.own_optimizers(model)
+    if own:
+        listed = ", ".join(f"{attr} ({type(o).__name__})" for attr, o in own.items())
+        raise ShardingError(
+            f"Model {model.name!r} has its own train_step, which applies {listed} itself; "
+            f"{name} shards only the optimizer compile took, so their state would stay whole "
+            "on every replica. Train without shard_optimizer (the weights train the same), "
+            "or apply self.optimizer in the step. Received: a train_step with optimizers "
+            f"{', '.join(own)}"
+        )
 
 
 def _split_optimizer(optimizer, name: str):

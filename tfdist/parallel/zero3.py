@@ -65,7 +65,13 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.parallel import host, saved_state, units, updates
-from tfdist.parallel.zero import _ELEMENTWISE, ShardedUpdate, ShardingError, _WholeSlots
+from tfdist.parallel.zero import (
+    _ELEMENTWISE,
+    ShardedUpdate,
+    ShardingError,
+    _WholeSlots,
+    refuse_own_optimizers,
+)
 from tfdist.training import shards as shard_files
 from tfdist.training import sparse_rows
 from tfdist.training.runner import Runner, StepHook
@@ -125,6 +131,7 @@ class ShardedParameters(StepHook):
         self.model, self.strategy = model, runner.strategy
         if self.already_built(model, runner):
             return  # a later fit: the slices keep the optimizer's state
+        refuse_own_optimizers(model, NAME)
         optimizer = model.optimizer
         _check_optimizer(optimizer)
         layout = updates.one_replica_per_process(runner.placement, who=NAME, error=ShardingError)

@@ -41,6 +41,18 @@ def custom_train_step(model: keras.Model) -> bool:
     return type(model).train_step is not _KERAS_TRAIN_STEP
 
 
+def own_optimizers(model: keras.Model) -> dict[str, keras.optimizers.Optimizer]:
+    """The optimizers a custom `train_step` keeps as attributes of its own, beside the one
+    compile took (keras.io's GAN: `d_optimizer` and `g_optimizer`), by attribute name."""
+    if not custom_train_step(model):
+        return {}
+    return {
+        name: value
+        for name, value in sorted(vars(model).items())
+        if isinstance(value, keras.optimizers.Optimizer) and value is not model.optimizer
+    }
+
+
 def custom_test_step(model: keras.Model) -> bool:
     """Whether `model`'s class overrides Keras's `test_step`."""
     return type(model).test_step is not _KERAS_TEST_STEP
@@ -231,7 +243,20 @@ class StepClock(StepHook):
     """
 
     def __init__(self):
-        self.marks: tuple[tf.Tensor, tf.Tensor] | None = None
+        # Each update's (gradients ready, weights updated); a custom step may apply several
+        # optimizers (a GAN's two), each an exchange of its own.
+        self.spans: list[tuple[tf.Tensor, tf.Tensor]] = []
+
+    @property
+    def marks(self) -> tuple[tf.Tensor, tf.Tensor] | None:
+        """(gradients ready, weights updated) of the step's only update, or None."""
+        return self.spans[-1] if self.spans else None
+
+    def exchange(self) -> tf.Tensor | None:
+        """The seconds the step's updates took, all of them, or None: no update."""
+        if not self.spans:
+            return None
+        return tf.add_n([applied - ready for ready, applied in self.spans])
 
     def apply(self, grads_and_vars, apply_next):
         grads = [g for g, _ in grads_and_vars if g is not None]
@@ -242,7 +267,7 @@ class StepClock(StepHook):
         updated = [self.updated(v) for g, v in grads_and_vars if g is not None]
         with tf.control_dependencies([*updated, *([result] if tf.is_tensor(result) else [])]):
             applied = tf.timestamp()
-        self.marks = (ready, applied)
+        self.spans.append((ready, applied))
         return result
 
     def updated(self, variable) -> tf.Tensor:

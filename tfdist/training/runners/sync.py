@@ -13,6 +13,7 @@ whose first link, a StepClock, times the step's phases in the graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Sequence
 
@@ -46,6 +47,7 @@ from tfdist.training.steps import (
     custom_test_step,
     custom_train_step,
     hooked_train_step,
+    own_optimizers,
     python_logs,
     step_logs,
     updates_through,
@@ -69,6 +71,7 @@ class SyncRunner(Runner):
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
         self.custom = custom_train_step(model)
+        self.own_optimizers = list(own_optimizers(model).values())
         self.hooks: list[StepHook] = []
         self._train_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self._counts: dict[int, tf.Tensor] = {}
@@ -140,16 +143,20 @@ class SyncRunner(Runner):
         with tf.control_dependencies(_tensors(batch)):
             arrived = tf.timestamp()
         clock = StepClock()
-        with (
-            updates_through(self.model.optimizer, [clock, *self.hooks]),
-            loss_normalisation.global_batch(),
-        ):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(updates_through(self.model.optimizer, [clock, *self.hooks]))
+            # A custom step's own optimizers (a GAN's two) exchange too: timed, unhooked.
+            for optimizer in self.own_optimizers:
+                stack.enter_context(updates_through(optimizer, [clock]))
+            stack.enter_context(loss_normalisation.global_batch())
             outputs = hooked_train_step(self.model, self.hooks)(batch)
         with tf.control_dependencies(_tensors(outputs)):
             end = tf.timestamp()
-        ready, applied = clock.marks or (end, end)  # no update: all of it was compute
+        exchange = clock.exchange()
+        if exchange is None:  # no update: all of it was compute
+            exchange = tf.zeros([], end.dtype)
         # Input, compute (forward, backward, and the metrics after the update), exchange.
-        times = tf.stack([arrived - asked, (ready - arrived) + (end - applied), applied - ready])
+        times = tf.stack([arrived - asked, end - arrived - exchange, exchange])
         return outputs, times
 
     def _untimed_step(self, batch):
