@@ -70,6 +70,67 @@ def pytest_configure(config):
     from tfdist.devices import configure_cpu_devices
 
     configure_cpu_devices(NUM_CPU_DEVICES)
+    _count_launches(config)
+
+
+# --- the suite reports the processes it launched -------------------------------------------------
+#
+# Starting processes (TensorFlow's start-up above all) is where the suite's time goes, so the
+# run ends with how many it started. Every process a test starts goes through
+# subprocess.Popen in a pytest process; a launcher's tasks are counted from its flags. Each
+# pytest-xdist worker writes its counts to a folder the controller names, which sums them.
+
+_LAUNCHES = {"launches": 0, "processes": 0}
+_LAUNCH_DIR = "TFDIST_TEST_LAUNCH_COUNTS"
+
+
+def _tasks_of(args) -> int:
+    """How many processes a command starts: a launcher's tasks, or itself."""
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    if not any(a in ("tools.launch", "tfdist.launch") or a.endswith("tfdist-launch") for a in argv):
+        return 1
+    tasks, flags = 0, dict(zip(argv[:-1], argv[1:], strict=True))
+    for flag in ("--workers", "--ps", "--nproc_per_node"):
+        if flags.get(flag, "").isdigit():
+            tasks += int(flags[flag])
+    return 1 + max(tasks, 1) + ("--chief" in argv)
+
+
+def _count_launches(config) -> None:
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        import tempfile
+
+        os.environ.setdefault(_LAUNCH_DIR, tempfile.mkdtemp(prefix="tfdist-launches-"))
+        if getattr(config.option, "numprocesses", None):
+            return  # it starts the xdist workers only: they count what the tests start
+    original = subprocess.Popen.__init__
+
+    def counted(self, args, *rest, **keywords):
+        _LAUNCHES["launches"] += 1
+        _LAUNCHES["processes"] += _tasks_of(args)
+        original(self, args, *rest, **keywords)
+
+    subprocess.Popen.__init__ = counted
+
+
+def pytest_sessionfinish(session):
+    folder = os.environ.get(_LAUNCH_DIR)
+    if folder and os.path.isdir(folder):
+        name = getattr(session.config, "workerinput", {}).get("workerid", "main")
+        Path(folder, f"{name}.json").write_text(json.dumps(_LAUNCHES))
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    folder = os.environ.get(_LAUNCH_DIR)
+    if hasattr(config, "workerinput") or not folder or not os.path.isdir(folder):
+        return
+    counts = [json.loads(p.read_text()) for p in Path(folder).glob("*.json")]
+    launches = sum(c["launches"] for c in counts)
+    processes = sum(c["processes"] for c in counts)
+    terminalreporter.write_line(
+        f"processes launched by the tests: {processes} ({launches} launches; a launcher's "
+        "tasks counted from its flags)"
+    )
 
 
 def run_module(
