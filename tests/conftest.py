@@ -149,6 +149,17 @@ def run_module(
     )
 
 
+@pytest.fixture(scope="session")
+def digits_dir(tmp_path_factory) -> str:
+    """scikit-learn's digits as TFRecords (the binary's default data), written once a session
+    (once per pytest-xdist worker) and only read after: by the tests and the jobs they start."""
+    from tfdist.data import prepare_dataset
+
+    here = str(tmp_path_factory.mktemp("digits"))
+    prepare_dataset("digits", data_dir=here)
+    return here
+
+
 def launch_downpour(out, workers: int, what: str) -> None:
     """tests/workers/downpour_worker.py run by a chief, `workers` workers and 2 ps tasks."""
     result = run_module(

@@ -32,8 +32,8 @@ SHORT = dict(model="mlp", epochs=1, steps_per_epoch=4, checkpoint_every=1, eval_
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
+def data_dir(digits_dir):
+    return digits_dir
 
 
 @pytest.fixture(scope="module")

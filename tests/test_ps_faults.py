@@ -38,8 +38,8 @@ def train_argv(model_dir: Path, data_dir: str, *launch_flags: str, workers: int 
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("data"))
+def data_dir(digits_dir):
+    return digits_dir
 
 
 def kill_after_first_checkpoint(proc: subprocess.Popen, model_dir: Path, task: str) -> float:

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO
 from tfdist.exit_codes import EXIT_STORAGE
 
 pytestmark = pytest.mark.multiprocess
@@ -63,13 +63,8 @@ def _env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    here = tmp_path_factory.mktemp("data")
-    # The digits TFRecords, written once (a job's two workers then only read them).
-    made = run_module("experiments.train", "--strategy=one_device", "--model=mlp", "--epochs=1",
-                      "--steps_per_epoch=1", "--eval_every=0", f"--data_dir={here}")  # fmt: skip
-    assert made.returncode == 0, made.stderr[-2000:]
-    return here
+def data_dir(digits_dir):
+    return digits_dir
 
 
 @pytest.fixture(scope="module")

@@ -64,7 +64,7 @@ class MovingStatistics:
                 "every epoch end and evaluation, so the model saved and evaluated is one "
                 "model. For statistics over the whole global batch in every step, use "
                 "BatchNormalization(synchronized=True).",
-                model.name, len(layers), ", ".join(layer.name for layer in layers[:3]),
+                model.name, len(layers), ", ".join(layer.name for layer in layers),
                 self.replicas,
             )  # fmt: skip
 
