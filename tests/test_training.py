@@ -107,12 +107,20 @@ def test_multi_worker_mirrored_matches_one_device_and_workers_agree(
     one_device, data_dir, tmp_path, exchange
 ):
     flags = [f"--{k}={v}" for k, v in EXACT.items()] + exchange
+    model_dir = tmp_path / "run"
     result = run_module(
         "tools.launch", "--workers", "2", "--timeout", "300", "--",
         sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored",
-        f"--data_dir={data_dir}", f"--save_weights_to={tmp_path}", *flags,
+        f"--data_dir={data_dir}", f"--save_weights_to={tmp_path}", f"--model_dir={model_dir}",
+        *flags,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:]
+    # What the binary writes and says, as test_every_strategy_learns_digits_through_the_binary
+    # checks it for one process and parameter servers.
+    assert read_summary(model_dir)["strategy"] == "multi_worker_mirrored"
+    assert os.path.exists(model_dir / "export" / "model.keras")
+    assert any(name.startswith("events.out.tfevents") for name in os.listdir(model_dir / "logs"))
+    assert "final: " in result.stdout and "test accuracy" in result.stdout
     assert ("Ring all-reduce: 10 tensor(s)" in result.stdout) == bool(exchange)  # the gradients
     assert ("fusion into no buckets" in result.stdout) == bool(exchange)
     workers = [np.load(tmp_path / f"worker_{i}.npz") for i in range(2)]
@@ -177,15 +185,16 @@ def read_summary(model_dir):
         return json.load(f)
 
 
-# One process, worker processes in sync, and parameter servers: the binary's three ways of
-# running. (mirrored and central_storage train what one device does: the tests above and
-# tests/test_fit.py compare them weight for weight in this process.)
+# One process and parameter servers: two of the binary's three ways of running; worker
+# processes in sync are test_multi_worker_mirrored_matches_one_device_and_workers_agree's
+# (one device's weights, so its learning is this one_device run's). (mirrored and
+# central_storage train what one device does: the tests above and tests/test_fit.py compare
+# them weight for weight in this process.)
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "strategy, launch",
     [
         ("one_device", []),
-        ("multi_worker_mirrored", ["--workers", "2"]),
         ("parameter_server", ["--chief", "--workers", "2", "--ps", "1"]),
     ],
 )

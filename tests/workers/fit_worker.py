@@ -2,12 +2,11 @@
 
   python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker equivalence OUT
   python -m tools.launch --workers 2 -- python -m tests.workers.fit_worker equivalence,custom OUT
-  python -m tools.launch --workers 2 --max_restarts 1 -- python -m tests.workers.fit_worker backup OUT
   python -m tools.launch --chief --workers 3 --ps 2 -- python -m tests.workers.fit_worker ps,custom_ps OUT
 
 MODES is one mode or several, comma-separated, run one after another on one strategy (a
 job's start costs more than most of its modes): the multi-worker ones (equivalence,
-callbacks, backup, custom, cnn, per_call, batch_norm, outside_scope, dropin) on a multi_worker_mirrored
+callbacks, custom, cnn, per_call, batch_norm, outside_scope, dropin) on a multi_worker_mirrored
 strategy, the parameter-server ones (ps, custom_ps, dropin_ps) on a parameter_server one. Each task
 writes what a mode trained to OUT/<task>/ (one mode) or OUT/<mode>/<task>/ (several) for
 tests/test_fit_multiworker.py to check.
@@ -18,7 +17,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -132,33 +130,6 @@ def callbacks(out: str, strategy) -> None:
         ],
     )
     save(out, "cnn", model, {"history": history.history, "stopped_epoch": stop.stopped_epoch})
-
-
-class KillOnce(keras.callbacks.Callback):
-    """SIGKILLs this process at (epoch, batch) the first time the job runs."""
-
-    def __init__(self, marker: str, at: tuple[int, int]):
-        super().__init__()
-        self.marker, self.at, self.epoch = marker, at, 0
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self.epoch = epoch
-
-    def on_train_batch_end(self, batch, logs=None):
-        if (self.epoch, batch) == self.at and not os.path.exists(self.marker):
-            open(self.marker, "w").close()
-            os.kill(os.getpid(), signal.SIGKILL)
-
-
-def backup(out: str, strategy) -> None:
-    shared = os.path.join(os.path.dirname(out), "shared")
-    with strategy.scope():
-        model, data = fit_models.cnn()
-    callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), save_freq=1)]
-    if task_name() == "worker_1":
-        callbacks.append(KillOnce(os.path.join(shared, "killed"), at=(1, 4)))
-    history = tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0, callbacks=callbacks)
-    save(out, "cnn", model, {"history": history.history})
 
 
 def parameter_server(out: str, strategy) -> None:
@@ -318,7 +289,6 @@ MODES = {
     "dropin": dropin,
     "dropin_ps": dropin_ps,
     "callbacks": callbacks,
-    "backup": backup,
     "custom": custom_steps,
     "cnn": cnn,
     "batch_norm": batch_norm,

@@ -2,14 +2,16 @@
 of it is stopped mid-epoch 2, for tests/test_fit_multiworker.py:
 
   tfdist-launch --workers 2 --max_restarts 1 -- python -m tests.workers.stop_worker sigterm OUT
-  tfdist-launch --workers 2 --grace 120 -- python -m tests.workers.stop_worker sigkill OUT
+  tfdist-launch --workers 2 --grace 120 --max_restarts 1 -- \
+      python -m tests.workers.stop_worker sigkill OUT
   tfdist-launch --workers 2 --grace 120 --max_restarts 1 -- \
       python -m tests.workers.stop_worker sigkill_zero3 OUT          # or sigkill_pipeline
 
 sigterm: worker:1 receives SIGTERM once, at epoch 2 batch 3; every worker backs up at the same
   step (BackupAndRestore), exits with the restartable code, and the restarted job resumes
   there and finishes.
-sigkill: worker:1 is SIGKILLed at epoch 2 batch 3; worker:0 is left waiting for it.
+sigkill: worker:1 is SIGKILLed at epoch 2 batch 3; worker:0 is left waiting for it. A
+  BackupAndRestore every step: the restarted job resumes at that step and finishes.
 sigkill_zero3, sigkill_pipeline: the same kill, with the model's weights sharded over the two
   processes (zero3, built in tfdist.host_scope) or cut into a stage on each (a pipeline of
   2 stages); a tfdist.StepCheckpoint every 2 steps, so the restarted job resumes at step 10
@@ -70,7 +72,11 @@ def main(mode: str, out: str) -> None:
     if layout:
         callbacks = [tfdist.StepCheckpoint(os.path.join(shared, "run"), every_n_steps=2)]
     else:
-        callbacks = [keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"))]
+        # sigkill: a backup every step, so the restart resumes mid-epoch where the crash was.
+        every = 1 if mode == "sigkill" else "epoch"
+        callbacks = [
+            keras.callbacks.BackupAndRestore(os.path.join(shared, "backup"), save_freq=every)
+        ]
     if layout == "zero3":
         keywords["shard_optimizer"] = "zero3"
     elif layout == "pipeline":  # the convolution on worker:0, Flatten and Dense on worker:1

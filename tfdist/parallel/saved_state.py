@@ -13,8 +13,11 @@ the optimizer built on one-element stand-ins of the weights, so any optimizer wh
 the hooks shard keeps Keras's layout, with no list of optimizers here. Loading such a file
 (tfdist or not) builds the optimizer on the model's weights and reads them in that order.
 
-The slots are whole in memory while they are written, as Keras's own save holds them;
-writing them without holding them whole is a sharded checkpoint's job (tfdist.StepCheckpoint).
+The slots are gathered one bucket of weights at a time (`BucketReader`), as the weights of
+a sharded model are gathered for a save one at a time, so TensorFlow's allocator holds no
+more than a bucket's slots beyond the step's peak; Keras's writer keeps what it was given in
+host memory, as it does for any save. Writing without that is a sharded checkpoint's job
+(tfdist.StepCheckpoint).
 """
 
 from __future__ import annotations
@@ -31,22 +34,53 @@ _STAND_IN = "tfdist_saved_v"
 _SLOT = re.compile(_STAND_IN + r"(\d+)_(\w+)$")
 
 
+class BucketReader:
+    """Whole slots, one weight at a time, gathered a bucket of weights at a time.
+
+    Args:
+      buckets: the weights' positions, in the groups one gather makes whole.
+      gather: gather(slot, bucket index) -> {position: the whole slot value}, a collective
+        (every process asks for the same buckets in the same order).
+      names: the slots each weight has (momentum, velocity, ...).
+    """
+
+    def __init__(self, buckets, gather: Callable[[str, int], dict], names):
+        self.buckets = [tuple(b) for b in buckets]
+        self.gather, self.names = gather, list(names)
+        self._at: int | None = None
+        self._held: dict[str, dict[int, np.ndarray]] = {}
+
+    def __call__(self, i: int, name: str) -> np.ndarray:
+        b = next(k for k, bucket in enumerate(self.buckets) if i in bucket)
+        if b != self._at:
+            self._held = {}  # let go of the last bucket before gathering the next
+            for slot in self.names:
+                self._held[slot] = {j: np.asarray(t) for j, t in self.gather(slot, b).items()}
+            self._at = b
+        if name not in self._held:
+            raise ValueError(
+                f"The sharded optimizer state has no slot {name!r} to save (the copy of the "
+                f"optimizer built on the weights has it). Received: slots {self.names}"
+            )
+        return self._held[name][i]
+
+
 def keep_in_saves(
     optimizer: keras.optimizers.Optimizer,
     model: keras.Model,
-    whole_slots: Callable[[], dict],
+    reader: Callable[[], Callable[[int, str], np.ndarray]],
 ) -> None:
     """Makes Keras's save of `optimizer` write the sharded state whole.
 
     Args:
       optimizer: the model's optimizer (the outer one of a LossScaleOptimizer).
       model: the model whose trainable weights the slots belong to.
-      whole_slots: returns {"v<index in model.trainable_variables>_<slot>": whole value}
-        (a collective across worker processes).
+      reader: returns read(position in model.trainable_variables, slot) -> the whole value
+        (a BucketReader: collectives across worker processes).
     """
 
     def save_own_variables(store) -> None:
-        for k, value in enumerate(saved_values(optimizer, model, whole_slots())):
+        for k, value in enumerate(saved_values(optimizer, model, reader())):
             store[str(k)] = value
 
     # An attribute of this optimizer object only: a recompiled model's new optimizer, or the
@@ -54,9 +88,10 @@ def keep_in_saves(
     optimizer.save_own_variables = save_own_variables
 
 
-def saved_values(optimizer, model: keras.Model, slots: dict) -> list[np.ndarray]:
+def saved_values(optimizer, model: keras.Model, read: Callable[[int, str], np.ndarray]):
     """The values Keras's save of `optimizer`, built on the model's trainable weights, would
-    write, in its order: the optimizer's own variables, and each weight's slots."""
+    write, in its order (a generator): the optimizer's own variables, and each weight's
+    slots, read one at a time."""
     trainable = list(model.trainable_variables)
 
     def layout():
@@ -67,21 +102,12 @@ def saved_values(optimizer, model: keras.Model, slots: dict) -> list[np.ndarray]
         return updates.optimizer_copy(optimizer, stand_ins).variables
 
     own = {_own_name(v): v for v in optimizer.variables}
-    values = []
     for variable in updates.outside_strategy(layout):
         found = _SLOT.search(variable.path)
         if found:
-            key = f"v{found.group(1)}_{found.group(2)}"
-            if key not in slots:
-                raise ValueError(
-                    f"The sharded optimizer state has no slot {key!r} to save (the copy of "
-                    f"{type(optimizer).__name__} built on the weights has it). Received: "
-                    f"slots {sorted(slots)[:6]}"
-                )
-            values.append(np.asarray(slots[key]))
+            yield read(int(found.group(1)), found.group(2))
         else:
-            values.append(np.asarray(own[_own_name(variable)].numpy()))
-    return values
+            yield np.asarray(own[_own_name(variable)].numpy())
 
 
 def _own_name(variable) -> str:

@@ -316,7 +316,7 @@ class ShardedUpdate(StepHook):
             ]
         )
         self.devices = devices
-        saved_state.keep_in_saves(outer, model, self.whole_slots)
+        saved_state.keep_in_saves(outer, model, self.slot_reader)
         self.ring = None
         if layout.processes > 1:
             self.ring = ProcessRing(
@@ -528,21 +528,33 @@ class ShardedUpdate(StepHook):
         """Every slot of every weight, whole, by "v<variable's index>_<slot>" (the index in
         model.trainable_variables: names Keras numbers per process are not stable). A
         collective across worker processes: every worker calls it at the same point."""
-        variables = list(self.model.trainable_variables)
         out = {}
         for name in self.slot_names():
-            for b, partition in enumerate(self.partitions):
-                mine = []
-                for replica in self.replicas:
-                    pieces = replica.pieces[b]
-                    flat = [tf.reshape(replica.slots[p.index, name], [-1]) for p in pieces]
-                    mine.append(tf.concat(flat, 0) if flat else tf.zeros([0], self.dtype))
-                whole = self._gathered(partition, mine)[0]
-                for i in partition.order:
-                    start = partition.offsets[i]
-                    value = whole[start : start + partition.sizes[i]]
-                    out[f"v{i}_{name}"] = tf.reshape(value, variables[i].shape)
+            for b in range(len(self.partitions)):
+                for i, value in self._whole_slot(name, b).items():
+                    out[f"v{i}_{name}"] = value
         return out
+
+    def _whole_slot(self, name: str, b: int) -> dict[int, tf.Tensor]:
+        """Slot `name` of each weight of partition `b`, whole (a collective)."""
+        variables = list(self.model.trainable_variables)
+        partition = self.partitions[b]
+        mine = []
+        for replica in self.replicas:
+            pieces = replica.pieces[b]
+            flat = [tf.reshape(replica.slots[p.index, name], [-1]) for p in pieces]
+            mine.append(tf.concat(flat, 0) if flat else tf.zeros([0], self.dtype))
+        whole = self._gathered(partition, mine)[0]
+        out = {}
+        for i in partition.order:
+            start = partition.offsets[i]
+            out[i] = tf.reshape(whole[start : start + partition.sizes[i]], variables[i].shape)
+        return out
+
+    def slot_reader(self) -> saved_state.BucketReader:
+        """Whole slots for a save, a partition's at a time (collectives)."""
+        buckets = [partition.order for partition in self.partitions]
+        return saved_state.BucketReader(buckets, self._whole_slot, self.slot_names())
 
     def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
         """Gives each local replica its slices of whole slots (saved with any number of

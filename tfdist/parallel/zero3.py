@@ -209,7 +209,7 @@ class ShardedParameters(StepHook):
                     slots[int(found.group(1)), found.group(2)] = slot
             self.slots.append(slots)
         self.slot_names = sorted({name for slots in self.slots for _, name in slots})
-        saved_state.keep_in_saves(optimizer, model, self.whole_slots)
+        saved_state.keep_in_saves(optimizer, model, self.slot_reader)
         self._gatherers: dict = {}
         # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
         # (this replica's whole gradient of it, and the part the tape was given).
@@ -415,6 +415,15 @@ class ShardedParameters(StepHook):
                 for i, whole in zip(bucket, self._wholes(name, bucket), strict=True):
                     out[f"v{i}_{name}"] = whole
         return out
+
+    def slot_reader(self) -> saved_state.BucketReader:
+        """Whole slots for a save, a gather bucket's at a time (collectives)."""
+        buckets = self._buckets()
+
+        def gather(name: str, b: int) -> dict[int, tf.Tensor]:
+            return dict(zip(buckets[b], self._wholes(name, buckets[b]), strict=True))
+
+        return saved_state.BucketReader(buckets, gather, self.slot_names)
 
     def restore_slots(self, restored: dict[str, tf.Tensor]) -> None:
         for d, slots in enumerate(self.slots):
