@@ -3,8 +3,10 @@ fast tier.
 
 The fast tier (`pytest --fast`, about a minute on 2 cores) runs the tests of modules marked
 `pytestmark = pytest.mark.fast` (the logic, cluster, launcher, Kubernetes, schedule, registry
-and error-message tests), less those marked `multiprocess`: no TensorFlow process is
-launched, no wheel built, no model trained. A test in an unmarked module runs in the whole
+and error-message tests), less those marked `multiprocess` (they start processes) or `slow`
+(they train in this process): no TensorFlow process is launched, no wheel built, no model
+trained. A fast-tier test that starts a training binary or a test worker fails
+(pytest_runtest_call). A test in an unmarked module runs in the whole
 suite (`pytest`) only; a new test in a fast module is in the fast tier unless marked
 `multiprocess`.
 """
@@ -43,10 +45,29 @@ def pytest_collection_modifyitems(config, items):
         return
     kept, left = [], []
     for item in items:
-        fast = item.get_closest_marker("fast") and not item.get_closest_marker("multiprocess")
-        (kept if fast else left).append(item)
+        (kept if _in_fast_tier(item) else left).append(item)
     config.hook.pytest_deselected(items=left)
     items[:] = kept
+
+
+def _in_fast_tier(item) -> bool:
+    return bool(item.get_closest_marker("fast")) and not any(
+        item.get_closest_marker(name) for name in ("multiprocess", "slow")
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """A test of the fast tier that runs a training binary or a test worker itself (`python
+    -m experiments...`) fails: its markers would not tell the truth (mark it multiprocess)."""
+    before = _LAUNCHES["tensorflow"]
+    result = yield
+    if _in_fast_tier(item) and _LAUNCHES["tensorflow"] > before:
+        raise AssertionError(
+            f"{item.nodeid} is in the fast tier but started a TensorFlow process: mark it "
+            "pytest.mark.multiprocess (or move the process into a fixture of a slower test)"
+        )
+    return result
 
 
 def _check_groups(config, items) -> None:
@@ -80,7 +101,10 @@ def pytest_configure(config):
 # subprocess.Popen in a pytest process; a launcher's tasks are counted from its flags. Each
 # pytest-xdist worker writes its counts to a folder the controller names, which sums them.
 
-_LAUNCHES = {"launches": 0, "processes": 0}
+_LAUNCHES = {"launches": 0, "processes": 0, "tensorflow": 0}
+# Modules whose processes run TensorFlow: the training binaries and the tests' worker scripts
+# (the launcher's own tests start plain Python tasks, which the fast tier may).
+_TENSORFLOW_MODULES = ("experiments.", "tests.workers.")
 _LAUNCH_DIR = "TFDIST_TEST_LAUNCH_COUNTS"
 
 
@@ -108,6 +132,11 @@ def _count_launches(config) -> None:
     def counted(self, args, *rest, **keywords):
         _LAUNCHES["launches"] += 1
         _LAUNCHES["processes"] += _tasks_of(args)
+        argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+        # `python -m <module>` itself (through a launcher the tasks may never start: a
+        # refused layout starts none).
+        if argv[1:2] == ["-m"] and argv[2:3] and argv[2].startswith(_TENSORFLOW_MODULES):
+            _LAUNCHES["tensorflow"] += 1
         original(self, args, *rest, **keywords)
 
     subprocess.Popen.__init__ = counted

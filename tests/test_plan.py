@@ -281,7 +281,7 @@ def tiny() -> keras.Model:
     return model
 
 
-@pytest.mark.multiprocess
+@pytest.mark.slow  # builds and traces models in this process
 def test_an_uncompiled_model_needs_optimizer_to_be_planned(capsys):
     """Its optimizer's state cannot be counted: one line says so; --optimizer plans it."""
     flags = ["--model", "tests.test_plan:uncompiled", "--batch", "8", "--top", "1"]

@@ -273,6 +273,7 @@ def reference():
     return run_smoke_steps(strategy, steps=STEPS)
 
 
+@pytest.mark.slow  # trains a model under each strategy, in this process
 @pytest.mark.parametrize(
     "name, kwargs, replicas",
     [
