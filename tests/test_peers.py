@@ -352,9 +352,9 @@ def test_a_worker_killed_at_a_random_step_restarts_to_the_uninterrupted_weights(
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy, task", [("parameter_server", "ps")])
-def test_a_port_another_process_holds_is_named_in_one_line(tmp_path, strategy, task):
-    # multi_worker_mirrored's worker: in the test below, whose one run checks this line too.
+def test_a_port_another_process_holds_is_named_in_one_line(tmp_path):
+    # A ps; multi_worker_mirrored's worker is the test below, whose one run checks this line.
+    strategy, task = "parameter_server", "ps"
     # Another process (this test) listens on every address of the TF_CONFIG: the peers look
     # up, and the task's own server cannot start.
     holders = []
