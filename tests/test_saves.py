@@ -4,7 +4,8 @@ on, lands where a run that never stopped lands (Keras's fit on one device).
 
 Under zero1, zero2 and zero3 the user's optimizer held no slots (they live in slices), and
 Keras's save wrote its two variables: loaded, Adam restarted from zero moments at step 0
-(4.9e-2 from the unbroken run after one more epoch).
+(4.9e-2 from the unbroken run after one more epoch). Tensor parallelism by a layout map
+(each replica's parts updated by its own copy of the optimizer) is held to the same.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -22,9 +24,9 @@ import tfdist
 from tests import keras_hub_models, pipeline_cases
 from tests.conftest import REPO
 from tests.workers import sparse_rows_worker
-from tfdist.parallel import Pipeline
+from tfdist.parallel import Pipeline, tensor_parallel
 
-MODES = ["zero1", "zero2", "zero3", "pipeline"]
+MODES = ["zero1", "zero2", "zero3", "pipeline", "tensor"]
 TOLERANCE = 1e-5
 
 # Run in a fresh interpreter: load each file with Keras alone, train one more epoch as
@@ -48,7 +50,11 @@ _TRAIN_ON = textwrap.dedent(
 
 
 def mirrored(devices: int = 2) -> tf.distribute.MirroredStrategy:
-    return tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+    """tfdist's (each strategy its own collective keys: raw MirroredStrategies in one process
+    share them, and a gather after another strategy's all-reduce of the same key aborts)."""
+    return tfdist.build_strategy(
+        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(devices)]
+    )
 
 
 def saved_after_one_epoch(mode: str, path) -> None:
@@ -56,11 +62,16 @@ def saved_after_one_epoch(mode: str, path) -> None:
     keywords: dict = {}
     if mode == "pipeline":
         keywords["pipeline"] = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2)
-    else:
+    elif mode != "tensor":
         keywords["shard_optimizer"] = mode
-    hosted = mode in ("zero3", "pipeline")
+    hosted = mode in ("zero3", "pipeline", "tensor")
     with tfdist.host_scope(strategy) if hosted else strategy.scope():
         model = pipeline_cases.mlp()
+    if mode == "tensor":  # d3 by its columns, d4 by its rows: Keras's layers, split by a map
+        mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
+        layout = keras.distribution.LayoutMap(mesh)
+        layout["d3/kernel"], layout["d4/kernel"] = (None, "model"), ("model", None)
+        tensor_parallel(model, layout_map=layout)
     tfdist.fit(model, pipeline_cases.data(), verbose=0, **keywords)
     model.save(path)
 

@@ -31,6 +31,7 @@ from tfdist.parallel import (
     tensor_parallel,
 )
 from tfdist.parallel.tensor import dense_weights
+from tfdist.parallel.tensor.derive import derive_layout_map, derive_split
 from tfdist.parallel.tensor.layout_map import plan_of
 
 TOLERANCE = 1e-5
@@ -467,13 +468,20 @@ def test_a_degree_that_does_not_divide_the_replicas_is_refused():
         ColumnParallelDense(6, tensor_parallel=3).build((None, 5))
 
 
-def test_a_subclassed_model_cannot_be_converted():
+def test_a_subclassed_model_is_split_as_its_shapes_say_once_built():
+    """No layer graph to rewrite: the split is derived from its layers (derive.py), which
+    reads their shapes, so an unbuilt one is refused in one line; dense_model needs a graph."""
+
     class Net(keras.Model):
         def call(self, x):
             return x
 
+    with pytest.raises(TensorParallelError, match="has none yet. Build it first"):
+        tensor_parallel(Net(), degree=2)
+    with pytest.raises(TensorParallelError, match="needs degree="):
+        tensor_parallel(transformer())
     with pytest.raises(TensorParallelError, match="is subclassed"):
-        tensor_parallel(Net())
+        dense_model(Net())
 
 
 @pytest.mark.parametrize(
@@ -673,3 +681,119 @@ def test_a_layout_map_keras_hub_writes_is_checked_before_training():
         TensorParallelError, match=r"attention_output/kernel has 2 along .* 4 parts"
     ):
         tensor_parallel(model, layout_map=gemma_layout(4, 4))
+
+
+# --- a split derived from the layers' shapes: tensor_parallel(model, degree=T), no map ----------
+
+
+@pytest.mark.parametrize("name", ["mistral", "phi3"])
+def test_a_model_that_ships_no_layout_map_splits_as_its_shapes_say_and_trains_as_keras(
+    name, caplog
+):
+    """keras-hub ships no layout map for Mistral or Phi3. tensor_parallel(degree=2) derives
+    one: attention by heads (2 query heads sharing 1 key/value head, held whole by both
+    replicas; Mistral counts them in private attributes and attends through a sliding
+    window), each gated MLP by columns then rows, the vocabulary of keras-hub's
+    ReversibleEmbedding (its untied reverse table by columns); norms whole. Logged layer by
+    layer. fit called twice against Keras's fit on one device; dense_model gives back a
+    plain Keras model that predicts as the reference does."""
+    pytest.importorskip("keras_hub")
+    from tests import keras_hub_models
+
+    make = getattr(keras_hub_models, f"{name}_causal_lm")
+    with tfdist.host_scope(mirrored(2)):
+        model = make()
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        assert tensor_parallel(model, degree=2) is model
+    attention = "self_attention" if name == "mistral" else "attention"
+    for line in [
+        "is derived from its layers' shapes",
+        f"split transformer_layer_0/{attention}: by heads",
+        "split transformer_layer_1: MLP feedforward_intermediate_dense, feedforward_gate_dense"
+        " -> feedforward_output_dense (width 32 by columns, then rows)",
+        "split token_embedding: by vocabulary (64 and its reverse table)",
+    ]:
+        assert line in caplog.text
+    placements = zip(model.trainable_variables, plan_of(model).placements, strict=True)
+    held = {v.path: (p.axis, p.parts) for v, p in placements}
+    block = f"transformer_layer_0/{attention}"
+    assert held[f"{block}/query/kernel"] == (1, 2)
+    assert held[f"{block}/key/kernel"] == (1, 1)  # 1 key/value head: both replicas hold it
+    assert held[f"{block}/attention_output/kernel"] == (0, 2)
+    assert held["transformer_layer_0/feedforward_gate_dense/kernel"] == (1, 2)
+    assert held["transformer_layer_0/feedforward_output_dense/kernel"] == (0, 2)
+    assert held["token_embedding/reverse_embeddings"] == (1, 2)
+    assert held["sequence_output_layernorm/scale"] == (None, 1)
+    data = keras_hub_models.token_data()
+    losses = [tfdist.fit(model, data, verbose=0).history["loss"][0] for _ in range(2)]
+    reference = make()
+    want = reference.fit(data, epochs=2, verbose=0, shuffle=False).history["loss"]
+    assert losses == pytest.approx(want, abs=1e-5)
+    for v, want_w, got_w in zip(
+        reference.weights, reference.get_weights(), model.get_weights(), strict=True
+    ):
+        assert np.max(np.abs(want_w - got_w)) <= TOLERANCE, v.path
+    plain = dense_model(model)
+    assert plan_of(plain) is None and plain is not model
+    tokens = next(iter(data))[0]
+    np.testing.assert_allclose(plain.predict(tokens, verbose=0), reference(tokens), atol=1e-4)
+
+
+class WideBlock(keras.layers.Layer):
+    """A block whose MLP narrows through an activation (its parts would pass through it
+    before they are added) beside one of another width that can split."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.up = keras.layers.Dense(8, activation="relu", name="up")
+        self.down = keras.layers.Dense(4, activation="tanh", name="down")
+        self.widen = keras.layers.Dense(12, activation="gelu", name="widen")
+        self.narrow = keras.layers.Dense(4, name="narrow")
+
+    def call(self, x):
+        return self.down(self.up(x)) + self.narrow(self.widen(x))
+
+
+def test_a_map_is_checked_against_the_model_before_training_naming_a_dimension_that_works():
+    """Llama's map fits Mistral (the same layer names; its width split moves to the heads),
+    splitting as the derived map does but for the untied logits' table, which it holds whole;
+    a map that splits one projection of an attention, or an Embedding's features, is refused
+    in one line that names the weight, its shape, the dimension asked and one that works;
+    derive_layout_map is the derived split as a map to edit. A layer that cannot split
+    stays whole, and the report says why."""
+    keras_hub = pytest.importorskip("keras_hub")
+    from tests import keras_hub_models
+
+    model = keras_hub_models.mistral_causal_lm()
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
+    tensor_parallel(model, layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh))
+    from_llama = [(p.axis, p.parts) for p in plan_of(model).placements]
+    tensor_parallel(model, layout_map=derive_layout_map(model, mesh))
+    derived = [(p.axis, p.parts) for p in plan_of(model).placements]
+    # The same split, and the derived one splits the untied logits' table too
+    paths = [v.path for v in model.trainable_variables]
+    differ = [p for p, a, b in zip(paths, from_llama, derived, strict=True) if a != b]
+    assert differ == ["token_embedding/reverse_embeddings"]
+    attention_only = keras.distribution.LayoutMap(mesh)
+    attention_only[".*attention_output.kernel"] = (None, None, "model")
+    with pytest.raises(
+        TensorParallelError,
+        match=r"self_attention/query/kernel: the map splits self_attention's heads .* "
+        r"dimension 1 would work .* Received: shape \(16, 2, 8\), not in the map",
+    ):
+        tensor_parallel(model, layout_map=attention_only)
+    features = keras.distribution.LayoutMap(mesh)
+    features["token_embedding/embeddings"] = (None, "model")
+    with pytest.raises(
+        TensorParallelError,
+        match=r"dimension 0 would work .*/embeddings of shape \(64, 16\) split along dimension 1",
+    ):
+        tensor_parallel(model, layout_map=features)
+
+    inputs = keras.Input((4,))
+    block = keras.Model(inputs, WideBlock(name="block")(inputs))
+    derived = derive_split(block, 2)
+    assert derived.axes == {"block/widen/kernel": 1, "block/narrow/kernel": 0}
+    assert derived.whole == [
+        "block: up -> down: down applies an activation before its parts would be added"
+    ]

@@ -11,6 +11,7 @@ import keras
 import numpy as np
 
 from tfdist import compat
+from tfdist.parallel.tensor.derive import head_counts
 from tfdist.parallel.tensor.layers import (
     SEPARABLE_REGULARIZERS,
     ColumnParallelDense,
@@ -20,31 +21,50 @@ from tfdist.parallel.tensor.layers import (
     _Split,
     _SplitDense,
 )
-from tfdist.parallel.tensor.layout_map import SPLIT_BY_TFDIST, apply_layout_map
+from tfdist.parallel.tensor.layout_map import (
+    SPLIT_BY_TFDIST,
+    apply_derived_split,
+    apply_layout_map,
+    plan_of,
+)
 from tfdist.parallel.tensor.mappings import TensorParallelError
 from tfdist.strategies import keras_guard
+
+# The layers tensor_parallel's rewrite knows, by exact class (a subclass may call them in
+# ways their split twins do not take: keras-hub's ReversibleEmbedding with reverse=True).
+_REWRITTEN = (keras.layers.Dense, keras.layers.Embedding, keras.layers.MultiHeadAttention)
 
 
 def tensor_parallel(
     model: keras.Model, *, degree: int | None = None, layout_map=None, model_axis: str = "model"
 ) -> keras.Model:
-    """A copy of `model` with its Dense->Dense blocks, Embeddings and MultiHeadAttention
-    layers split over `degree` replicas (call it inside the strategy's scope); or, given a
-    Keras `layout_map` (keras-hub's `Backbone.get_layout_map(mesh)`), `model` itself, marked
-    to train with every weight the map splits over the mesh's `model_axis` held in parts
-    (tfdist.parallel.tensor.layout_map: build the model in tfdist.host_scope).
+    """`model` split over `degree` replicas (call it inside the strategy's scope), three ways:
 
-    A Dense layer whose output feeds only another Dense becomes a ColumnParallelDense and
-    that one a RowParallelDense (an MLP block: one exchange forward); an Embedding a
-    ParallelEmbedding; a MultiHeadAttention a ParallelMultiHeadAttention. Inside a block
-    written as a Layer subclass (keras.io's TransformerBlock), the layers it holds as
-    attributes are split alike: its Embeddings and attention, and the Dense->Dense pairs of a
-    Sequential it holds. The copy starts from the model's weights (it computes the same
-    function) and is not compiled.
+    - A Sequential or functional model of Keras's own layers: a copy with its Dense->Dense
+      blocks, Embeddings and MultiHeadAttention layers rewritten as split layers. A Dense
+      layer whose output feeds only another Dense becomes a ColumnParallelDense and that one
+      a RowParallelDense (an MLP block: one exchange forward); an Embedding a
+      ParallelEmbedding; a MultiHeadAttention a ParallelMultiHeadAttention. Inside a block
+      written as a Layer subclass (keras.io's TransformerBlock), the layers it holds as
+      attributes are split alike. The copy starts from the model's weights (it computes the
+      same function) and is not compiled.
+    - Any other built model (subclassed, or holding layers of other classes: keras-hub's
+      ReversibleEmbedding, EinsumDense projections, attention that counts its heads in
+      attributes): `model` itself, marked to train with the split its layers' shapes give
+      (tfdist.parallel.tensor.derive: attention by heads, widen-then-narrow MLPs, vocabularies),
+      logged layer by layer; a layer that cannot split stays whole.
+    - Given a Keras `layout_map` (keras-hub's `Backbone.get_layout_map(mesh)`, or
+      `derive_layout_map(model, mesh)` edited): `model` itself, marked to train with every
+      weight the map splits over the mesh's `model_axis` held in parts
+      (tfdist.parallel.tensor.layout_map), checked against the model first.
+
+    The last two train under tfdist.fit with each replica's parts on its device and the whole
+    model in host memory (build it in tfdist.host_scope to keep it off the devices).
 
     Raises:
       TensorParallelError: a size does not divide by `degree` (units, vocabulary, heads),
-        or the model is subclassed (no layer graph to rewrite).
+        a layout map asks what the model cannot do, or the model is not built (a split
+        derived or mapped reads its weights' shapes).
     """
     if layout_map is not None:
         if degree is not None:
@@ -53,8 +73,15 @@ def tensor_parallel(
                 f"(its {model_axis!r} axis). Received: degree={degree} and a layout map"
             )
         return apply_layout_map(model, layout_map, model_axis)
-    graph = _graph_of(model, "tensor_parallel", "Build it with the split layers directly "
-                      "(tfdist.parallel.ColumnParallelDense, ...).")  # fmt: skip
+    if degree is None:
+        raise TensorParallelError(
+            "tensor_parallel needs degree= (replicas per tensor-parallel group) or "
+            "layout_map=. Received: neither"
+        )
+    beyond = _beyond_rewrite(model)
+    if beyond is not None:
+        return apply_derived_split(model, degree, why=beyond)
+    graph = compat.layer_graph(model)
     column, row = _mlp_pairs(model, graph)
 
     def split(layer, *, top: bool):
@@ -70,15 +97,47 @@ def tensor_parallel(
     return split_model
 
 
+def _beyond_rewrite(model: keras.Model) -> str | None:
+    """Why the layer rewrite cannot split `model` (None: it can): subclassed, or a layer
+    with weights to split of a class it does not know."""
+    if compat.layer_graph(model) is None:
+        return f"{model.name!r} is subclassed (no layer graph to rewrite)"
+    inside_attention = {
+        id(inner)
+        for layer in compat.all_layers(model)
+        if type(layer) is keras.layers.MultiHeadAttention
+        for inner in compat.all_layers(layer)
+    }
+    for layer in compat.all_layers(model):
+        known = type(layer) in _REWRITTEN or id(layer) in inside_attention
+        splittable = isinstance(layer, (*_REWRITTEN, keras.layers.EinsumDense)) or head_counts(
+            layer
+        )
+        if splittable and not known and not isinstance(layer, keras.Model):
+            return f"{model.name!r} holds {layer.name!r}, a {type(layer).__name__}"
+    return None
+
+
 def dense_model(model: keras.Model) -> keras.Model:
     """A copy of `model` with plain Keras layers for its split ones (Dense, Embedding,
     MultiHeadAttention), inside the blocks it holds too, the whole weights in them: for one
     device, or to save a model that loads without tfdist. Call it outside any strategy's
-    scope.
+    scope. A model split by a layout (derived or a map) keeps Keras's layers: its copy is
+    rebuilt from its config, unmarked, with the whole weights tfdist.fit wrote back.
 
     Raises:
       TensorParallelError: the model is subclassed (no layer graph to rewrite).
     """
+    if plan_of(model) is not None:  # split by a layout: its layers are Keras's own
+        copy = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(model))
+        if not copy.built:
+            raise TensorParallelError(
+                f"dense_model rebuilds {model.name!r} from its config, and the copy is not "
+                "built (a subclassed model builds when called). Its weights are whole "
+                f"outside tfdist.fit: save or use the model itself. Received: {type(model).__name__}"
+            )
+        copy.set_weights(model.get_weights())
+        return copy
     _graph_of(model, "dense_model", "")
 
     def dense(layer, *, top: bool):

@@ -73,7 +73,14 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import host, updates
+from tfdist.parallel import host, saved_state, updates
+from tfdist.parallel.tensor.derive import (
+    HEAD_COUNTS,
+    DerivedSplit,
+    attention_layers,
+    derive_split,
+    head_counts,
+)
 from tfdist.parallel.tensor.mappings import (
     TensorParallelError,
     gather_from_group,
@@ -88,8 +95,9 @@ from tfdist.training.runner import Runner, StepHook
 
 log = logging.getLogger(__name__)
 
-# The attributes in which attention layers count their heads (keras-hub's).
-HEAD_COUNTS = ("num_query_heads", "num_key_value_heads", "num_heads")
+# The attributes in which attention layers count the query heads that share a key/value
+# head (Mistral's private); their head counts: derive.HEAD_COUNTS.
+GROUP_COUNTS = ("num_key_value_groups", "_num_key_value_groups")
 
 
 @dataclasses.dataclass
@@ -165,15 +173,8 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
             "the tensor-parallel axis with model_axis=..., or build the mesh with it. "
             f"Received: axes {list(mesh.axis_names)}"
         )
-    if not model.built:
-        raise TensorParallelError(
-            f"tensor_parallel(layout_map=...) reads the paths of {model.name!r}'s weights, "
-            "and it has none yet. Build it first (call it on a batch, or model.build(shape))."
-        )
+    _check_built(model, "tensor_parallel(layout_map=...)")
     degree = int(mesh.shape[list(mesh.axis_names).index(model_axis)])
-    owners = {
-        id(v): layer for layer in compat.all_layers(model) for v in compat.own_variables(layer)
-    }
     axes: dict[int, int] = {}  # weight -> its split axis, as the map names it
     for variable in model.trainable_variables:
         try:
@@ -188,6 +189,39 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
             )
         if named:
             axes[id(variable)] = named[0]
+    return _apply(model, axes, degree, derive_split(model, degree))
+
+
+def apply_derived_split(model: keras.Model, degree: int, *, why: str) -> keras.Model:
+    """Marks `model` to train split over `degree` replicas as its layers' shapes say
+    (derive.py), logging why (`why`: the layer rewrite cannot), what splits and what stays
+    whole; returns the model itself."""
+    _check_built(model, "tensor_parallel")
+    derived = derive_split(model, degree)
+    log.info(
+        "tensor_parallel: %s, so its split over %d replicas is derived from its layers' "
+        "shapes: %s",
+        why, degree, derived.report(),
+    )  # fmt: skip
+    by_path = {v.path: v for v in model.trainable_variables}
+    axes = {id(by_path[path]): axis for path, axis in derived.axes.items()}
+    return _apply(model, axes, degree, derived)
+
+
+def _check_built(model: keras.Model, function: str) -> None:
+    if not model.built:
+        raise TensorParallelError(
+            f"{function} reads the paths and shapes of {model.name!r}'s weights, and it has "
+            "none yet. Build it first (call it on a batch, or model.build(shape))."
+        )
+
+
+def _apply(model: keras.Model, axes: dict[int, int], degree: int, derived) -> keras.Model:
+    """Plans the split `axes` (weight id -> dimension) asks, checked; `derived` (the split
+    the shapes give) names a dimension that would work in each refusal."""
+    owners = {
+        id(v): layer for layer in compat.all_layers(model) for v in compat.own_variables(layer)
+    }
     moved = _split_by_heads(model, axes, owners)
     if moved:
         log.info(
@@ -202,12 +236,13 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
         if id(variable) not in axes:
             continue
         layer = owners.get(id(variable))
-        kind, extra = _kind(layer, variable, axes[id(variable)], degree)
+        kind, extra = _kind(layer, variable, axes[id(variable)], derived)
         layers[id(layer)] = (layer, kind)
         for key, placement in extra.items():
-            _check_divides(by_id[key], placement, degree, shared=kind == "column")
+            _check_divides(by_id[key], placement, degree, derived, shared=kind == "column")
         placements.update(extra)
-    regions = _head_regions(model, {id(layer) for layer, _ in layers.values()}, degree, axes)
+    split = {id(layer) for layer, _ in layers.values()}
+    regions = _head_regions(model, split, degree, axes, derived)
     _gather_lone_columns(model, layers, regions)
     plan = LayoutPlan(
         degree=degree,
@@ -221,17 +256,18 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
     return model
 
 
-def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Placement]]:
+def _kind(layer, variable, axis: int, derived: DerivedSplit) -> tuple[str, dict[int, Placement]]:
     """(the layer's kind, the placements of its weights) for a layer whose `variable` the
     map splits along `axis`."""
-    name = variable.path
+    name, degree = variable.path, derived.degree
+    asked = f"Received: {name} of shape {tuple(variable.shape)} split along dimension {axis}"
     if isinstance(layer, keras.layers.Embedding):
         reverse = getattr(layer, "reverse_embeddings", None)
         vocabulary_axis = 1 if reverse is not None and variable is reverse else 0
         if axis != vocabulary_axis:
             raise TensorParallelError(
-                f"{name}: an Embedding splits by its vocabulary (axis {vocabulary_axis}); "
-                f"splitting its features is not built. Received: axis {axis}"
+                f"{name}: an Embedding splits by its vocabulary (dimension {vocabulary_axis}); "
+                f"splitting its features is not built: {derived.hint(name)}. {asked}"
             )
         return "vocab", {id(variable): Placement(axis, degree, degree)}
     linear = isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
@@ -239,7 +275,7 @@ def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Place
         raise TensorParallelError(
             f"{name}: tensor_parallel(layout_map=...) splits the kernels of Dense and "
             "EinsumDense layers and the tables of Embeddings; this weight belongs to a "
-            f"{type(layer).__name__}. Leave it out of the map. Received: {name} split"
+            f"{type(layer).__name__}. Leave it out of the map: {derived.hint(name)}. {asked}"
         )
     if isinstance(layer, keras.layers.Dense):
         kernel, output = "ab", "...b"
@@ -258,7 +294,8 @@ def _kind(layer, variable, axis: int, degree: int) -> tuple[str, dict[int, Place
         raise TensorParallelError(
             f"{layer.name} adds its partial sums over the group after its kernel, so its "
             "activation would be applied to a part. Split it by its outputs instead, or "
-            f"move the activation to a layer of its own. Received: {layer.activation}"
+            f"move the activation to a layer of its own: {derived.hint(name)}. {asked} "
+            f"(activation {keras.activations.serialize(layer.activation)})"
         )
     if bias is not None:
         placements[id(bias)] = Placement(None, 1, degree, scale=1.0 / degree)
@@ -295,7 +332,9 @@ def _bias_letters(layer, output: str) -> str:
     return layer.bias_axes or ""
 
 
-def _check_divides(variable, placement: Placement, degree: int, *, shared: bool) -> None:
+def _check_divides(
+    variable, placement: Placement, degree: int, derived: DerivedSplit, *, shared: bool
+) -> None:
     """A split dimension divides into T parts; a column layer's (`shared`) may be smaller
     than T and divide it (key/value heads several replicas hold), never a row layer's or a
     vocabulary (their parts are added)."""
@@ -310,29 +349,35 @@ def _check_divides(variable, placement: Placement, degree: int, *, shared: bool)
     raise TensorParallelError(
         f"{variable.path} has {size} along its split dimension {placement.axis}, which does "
         f"not divide into {degree} parts (the mesh's model axis). Choose sizes divisible by "
-        f"{degree} (heads, units, vocabulary), or a smaller model axis. Received: shape "
-        f"{tuple(variable.shape)}"
+        f"{degree} (heads, units, vocabulary), or a smaller model axis; "
+        f"{derived.hint(variable.path)}. Received: shape {tuple(variable.shape)}"
     )
 
 
-def _check_split_by_heads(region, split_axes: dict[int, int]) -> None:
+def _check_split_by_heads(region, split_axes: dict[int, int], derived: DerivedSplit) -> None:
     """Inside an attention layer tfdist splits the heads: each split kernel there must be
     split along a dimension of a head count's size (keras-hub's Llama map splits its query,
     key and value kernels by the model's width instead, which GSPMD can run and this cannot)."""
-    counts = {getattr(region, a) for a in HEAD_COUNTS if isinstance(getattr(region, a, None), int)}
+    counts = set(head_counts(region).values())
     for inner in compat.all_layers(region):
         kernel = getattr(inner, "kernel", None)
-        if inner is region or kernel is None or id(kernel) not in split_axes:
+        if inner is region or kernel is None:
             continue
+        if id(kernel) not in split_axes:
+            # The layer runs with this replica's heads: each projection must hold them
+            raise TensorParallelError(
+                f"{kernel.path}: the map splits {region.name}'s heads (some of its "
+                "projections), and leaves this projection whole; a split attention splits "
+                f"every projection by its heads: {derived.hint(kernel.path)}. Received: "
+                f"shape {tuple(kernel.shape)}, not in the map"
+            )
         axis = split_axes[id(kernel)]
         if int(kernel.shape[axis]) not in counts:
-            heads = [i for i, n in enumerate(kernel.shape) if int(n) in counts]
             raise TensorParallelError(
                 f"{kernel.path}: inside {region.name} tfdist splits attention by its heads, "
                 f"and the map splits this kernel along dimension {axis} (of "
-                f"{int(kernel.shape[axis])}), not a head count ({sorted(counts)}). Split it "
-                f"along its heads (dimension {heads[0] if heads else '?'}) in the map. "
-                f"Received: shape {tuple(kernel.shape)}"
+                f"{int(kernel.shape[axis])}), not a head count ({sorted(counts)}): "
+                f"{derived.hint(kernel.path)}. Received: shape {tuple(kernel.shape)}"
             )
 
 
@@ -344,9 +389,7 @@ def _split_by_heads(model, axes: dict[int, int], owners: dict) -> list[str]:
     split = {id(owners.get(id(v))) for v in model.trainable_variables if id(v) in axes}
     moved = []
     for region in _attention_layers(model, split):
-        counts = {
-            getattr(region, a) for a in HEAD_COUNTS if isinstance(getattr(region, a, None), int)
-        }
+        counts = set(head_counts(region).values())
         for inner in compat.all_layers(region):
             kernel = getattr(inner, "kernel", None)
             if inner is region or kernel is None or id(kernel) not in axes:
@@ -365,31 +408,23 @@ def _split_by_heads(model, axes: dict[int, int], owners: dict) -> list[str]:
 
 
 def _attention_layers(model, split: set[int]) -> list[keras.layers.Layer]:
-    """The layers that count heads and hold layers in `split` (ids), innermost first (a
-    decoder block that holds such an attention layer is not one)."""
-    found = []
-    for layer in compat.all_layers(model):
-        if layer is model or isinstance(layer, keras.Model):
-            continue
-        counts = [a for a in HEAD_COUNTS if isinstance(getattr(layer, a, None), int)]
-        held = compat.all_layers(layer)
-        if counts and any(id(inner) in split for inner in held if inner is not layer):
-            found.append(layer)
+    """The attention layers (derive.attention_layers: innermost, a decoder block that counts
+    heads is not one) that hold layers in `split` (ids)."""
     return [
         layer
-        for layer in found
-        if not any(other is not layer and other in compat.all_layers(layer) for other in found)
+        for layer in attention_layers(model)
+        if any(id(inner) in split for inner in compat.all_layers(layer))
     ]
 
 
 def _head_regions(
-    model, split: set[int], degree: int, split_axes: dict[int, int]
+    model, split: set[int], degree: int, split_axes: dict[int, int], derived: DerivedSplit
 ) -> list[keras.layers.Layer]:
     """The attention layers that run on the group's examples with this replica's heads,
     checked: their kernels split by heads, and head counts that divide over `degree`."""
     inner = _attention_layers(model, split)
     for layer in inner:
-        _check_split_by_heads(layer, split_axes)
+        _check_split_by_heads(layer, split_axes, derived)
         if getattr(layer, "query_head_dim_normalize", True) is False:
             raise TensorParallelError(
                 f"{layer.name} scales its queries by hidden_dim // num_query_heads, which "
@@ -497,6 +532,7 @@ class LayoutParallel(StepHook):
 
         self.parts, self.copies = updates.outside_strategy(make)
         self._stand_ins = [_Part(self, i) for i in range(len(self.variables))]
+        saved_state.keep_in_saves(optimizer, model, self.slot_reader)
 
     # --- where training starts and settles ----------------------------------------------------
 
@@ -543,11 +579,15 @@ class LayoutParallel(StepHook):
                     for attribute in HEAD_COUNTS
                     if isinstance(count := getattr(layer, attribute, None), int)
                 }
-                if isinstance(getattr(layer, "num_key_value_groups", None), int):
-                    # Llama repeats each key/value head for its queries: here, this replica's
-                    local["num_key_value_groups"] = (
-                        local["num_query_heads"] // local["num_key_value_heads"]
-                    )
+                for groups in GROUP_COUNTS:
+                    if isinstance(getattr(layer, groups, None), int):
+                        # Llama repeats each key/value head for its queries: here, this
+                        # replica's ("_num_key_value_groups" beside "_num_query_heads")
+                        prefix = groups[: groups.index("num")]
+                        local[groups] = (
+                            local[f"{prefix}num_query_heads"]
+                            // local[f"{prefix}num_key_value_heads"]
+                        )
                 for attribute, count in local.items():
                     self._heads.append((layer, attribute, getattr(layer, attribute)))
                     setattr(layer, attribute, count)
@@ -620,6 +660,31 @@ class LayoutParallel(StepHook):
 
     def checkpoint_state(self) -> dict:
         return {f"tensor_layout_optimizer_{r}": copy for r, copy in enumerate(self.copies)}
+
+    def slot_reader(self) -> saved_state.BucketReader:
+        """Whole slots for model.save, a weight at a time, from the first group's parts (as
+        settle() makes the weights whole)."""
+        held = {}  # (weight, part, slot) -> the slot variable
+        for copy in self.copies[: self.plan.degree]:
+            for slot in copy.variables:
+                found = _PART_SLOT.search(slot.path)
+                if found:
+                    held[int(found[1]), int(found[2]), found[3]] = slot
+
+        def whole(name: str, i: int) -> dict[int, np.ndarray]:
+            placement = self.plan.placements[i]
+            pieces = [held[i, j, name].numpy() for j in range(placement.parts)]
+            if placement.axis is None:
+                return {i: pieces[0]}
+            return {i: np.concatenate(pieces, axis=placement.axis)}
+
+        buckets = [(i,) for i in range(len(self.variables))]
+        return saved_state.BucketReader(buckets, whole, sorted({key[2] for key in held}))
+
+
+# A slot of a replica's part in its optimizer copy: Keras names it after the part
+# (tp_v{weight}_part{part}) and the slot ("momentum").
+_PART_SLOT = re.compile(r"tp_v(\d+)_part(\d+)_(\w+)$")
 
 
 class _Part(updates.StandIn):
