@@ -31,7 +31,8 @@
 - downpour.py: SplitReplicaRunner, a Pipeline under parameter_server: each worker's replica
   cut into stages over that worker's devices, training asynchronously (Downpour SGD).
 - tensor/: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
-  ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model,
+  ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model
+  (or to split it by a layout map, given or derived from its shapes: `derive_layout_map`),
   `dense_model` to convert it back, and TensorParallelUpdate, the hook that updates their
   parts (added when a model has them).
 
@@ -73,6 +74,7 @@ _EXPORTS = {
     "TensorParallelError": "tfdist.parallel.tensor",
     "TensorParallelUpdate": "tfdist.parallel.tensor",
     "dense_model": "tfdist.parallel.tensor",
+    "derive_layout_map": "tfdist.parallel.tensor",
     "split_layers": "tfdist.parallel.tensor",
     "tensor_parallel": "tfdist.parallel.tensor",
     "Partition": "tfdist.parallel.zero",

@@ -12,6 +12,11 @@
     with strategy.scope():
         model = tfdist.parallel.tensor_parallel(dense_model, degree=2)
 
+    # or, for a model of other layers (keras-hub's Mistral), split it as its shapes say:
+    with tfdist.host_scope(strategy):
+        model = keras_hub.models.MistralCausalLM(...)
+    tfdist.parallel.tensor_parallel(model, degree=2)
+
 The replicas form groups of T consecutive replicas (T = tensor_parallel); the replicas of a
 group share their examples, and each holds 1/T of every split weight, as a variable of its
 own on its own device (a device holds 1/T of the layer's parameters). Replica i holds part
@@ -57,10 +62,12 @@ The package, one concern a module:
   layers.py     the split layers
   update.py     TensorParallelUpdate, the hook that updates their parts
   convert.py    tensor_parallel (a model's layers split) and dense_model (and back)
-  layout.py     tensor_parallel(layout_map=...): a Keras LayoutMap's split, and its hook
+  layout_map.py tensor_parallel(layout_map=...): a Keras LayoutMap's split, and its hook
+  derive.py     the split a model's layers' shapes give, for a model with no layout map
 """
 
 from tfdist.parallel.tensor.convert import dense_model, dense_weights, tensor_parallel
+from tfdist.parallel.tensor.derive import derive_layout_map
 from tfdist.parallel.tensor.layers import (
     SPLIT_LAYERS,
     ColumnParallelDense,
@@ -82,6 +89,7 @@ __all__ = [
     "TensorParallelUpdate",
     "dense_model",
     "dense_weights",
+    "derive_layout_map",
     "split_layers",
     "tensor_parallel",
     "update_for",
