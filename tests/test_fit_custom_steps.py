@@ -132,10 +132,41 @@ def test_a_step_that_returns_no_dict_is_one_clear_error():
         tfdist.fit(model, data, epochs=1, verbose=0)
 
 
-@pytest.mark.parametrize("shard", ["zero1", "zero2", "zero3"])
-def test_a_step_that_applies_optimizers_of_its_own_is_refused_by_zero_in_one_line(shard):
-    """keras.io's GAN applies d_optimizer and g_optimizer itself: a sharded update of the
-    optimizer compile took would leave theirs whole on every replica, silently."""
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_shards_the_optimizers_a_step_applies_itself_and_trains_as_unsharded(stage):
+    """keras.io's GAN applies d_optimizer and g_optimizer itself. Under zero1/zero2 each is
+    sharded over the weights it was built on, beside the optimizer compile took: each
+    replica holds 1/N of each one's slots, the model's d_optimizer and g_optimizer keep none
+    (a copy of each: class, config and step count), and the weights equal plain data
+    parallelism's over the same replicas (the unsharded optimizers), fit called twice."""
+    from tfdist.parallel import ShardedUpdate
+
+    with mirrored().scope():
+        reference, data = models.gan()
+    for _ in range(2):
+        tfdist.fit(reference, data, verbose=0)
+    with mirrored().scope():
+        model, data = models.gan()
+    hook = ShardedUpdate(stage=stage)
+    for _ in range(2):
+        tfdist.fit(model, data, verbose=0, step_hooks=[hook])
+    for want, got in zip(reference.get_weights(), model.get_weights(), strict=True):
+        assert np.max(np.abs(want - got)) <= 1e-6
+    steps = 2 * len(list(data))
+    for attribute in ("d_optimizer", "g_optimizer"):
+        optimizer = getattr(model, attribute)
+        assert int(optimizer.iterations.numpy()) == steps
+        assert len(optimizer.variables) == 2  # its step count and learning rate: no slots
+        sibling = hook.chain_for(optimizer)[0]
+        whole = 2 * sum(int(np.prod(v.shape)) * 4 for v in sibling.variables)  # Adam: m, v
+        held = [replica.slot_bytes() for replica in sibling.replicas]
+        assert len(held) == 2 and sum(held) == whole
+        assert max(held) <= whole / 2 + 8, (attribute, held, whole)
+
+
+def test_zero3_refuses_a_step_that_applies_optimizers_of_its_own_in_one_line():
+    """zero3 gathers the weights for compile's optimizer's update; a GAN's own optimizers
+    would update weights it holds in slices."""
     with mirrored().scope():
         model, data = models.gan()
     with pytest.raises(FitError, match=(
@@ -143,7 +174,18 @@ def test_a_step_that_applies_optimizers_of_its_own_is_refused_by_zero_in_one_lin
         r"g_optimizer \(Adam\) itself; .*Received: a train_step with optimizers "
         r"d_optimizer, g_optimizer"
     )):  # fmt: skip
-        tfdist.fit(model, data, verbose=0, shard_optimizer=shard)
+        tfdist.fit(model, data, verbose=0, shard_optimizer="zero3")
+
+
+def test_zero_refuses_an_optimizer_a_step_applies_itself_that_is_not_built():
+    with mirrored().scope():
+        model, data = models.gan()
+    model.g_optimizer = keras.optimizers.Adam()
+    with pytest.raises(FitError, match=(
+        r"applies g_optimizer \(Adam\) itself, and it is not built.* Build it in compile: "
+        r"self.g_optimizer.build"
+    )):  # fmt: skip
+        tfdist.fit(model, data, verbose=0, shard_optimizer="zero2")
 
 
 def test_the_step_times_measure_the_exchange_of_a_step_s_own_optimizers(caplog):

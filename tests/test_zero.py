@@ -326,6 +326,13 @@ def test_sharded_updates_equal_unsharded_training_across_worker_processes(resume
         two = weights(task, "two_outputs_plain")
         got = weights(task, "two_outputs_zero2_accumulate2")
         assert zero_cases.max_diff(two, got) <= TOLERANCE, task
+        # keras.io's GAN: both optimizers its train_step applies are sharded, 1/3 a worker
+        gan = weights(task, "gan_plain")
+        assert zero_cases.max_diff(gan, weights(task, "gan_zero2")) <= TOLERANCE, task
+        slots = json.loads((out / task / "gan_zero2_slots.json").read_text())
+        for attribute, found in slots.items():
+            assert found["model_optimizer_variables"] == 2, (task, attribute)  # no slots
+            assert found["held"] <= found["whole"] / workers + 8, (task, attribute, found)
 
 
 @pytest.mark.xdist_group("zero_jobs")

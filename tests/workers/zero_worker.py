@@ -7,8 +7,9 @@
   python -m tools.launch --workers 2 -- python -m tests.workers.zero_worker OUT alone
 
 `matrix`: each worker trains the RUNS of tests/zero_cases.py's models unsharded and sharded
-(zero1, zero2, zero3; zero2 with accumulation on a two-output model), and writes the weights
-to OUT/matrix_<N workers>/<task>/.
+(zero1, zero2, zero3; zero2 with accumulation on a two-output model; keras.io's GAN, whose
+train_step applies two optimizers of its own, under zero2), and writes the weights (and the
+GAN's slot bytes per worker) to OUT/matrix_<N workers>/<task>/.
 `resume EPOCHS`: Adam unsharded, with zero2 and with zero3 to EPOCHS, each resuming from its own
 StepCheckpoint under OUT (see `resume`). `gemma`: keras-hub's Gemma causal LM under zero3.
 `alone`: a whole read made by one worker only (see `alone`).
@@ -71,6 +72,32 @@ def matrix(out: str, strategy) -> None:
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(here, f"{name}.json"), "w") as f:
             json.dump(history.history, f)
+    gan(here, strategy)
+
+
+def gan(here: str, strategy) -> None:
+    """keras.io's GAN (a train_step that applies d_optimizer and g_optimizer itself), plain
+    and under zero2: the weights, and the bytes of each own optimizer's slots this worker
+    holds against their whole."""
+    from tests import custom_step_models
+    from tfdist.parallel import ShardedUpdate
+
+    for name, hooks in (("gan_plain", []), ("gan_zero2", [ShardedUpdate(stage=2)])):
+        with strategy.scope():
+            model, data = custom_step_models.gan()
+        data = data.unbatch().batch(zero_cases.GLOBAL_BATCH)  # a multiple of 2, 3 and 4
+        tfdist.fit(model, data, verbose=0, step_hooks=hooks)
+        np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
+    held = {}
+    for attribute in ("d_optimizer", "g_optimizer"):
+        (sibling,) = hooks[0].chain_for(getattr(model, attribute))
+        held[attribute] = {
+            "held": sum(replica.slot_bytes() for replica in sibling.replicas),
+            "whole": 2 * sum(int(np.prod(v.shape)) * 4 for v in sibling.variables),  # m, v
+            "model_optimizer_variables": len(getattr(model, attribute).variables),
+        }
+    with open(os.path.join(here, "gan_zero2_slots.json"), "w") as f:
+        json.dump(held, f)
 
 
 def resume(out: str, strategy, epochs: int) -> None:

@@ -7,7 +7,7 @@ tfdist's takes its keys from its own range here, and a range cut into blocks (a 
 stage, a key range per MirroredStrategy) is cut by `block`, which refuses a block past its
 range's end. So no two can meet (tests/test_collective_keys.py checks the table).
 
-    ring = ProcessRing(rank=r, ranks=n, group_key_base=group_key_base("zero"))
+    ring = ProcessRing(rank=r, ranks=n, group_key_base=group_key_base("local_sgd"))
     ring = ProcessRing(..., group_key_base=block("pipeline_stage_rings", stage, size=1000))
 """
 
@@ -36,7 +36,8 @@ RANGES: dict[str, tuple[int, int]] = {
     "ring": (1_000_000, 100_000),
     # GatherBroadcast, the naive all-reduce: a pair (0, r) per rank and one broadcast group.
     "naive": (1_100_000, 100_000),
-    # ZeRO's reduce-scatter and all-gather ring: `ranks` keys.
+    # ZeRO's reduce-scatter and all-gather rings: a block of 1000 keys per ring (compile's
+    # optimizer's, then each optimizer a custom train_step applies), `ranks` keys of each.
     "zero": (1_200_000, 100_000),
     # Pipeline stage-to-stage links: one per (pipeline, stage boundary).
     "pipeline_links": (1_300_000, 100_000),

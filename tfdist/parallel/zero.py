@@ -44,6 +44,7 @@ builds it (zero3.shard_hook picks the stage).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 
 import keras
@@ -52,7 +53,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES
-from tfdist.collective.keys import group_key_base
+from tfdist.collective.keys import block
 from tfdist.collective.ring import (
     chunk_bounds,
     local_ring_all_gather,
@@ -65,10 +66,13 @@ from tfdist.parallel import host, saved_state, updates
 from tfdist.training import sparse_rows, steps
 from tfdist.training.runner import Runner, StepHook
 
+log = logging.getLogger(__name__)
+
 STAGES = (1, 2)
 PARTITIONS = ("auto", "flat", "variables")
-# Group keys of the ZeRO ring's edges: apart from the gradient ring's (collective/keys.py).
-ZERO_GROUP_KEY_BASE = group_key_base("zero")
+# Group keys of a ZeRO ring's edges, apart from the gradient ring's (collective/keys.py): a
+# block per ring (compile's optimizer's, then each optimizer a train_step applies itself).
+_RING_KEYS = 1000
 
 # Optimizers whose update of each weight reads only that weight's gradient and slots (and
 # scalar hyperparameters): any contiguous range of the packed weights can be updated alone.
@@ -242,6 +246,10 @@ class ShardedUpdate(StepHook):
         self.bucket_bytes, self.timeout_seconds = bucket_bytes, timeout_seconds
         self.partitions: list[Partition] = []
         self.replicas: list[_LocalReplica] = []
+        # A custom train_step's own optimizers (a GAN's two): id of the optimizer now on the
+        # model -> the hook that shards it, over the weights it was built on.
+        self.own: dict[int, ShardedUpdate] = {}
+        self.ring_index = 0  # which block of ZeRO's group keys this hook's ring takes
 
     @property
     def name(self) -> str:
@@ -265,10 +273,59 @@ class ShardedUpdate(StepHook):
                 "strategy.scope() for zero1/zero2, or train it with shard_optimizer='zero3'. "
                 f"Received: {self.name} on a host_scope model"
             )
-        refuse_own_optimizers(model, self.name)
-        optimizer, self.scaling = _split_optimizer(model.optimizer, self.name)
-        self.optimizer = optimizer
-        variables = list(model.trainable_variables)
+        own = self._own_optimizers(model)  # checked before anything is built
+        self._build_for(model, runner, model.optimizer, list(model.trainable_variables))
+        for k, (attribute, optimizer, variables) in enumerate(own, start=1):
+            sibling = ShardedUpdate(
+                stage=self.stage, partition=self.partition_choice,
+                bucket_bytes=self.bucket_bytes, offload=self.offload,
+                timeout_seconds=self.timeout_seconds,
+            )  # fmt: skip
+            sibling.model, sibling.strategy, sibling.ring_index = model, runner.strategy, k
+            # The model's optimizer of that name becomes a copy that keeps no slots (its
+            # class, config and step count): the slices hold them, as for compile's.
+            slotless = updates.optimizer_copy(optimizer, [])
+            slotless.iterations.assign(optimizer.iterations)
+            setattr(model, attribute, slotless)
+            sibling._build_for(model, runner, slotless, variables, saves=False)
+            self.own[id(slotless)] = sibling
+        if own:
+            log.info(
+                "%s shards the state of the optimizers train_step applies itself too: %s",
+                self.name, ", ".join(f"{a} ({len(v)} weights)" for a, _, v in own),
+            )  # fmt: skip
+
+    def _own_optimizers(self, model: keras.Model) -> list[tuple[str, object, list]]:
+        """(attribute, optimizer, the weights it was built on) of each optimizer a custom
+        train_step applies itself; refused where it cannot be sharded."""
+        found = []
+        for attribute, optimizer in steps.own_optimizers(model).items():
+            if not optimizer.built:
+                raise ShardingError(
+                    f"Model {model.name!r}'s train_step applies {attribute} "
+                    f"({type(optimizer).__name__}) itself, and it is not built, so the "
+                    f"weights it updates are not known before the step; {self.name} shards "
+                    "each optimizer's state over the weights it was built on. Build it in "
+                    f"compile: self.{attribute}.build(<the weights it updates>) (under a "
+                    "mirrored strategy Keras's own fit needs that too). Received: "
+                    f"{attribute} not built"
+                )
+            _split_optimizer(optimizer, f"{self.name} (for {attribute})")
+            found.append((attribute, optimizer, compat.optimizer_variables_list(optimizer)))
+        return found
+
+    def chain_for(self, optimizer) -> list[StepHook]:
+        """The hooks a custom train_step's own `optimizer` applies its updates through."""
+        sibling = self.own.get(id(optimizer))
+        return [sibling] if sibling is not None else []
+
+    def _build_for(
+        self, model: keras.Model, runner: Runner, optimizer, variables: list, *, saves=True
+    ) -> None:
+        """Shards `optimizer`'s state over `variables` (the ones its apply is given, in that
+        order); `saves`: model.save writes it whole (Keras saves compile's optimizer only)."""
+        optimizer, self.scaling = _split_optimizer(optimizer, self.name)
+        self.optimizer, self.variables = optimizer, variables
         layout = updates.one_replica_per_process(
             runner.placement, who=self.name, error=ShardingError
         )
@@ -316,14 +373,15 @@ class ShardedUpdate(StepHook):
             ]
         )
         self.devices = devices
-        saved_state.keep_in_saves(outer, model, self.slot_reader)
+        if saves:
+            saved_state.keep_in_saves(outer, model, self.slot_reader)
         self.ring = None
         if layout.processes > 1:
             self.ring = ProcessRing(
                 rank=rank_base,
                 ranks=ranks,
                 timeout_seconds=self.timeout_seconds,
-                group_key_base=ZERO_GROUP_KEY_BASE,
+                group_key_base=block("zero", self.ring_index, size=_RING_KEYS),
             )
 
     def _partitions(self, optimizer, shapes, ranks: int) -> list[Partition]:
@@ -346,6 +404,7 @@ class ShardedUpdate(StepHook):
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: this hook applies the update itself
+        grads_and_vars = self._aligned(grads_and_vars)
         # Positions' rows are summed with the dense gradients; tokens' rows stay apart below.
         grads = sparse_rows.independent_made_dense([g for g, _ in grads_and_vars])
         overflow = tf.constant(0.0)
@@ -378,6 +437,21 @@ class ShardedUpdate(StepHook):
             self._update, args=(given, overflow), kwargs={"present": present, "rows": rows}
         )
 
+    def _aligned(self, grads_and_vars) -> list:
+        """The step's (gradient, weight) pairs in the order of the weights this hook
+        shards (a train_step may list them in another), None for a weight given none."""
+        given = {id(v): g for g, v in grads_and_vars}
+        position = {id(v) for v in self.variables}
+        stray = [v for _, v in grads_and_vars if id(v) not in position]
+        if stray:
+            raise ShardingError(
+                f"{self.name} shards {type(self.optimizer).__name__}'s state over the "
+                f"{len(self.variables)} weights it was built on, and the step applies it to "
+                f"{stray[0].path}, which is not one of them. Build the optimizer on every "
+                f"weight it updates. Received: {len(stray)} weight(s) outside its build"
+            )
+        return [(given.get(id(v)), v) for v in self.variables]
+
     def _finite(self, strategy, overflow) -> tf.Tensor | None:
         """Whether no replica's gradients overflowed (None: no loss scaling). One small
         all-reduce across processes, so every replica takes the same decision."""
@@ -392,7 +466,7 @@ class ShardedUpdate(StepHook):
         slice, gather, write back. Each bucket starts when the previous one is written, so
         what the update holds beside the gradients is one bucket's worth. Under loss
         scaling a step whose gradients overflowed anywhere changes no weight."""
-        variables = list(self.model.trainable_variables)
+        variables = self.variables
         optimizer = self.optimizer
         finite = self._finite(strategy, overflow)
         learning_rate = optimizer.learning_rate
@@ -505,7 +579,11 @@ class ShardedUpdate(StepHook):
     # --- checkpoints ----------------------------------------------------------------------------
 
     def checkpoint_state(self) -> dict:
-        return {"sharded_optimizer_state": _WholeSlots(self)}
+        state = {"sharded_optimizer_state": _WholeSlots(self)}
+        for sibling in self.own.values():
+            key = f"sharded_optimizer_state_{sibling.ring_index}"
+            state[key] = _WholeSlots(sibling)
+        return state
 
     def slot_names(self) -> list[str]:
         """The optimizer's slots per weight (momentum, velocity, ...), in a fixed order."""
@@ -526,7 +604,8 @@ class ShardedUpdate(StepHook):
 
     def whole_slots(self) -> dict[str, tf.Tensor]:
         """Every slot of every weight, whole, by "v<variable's index>_<slot>" (the index in
-        model.trainable_variables: names Keras numbers per process are not stable). A
+        the weights this hook updates, model.trainable_variables for compile's optimizer:
+        names Keras numbers per process are not stable). A
         collective across worker processes: every worker calls it at the same point."""
         out = {}
         for name in self.slot_names():
@@ -537,7 +616,7 @@ class ShardedUpdate(StepHook):
 
     def _whole_slot(self, name: str, b: int) -> dict[int, tf.Tensor]:
         """Slot `name` of each weight of partition `b`, whole (a collective)."""
-        variables = list(self.model.trainable_variables)
+        variables = self.variables
         partition = self.partitions[b]
         mine = []
         for replica in self.replicas:

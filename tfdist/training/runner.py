@@ -135,6 +135,13 @@ class StepHook:
         """Applies one step's gradients; call `apply_next(pairs)` to hand them on."""
         return apply_next(grads_and_vars)
 
+    def chain_for(self, optimizer) -> list[StepHook]:
+        """The hooks that an optimizer a custom train_step applies itself (a GAN's
+        `d_optimizer`) routes its updates through; none by default (it applies them as
+        Keras does). A sharded update shards those optimizers' state too."""
+        del optimizer
+        return []
+
     def begin_step(self, step: AsyncStep) -> list[tf.Tensor]:
         """An asynchronous step's start, before it reads the weights (in its traced graph):
         a hook may wait here (bounded staleness) or remember what the step reads (a delay

@@ -126,6 +126,8 @@ class SyncRunner(Runner):
             if optimizer is not None and not optimizer.built and self.builds_optimizer:
                 optimizer.build(self.model.trainable_variables)
         self.hooks = list(step_hooks)
+        # A hook may have put its own stand-in for an optimizer the step applies itself.
+        self.own_optimizers = list(own_optimizers(self.model).values())
         self.metric_variables = list(self.model.metrics_variables)
         self.moving_statistics = MovingStatistics(self.model, self.strategy, is_chief=self.is_chief)
 
@@ -143,12 +145,7 @@ class SyncRunner(Runner):
         with tf.control_dependencies(_tensors(batch)):
             arrived = tf.timestamp()
         clock = StepClock()
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(updates_through(self.model.optimizer, [clock, *self.hooks]))
-            # A custom step's own optimizers (a GAN's two) exchange too: timed, unhooked.
-            for optimizer in self.own_optimizers:
-                stack.enter_context(updates_through(optimizer, [clock]))
-            stack.enter_context(loss_normalisation.global_batch())
+        with self._updates_routed([clock]), loss_normalisation.global_batch():
             outputs = hooked_train_step(self.model, self.hooks)(batch)
         with tf.control_dependencies(_tensors(outputs)):
             end = tf.timestamp()
@@ -164,13 +161,22 @@ class SyncRunner(Runner):
         last: the marks' control edges cost a small step more than they tell)."""
 
         def replica(batch):
-            with (
-                updates_through(self.model.optimizer, self.hooks),
-                loss_normalisation.global_batch(),
-            ):
+            with self._updates_routed(), loss_normalisation.global_batch():
                 return hooked_train_step(self.model, self.hooks)(batch)
 
         self.strategy.run(replica, args=(batch,))
+
+    @contextlib.contextmanager
+    def _updates_routed(self, first: Sequence[StepHook] = ()):
+        """While a step is traced: the updates of compile's optimizer through `first` (a
+        clock) and the hooks, and those of a custom step's own optimizers (a GAN's two)
+        through `first` and the hooks that take them on (a sharded update's siblings)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(updates_through(self.model.optimizer, [*first, *self.hooks]))
+            for optimizer in self.own_optimizers:
+                chain = [hook for own in self.hooks for hook in own.chain_for(optimizer)]
+                stack.enter_context(updates_through(optimizer, [*first, *chain]))
+            yield
 
     def _step(self, batch, asked):
         """One step on every replica: (what the step returned, the local replicas' mean times)."""
@@ -252,7 +258,7 @@ class SyncRunner(Runner):
             def replica(batch):
                 if kind == "test":
                     return model.test_step(batch)
-                with updates_through(model.optimizer, hooks):
+                with self._updates_routed():
                     return hooked_train_step(model, hooks)(batch)
 
             self._one_fns[kind] = tf.function(lambda batch: strategy.run(replica, args=(batch,)))
