@@ -39,7 +39,7 @@ from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
 from tfdist.parallel import host, registry, units
 from tfdist.strategies import strategy_kind
-from tfdist.training import chain, fit_callbacks
+from tfdist.training import chain, fit_callbacks, kept
 from tfdist.training.controller import Controller
 from tfdist.training.data_checks import check_batch
 from tfdist.training.fit_data import FitData, make_fit_data, split_arrays, unpack
@@ -161,14 +161,21 @@ def fit(
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
-    runner = runner_for(model, strategy, layout=registry.runner_factory_of(options))
-    hooks = registry.chain(options, chain.check_hooks(step_hooks), model=model)
+    layout = registry.runner_factory_of(options)
+    user_hooks = chain.check_hooks(step_hooks)
+    hooks = registry.chain(options, user_hooks, model=model)
     _check_host_scope(model, options, hooks)
     chain.check_chain(hooks)
     if data.global_batch is not None:
         chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
     chain.check_callbacks(hooks, callbacks)
-    runner.build(data.sample_batch, hooks)
+    # The last call's runner where nothing its traced step closes over changed (kept.py).
+    runner, hooks, _ = kept.runner_for_call(
+        model, strategy, lambda: runner_for(model, strategy, layout=layout), hooks,
+        user_hooks=user_hooks, layout=layout,
+    )  # fmt: skip
+    with kept.forgotten_on_error(model):
+        runner.build(data.sample_batch, hooks)
     if runner.is_chief:
         if data.global_batch is not None:
             log.info("%s", runner.describe_batch(data.global_batch))
@@ -191,7 +198,7 @@ def fit(
             steps_per_execution=steps_per_execution,
         ),
     )  # fmt: skip
-    with _explained(runner):
+    with kept.forgotten_on_error(model), _explained(runner):
         return controller.fit()
 
 
@@ -240,14 +247,19 @@ def evaluate(
         x, y, sample_weight=sample_weight, batch_size=batch_size, strategy=strategy
     )
     _check_labels(model, data, "x")
-    runner = runner_for(model, strategy)
-    runner.build(data.sample_batch)
+    runner, _, built = kept.runner_for_call(
+        model, strategy, lambda: runner_for(model, strategy), None
+    )
+    if not built:
+        with kept.forgotten_on_error(model):
+            runner.build(data.sample_batch)
     callback_list = fit_callbacks.callback_list(
         callbacks, add_progbar=verbose != 0 and runner.is_chief, verbose=verbose, epochs=1,
         steps=steps or data.num_batches, model=model,
     )  # fmt: skip
     callback_list.on_test_begin()
-    with signals.doing("evaluating in tfdist.evaluate"), _explained(runner):
+    evaluating = signals.doing("evaluating in tfdist.evaluate")
+    with evaluating, kept.forgotten_on_error(model), _explained(runner):
         logs = runner.evaluate(data, steps)
     callback_list.on_test_end(logs)
     if return_dict:

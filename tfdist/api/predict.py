@@ -19,6 +19,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.task import is_chief
 from tfdist.training import fit_callbacks
@@ -69,7 +70,7 @@ def predict(
         callbacks, add_progbar=verbose != 0 and is_chief(), verbose=verbose, epochs=1,
         steps=known if known >= 0 else None, model=model,
     )  # fmt: skip
-    step = tf.function(lambda batch: model.predict_step(batch))
+    step = _predict_function(model)
     outputs = []
     callback_list.on_predict_begin()
     for index, batch in enumerate(dataset):
@@ -102,3 +103,18 @@ def _batches(x, batch_size) -> tf.data.Dataset:
         )
     # Elements may carry labels and weights: predict_step takes the inputs, as in Keras.
     return dataset
+
+
+# The model's attribute that holds (its compile, the traced predict step): kept across calls
+# until the model is compiled again, as Keras keeps model.predict_function. In its __dict__
+# (Keras does not track it; the function's hold on the model is a cycle the collector frees).
+_ATTRIBUTE = "_tfdist_predict_step"
+
+
+def _predict_function(model: keras.Model):
+    compiled = (id(getattr(model, "optimizer", None)), id(compat.compiled_loss(model)))
+    kept = vars(model).get(_ATTRIBUTE)
+    if kept is None or kept[0] != compiled:
+        kept = (compiled, tf.function(lambda batch: model.predict_step(batch)))
+        vars(model)[_ATTRIBUTE] = kept
+    return kept[1]

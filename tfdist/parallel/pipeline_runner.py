@@ -49,6 +49,9 @@ class PipelineRunner(SyncRunner):
     synchronous runner's: the model's weights read from the stages (see Home).
     """
 
+    # Its schedule and stages are made for each fit's layout.
+    kept_across_calls = False
+
     builds_optimizer = False  # its slots are the stages' (see Home)
 
     def __init__(

@@ -204,6 +204,9 @@ class Runner(abc.ABC):
     # Whether `train` returns once its steps have run, so that its wall time is theirs
     # (steps_per_execution='auto' measures it); False where it only schedules them.
     train_waits_for_steps: ClassVar[bool] = True
+    # Whether a later fit or evaluate of the same model may take this runner, built, with
+    # its traced functions (tfdist.training.kept: nothing they close over changed).
+    kept_across_calls: ClassVar[bool] = False
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         self.model, self.strategy = model, strategy

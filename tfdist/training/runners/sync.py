@@ -67,6 +67,7 @@ class SyncRunner(Runner):
     # Whether `build` builds the user's optimizer where it is not built (a runner that keeps
     # its slots elsewhere, a pipeline's stages, builds it itself).
     builds_optimizer = True
+    kept_across_calls = True
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
