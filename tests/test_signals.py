@@ -171,24 +171,30 @@ def test_the_router_hands_signals_to_a_handler_or_waits_for_a_write(mode):
 
 
 USER_SCRIPT = """
-import os, signal
+import os, signal, sys, time
 import tfdist
 tfdist.route_stop_signals()  # first, before TensorFlow starts a thread
 import keras, numpy as np
 model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
 model.compile("sgd", "mse")
-stop = keras.callbacks.LambdaCallback(
-    on_train_batch_end=lambda batch, logs: batch == 3 and os.kill(os.getpid(), signal.SIGTERM))
+if sys.argv[1] == "mid-epoch":
+    stop = keras.callbacks.LambdaCallback(
+        on_train_batch_end=lambda batch, logs: batch == 3 and os.kill(os.getpid(), signal.SIGTERM))
+else:  # after the last step, held where no step boundary comes (a collective, a peer gone)
+    stop = keras.callbacks.LambdaCallback(
+        on_train_end=lambda logs: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(60)))
 tfdist.fit(model, np.zeros((256, 4)), np.zeros((256, 1)), epochs=2, verbose=0, callbacks=[stop])
 """
 
 
 def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     """A user's own script that routed its stop signals: SIGTERM mid-epoch stops at the next
-    step boundary, says nothing was saved, and exits 143 (not 42, which claims a saved state)."""
+    step boundary, says nothing was saved, and exits 143 (not 42, which claims a saved state).
+    After the last epoch's end no step boundary comes: it stops at once (a survivor held in
+    a collective by a peer that died after the last save waited out the launcher's grace)."""
     result = subprocess.run(
-        [sys.executable, "-c", USER_SCRIPT], cwd=REPO, capture_output=True, text=True,
-        timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        [sys.executable, "-c", USER_SCRIPT, "mid-epoch"], cwd=REPO, capture_output=True,
+        text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
     assert result.returncode == 143, result.stderr[-2000:]
     # The signal is sent at step 4's end; Python runs its handler between bytecodes, so on a
@@ -198,3 +204,13 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     assert 5 <= int(stopped.group(1)) < 16, result.stderr[-2000:]  # 16: the run's last step
     assert "nothing to save" in result.stderr and "saving a checkpoint" not in result.stderr
     assert "Traceback" not in result.stderr
+
+    started = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", USER_SCRIPT, "after-the-last-step"], cwd=REPO,
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )  # fmt: skip
+    assert result.returncode == 143, result.stderr[-2000:]
+    assert "received SIGTERM after the last training step" in result.stderr, result.stderr
+    assert time.monotonic() - started < 50  # not the 60 s the callback holds it

@@ -154,6 +154,8 @@ class Controller:
                         callback_list.on_test_end(val_logs)
                         epoch_logs.update({f"val_{k}": v for k, v in val_logs.items()})
                     callback_list.on_epoch_end(epoch, epoch_logs)
+                    # The last epoch's end has saved what it saves: no step boundary comes.
+                    self.watcher.finished = epoch == self.epochs - 1
                     self._report_step_times(epoch)  # under the progress bar's closing line
                     training_logs = epoch_logs
                     if self._agreed_stop():

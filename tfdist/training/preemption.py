@@ -82,6 +82,10 @@ class PreemptionWatcher:
         self.signum: int | None = None
         # Until a step has run there is nothing to save: a signal then ends the process.
         self.stepped = False
+        # After the last step's epoch end (its checkpoint written) no step boundary comes: a
+        # signal ends the process at once (a survivor blocked in a collective with a peer
+        # that died after the last save would otherwise wait out the launcher's grace).
+        self.finished = False
         self._previous = None
         self._routed = None
 
@@ -111,12 +115,13 @@ class PreemptionWatcher:
     def _on_signal(self, signum: int) -> None:
         name = signal.Signals(signum).name
         if self.signalled:  # asked twice: stop waiting for a step boundary
-            router = signals.router()
-            if router is None:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
-                signal.raise_signal(signal.SIGTERM)
-                return
-            router.stop(signum, "a second time, before the step boundary the first was waiting for")
+            self._stop_now(
+                signum, "a second time, before the step boundary the first was waiting for"
+            )
+            return
+        if self.finished:
+            self._stop_now(signum, "after the last training step and its epoch's end")
+            return
         if not self.stepped and signals.router() is not None:
             signals.router().stop(signum, "before the first training step")
         self.signum = signum
@@ -128,6 +133,14 @@ class PreemptionWatcher:
                 "model_dir, no BackupAndRestore callback)",
                 name,
             )
+
+    def _stop_now(self, signum: int, why: str) -> None:
+        router = signals.router()
+        if router is None:  # the signal's own end, as the process would have had it
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGTERM)
+            return
+        router.stop(signum, why)
 
     def agreed(self) -> bool:
         """Whether any worker was signalled; every worker must call this at the same step."""
