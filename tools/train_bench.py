@@ -19,6 +19,11 @@ repeats and the medians of the per-repeat ratios.
 
   python -m tools.train_bench                      # about 12 minutes on 2 cores
   python -m tools.train_bench --repeats 3 --no-multi_worker
+  python -m tools.train_bench --only_repeated_fits  # the repeated short fits alone
+
+First, repeated short fits: 6 one-epoch calls of 32 steps on the same model after a warm-up
+call (a notebook's loop, Keras Tuner), Keras's seconds over tfdist's: where tfdist traced its
+step at every call, this row showed it.
 
 This is a benchmark, not a test: it reports figures and never fails on them.
 """
@@ -151,6 +156,71 @@ def throughput(trainer: str, per_call, strategy, *, epochs: int) -> float | None
     return (epochs - 1) * STEPS * BATCH / (ends[-1] - ends[0])
 
 
+# Repeated short fits (a notebook's loop, Keras Tuner): calls of one epoch of this many steps
+# after a warm-up call, the model's traced step kept across them (or not).
+SHORT_STEPS, SHORT_CALLS = 32, 6
+
+
+def repeated_fits(trainer: str, per_call: int, strategy) -> float | None:
+    """Seconds of SHORT_CALLS one-epoch fits of SHORT_STEPS steps after a warm-up fit (its
+    tracing left out); None where the trainer fails."""
+    model = _model(strategy, per_call)
+    data = _data().take(SHORT_STEPS)
+    if trainer == "keras fit":
+
+        def call():
+            model.fit(data, epochs=1, verbose=0)
+    else:
+
+        def call():
+            tfdist.fit(model, data, epochs=1, verbose=0)
+
+    try:
+        call()  # the warm-up: traces the step
+        started = time.perf_counter()
+        for _ in range(SHORT_CALLS):
+            call()
+        return time.perf_counter() - started
+    except tf.errors.OpError as error:  # Keras's fit under mirrored, > 1 step a call
+        print(f"  {trainer} failed: {first_line(error)[:120]}", flush=True)
+        return None
+
+
+def _repeated_fits_table(strategies: dict, repeats: int) -> list[dict]:
+    rows = []
+    for repeat in range(repeats):
+        for name, make in strategies.items():
+            for per_call in (1, 16):
+                for trainer in ("keras fit", "tfdist.fit"):
+                    seconds = repeated_fits(trainer, per_call, make())
+                    rows.append({"repeat": repeat, "strategy": name, "trainer": trainer,
+                                 "steps_per_execution": per_call, "seconds": seconds})  # fmt: skip
+    print(
+        f"\nrepeated short fits: {SHORT_CALLS} calls of one epoch of {SHORT_STEPS} steps after "
+        "a warm-up call (seconds, medians)"
+    )
+    print(f"{'strategy':<15} {'steps/call':>10} {'keras fit':>10} {'tfdist.fit':>10} "
+          f"{'keras/tfdist':>12}")  # fmt: skip
+    for name in strategies:
+        for per_call in (1, 16):
+
+            def seconds(trainer, name=name, per_call=per_call):
+                return [r["seconds"] for r in rows if r["strategy"] == name
+                        and r["steps_per_execution"] == per_call and r["trainer"] == trainer]  # fmt: skip
+
+            keras_s, tfdist_s = seconds("keras fit"), seconds("tfdist.fit")
+            if None in keras_s or None in tfdist_s:
+                shown = ["fails" if None in keras_s else f"{statistics.median(keras_s):.3f}",
+                         "fails" if None in tfdist_s else f"{statistics.median(tfdist_s):.3f}",
+                         "-"]  # fmt: skip
+            else:
+                ratios = [k / t for k, t in zip(keras_s, tfdist_s, strict=True)]
+                shown = [f"{statistics.median(keras_s):.3f}", f"{statistics.median(tfdist_s):.3f}",
+                         f"{statistics.median(ratios):.3f}"]  # fmt: skip
+            print(f"{name:<15} {per_call:>10} {shown[0]:>10} {shown[1]:>10} {shown[2]:>12}")
+    return rows
+
+
 def _task(argv: list[str]) -> int:
     """One task of the multi-worker job: trains one variant, the chief writes its rate."""
     trainer, per_call, epochs, out = argv
@@ -206,6 +276,11 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--out_csv", default="train_bench.csv", help="where to write every measurement"
     )
+    parser.add_argument(
+        "--only_repeated_fits",
+        action="store_true",
+        help="only the repeated short fits (6 one-epoch calls of 32 steps after a warm-up)",
+    )
     args = parser.parse_args(argv)
 
     tfdist.configure_cpu_devices(2)
@@ -215,6 +290,10 @@ def main(argv=None) -> int:
             "mirrored", cluster=None, devices=("/cpu:0", "/cpu:1")
         ),
     }
+    short = _repeated_fits_table(strategies, args.repeats)
+    harness.write_csv(args.out_csv.replace(".csv", "_repeated_fits.csv"), short)
+    if args.only_repeated_fits:
+        return 0
     names = [*strategies, *(["multi_worker x2"] if args.multi_worker else [])]
     rows = []
     for repeat in range(args.repeats):
