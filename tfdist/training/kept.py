@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class _Kept:
-    facts: dict[str, Any]  # what the runner's traced functions close over, by name
+    # What the runner's traced functions close over, by name: the objects themselves (held,
+    # so that another object cannot take a freed one's id), compared by identity.
+    facts: dict[str, Any]
     runner: Runner
     hooks: list
 
@@ -60,13 +62,13 @@ def runner_for_call(
       user_hooks: the user's own step_hooks (kept by identity; the modes' by their names).
     """
     facts = _facts(model, strategy, hooks, user_hooks)
-    facts["layout"] = None if layout is None else id(layout)
+    facts["layout"] = layout
     kept = vars(model).get(_ATTRIBUTE)
     if kept is not None and kept.runner.kept_across_calls:
         changed = [
             name
             for name, value in facts.items()
-            if kept.facts.get(name) != value and not (hooks is None and name == "hooks")
+            if not _same(kept.facts.get(name), value) and not (hooks is None and name == "hooks")
         ]
         if not changed:
             return kept.runner, kept.hooks, True
@@ -82,14 +84,23 @@ def runner_for_call(
 def _facts(model, strategy, hooks, user_hooks) -> dict[str, Any]:
     mine = {id(h) for h in user_hooks}
     return {
-        "strategy": id(strategy),
-        "optimizer": id(model.optimizer),
-        "compiled loss": id(compat.compiled_loss(model)),
+        "strategy": strategy,
+        "optimizer": model.optimizer,
+        "compiled loss": compat.compiled_loss(model),
+        # The user's hooks and those that keep optimizer state (the registry keeps them
+        # across fits) by identity; the others by their kind and settings.
         "hooks": tuple(
-            id(h) if id(h) in mine or h.keeps_optimizer_state else (type(h).__qualname__, h.name)
+            h if id(h) in mine or h.keeps_optimizer_state else (type(h).__qualname__, h.name)
             for h in hooks or ()
         ),
     }
+
+
+def _same(a, b) -> bool:
+    """Facts are the same object, or (a hook's kind and settings) the same strings."""
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a is b or (isinstance(a, str) and a == b)
 
 
 @contextlib.contextmanager

@@ -53,7 +53,7 @@ class DerivedSplit:
 
     Attributes:
       axes: each split weight's path -> the dimension it is split along.
-      split: one line per layer split ("transformer_layer_0/self_attention: heads (...)").
+      split: one line per layer split ("transformer_layer_0/self_attention: by heads (...)").
       whole: one line per layer left whole that could have split, and why.
     """
 
