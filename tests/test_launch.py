@@ -122,6 +122,21 @@ def wait_for_pids(pid_dir: Path, count: int) -> dict[str, int]:
     return recorded_pids(pid_dir)
 
 
+def wait_until_ended(pid: int) -> None:
+    """Until the kernel has ended `pid` (a zombie its parent has not reaped yet): a signalled
+    process on a loaded machine can take a while to be scheduled and exit."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return
+        if state in ("Z", "X"):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"process {pid} still running 10 s after its signal")
+
+
 def assert_all_gone(pids: dict[str, int]) -> None:
     alive = []
     for name, pid in pids.items():
@@ -316,25 +331,24 @@ def test_parameter_server_run_ends_when_the_chief_finishes(tmp_path):
 
 
 def test_a_dead_ps_seen_with_the_chief_s_exit_is_named_as_the_cause(tmp_path):
-    """The chief reports a lost ps and exits; when the launcher sees both ended in one round
-    (a loaded machine), the ps is the cause, not the chief (it had said the chief failed and
-    the ps was 'stopped'). The launcher is frozen while both end, so they are seen together."""
+    """The chief reports a lost ps and exits; the ps is the cause, not the chief (the launcher
+    had said the chief failed and the ps was 'stopped'), also when the killed ps is still
+    exiting as the chief's exit is seen: a loaded machine schedules a killed process late (CI
+    saw it). Here the ps ends 0.3 s after the launcher, frozen until the chief has ended,
+    looks."""
     command = task_command(tmp_path, 4, {"chief-0": "sleep", "ps-0": "sleep"})
     launcher = subprocess.Popen(
         launch_argv("--chief", "--workers", "2", "--ps", "1", "--grace", "1", command=command),
         cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
-        while len(recorded_pids(tmp_path)) < 4 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        pids = recorded_pids(tmp_path)
+        pids = wait_for_pids(tmp_path, 4)
         os.kill(launcher.pid, signal.SIGSTOP)
-        os.kill(pids["ps-0.0"], signal.SIGKILL)  # the ps dies first...
-        time.sleep(0.3)
-        os.kill(pids["chief-0.0"], signal.SIGTERM)  # ...then the chief ends, reporting it
-        time.sleep(0.3)
+        os.kill(pids["chief-0.0"], signal.SIGTERM)  # the chief ends, reporting the lost ps...
+        wait_until_ended(pids["chief-0.0"])
         os.kill(launcher.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        os.kill(pids["ps-0.0"], signal.SIGKILL)  # ...whose end the launcher sees after
         stdout, stderr = launcher.communicate(timeout=30)
     finally:
         if launcher.poll() is None:

@@ -34,6 +34,10 @@ EXIT_TIMEOUT = 124  # what coreutils `timeout` returns, so scripts can tell the 
 EXIT_NO_EXEC, EXIT_NOT_FOUND = 126, 127  # the shell's codes for a command it cannot run / find
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL_SECONDS = 0.1
+# A failed chief seen, the launcher watches the ps this long before naming the cause: a ps
+# killed first can still be exiting (a loaded machine schedules it late) when the chief's
+# report of it has already ended the chief.
+_SETTLE_SECONDS = 1.0
 # A task may leave a daemon holding its output pipe open; wait this long for it, not forever.
 _DRAIN_SECONDS = 5.0
 EXAMPLE = "tfdist-launch --workers 2 -- python train.py"
@@ -339,7 +343,9 @@ class Launcher:
         workers = [task for task in self._serving if task.type == "worker"]
         exited: set[Task] = set()
         while not self._signals:
-            ended = [t for t, p in self._procs.items() if t not in exited and p.poll() is not None]
+            ended = self._ended(exited)
+            if any(t.type == "chief" and self._procs[t].returncode != 0 for t in ended):
+                ended = self._settled(exited, ended)
             # A dead ps is the cause of what ends with it (the chief reports the lost ps and
             # exits): seen in the same round, the ps is told first, or the chief's exit
             # would be blamed and the ps said to be stopped.
@@ -392,6 +398,20 @@ class Launcher:
             time.sleep(_POLL_SECONDS)
         self._say(f"received {_signal_name(self._signals[0])}; stopping all tasks")
         return 128 + self._signals[0], None
+
+    def _ended(self, exited: set[Task]) -> list[Task]:
+        return [t for t, p in self._procs.items() if t not in exited and p.poll() is not None]
+
+    def _settled(self, exited: set[Task], ended: list[Task]) -> list[Task]:
+        """`ended` and whatever ps ends within the settle time: a ps that was killed first is
+        the cause of the chief's failure seen with it, even when it is still exiting."""
+        deadline = time.monotonic() + _SETTLE_SECONDS
+        while time.monotonic() < deadline and not self._signals:
+            alive_ps = [t for t in self._serving if t.type == "ps" and t not in ended]
+            if not alive_ps or any(self._procs[t].poll() is not None for t in alive_ps):
+                break
+            time.sleep(_POLL_SECONDS)
+        return self._ended(exited)
 
     def _restart_in_place(self, task: Task, returncode: int) -> bool:
         # What Kubernetes does with a worker pod: the chief's coordinator waits for the
