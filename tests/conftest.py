@@ -101,11 +101,12 @@ def pytest_configure(config):
 # subprocess.Popen in a pytest process; a launcher's tasks are counted from its flags. Each
 # pytest-xdist worker writes its counts to a folder the controller names, which sums them.
 
-_LAUNCHES = {"launches": 0, "processes": 0, "tensorflow": 0}
+_LAUNCHES = {"launches": 0, "processes": 0, "tensorflow": 0, "by_test": {}}
 # Modules whose processes run TensorFlow: the training binaries and the tests' worker scripts
 # (the launcher's own tests start plain Python tasks, which the fast tier may).
 _TENSORFLOW_MODULES = ("experiments.", "tests.workers.")
 _LAUNCH_DIR = "TFDIST_TEST_LAUNCH_COUNTS"
+_MOST_LAUNCHING = 15
 
 
 def _tasks_of(args) -> int:
@@ -132,6 +133,10 @@ def _count_launches(config) -> None:
     def counted(self, args, *rest, **keywords):
         _LAUNCHES["launches"] += 1
         _LAUNCHES["processes"] += _tasks_of(args)
+        # "tests/test_x.py::test_y (setup)": a module fixture's launches count for the test
+        # that set it up
+        test = os.environ.get("PYTEST_CURRENT_TEST", "outside a test").rsplit(" (", 1)[0]
+        _LAUNCHES["by_test"][test] = _LAUNCHES["by_test"].get(test, 0) + _tasks_of(args)
         argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
         # `python -m <module>` itself (through a launcher the tasks may never start: a
         # refused layout starts none).
@@ -160,6 +165,15 @@ def pytest_terminal_summary(terminalreporter, config):
         f"processes launched by the tests: {processes} ({launches} launches; a launcher's "
         "tasks counted from its flags)"
     )
+    by_test: dict[str, int] = {}
+    for count in counts:
+        for test, started in count.get("by_test", {}).items():
+            by_test[test] = by_test.get(test, 0) + started
+    most = sorted(by_test.items(), key=lambda item: -item[1])[:_MOST_LAUNCHING]
+    if most:
+        terminalreporter.write_line("the tests that started the most processes:")
+        for test, started in most:
+            terminalreporter.write_line(f"{started:5d}  {test}")
 
 
 def run_module(

@@ -148,8 +148,13 @@ def alone(out: str, strategy) -> None:
         model = zero_cases.mlp("adam")
     tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, verbose=0, shard_optimizer="zero3")
     task = json.loads(os.environ["TF_CONFIG"])["task"]
+    written = os.path.join(out, "alone.txt")
     if task["index"] != 0:
-        time.sleep(45)  # alive, and not reading: the read waits for it, then gives up
+        # Alive, and not reading, until worker 0's read has given up (45 s at most): the
+        # read waits for this worker, then gives up on its own.
+        deadline = time.monotonic() + 45
+        while not os.path.exists(written) and time.monotonic() < deadline:
+            time.sleep(0.2)
         return
     started = time.monotonic()
     try:
@@ -157,8 +162,9 @@ def alone(out: str, strategy) -> None:
         message = "no error"
     except updates.ReadTogetherError as error:
         message = str(error)
-    with open(os.path.join(out, "alone.txt"), "w") as f:
+    with open(written + ".tmp", "w") as f:
         json.dump({"message": message, "seconds": time.monotonic() - started}, f)
+    os.replace(written + ".tmp", written)
 
 
 def main(out: str, jobs: list[str]) -> None:

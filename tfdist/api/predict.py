@@ -24,6 +24,7 @@ from tfdist.errors import FitError
 from tfdist.task import is_chief
 from tfdist.training import fit_callbacks
 from tfdist.training.fit_data import DEFAULT_BATCH_SIZE
+from tfdist.training.steps import traced
 
 
 def predict(
@@ -115,6 +116,6 @@ def _predict_function(model: keras.Model):
     compiled = (id(getattr(model, "optimizer", None)), id(compat.compiled_loss(model)))
     kept = vars(model).get(_ATTRIBUTE)
     if kept is None or kept[0] != compiled:
-        kept = (compiled, tf.function(lambda batch: model.predict_step(batch)))
+        kept = (compiled, traced(lambda batch: model.predict_step(batch)))
         vars(model)[_ATTRIBUTE] = kept
     return kept[1]

@@ -24,6 +24,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.training.steps import traced
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ class MovingStatistics:
         if not self.active:
             return 0.0
         if self._average is None:
-            self._average = tf.function(self._replica_average)
+            self._average = traced(self._replica_average)
         change = float(self._average())
         if change > 0 and self._log:
             log.info(

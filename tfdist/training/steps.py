@@ -36,6 +36,14 @@ _KERAS_TRAIN_STEP = compat.keras_train_step()
 _KERAS_TEST_STEP = compat.keras_test_step()
 
 
+def traced(function):
+    """`function` traced as Keras traces its train, test and predict functions: a
+    tf.function with autograph off, so the user's train_step and layers run as written, as
+    under Keras's fit (and nothing of tfdist is converted, which costs a trace seconds).
+    The loops over steps are tf.while_loops (runners/common.py: `repeat`, `until_end`)."""
+    return tf.function(tf.autograph.experimental.do_not_convert(function))
+
+
 def custom_train_step(model: keras.Model) -> bool:
     """Whether `model`'s class overrides Keras's `train_step`."""
     return type(model).train_step is not _KERAS_TRAIN_STEP

@@ -18,9 +18,11 @@ from tfdist.training.runners.common import (
     call_until_end,
     each_batch,
     refuse_staleness_scaling,
+    until_end,
 )
 from tfdist.training.runners.stateless import StatelessMetricsRunner
 from tfdist.training.step_times import PHASES
+from tfdist.training.steps import traced
 
 
 class CentralStorageRunner(StatelessMetricsRunner):
@@ -53,38 +55,31 @@ class CentralStorageRunner(StatelessMetricsRunner):
                 batch_size(x) > 0, lambda: self._stateless_test_step(batch, zeros), lambda: zeros
             )
 
-        self._train_fn = tf.function(lambda it, n: self._timed_steps(it, n, replica_train))
-        self._test_fn = tf.function(lambda it, n: self._summed_steps(it, n, replica_test))
+        self._train_fn = traced(lambda it, n: self._timed_steps(it, n, replica_train))
+        self._test_fn = traced(lambda it, n: self._summed_steps(it, n, replica_test))
 
     def _summed_steps(self, iterator, n, replica_fn):
         """(steps run, metric state summed over them and the replicas), until the data ends."""
-        done, state = tf.constant(0), self._zero_tensors()
-        for _ in tf.range(n):
-            batch = iterator.get_next_as_optional()
-            if not batch.has_value():
-                break
-            state = self._add_replicas(
-                state, self.strategy.run(replica_fn, args=(batch.get_value(),))
-            )
-            done += 1
-        return done, state
+
+        def step(batch, state):
+            return self._add_replicas(state, self.strategy.run(replica_fn, args=(batch,)))
+
+        return until_end(iterator, n, step, self._zero_tensors())
 
     def _timed_steps(self, iterator, n, replica_fn):
         """`_summed_steps` for training steps, which `replica_fn(batch, asked)` times: also
         returns their [input, compute, exchange] seconds, summed (mean over the replicas)."""
-        done, state = tf.constant(0), self._zero_tensors()
-        total = tf.zeros([len(PHASES)], tf.float64)
-        for _ in tf.range(n):
-            asked = tf.timestamp()
-            with tf.control_dependencies([asked]):
-                batch = iterator.get_next_as_optional()
-            if not batch.has_value():
-                break
-            per_replica, times = self.strategy.run(replica_fn, args=(batch.get_value(), asked))
-            state = self._add_replicas(state, per_replica)
+
+        def step(batch, asked, carried):
+            state, total = carried
+            per_replica, times = self.strategy.run(replica_fn, args=(batch, asked))
             local = self.strategy.experimental_local_results(times)
-            total += tf.add_n(list(local)) / len(local)
-            done += 1
+            return self._add_replicas(state, per_replica), total + tf.add_n(list(local)) / len(
+                local
+            )
+
+        start = (self._zero_tensors(), tf.zeros([len(PHASES)], tf.float64))
+        done, (state, total) = until_end(iterator, n, step, start, timed=True)
         return done, state, total
 
     def _add_replicas(self, state, per_replica) -> list[tf.Tensor]:
@@ -109,7 +104,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
                 replica_id = tf.distribute.get_replica_context().replica_id_in_sync_group
                 return self._user_step(step, batch, [s[replica_id] for s in stacked])
 
-            @tf.function
+            @traced
             def one(batch, stacked):
                 outputs, state = strategy.run(replica, args=(batch, stacked))
                 mean = tf.nest.map_structure(

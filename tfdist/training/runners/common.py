@@ -27,18 +27,55 @@ def metric_names(model: keras.Model) -> list[str]:
     return list(logs_from_state(model, variables, [np.zeros(v.shape, v.dtype) for v in variables]))
 
 
+def repeat(n, step, state):
+    """`state = step(state)`, `n` (a scalar tensor) times, in one tf.while_loop; returns
+    the last state."""
+    _, state = tf.while_loop(
+        lambda i, _: i < n,
+        lambda i, state: (i + 1, step(state)),
+        (tf.zeros([], n.dtype), state),
+    )
+    return state
+
+
+def until_end(iterator, n, step, state, *, timed: bool = False):
+    """`state = step(batch, state)` on up to `n` batches, stopping where the data ends
+    (every worker's distributed iterator agrees on the end), in one tf.while_loop.
+
+    `timed`: `step(batch, asked, state)`, `asked` being when the batch was asked for.
+    Returns (how many ran, the last state).
+    """
+
+    def body(done, more, state):
+        asked = tf.timestamp() if timed else None
+        with tf.control_dependencies([asked] if timed else []):
+            batch = iterator.get_next_as_optional()
+        more = batch.has_value()
+        if timed:
+            state = tf.cond(more, lambda: step(batch.get_value(), asked, state), lambda: state)
+        else:
+            state = tf.cond(more, lambda: step(batch.get_value(), state), lambda: state)
+        return done + tf.cast(more, done.dtype), more, state
+
+    done, _, state = tf.while_loop(
+        lambda done, more, _: tf.logical_and(more, done < n),
+        body,
+        (tf.zeros([], n.dtype), tf.constant(True), state),
+    )
+    return done, state
+
+
 def run_until_end(iterator, n, step) -> tf.Tensor:
     """Runs `step(batch)` on up to `n` batches, stopping where the data ends (in a tf.function).
 
-    Returns how many ran. Every worker's distributed iterator agrees on the end.
+    Returns how many ran.
     """
-    done = tf.constant(0)
-    for _ in tf.range(n):
-        batch = iterator.get_next_as_optional()
-        if not batch.has_value():
-            break
-        step(batch.get_value())
-        done += 1
+
+    def counted(batch, ran):
+        step(batch)
+        return ran + 1
+
+    done, _ = until_end(iterator, n, counted, tf.zeros([], n.dtype))
     return done
 
 

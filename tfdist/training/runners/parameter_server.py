@@ -32,6 +32,7 @@ from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_w
 from tfdist.training.fit_data import FitData
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import AsyncStep, StepHook
+from tfdist.training.runners.common import repeat
 from tfdist.training.runners.stateless import StatelessMetricsRunner, StepMarks
 from tfdist.training.staleness import (
     STALENESS_STATS,
@@ -39,7 +40,7 @@ from tfdist.training.staleness import (
     UpdateCounter,
 )
 from tfdist.training.step_times import PHASES
-from tfdist.training.steps import updates_through
+from tfdist.training.steps import traced, updates_through
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
         # without waiting on every step.
         self._lag = 2 * max(1, len(self._cluster().get("worker", [])))
         self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
-        self._eval_step = tf.function(
+        self._eval_step = traced(
             lambda batch, state: (
                 self._user_step(model.test_step, batch, state)
                 if self.custom_test
@@ -162,31 +163,40 @@ class ParameterServerRunner(StatelessMetricsRunner):
             # for the model's own step what its last step returned); a None among these
             # would fail the fetch.
             # `first` is the ticket (AsyncStep) of the closure's first step.
-            @tf.function
+            @traced
             def steps(iterator, first):
-                state = self._zero_tensors()
-                stats = tf.zeros([STALENESS_STATS])
-                total = tf.zeros([len(PHASES)], tf.float64)
-                for i in tf.range(tf.cast(n, tf.int64)):
+                def one(carried):
+                    i, state, stats, total = carried
                     state, tau, times = strategy.run(
                         self._step_with_staleness, args=(*_next(iterator), state, first + i)
                     )
-                    stats, total = count(stats, tau), total + times
+                    return i + 1, state, count(stats, tau), total + times
+
+                start = (
+                    tf.zeros([], tf.int64), self._zero_tensors(), tf.zeros([STALENESS_STATS]),
+                    tf.zeros([len(PHASES)], tf.float64),
+                )  # fmt: skip
+                _, state, stats, total = repeat(tf.constant(n, tf.int64), one, start)
                 return state, stats, total
 
-            @tf.function
+            @traced
             def user_steps(iterator, first, start):
                 # The model's own step starts from the epoch's metric state as the
                 # coordinator knew it, so what it returns covers the epoch so far; the
                 # closure hands back only what its own steps added.
-                state, stats = start, tf.zeros([STALENESS_STATS])
-                total = tf.zeros([len(PHASES)], tf.float64)
-                for i in tf.range(tf.cast(n - 1, tf.int64)):
+                def one(carried):
+                    i, state, stats, total = carried
                     _, state, tau, times = strategy.run(
                         self._user_step_with_staleness,
                         args=(*_next(iterator), state, first + i),
                     )
-                    stats, total = count(stats, tau), total + times
+                    return i + 1, state, count(stats, tau), total + times
+
+                carried = (
+                    tf.zeros([], tf.int64), list(start), tf.zeros([STALENESS_STATS]),
+                    tf.zeros([len(PHASES)], tf.float64),
+                )  # fmt: skip
+                _, state, stats, total = repeat(tf.constant(n - 1, tf.int64), one, carried)
                 outputs, state, tau, times = strategy.run(
                     self._user_step_with_staleness,
                     args=(*_next(iterator), state, first + (n - 1)),

@@ -38,7 +38,9 @@ from tfdist.training.runners.common import (
     metric_names,
     refuse_asynchronous_hooks,
     refuse_staleness_scaling,
+    repeat,
     run_until_end,
+    until_end,
     writes,
 )
 from tfdist.training.step_times import PHASES, StepTimes
@@ -50,6 +52,7 @@ from tfdist.training.steps import (
     own_optimizers,
     python_logs,
     step_logs,
+    traced,
     updates_through,
 )
 
@@ -79,8 +82,8 @@ class SyncRunner(Runner):
         self._stream_fn = None
         self._one_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self.metric_variables: list[keras.Variable] = []
-        self._read_state = tf.function(lambda: self._metric_state(reduce=True))
-        self._read_local_state = tf.function(lambda: self._metric_state(reduce=False))
+        self._read_state = traced(lambda: self._metric_state(reduce=True))
+        self._read_local_state = traced(lambda: self._metric_state(reduce=False))
         self._test_fn = None
         self.moving_statistics: MovingStatistics | None = None
         self._metric_names: list[str] | None = None
@@ -208,46 +211,38 @@ class SyncRunner(Runner):
 
             if n == 1:
 
-                @tf.function
                 def train(iterator):
                     outputs, times = self._step(*self._next(iterator))
                     return (outputs if custom else None), times
 
             else:
 
-                @tf.function
                 def train(iterator, n):
-                    ran = tf.constant(0)
-                    for _ in tf.range(n - 1):
+                    def untimed(ran):
                         self._untimed_step(next(iterator))
-                        ran += 1
+                        return ran + 1
+
+                    ran = repeat(n - 1, untimed, tf.constant(0))
                     # The call's last step is timed: a sample of its steps' phases. Its
                     # clock starts when the loop has ended (the loop's count says so).
                     outputs, times = self._step(*self._next(iterator, after=[ran]))
                     return (outputs if custom else None), times
 
-            self._train_fns[kind] = train
+            self._train_fns[kind] = traced(train)
         return self._train_fns[kind]
 
     def _stream(self, iterator, n):
         """For data of unknown length: each step first asks whether there is a batch."""
         if self._stream_fn is None:
 
-            @tf.function
-            def train(iterator, n):
-                done, total = tf.constant(0), tf.zeros([len(PHASES)], tf.float64)
-                for _ in tf.range(n):
-                    asked = tf.timestamp()
-                    with tf.control_dependencies([asked]):
-                        batch = iterator.get_next_as_optional()  # every worker agrees on the end
-                    if not batch.has_value():
-                        break
-                    _, times = self._step(batch.get_value(), asked)
-                    total += times
-                    done += 1
-                return done, total
+            def step(batch, asked, total):
+                _, times = self._step(batch, asked)
+                return total + times
 
-            self._stream_fn = train
+            def train(iterator, n):
+                return until_end(iterator, n, step, tf.zeros([len(PHASES)], tf.float64), timed=True)
+
+            self._stream_fn = traced(train)
         done, times = self._stream_fn(iterator, n)
         return int(done), times
 
@@ -262,7 +257,7 @@ class SyncRunner(Runner):
                 with self._updates_routed():
                     return hooked_train_step(model, hooks)(batch)
 
-            self._one_fns[kind] = tf.function(lambda batch: strategy.run(replica, args=(batch,)))
+            self._one_fns[kind] = traced(lambda batch: strategy.run(replica, args=(batch,)))
         return self._one_fns[kind](batch)
 
     def _count(self, n: int) -> tf.Tensor:
@@ -433,13 +428,12 @@ class SyncRunner(Runner):
                 x, _, _ = unpack(batch)
                 tf.cond(batch_size(x) > 0, run, lambda: tf.constant(0))
 
-            @tf.function
             def test(iterator, n):
                 return run_until_end(
                     iterator, n, lambda batch: strategy.run(replica_test, args=(batch,))
                 )
 
-            self._test_fn = test
+            self._test_fn = traced(test)
         call_until_end(lambda n: int(self._test_fn(iterator, n)), self.model, steps)
         return self._metrics()
 
