@@ -11,7 +11,6 @@ from tfdist.parallel.schedules import (
     COMPUTE,
     Action,
     Kind,
-    Pass,
     bubble_formula,
     lowered,
     schedule,
@@ -35,12 +34,12 @@ def test_each_schedule_runs_every_pass_once_with_the_bubble_of_the_formula(
     plans = schedule(name, stages, micro_batches, chunks=chunks)
     for plan in plans:
         assert sorted(map(str, plan)) == sorted(
-            str(Pass(kind, m, c)) for kind in "FB" for m in range(micro_batches)
+            str(Action(kind, m, c)) for kind in "FB" for m in range(micro_batches)
             for c in range(chunks)
         )  # fmt: skip
         for p in plan:  # a device's backward of a chunk's micro-batch follows its forward
             if p.kind == "B":
-                assert plan.index(Pass("F", p.micro_batch, p.chunk)) < plan.index(p)
+                assert plan.index(Action("F", p.micro_batch, p.chunk)) < plan.index(p)
     timeline = simulate(plans)  # a backward as long as a forward
     assert timeline.bubble == pytest.approx(
         bubble_formula(stages, micro_batches, chunks), abs=1e-12
@@ -68,7 +67,7 @@ def test_unequal_pass_times_lengthen_the_step_as_the_slowest_stage_does():
 
 
 def test_a_schedule_that_deadlocks_and_bad_arguments_are_refused():
-    backwards_first = [[Pass("B", 0), Pass("F", 0)]]
+    backwards_first = [[Action("B", 0), Action("F", 0)]]
     with pytest.raises(ValueError, match="deadlocks: stages wait on B0"):
         simulate(backwards_first)
     with pytest.raises(ValueError, match="schedule must be one of gpipe, 1f1b, interleaved"):

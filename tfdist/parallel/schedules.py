@@ -93,8 +93,6 @@ class Action:
         return self.chunk * devices + device
 
 
-Pass = Action  # a compute action: the name the schedules had before they had transfers
-
 Plan = list[list[Action]]  # one list per device of a pipeline
 
 
