@@ -51,10 +51,8 @@ def until_end(iterator, n, step, state, *, timed: bool = False):
         with tf.control_dependencies([asked] if timed else []):
             batch = iterator.get_next_as_optional()
         more = batch.has_value()
-        if timed:
-            state = tf.cond(more, lambda: step(batch.get_value(), asked, state), lambda: state)
-        else:
-            state = tf.cond(more, lambda: step(batch.get_value(), state), lambda: state)
+        when = (asked,) if timed else ()
+        state = tf.cond(more, lambda: step(batch.get_value(), *when, state), lambda: state)
         return done + tf.cast(more, done.dtype), more, state
 
     done, _, state = tf.while_loop(
@@ -71,7 +69,7 @@ def run_until_end(iterator, n, step) -> tf.Tensor:
     Returns how many ran.
     """
 
-    def counted(batch, ran):
+    def counted(batch, ran):  # a state to carry: a cond's branches return something
         step(batch)
         return ran + 1
 
