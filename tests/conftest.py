@@ -18,6 +18,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -234,6 +235,35 @@ def sparse_rows_job(tmp_path_factory):
     )  # fmt: skip
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     return out, result.stdout
+
+
+@pytest.fixture(scope="session", autouse=True)
+def preload_server(request, tmp_path_factory):
+    """One preload server per pytest process, which every launcher the tests start forks its
+    `python ...` tasks from (tfdist/launch/preload.py): TensorFlow and Keras are imported
+    once, not in every task (about 6 s of CPU each, the most of what a small job costs).
+    The launcher's own tests (tests/test_launch.py) run without it, as users start tasks."""
+    if request.config.getoption("--fast"):
+        yield None  # the fast tier launches no TensorFlow task
+        return
+    from tfdist.launch.preload import SERVER_ENV, server_command
+
+    folder = tmp_path_factory.mktemp("preload")
+    path = str(folder / "server")
+    with open(folder / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            server_command(path, ["tensorflow", "keras"]), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60  # it listens before it imports; launchers then wait
+    while not os.path.exists(path):
+        assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log")
+        time.sleep(0.02)
+    os.environ[SERVER_ENV] = path
+    yield path
+    os.environ.pop(SERVER_ENV, None)
+    server.terminate()
+    server.wait(timeout=30)
 
 
 def _not_json(constant: str):

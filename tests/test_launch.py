@@ -24,9 +24,45 @@ import pytest
 from tests.conftest import run_module
 from tfdist import exit_codes
 from tfdist.cluster import parse_tf_config
+from tfdist.launch.preload import SERVER_ENV, server_command
 from tools import launch
+from tools.chaos import running_tasks
 
 pytestmark = pytest.mark.fast
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tasks_start_afresh():
+    """The launcher's own tests start tasks as a user's launcher does: each a fresh
+    interpreter (the suite's preload server is for the other modules' jobs), unless they
+    ask for `starts`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(SERVER_ENV, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def bare_server(tmp_path_factory):
+    """A preload server that imports nothing (cheap): a launcher told of it forks its tasks
+    there. Returns (its path, its pid)."""
+    path = str(tmp_path_factory.mktemp("preload") / "server")
+    server = subprocess.Popen(server_command(path, []), start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not os.path.exists(path):
+        assert server.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    yield path, server.pid
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture(params=["fresh", "forked"])
+def starts(request, monkeypatch):
+    """How the launcher starts the tasks: each a fresh interpreter, or forked by a preload
+    server (tfdist/launch/preload.py); the launcher must tell and stop them alike."""
+    if request.param == "forked":
+        monkeypatch.setenv(SERVER_ENV, request.getfixturevalue("bare_server")[0])
+    return request.param
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -295,7 +331,7 @@ def test_output_of_every_task_is_prefixed_with_its_name(tmp_path):
     ],
 )
 def test_a_failing_task_stops_the_others_and_sets_the_exit_code(
-    tmp_path, action, exit_code, message
+    tmp_path, starts, action, exit_code, message
 ):
     command = task_command(tmp_path, 4, {"worker-1": action})
 
@@ -422,7 +458,7 @@ def test_a_parameter_server_job_survives_a_dead_worker(tmp_path, how):
     assert_all_gone(recorded_pids(tmp_path))
 
 
-def test_on_worker_failure_restart_restarts_a_dead_worker_in_place(tmp_path):
+def test_on_worker_failure_restart_restarts_a_dead_worker_in_place(tmp_path, starts):
     # worker:1 dies on every start: it is restarted 3 times, then the job goes on without it.
     command = task_command(tmp_path, 4, {"worker-1": "kill:9", "chief-0": "exit:0:3"})
 
@@ -503,7 +539,7 @@ def test_on_worker_failure_continue_needs_parameter_servers():
     )
 
 
-def test_timeout_stops_everything_even_a_task_that_ignores_sigterm(tmp_path):
+def test_timeout_stops_everything_even_a_task_that_ignores_sigterm(tmp_path, starts):
     command = task_command(tmp_path, 2, {"worker-1": "ignore_term"})
 
     result, seconds = run_launch(
@@ -523,7 +559,7 @@ def _default_sigint() -> None:
 
 
 @pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
-def test_a_signal_to_the_launcher_stops_every_task(tmp_path, signum, exit_code):
+def test_a_signal_to_the_launcher_stops_every_task(tmp_path, starts, signum, exit_code):
     command = task_command(tmp_path, 3, {})
     launcher = subprocess.Popen(
         launch_argv("--workers", "3", command=command),
@@ -547,6 +583,102 @@ def test_a_signal_to_the_launcher_stops_every_task(tmp_path, signum, exit_code):
     assert f"[launch] received {signal.Signals(signum).name}; stopping all tasks" in output
     assert "[launch] worker:2 stopped" in output
     assert_all_gone(pids)
+
+
+def _parent_and_session(pid: int) -> tuple[int, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return int(fields[1]), int(fields[3])  # ppid, session
+
+
+def test_tasks_forked_by_a_preload_server_are_its_children_each_in_a_session_of_its_own(
+    tmp_path, bare_server, monkeypatch
+):
+    path, server_pid = bare_server
+    monkeypatch.setenv(SERVER_ENV, path)
+    command = task_command(tmp_path, 3, {})
+    launcher = subprocess.Popen(
+        launch_argv("--chief", "--workers", "2", command=command), cwd=REPO_ROOT,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        pids = wait_for_pids(tmp_path, 3)
+        listed = running_tasks(launcher.pid)
+        lineage = {name: _parent_and_session(pid) for name, pid in pids.items()}
+        launcher.send_signal(signal.SIGTERM)
+        output, _ = launcher.communicate(timeout=10)
+    finally:
+        launcher.kill()
+    assert listed == {"chief:0": pids["chief-0.0"], "worker:0": pids["worker-0.0"],
+                      "worker:1": pids["worker-1.0"]}, output  # fmt: skip
+    for name, (parent, session) in lineage.items():
+        assert parent == server_pid and session == pids[name], (name, parent, session)
+    assert "[chief:0] I am chief 0" in output and "[worker:1] stderr of worker-1" in output
+    assert launcher.returncode == 143, output
+    assert_all_gone(pids)
+    assert running_tasks(launcher.pid) == {}  # the launcher's list went with it
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--preload", "no_such_module_here"],
+         "[launch] cannot preload no_such_module_here (ModuleNotFoundError: No module named "
+         "'no_such_module_here'); each task starts afresh"),
+        (["--preload", "json"], None),
+    ],
+)  # fmt: skip
+def test_a_preload_that_cannot_import_says_so_and_the_job_runs_afresh(tmp_path, flags, said):
+    command = task_command(tmp_path, 2, {"*": "exit:0"})
+    result, _ = run_launch(launch_argv("--workers", "2", *flags, command=command))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("[launch] cannot preload") == (1 if said else 0), result.stdout
+    if said:
+        assert said in result.stdout
+    assert "[worker:1] I am worker 1" in result.stdout
+
+
+def test_a_preload_for_a_command_that_is_not_python_says_it_starts_afresh():
+    result, _ = run_launch(launch_argv("--workers", "2", "--preload", "json", command=["true"]))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "[launch] --preload json forks `python -m MODULE`, `python FILE` and `python -c " \
+        "CODE` commands of the launcher's Python; this command starts afresh in each task" \
+        in result.stdout  # fmt: skip
+
+
+PRELOADED_JOB = textwrap.dedent(
+    """
+    import os, sys
+    preloaded = "tensorflow" in sys.modules  # before this script imports it
+    import tensorflow as tf
+    from tfdist.exit_codes import restart_count
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    index = strategy.cluster_resolver.task_id
+    total = strategy.reduce("SUM", strategy.run(lambda: tf.constant(float(index + 1))), None)
+    print("preloaded", preloaded, "parent", os.getppid(), "sum", float(total), flush=True)
+    if index == 1 and restart_count() == 0:
+        os.kill(os.getpid(), 9)
+    """
+)
+
+
+@pytest.mark.multiprocess
+def test_preloaded_tensorflow_tasks_train_together_and_restart_forked_again(tmp_path):
+    """--preload tensorflow: each task (a real collective across 2 processes), and the
+    restart after a SIGKILL, forked from one server that imported TensorFlow once."""
+    script = tmp_path / "job.py"
+    script.write_text(PRELOADED_JOB)
+    result = subprocess.run(
+        launch_argv("--workers", "2", "--max_restarts", "1", "--preload", "tensorflow",
+                    command=["python", str(script)]),
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    said = re.findall(r"^\[(worker:\d)\] preloaded (\w+) parent (\d+) sum (\S+)$",
+                      result.stdout, re.M)  # fmt: skip
+    assert len(said) == 4, result.stdout[-3000:]  # 2 tasks x 2 attempts
+    assert {(preloaded, total) for _, preloaded, _, total in said} == {("True", "3.0")}
+    assert len({parent for _, _, parent, _ in said}) == 1  # one server, kept across restarts
+    assert "worker:1 failed with exit code 137 (SIGKILL); restarting the job" in result.stdout
 
 
 def test_a_command_that_does_not_exist_exits_127(tmp_path):
@@ -594,7 +726,7 @@ def test_bad_usage_exits_2_with_a_one_line_message(flags, message):
         ("kill:9", "killed by SIGKILL", "failed with exit code 137 (SIGKILL)"),
     ],
 )
-def test_a_job_whose_task_fails_once_is_restarted_and_succeeds(tmp_path, action, outcome, cause):
+def test_a_job_whose_task_fails_once_is_restarted_and_succeeds(tmp_path, starts, action, outcome, cause):
     # worker:0 runs until stopped the first time, and finishes the second time.
     command = task_command(tmp_path, 2, {"worker-1": [action, "exit:0"], "*": ["sleep", "exit:0"]})
 

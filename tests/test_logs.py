@@ -9,6 +9,7 @@ call at all, printing the waiting line and the step-time line.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,7 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO
+from tfdist.launch.preload import SERVER_ENV
 from tfdist.launch.output import OncePerProcess, RuntimeLines
 
 pytestmark = pytest.mark.fast
@@ -197,6 +199,7 @@ def test_a_script_without_a_logging_call_shows_the_waiting_and_step_time_lines(t
     result = subprocess.run(
         [sys.executable, "-m", "tfdist.launch", "--workers", "2", "--", "python", str(script)],
         cwd=REPO, capture_output=True, timeout=240,
+        env={k: v for k, v in os.environ.items() if k != SERVER_ENV},  # fresh interpreters
     )  # fmt: skip
     output = result.stdout.decode()
     assert result.returncode == 0, output[-3000:]

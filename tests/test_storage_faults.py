@@ -24,6 +24,7 @@ import pytest
 
 from tests.conftest import REPO
 from tfdist.exit_codes import EXIT_STORAGE
+from tools.chaos import running_tasks
 
 pytestmark = pytest.mark.multiprocess
 TOLERANCE = 1e-5
@@ -211,18 +212,13 @@ def test_a_file_size_limit_met_mid_run_is_one_line_and_keeps_the_last_checkpoint
     assert summary["steps"] == summary["steps_trained"] == 66 and summary["resumed_from_step"] >= 10
 
 
-def _kill_every_process_of(model_dir) -> None:
-    """SIGKILL to the launcher and each task of the job on `model_dir` (each task has a
-    session of its own)."""
-    for pid in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read()
-        except OSError:
-            continue
-        if pid.isdigit() and f"--model_dir={model_dir}".encode() in command:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+def _kill_job(launcher: subprocess.Popen) -> None:
+    """SIGKILL to each task of the launcher's job (each has a session of its own), then to the
+    launcher."""
+    for pid in running_tasks(launcher.pid).values():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    launcher.kill()
 
 
 def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_leaves_the_first_alone(
@@ -261,7 +257,7 @@ def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_leaves_the_fir
         assert json.loads((run / "tfdist.lock").read_text())["token"] == lock["token"]
         assert not (tmp_path / "wb").exists()
     finally:
-        _kill_every_process_of(run)
+        _kill_job(first)
         first.wait(timeout=60)
 
 

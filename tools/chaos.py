@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from tfdist.launch.supervisor import tasks_file
+
 REPO = Path(__file__).resolve().parents[1]
 STEPS_PER_EPOCH = 10
 CHECKPOINT_EVERY = 5
@@ -114,22 +116,20 @@ class Fault:
 
 
 def running_tasks(launcher_pid: int) -> dict[str, int]:
-    """{"worker:1": pid, ...} for the launcher's children, each found by its TF_CONFIG."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) != launcher_pid:
-                continue
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue  # exited meanwhile
-        for variable in environ:
-            if variable.startswith(b"TF_CONFIG="):
-                role = json.loads(variable[len(b"TF_CONFIG=") :])["task"]
-                found[f"{role['type']}:{role['index']}"] = int(entry.name)
-    return found
+    """{"worker:1": pid, ...}: the tasks the launcher `launcher_pid` runs now (it lists them in
+    tasks_file; none while it starts or after it has ended)."""
+    try:
+        listed = json.loads(tasks_file(launcher_pid).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {task: pid for task, pid in listed.items() if _alive(pid)}
+
+
+def _alive(pid: int) -> bool:
+    try:  # the state field, after the command name in parentheses; Z: exited, not yet reaped
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 class Job:

@@ -92,6 +92,7 @@ from collections.abc import Iterator, Sequence
 
 from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
 from tfdist.launch import network
+from tfdist.launch.preload import PRELOAD_ENV
 from tfdist.launch.plan import Task, UsageError, cluster_of, plan_cluster, tf_config_for
 from tfdist.launch.rendezvous import (
     DEFAULT_PORT,
@@ -230,6 +231,15 @@ def _build_parser() -> argparse.ArgumentParser:
         "--pause worker:1=20+5",
     )
     add(
+        "--preload",
+        default=os.environ.get(PRELOAD_ENV, ""),
+        metavar="MODULES",
+        help="import these modules (comma-separated, e.g. tensorflow,keras) once, then fork "
+        "each task of a `python -m MODULE`, `python FILE` or `python -c CODE` command from "
+        "that process: tasks and restarts start in a fraction of a second instead of "
+        f"importing them each (default: ${PRELOAD_ENV}, else none)",
+    )
+    add(
         "--private_network",
         action="store_true",
         help="one host: run the job in a network namespace of its own, so that no other "
@@ -300,6 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *(parse_slow(text) for text in args.slow),
                 *(parse_pause(text) for text in args.pause),
             ],
+            preload=[name.strip() for name in args.preload.split(",") if name.strip()],
         )
     except (UsageError, StragglerError) as error:
         print(f"tfdist-launch: error: {error}", file=sys.stderr)

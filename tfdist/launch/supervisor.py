@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shlex
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from tfdist.exit_codes import (
     EXIT_PREEMPTED,
@@ -20,6 +23,7 @@ from tfdist.exit_codes import (
     RESTART_COUNT_ENV,
 )
 from tfdist.launch.output import NATIVE_LOGS_ENV, OncePerProcess, RuntimeLines
+from tfdist.launch.preload import SERVER_ENV, Preloader, python_program
 from tfdist.launch.plan import (
     Task,
     UsageError,
@@ -46,6 +50,13 @@ WORKER_FAILURE_CHOICES = ("continue", "restart", "stop")
 # --on_worker_failure restart: how often one worker is restarted in place before the job
 # goes on without it (a worker that keeps dying at once has a problem a restart won't fix).
 WORKER_RESTARTS = 3
+
+
+def tasks_file(launcher_pid: int) -> Path:
+    """Where a running launcher lists its tasks' pids, {"worker:1": pid, ...}, for tools that
+    signal them (tools/chaos.py): a task forked by a preload server is not the launcher's
+    child, and its /proc environ is the server's."""
+    return Path(tempfile.gettempdir(), f"tfdist-launch-{launcher_pid}.json")
 
 
 def _with_own_python(command: Sequence[str]) -> list[str]:
@@ -131,6 +142,8 @@ class Launcher:
       cluster: the whole job's cluster, when `tasks` are only this host's share of it
         (tfdist-launch --nnodes); by default the cluster of `tasks`.
       stragglers: tasks to slow down or pause on purpose, for benchmarks (straggler.py).
+      preload: modules (e.g. tensorflow, keras) to import once, in a server that then forks
+        every task of a `python ...` command, restarts included (preload.py).
 
     Raises:
       UsageError: if `command` or `tasks` is empty, `timeout` <= 0, `grace` < 0,
@@ -150,6 +163,7 @@ class Launcher:
         worker_restarts: int = WORKER_RESTARTS,
         cluster: dict[str, list[str]] | None = None,
         stragglers: Sequence[Straggle] = (),
+        preload: Sequence[str] = (),
     ) -> None:
         if not command:
             raise UsageError(f"no command to run: put it after `--`, e.g. `{EXAMPLE}`")
@@ -190,6 +204,8 @@ class Launcher:
         self._readers: dict[Task, threading.Thread] = {}
         self._stopped: dict[Task, str] = {}  # tasks the launcher ended -> how
         self._signals: list[int] = []
+        self._preload = list(preload)
+        self._preloader: Preloader | None = None
 
     def run(self) -> int:
         """Starts the tasks, supervises them until the run ends, and stops whatever is left.
@@ -203,6 +219,7 @@ class Launcher:
         previous_handlers = self._install_signal_handlers()
         deadline = time.monotonic() + self._timeout  # one budget for all attempts together
         try:
+            self._start_preloader()
             while True:
                 code, failed = self._attempt(deadline)
                 if failed is not None:
@@ -211,6 +228,9 @@ class Launcher:
                     return code
                 self._move_taken_ports()
         finally:
+            if self._preloader is not None:
+                self._preloader.close()
+            tasks_file(os.getpid()).unlink(missing_ok=True)
             for signum, handler in previous_handlers.items():
                 signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
 
@@ -309,6 +329,31 @@ class Launcher:
                 return EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_NO_EXEC
         return None
 
+    def _start_preloader(self) -> None:
+        server = os.environ.get(SERVER_ENV)
+        if not (self._preload or server):
+            return
+        if python_program(_with_own_python(self._command)) is None:
+            if not self._preload:
+                return
+            self._say(
+                f"--preload {','.join(self._preload)} forks `python -m MODULE`, `python FILE` "
+                "and `python -c CODE` commands of the launcher's Python; this command starts "
+                "afresh in each task"
+            )
+            return
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        said_once = OncePerProcess()
+
+        def relay(line: bytes) -> None:
+            if not said_once.repeats(line):
+                self._write(b"[preload] " + (line if line.endswith(b"\n") else line + b"\n"))
+
+        preloader = Preloader(self._preload, env=env, say=self._say, relay=relay)
+        if preloader.connect(server) if server else preloader.start():
+            self._preloader = preloader
+
     def _hold_up(self) -> None:
         # The stragglers asked for (--slow, --pause), each on its task's current process.
         by_name = {task.name: task for task in self._tasks}
@@ -326,17 +371,29 @@ class Launcher:
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # N copies of TF's C++ INFO logs bury the rest
         env[RESTART_COUNT_ENV] = str(self._restarts)  # so the program can say it is resuming
         env["TF_CONFIG"] = tf_config_for(self._cluster or cluster_of(self._tasks), task)
-        proc = subprocess.Popen(
-            _with_own_python(self._command),
-            env=env,
-            stdin=subprocess.DEVNULL,  # several tasks cannot share one terminal's input
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # a group of its own: stopping it reaches its children
-        )
+        command = _with_own_python(self._command)
+        if self._preloader is not None:
+            proc = self._preloader.spawn(command, env=env)
+        else:
+            proc = subprocess.Popen(
+                command,
+                env=env,
+                stdin=subprocess.DEVNULL,  # several tasks cannot share one terminal's input
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a group of its own: stopping it reaches its children
+            )
         self._procs[task] = proc
         self._readers[task] = threading.Thread(target=self._relay, args=(task, proc), daemon=True)
         self._readers[task].start()
+        self._list_tasks()
+
+    def _list_tasks(self) -> None:
+        # Written whole, then renamed over the last list: a reader never sees half of one.
+        path = tasks_file(os.getpid())
+        listing = path.with_suffix(".new")
+        listing.write_text(json.dumps({t.name: p.pid for t, p in self._procs.items()}))
+        listing.replace(path)
 
     def _supervise(self, deadline: float) -> tuple[int, tuple[Task, int] | None]:
         programs = [task for task in self._tasks if task not in self._serving]
