@@ -257,7 +257,7 @@ def preload_server(request, tmp_path_factory):
         )  # fmt: skip
     deadline = time.monotonic() + 60  # it listens before it imports; launchers then wait
     while not os.path.exists(path):
-        assert server.poll() is None and time.monotonic() < deadline, (folder / "server.log")
+        assert server.poll() is None and time.monotonic() < deadline, folder / "server.log"
         time.sleep(0.02)
     os.environ[SERVER_ENV] = path
     yield path

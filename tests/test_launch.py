@@ -64,6 +64,7 @@ def starts(request, monkeypatch):
         monkeypatch.setenv(SERVER_ENV, request.getfixturevalue("bare_server")[0])
     return request.param
 
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 # One program plays every task. It records its pid in "<task>.<attempt>.pid" (so a test can
@@ -726,7 +727,9 @@ def test_bad_usage_exits_2_with_a_one_line_message(flags, message):
         ("kill:9", "killed by SIGKILL", "failed with exit code 137 (SIGKILL)"),
     ],
 )
-def test_a_job_whose_task_fails_once_is_restarted_and_succeeds(tmp_path, starts, action, outcome, cause):
+def test_a_job_whose_task_fails_once_is_restarted_and_succeeds(
+    tmp_path, starts, action, outcome, cause
+):
     # worker:0 runs until stopped the first time, and finishes the second time.
     command = task_command(tmp_path, 2, {"worker-1": [action, "exit:0"], "*": ["sleep", "exit:0"]})
 

@@ -18,8 +18,8 @@ import textwrap
 import pytest
 
 from tests.conftest import REPO
-from tfdist.launch.preload import SERVER_ENV
 from tfdist.launch.output import OncePerProcess, RuntimeLines
+from tfdist.launch.preload import SERVER_ENV
 
 pytestmark = pytest.mark.fast
 

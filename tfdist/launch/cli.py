@@ -92,8 +92,8 @@ from collections.abc import Iterator, Sequence
 
 from tfdist.exit_codes import EXIT_PREEMPTED, RESTART_COUNT_ENV
 from tfdist.launch import network
-from tfdist.launch.preload import PRELOAD_ENV
 from tfdist.launch.plan import Task, UsageError, cluster_of, plan_cluster, tf_config_for
+from tfdist.launch.preload import PRELOAD_ENV
 from tfdist.launch.rendezvous import (
     DEFAULT_PORT,
     TOKEN_ENV,

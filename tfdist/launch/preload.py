@@ -259,7 +259,9 @@ def _receive(channel: socket.socket) -> tuple[dict | None, list[int]]:
     return json.loads(data), fds
 
 
-def serve(modules: Sequence[str], *, channel_fd: int | None = None, path: str | None = None) -> None:
+def serve(
+    modules: Sequence[str], *, channel_fd: int | None = None, path: str | None = None
+) -> None:
     """The preload server: imports `modules`, then forks a task for each request and reports
     each task's exit to the launcher that asked for it.
 

@@ -23,7 +23,6 @@ from tfdist.exit_codes import (
     RESTART_COUNT_ENV,
 )
 from tfdist.launch.output import NATIVE_LOGS_ENV, OncePerProcess, RuntimeLines
-from tfdist.launch.preload import SERVER_ENV, Preloader, python_program
 from tfdist.launch.plan import (
     Task,
     UsageError,
@@ -32,6 +31,7 @@ from tfdist.launch.plan import (
     serving_tasks,
     tf_config_for,
 )
+from tfdist.launch.preload import SERVER_ENV, Preloader, python_program
 from tfdist.launch.straggler import Straggle, Straggler
 
 EXIT_TIMEOUT = 124  # what coreutils `timeout` returns, so scripts can tell the two apart
