@@ -394,14 +394,23 @@ def _run_program(kind: str, target: str, args: list[str]) -> int:
         traceback.print_exc()
         code, interrupted = 1, True
     except BaseException:  # noqa: BLE001 - printed and exit 1, as the interpreter does
-        sys.excepthook(*sys.exc_info())
-        code = 1
+        code = _uncaught(*sys.exc_info())
     _shut_down()
     if interrupted:  # Python dies of the SIGINT it was interrupted by
         sys.stdout.flush(), sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
     return code
+
+
+def _uncaught(kind, error, trace) -> int:
+    # The interpreter hands an uncaught exception to sys.excepthook, and a hook may end the
+    # process itself (tfdist's does: one line and exit 2 for a mistake it explains).
+    try:
+        sys.excepthook(kind, error, trace)
+    except SystemExit as exit_:
+        return _exit_code(exit_.code)
+    return 1
 
 
 def _exit_code(code: object) -> int:
