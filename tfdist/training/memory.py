@@ -12,8 +12,9 @@ any batch end of a `fit`.
     record.peak          # {"CPU:0": 3145728, "CPU:1": 3145728}
     record.added         # the same, less what the devices held before fit began
 
-Each count walks Python's live objects (tens of milliseconds in a process with TensorFlow
-loaded): `DeviceBytes(every=N)` counts at every N-th batch. It counts variables, not tensors: activations and the gradients a step makes live in
+A count walks Python's live objects; during fit only those made since fit began (the
+others are frozen out of the garbage collector meanwhile), so counting at every batch end
+stays cheap in a process that holds much else; `DeviceBytes(every=N)` counts at every N-th. It counts variables, not tensors: activations and the gradients a step makes live in
 TensorFlow's allocator and are not seen here (tools/memory_bench.py reports peak RSS next
 to these counts). Variables of other models alive in the process count too: compare against
 `before` (taken when the callback is made), or read `added`.
@@ -22,6 +23,7 @@ to these counts). Variables of other models alive in the process count too: comp
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Iterable
 
 import keras
@@ -61,8 +63,16 @@ def nbytes(variable) -> int | None:
 
 def variable_bytes() -> dict[str, int]:
     """{device: bytes of the variables placed on it}, over every live variable."""
+    return _bytes_by_device(live_variables())
+
+
+def _bytes_by_device(variables: Iterable[tf.Variable]) -> dict[str, int]:
     totals: dict[str, int] = {}
-    for variable in live_variables():
+    seen: set[int] = set()
+    for variable in variables:
+        if id(variable) in seen:
+            continue
+        seen.add(id(variable))
         try:
             device = device_name(variable.device)
         except (ValueError, AttributeError):  # an uninitialised or deleted variable
@@ -75,6 +85,11 @@ def variable_bytes() -> dict[str, int]:
 
 class DeviceBytes(keras.callbacks.Callback):
     """Records the most bytes of variables each device held at any batch end of fit.
+
+    Each count is cheap however big the process: when fit begins, one full walk finds the
+    variables alive then (kept by weak reference) and freezes the objects alive then out of
+    Python's garbage collector (gc.freeze, undone when fit ends), so each batch end's
+    count walks only what fit made since, plus those variables that are still alive.
 
     Attributes:
       before: {device: bytes} when the callback was made (build the model after it to see
@@ -89,12 +104,32 @@ class DeviceBytes(keras.callbacks.Callback):
         self.before = variable_bytes()
         self.peak: dict[str, int] = {}
         self._batches = 0
+        self._known: list[weakref.ref] = []  # the variables alive when fit began
+        self._froze = False
+
+    def on_train_begin(self, logs=None):
+        self._known = [weakref.ref(v) for v in live_variables()]
+        if not gc.isenabled() or gc.get_freeze_count():
+            return  # someone else manages the collector: count the slow way
+        gc.freeze()
+        self._froze = True
+
+    def on_train_end(self, logs=None):
+        if self._froze:
+            gc.unfreeze()
+            self._froze = False
+        self._known = []
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
         if (self._batches - 1) % self.every:
             return
-        for device, size in variable_bytes().items():
+        if self._froze:
+            known = [v for v in (ref() for ref in self._known) if v is not None]
+            counted = _bytes_by_device([*known, *live_variables()])  # live: the unfrozen
+        else:
+            counted = variable_bytes()
+        for device, size in counted.items():
             self.peak[device] = max(self.peak.get(device, 0), size)
 
     @property
