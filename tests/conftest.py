@@ -59,8 +59,13 @@ def _in_fast_tier(item) -> bool:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    """A test of the fast tier that runs a training binary or a test worker itself (`python
-    -m experiments...`) fails: its markers would not tell the truth (mark it multiprocess)."""
+    """Markers that tell the truth, checked as each test runs:
+
+    - a test of the fast tier that runs a training binary or a test worker itself (`python
+      -m experiments...`) fails: mark it multiprocess;
+    - a test marked multiprocess that started no process, in its own set-up or call or in
+      a shared fixture it uses, fails: it runs in this process (mark it slow, or nothing).
+    """
     before = _LAUNCHES["tensorflow"]
     result = yield
     if _in_fast_tier(item) and _LAUNCHES["tensorflow"] > before:
@@ -68,7 +73,48 @@ def pytest_runtest_call(item):
             f"{item.nodeid} is in the fast tier but started a TensorFlow process: mark it "
             "pytest.mark.multiprocess (or move the process into a fixture of a slower test)"
         )
+    started = _tests_processes() > item.stash.get(_PROCESSES_BEFORE, 0)
+    shared = _FIXTURES_THAT_LAUNCH.intersection(item.fixturenames)
+    if item.get_closest_marker("multiprocess") and not started and not shared:
+        raise AssertionError(
+            f"{item.nodeid} is marked multiprocess but started no process (nor did a shared "
+            "fixture it uses): it runs in this process; mark it slow if it trains, or nothing"
+        )
     return result
+
+
+_PROCESSES_BEFORE = pytest.StashKey[int]()
+# Shared (module or session) fixtures that started processes: a test that uses one is
+# multi-process although the fixture ran in an earlier test's set-up. The suite's preload
+# server is a process of the harness, not of any test.
+_FIXTURES_THAT_LAUNCH: set[str] = set()
+_HARNESS_FIXTURES = {"preload_server"}
+_HARNESS = {"processes": 0}
+
+
+def _tests_processes() -> int:
+    return _LAUNCHES["processes"] - _HARNESS["processes"]
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_PROCESSES_BEFORE] = _tests_processes()
+
+
+class _FixtureLaunches:
+    """Notes the shared fixtures that start processes. A plugin of its own, registered in
+    pytest_configure: a conftest's hooks do not see the set-up of session fixtures."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef, request):
+        before = _LAUNCHES["processes"]
+        result = yield
+        launched = _LAUNCHES["processes"] - before
+        if fixturedef.argname in _HARNESS_FIXTURES:
+            _HARNESS["processes"] += launched
+        elif launched and fixturedef.scope != "function":
+            _FIXTURES_THAT_LAUNCH.add(fixturedef.argname)
+        return result
 
 
 def _check_groups(config, items) -> None:
@@ -93,6 +139,7 @@ def pytest_configure(config):
 
     configure_cpu_devices(NUM_CPU_DEVICES)
     _count_launches(config)
+    config.pluginmanager.register(_FixtureLaunches(), "tfdist-fixture-launches")
 
 
 # --- the suite reports the processes it launched -------------------------------------------------

@@ -606,6 +606,11 @@ def test_keras_hub_s_own_layout_maps_as_shipped_train_as_keras(name, backbone, c
     assert got.history["loss"] == pytest.approx(want.history["loss"], abs=1e-5)
     for want_w, got_w in zip(reference.get_weights(), model.get_weights(), strict=True):
         assert np.max(np.abs(want_w - got_w)) <= TOLERANCE
+    # Its copy on plain Keras layers holds the model's weights, each once.
+    dense = dense_model(model)
+    assert [w.path for w in dense.weights] == [w.path for w in reference.weights]
+    for want_w, got_w in zip(reference.get_weights(), dense.get_weights(), strict=True):
+        assert np.max(np.abs(want_w - got_w)) <= TOLERANCE
 
 
 class Gated(keras.layers.Layer):
