@@ -214,3 +214,35 @@ def test_gemma_cut_in_two_stages_holds_each_stage_and_the_tied_embedding_on_both
         share = sum(int(np.prod(v.shape)) * 4 for v in held)
         got = record.added[f"CPU:{stage.index + 1}"]
         assert got == pytest.approx(3.0 * share, rel=TOLERANCE), (stage.index, got / weights)
+
+
+class _Raises(keras.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 1:
+            raise RuntimeError("a callback's own error")
+
+
+def test_counts_see_variables_made_before_and_during_fit_and_leave_the_collector_as_found():
+    """DeviceBytes freezes the objects alive when fit begins out of the collector and counts
+    only what fit made, plus the variables alive then: the peak is the model and Adam's
+    slots, as a full count says; a fit that raises thaws the collector when the callback
+    goes, and a clean one when it ends."""
+    gc.collect()
+    record = tfdist.DeviceBytes()
+    model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(32)])
+    model.compile(keras.optimizers.Adam(), "mse")  # slots made by fit's first step
+    x = np.ones((64, 16), "float32")
+    tfdist.fit(model, x, np.ones((64, 32), "float32"), batch_size=16, verbose=0,
+               callbacks=[record])  # fmt: skip
+    assert gc.get_freeze_count() == 0
+    weights = (16 * 32 + 32) * 4
+    assert record.added == {"CPU:0": pytest.approx(3 * weights, abs=64)}  # + Adam's counters
+    assert record.peak == variable_bytes()  # a full count after fit: the same variables
+    failing = tfdist.DeviceBytes()
+    with pytest.raises(RuntimeError, match="a callback's own error"):
+        tfdist.fit(model, x, np.ones((64, 32), "float32"), batch_size=16, verbose=0,
+                   callbacks=[failing, _Raises()])  # fmt: skip
+    assert gc.get_freeze_count() > 0  # fit raised past on_train_end
+    del failing
+    gc.collect()
+    assert gc.get_freeze_count() == 0

@@ -108,17 +108,25 @@ class DeviceBytes(keras.callbacks.Callback):
         self._froze = False
 
     def on_train_begin(self, logs=None):
+        self._thaw()  # a fit that raised never reached on_train_end
         self._known = [weakref.ref(v) for v in live_variables()]
         if not gc.isenabled() or gc.get_freeze_count():
             return  # someone else manages the collector: count the slow way
         gc.freeze()
         self._froze = True
+        # A fit that raises skips on_train_end (as Keras's does): the collector is thawed
+        # when this callback goes, at the latest.
+        self._thaw_at_exit = weakref.finalize(self, gc.unfreeze)
 
     def on_train_end(self, logs=None):
+        self._thaw()
+        self._known = []
+
+    def _thaw(self) -> None:
         if self._froze:
+            self._thaw_at_exit.detach()
             gc.unfreeze()
             self._froze = False
-        self._known = []
 
     def on_train_batch_end(self, batch, logs=None):
         self._batches += 1
