@@ -149,7 +149,7 @@ def pytest_configure(config):
 # subprocess.Popen in a pytest process; a launcher's tasks are counted from its flags. Each
 # pytest-xdist worker writes its counts to a folder the controller names, which sums them.
 
-_LAUNCHES = {"launches": 0, "processes": 0, "tensorflow": 0, "by_test": {}}
+_LAUNCHES = {"launches": 0, "processes": 0, "tensorflow": 0, "forked": 0, "by_test": {}}
 # Modules whose processes run TensorFlow: the training binaries and the tests' worker scripts
 # (the launcher's own tests start plain Python tasks, which the fast tier may).
 _TENSORFLOW_MODULES = ("experiments.", "tests.workers.")
@@ -209,9 +209,10 @@ def pytest_terminal_summary(terminalreporter, config):
     counts = [json.loads(p.read_text()) for p in Path(folder).glob("*.json")]
     launches = sum(c["launches"] for c in counts)
     processes = sum(c["processes"] for c in counts)
+    forked = sum(c.get("forked", 0) for c in counts)
     terminalreporter.write_line(
         f"processes launched by the tests: {processes} ({launches} launches; a launcher's "
-        "tasks counted from its flags)"
+        f"tasks counted from its flags); {forked} tasks forked by the preload servers"
     )
     by_test: dict[str, int] = {}
     for count in counts:
@@ -311,6 +312,8 @@ def preload_server(request, tmp_path_factory):
     os.environ.pop(SERVER_ENV, None)
     server.terminate()
     server.wait(timeout=30)
+    log = (folder / "server.log").read_text(errors="replace").splitlines()
+    _LAUNCHES["forked"] = sum(line.startswith("forked ") for line in log)
 
 
 def _not_json(constant: str):

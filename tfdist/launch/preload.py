@@ -29,6 +29,7 @@ import json
 import os
 import runpy
 import select
+import shlex
 import signal
 import socket
 import subprocess
@@ -321,6 +322,17 @@ def serve(
             if pid is not None:
                 owners[pid] = launcher
                 _send(launcher, {"pid": pid})
+                if listener is not None:  # a shared server's log: one line per task
+                    print(f"forked {pid}: {shlex.join(_command_line(request['program']))}",
+                          flush=True)  # fmt: skip
+
+
+def _command_line(program: Sequence) -> list[str]:
+    kind, target, args = program
+    return {"module": ["python", "-m"], "code": ["python", "-c"]}.get(kind, ["python"]) + [
+        target,
+        *args,
+    ]
 
 
 def _report_exits(owners: dict[int, socket.socket]) -> None:
