@@ -218,6 +218,8 @@ class Preloader:
                 if "exit" in message:
                     self._codes[message["exit"]] = message["returncode"]
                 else:
+                    # The server reports in order: a reused pid's last exit came before.
+                    self._codes.pop(message.get("pid"), None)
                     self._replies.append(message)
                 self._ended.notify_all()
 
@@ -308,8 +310,7 @@ def serve(
                 launchers.remove(launcher)
                 launcher.close()
                 continue
-            own = [one.fileno() for one in launchers] + [wake_read, wake_write]
-            own += [listener.fileno()] if listener is not None else []
+            own = [*launchers, *([listener] if listener is not None else []), wake_read, wake_write]
             try:
                 pid = os.fork()
             except OSError as error:
@@ -349,7 +350,7 @@ def _report_exits(owners: dict[int, socket.socket]) -> None:
                 _send(launcher, {"exit": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
-def _run_task(request: dict, fds: Sequence[int], own: Sequence[int]) -> None:
+def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | int]) -> None:
     """In the forked child: becomes the task, runs its program, and exits as Python would."""
     code = 1
     try:
@@ -361,8 +362,10 @@ def _run_task(request: dict, fds: Sequence[int], own: Sequence[int]) -> None:
         os.dup2(stdin, 0)
         os.dup2(output, 1)
         os.dup2(output, 2)
-        for fd in [*fds, *own]:
+        for fd in fds:
             os.close(fd)
+        for one in own:  # a socket forgets its descriptor, or it would close a reused one
+            os.close(one.detach() if isinstance(one, socket.socket) else one)
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
