@@ -38,6 +38,7 @@ import threading
 import traceback
 import types
 from collections.abc import Callable, Sequence
+from typing import NoReturn
 
 PRELOAD_ENV = "TFDIST_PRELOAD"  # the default of --preload: modules, comma-separated
 # A running server (server_command) that every launcher which sees this uses for its tasks:
@@ -350,9 +351,11 @@ def _report_exits(owners: dict[int, socket.socket]) -> None:
                 _send(launcher, {"exit": pid, "returncode": os.waitstatus_to_exitcode(status)})
 
 
-def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | int]) -> None:
-    """In the forked child: becomes the task, runs its program, and exits as Python would."""
-    code = 1
+def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | int]) -> NoReturn:
+    """In the forked child: becomes the task, runs its program, and exits as Python would:
+    through the interpreter's own shutdown (its threads, exit handlers and TensorFlow's
+    teardown, where a multi-worker job's tasks wait for each other before they go: a task
+    that left at once could break a peer still reading its part of the last collective)."""
     try:
         os.setsid()
         signal.set_wakeup_fd(-1)
@@ -370,14 +373,13 @@ def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | i
         os.environ.clear()
         os.environ.update(request["env"])
         _reseed()
-        code = _run_program(*request["program"])
-    except BaseException:  # noqa: BLE001 - whatever happens, this process must not return
+    except BaseException:  # noqa: BLE001 - it must not return into the server's loop
         with contextlib.suppress(BaseException):
             traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
             sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
+        os._exit(1)
+    # Up through the server's frames, which catch nothing, to the interpreter's exit.
+    raise SystemExit(_run_program(*request["program"]))
 
 
 def _reseed() -> None:
@@ -410,8 +412,8 @@ def _run_program(kind: str, target: str, args: list[str]) -> int:
         code, interrupted = 1, True
     except BaseException:  # noqa: BLE001 - printed and exit 1, as the interpreter does
         code = _uncaught(*sys.exc_info())
-    _shut_down()
-    if interrupted:  # Python dies of the SIGINT it was interrupted by
+    if interrupted:  # Python dies of the SIGINT it was interrupted by, once shut down
+        _shut_down()
         sys.stdout.flush(), sys.stderr.flush()
         signal.signal(signal.SIGINT, signal.SIG_DFL)
         os.kill(os.getpid(), signal.SIGINT)
