@@ -63,8 +63,9 @@ def pytest_runtest_call(item):
 
     - a test of the fast tier that runs a training binary or a test worker itself (`python
       -m experiments...`) fails: mark it multiprocess;
-    - a test marked multiprocess that started no process, in its own set-up or call or in
-      a shared fixture it uses, fails: it runs in this process (mark it slow, or nothing).
+    - a test marked multiprocess that started no process, in its own set-up or call, in a
+      shared fixture it uses, or in an earlier test of its module whose job it reads (a
+      cached one), fails: it runs in this process (mark it slow, or nothing).
     """
     before = _LAUNCHES["tensorflow"]
     result = yield
@@ -74,8 +75,12 @@ def pytest_runtest_call(item):
             "pytest.mark.multiprocess (or move the process into a fixture of a slower test)"
         )
     started = _tests_processes() > item.stash.get(_PROCESSES_BEFORE, 0)
+    module = item.nodeid.split("::")[0]
+    if started:
+        _MODULES_THAT_LAUNCHED.add(module)  # a job it caches (functools.cache) serves later tests
     shared = _FIXTURES_THAT_LAUNCH.intersection(item.fixturenames)
-    if item.get_closest_marker("multiprocess") and not started and not shared:
+    earlier = module in _MODULES_THAT_LAUNCHED
+    if item.get_closest_marker("multiprocess") and not (started or shared or earlier):
         raise AssertionError(
             f"{item.nodeid} is marked multiprocess but started no process (nor did a shared "
             "fixture it uses): it runs in this process; mark it slow if it trains, or nothing"
@@ -88,6 +93,7 @@ _PROCESSES_BEFORE = pytest.StashKey[int]()
 # multi-process although the fixture ran in an earlier test's set-up. The suite's preload
 # server is a process of the harness, not of any test.
 _FIXTURES_THAT_LAUNCH: set[str] = set()
+_MODULES_THAT_LAUNCHED: set[str] = set()
 _HARNESS_FIXTURES = {"preload_server"}
 _HARNESS = {"processes": 0}
 
