@@ -44,6 +44,7 @@ PRELOAD_ENV = "TFDIST_PRELOAD"  # the default of --preload: modules, comma-separ
 # A running server (server_command) that every launcher which sees this uses for its tasks:
 # a test suite or a sweep of many short jobs imports TensorFlow once in all.
 SERVER_ENV = "TFDIST_PRELOAD_SERVER"
+READY_SECONDS = 300.0  # the longest a launcher waits for a server's imports
 _MESSAGE_BYTES = 1 << 22  # a task's command and environment travel in one message
 _SERVER = "import sys; from tfdist.launch.preload import main; main(sys.argv[1:])"
 
@@ -130,15 +131,18 @@ class Preloader:
                 start_new_session=True,  # the terminal's Ctrl-C is the launcher's to pass on
             )  # fmt: skip
         threading.Thread(target=self._relay_output, daemon=True).start()
-        return self._begin(ours)
+        return self._begin(ours, f"the preload server of {', '.join(self.modules)}")
 
-    def _begin(self, channel: socket.socket) -> bool:
-        # The server's first message says whether its imports succeeded.
+    def _begin(self, channel: socket.socket, server: str) -> bool:
+        # The server's first message says whether its imports succeeded; a server that says
+        # nothing in time is not waited for longer (a launcher never hangs on it).
         self._channel = channel
+        channel.settimeout(READY_SECONDS)
         first = _receive(channel)[0]
+        channel.settimeout(None)
         if first is None or "ready" not in first:
-            why = first["error"] if first else "it ended"
-            self._say(f"cannot preload {', '.join(self.modules)} ({why}); each task starts afresh")
+            why = first["error"] if first else f"no answer within {READY_SECONDS:g} s"
+            self._say(f"{server} cannot serve ({why}); each task starts afresh")
             self.close()
             return False
         self._server_pid = first["ready"]
@@ -155,7 +159,7 @@ class Preloader:
             channel.close()
             self._say(f"no preload server at {path} ({error}); each task starts afresh")
             return False
-        if not self._begin(channel):
+        if not self._begin(channel, f"the preload server at {path}"):
             return False
         apart = _namespaces_apart(self._server_pid)
         if apart:
