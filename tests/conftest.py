@@ -291,6 +291,25 @@ def sparse_rows_job(tmp_path_factory):
     return out, result.stdout
 
 
+def start_preload_server(folder: Path, modules: list[str]) -> tuple[str, subprocess.Popen]:
+    """A shared preload server listening in `folder` (its output in server.log there), once
+    it listens (it listens before it imports; launchers that connect meanwhile wait).
+    Returns (its path, its process)."""
+    from tfdist.launch.preload import server_command
+
+    path = str(folder / "server")
+    with open(folder / "server.log", "wb") as log:
+        server = subprocess.Popen(
+            server_command(path, modules), stdin=subprocess.DEVNULL, stdout=log,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not os.path.exists(path):
+        assert server.poll() is None and time.monotonic() < deadline, folder / "server.log"
+        time.sleep(0.02)
+    return path, server
+
+
 @pytest.fixture(scope="session", autouse=True)
 def preload_server(request, tmp_path_factory):
     """One preload server per pytest process, which every launcher the tests start forks its
@@ -300,19 +319,10 @@ def preload_server(request, tmp_path_factory):
     if request.config.getoption("--fast"):
         yield None  # the fast tier launches no TensorFlow task
         return
-    from tfdist.launch.preload import SERVER_ENV, server_command
+    from tfdist.launch.preload import SERVER_ENV
 
     folder = tmp_path_factory.mktemp("preload")
-    path = str(folder / "server")
-    with open(folder / "server.log", "wb") as log:
-        server = subprocess.Popen(
-            server_command(path, ["tensorflow", "keras"]), stdin=subprocess.DEVNULL, stdout=log,
-            stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60  # it listens before it imports; launchers then wait
-    while not os.path.exists(path):
-        assert server.poll() is None and time.monotonic() < deadline, folder / "server.log"
-        time.sleep(0.02)
+    path, server = start_preload_server(folder, ["tensorflow", "keras"])
     os.environ[SERVER_ENV] = path
     yield path
     os.environ.pop(SERVER_ENV, None)

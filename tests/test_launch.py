@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_module
+from tests.conftest import run_module, start_preload_server
 from tfdist import exit_codes
 from tfdist.cluster import parse_tf_config
-from tfdist.launch.preload import SERVER_ENV, server_command
+from tfdist.launch.preload import SERVER_ENV
 from tools import launch
 from tools.chaos import running_tasks
 
@@ -45,12 +45,7 @@ def tasks_start_afresh():
 def bare_server(tmp_path_factory):
     """A preload server that imports nothing (cheap): a launcher told of it forks its tasks
     there. Returns (its path, its pid)."""
-    path = str(tmp_path_factory.mktemp("preload") / "server")
-    server = subprocess.Popen(server_command(path, []), start_new_session=True)
-    deadline = time.monotonic() + 10
-    while not os.path.exists(path):
-        assert server.poll() is None and time.monotonic() < deadline
-        time.sleep(0.01)
+    path, server = start_preload_server(tmp_path_factory.mktemp("preload"), [])
     yield path, server.pid
     server.terminate()
     server.wait(timeout=10)

@@ -14,7 +14,8 @@ any batch end of a `fit`.
 
 A count walks Python's live objects; during fit only those made since fit began (the
 others are frozen out of the garbage collector meanwhile), so counting at every batch end
-stays cheap in a process that holds much else; `DeviceBytes(every=N)` counts at every N-th. It counts variables, not tensors: activations and the gradients a step makes live in
+stays cheap in a process that holds much else; `DeviceBytes(every=N)` counts at every
+N-th. It counts variables, not tensors: activations and the gradients a step makes live in
 TensorFlow's allocator and are not seen here (tools/memory_bench.py reports peak RSS next
 to these counts). Variables of other models alive in the process count too: compare against
 `before` (taken when the callback is made), or read `added`.
