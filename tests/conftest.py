@@ -13,6 +13,8 @@ suite (`pytest`) only; a new test in a fast module is in the fast tier unless ma
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import socket
@@ -62,17 +64,25 @@ def pytest_runtest_call(item):
     """Markers that tell the truth, checked as each test runs:
 
     - a test of the fast tier that runs a training binary or a test worker itself (`python
-      -m experiments...`) fails: mark it multiprocess;
+      -m experiments...`) fails: mark it multiprocess; so does one that trains more than a
+      step or two in this process: mark it slow;
     - a test marked multiprocess that started no process, in its own set-up or call, in a
       shared fixture it uses, or in an earlier test of its module whose job it reads (a
       cached one), fails: it runs in this process (mark it slow, or nothing).
     """
     before = _LAUNCHES["tensorflow"]
-    result = yield
-    if _in_fast_tier(item) and _LAUNCHES["tensorflow"] > before:
+    fast = _in_fast_tier(item)
+    with _counting_training_steps() if fast else contextlib.nullcontext() as steps:
+        result = yield
+    if fast and _LAUNCHES["tensorflow"] > before:
         raise AssertionError(
             f"{item.nodeid} is in the fast tier but started a TensorFlow process: mark it "
             "pytest.mark.multiprocess (or move the process into a fixture of a slower test)"
+        )
+    if fast and steps["steps"] > _FAST_TIER_STEPS:
+        raise AssertionError(
+            f"{item.nodeid} is in the fast tier but trained {steps['steps']} steps (at most "
+            f"{_FAST_TIER_STEPS}): mark it pytest.mark.slow"
         )
     started = _tests_processes() > item.stash.get(_PROCESSES_BEFORE, 0)
     module = item.nodeid.split("::")[0]
@@ -88,6 +98,42 @@ def pytest_runtest_call(item):
     return result
 
 
+# A fast-tier test may take a step or two (a refusal on the first step, say), not train.
+_FAST_TIER_STEPS = 2
+
+
+@contextlib.contextmanager
+def _counting_training_steps():
+    """Counts the training steps of every fit in this process (Keras's own and tfdist's,
+    which both end their batches through Keras's CallbackList: the last batch index an epoch
+    reports is its count, whatever the steps per call)."""
+    from keras.callbacks import CallbackList
+
+    counted = {"steps": 0}
+    originals = {name: getattr(CallbackList, name) for name in _COUNTED_CALLBACKS}
+
+    def batch_end(self, batch, logs=None):
+        self.__dict__["_steps_in_epoch"] = max(self.__dict__.get("_steps_in_epoch", 0), batch + 1)
+        return originals["on_train_batch_end"](self, batch, logs)
+
+    def epoch_done(name):
+        def done(self, *args, **keywords):
+            counted["steps"] += self.__dict__.pop("_steps_in_epoch", 0)
+            return originals[name](self, *args, **keywords)
+
+        return done
+
+    CallbackList.on_train_batch_end = batch_end
+    CallbackList.on_epoch_end = epoch_done("on_epoch_end")
+    CallbackList.on_train_end = epoch_done("on_train_end")
+    try:
+        yield counted
+    finally:
+        for name, original in originals.items():
+            setattr(CallbackList, name, original)
+
+
+_COUNTED_CALLBACKS = ("on_train_batch_end", "on_epoch_end", "on_train_end")
 _PROCESSES_BEFORE = pytest.StashKey[int]()
 # Shared (module or session) fixtures that started processes: a test that uses one is
 # multi-process although the fixture ran in an earlier test's set-up. The suite's preload
@@ -144,7 +190,10 @@ def pytest_configure(config):
     from tfdist.devices import configure_cpu_devices
 
     configure_cpu_devices(NUM_CPU_DEVICES)
+    gc.collect()
+    gc.freeze()  # TensorFlow's modules: see pytest_runtest_teardown
     _count_launches(config)
+    _time_the_collector()
     config.pluginmanager.register(_FixtureLaunches(), "tfdist-fixture-launches")
 
 
@@ -155,7 +204,10 @@ def pytest_configure(config):
 # subprocess.Popen in a pytest process; a launcher's tasks are counted from its flags. Each
 # pytest-xdist worker writes its counts to a folder the controller names, which sums them.
 
-_LAUNCHES = {"launches": 0, "processes": 0, "tensorflow": 0, "forked": 0, "by_test": {}}
+_LAUNCHES = {
+    "launches": 0, "processes": 0, "tensorflow": 0, "forked": 0, "by_test": {},
+    "gc_seconds": 0.0, "gc_full": 0, "first_start": None, "last_end": None,
+}  # fmt: skip
 # Modules whose processes run TensorFlow: the training binaries and the tests' worker scripts
 # (the launcher's own tests start plain Python tasks, which the fast tier may).
 _TENSORFLOW_MODULES = ("experiments.", "tests.workers.")
@@ -201,6 +253,43 @@ def _count_launches(config) -> None:
     subprocess.Popen.__init__ = counted
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Notes when this pytest process ran its first test and ended its last (wall clock): a
+    worker that ends long before the other idles, and the report says for how long."""
+    now = time.time()
+    if _LAUNCHES["first_start"] is None:
+        _LAUNCHES["first_start"] = now
+    yield
+    _LAUNCHES["last_end"] = time.time()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """At the end of each module (its fixtures gone), what the session still holds is frozen
+    out of the garbage collector: TensorFlow's modules and what session fixtures keep would
+    otherwise be walked by every full collection of every test after."""
+    yield
+    if nextitem is None or nextitem.module is not item.module:
+        gc.collect()
+        gc.freeze()
+
+
+def _time_the_collector() -> None:
+    """Sums the time Python's garbage collector takes in this pytest process: a full
+    collection walks every object the session holds (TensorFlow's alone are 400,000)."""
+    started = [0.0]
+
+    def timed(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        _LAUNCHES["gc_seconds"] += time.perf_counter() - started[0]
+        _LAUNCHES["gc_full"] += info["generation"] == 2
+
+    gc.callbacks.append(timed)
+
+
 def pytest_sessionfinish(session):
     folder = os.environ.get(_LAUNCH_DIR)
     if folder and os.path.isdir(folder):
@@ -220,6 +309,18 @@ def pytest_terminal_summary(terminalreporter, config):
         f"processes launched by the tests: {processes} ({launches} launches; a launcher's "
         f"tasks counted from its flags); {forked} tasks forked by the preload servers"
     )
+    terminalreporter.write_line(
+        "Python's garbage collector in the pytest processes: "
+        f"{sum(c.get('gc_seconds', 0.0) for c in counts):.0f} s, "
+        f"{sum(c.get('gc_full', 0) for c in counts)} full collections"
+    )
+    ends = sorted(c["last_end"] for c in counts if c.get("last_end"))
+    if len(ends) > 1:
+        terminalreporter.write_line(
+            f"the pytest workers ran out of tests {ends[-1] - ends[0]:.0f} s apart "
+            f"(their first: {ends[0] - min(c['first_start'] for c in counts if c.get('first_start')):.0f} s "
+            "after the first test began)"
+        )
     by_test: dict[str, int] = {}
     for count in counts:
         for test, started in count.get("by_test", {}).items():

@@ -43,16 +43,30 @@ def device_name(device: str) -> str:
 
 def live_variables() -> Iterable[tf.Variable]:
     """Every tf.Variable alive in this process that holds its own memory: the copies of a
-    distributed variable, not the variable that stands for them."""
+    distributed variable, not the variable that stands for them. Objects frozen out of the
+    collector (gc.freeze: a forking server's imports, say) are walked too, and stay frozen."""
+    frozen = gc.get_freeze_count() > 0
+    if frozen:
+        gc.unfreeze()  # gc.get_objects() lists no frozen object
+    try:
+        return _variables_among_unfrozen()
+    finally:
+        if frozen:
+            gc.freeze()
+
+
+def _variables_among_unfrozen() -> list[tf.Variable]:
     gc.collect()
     seen: set[int] = set()
+    found = []
     for obj in gc.get_objects():
         if not isinstance(obj, tf.Variable) or id(obj) in seen:
             continue
         seen.add(id(obj))
         if isinstance(obj, tf.distribute.DistributedValues):
             continue  # its copies are variables of their own, found here too
-        yield obj
+        found.append(obj)
+    return found
 
 
 def nbytes(variable) -> int | None:
@@ -107,17 +121,21 @@ class DeviceBytes(keras.callbacks.Callback):
         self._batches = 0
         self._known: list[weakref.ref] = []  # the variables alive when fit began
         self._froze = False
+        self._refreeze = False
 
     def on_train_begin(self, logs=None):
         self._thaw()  # a fit that raised never reached on_train_end
-        self._known = [weakref.ref(v) for v in live_variables()]
-        if not gc.isenabled() or gc.get_freeze_count():
+        if not gc.isenabled():
             return  # someone else manages the collector: count the slow way
+        self._known = [weakref.ref(v) for v in live_variables()]
+        # A collector frozen before (by a forking server, say) is frozen again when fit ends.
+        refreeze = gc.get_freeze_count() > 0
         gc.freeze()
         self._froze = True
         # A fit that raises skips on_train_end (as Keras's does): the collector is thawed
         # when this callback goes, at the latest.
-        self._thaw_at_exit = weakref.finalize(self, gc.unfreeze)
+        self._thaw_at_exit = weakref.finalize(self, _thaw, refreeze)
+        self._refreeze = refreeze
 
     def on_train_end(self, logs=None):
         self._thaw()
@@ -126,7 +144,7 @@ class DeviceBytes(keras.callbacks.Callback):
     def _thaw(self) -> None:
         if self._froze:
             self._thaw_at_exit.detach()
-            gc.unfreeze()
+            _thaw(self._refreeze)
             self._froze = False
 
     def on_train_batch_end(self, batch, logs=None):
@@ -135,7 +153,7 @@ class DeviceBytes(keras.callbacks.Callback):
             return
         if self._froze:
             known = [v for v in (ref() for ref in self._known) if v is not None]
-            counted = _bytes_by_device([*known, *live_variables()])  # live: the unfrozen
+            counted = _bytes_by_device([*known, *_variables_among_unfrozen()])
         else:
             counted = variable_bytes()
         for device, size in counted.items():
@@ -145,6 +163,13 @@ class DeviceBytes(keras.callbacks.Callback):
     def added(self) -> dict[str, int]:
         grown = {d: size - self.before.get(d, 0) for d, size in sorted(self.peak.items())}
         return {d: size for d, size in grown.items() if size > 0}
+
+
+def _thaw(refreeze: bool) -> None:
+    gc.unfreeze()
+    if refreeze:
+        gc.collect()  # what fit left behind is not frozen for good
+        gc.freeze()
 
 
 __all__ = ["DeviceBytes", "device_name", "live_variables", "nbytes", "variable_bytes"]
