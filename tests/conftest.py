@@ -190,8 +190,6 @@ def pytest_configure(config):
     from tfdist.devices import configure_cpu_devices
 
     configure_cpu_devices(NUM_CPU_DEVICES)
-    gc.collect()
-    gc.freeze()  # TensorFlow's modules: see pytest_runtest_teardown
     _count_launches(config)
     _time_the_collector()
     config.pluginmanager.register(_FixtureLaunches(), "tfdist-fixture-launches")
@@ -262,17 +260,6 @@ def pytest_runtest_protocol(item, nextitem):
         _LAUNCHES["first_start"] = now
     yield
     _LAUNCHES["last_end"] = time.time()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item, nextitem):
-    """At the end of each module (its fixtures gone), what the session still holds is frozen
-    out of the garbage collector: TensorFlow's modules and what session fixtures keep would
-    otherwise be walked by every full collection of every test after."""
-    yield
-    if nextitem is None or nextitem.module is not item.module:
-        gc.collect()
-        gc.freeze()
 
 
 def _time_the_collector() -> None:

@@ -24,6 +24,9 @@ import tfdist
 from tests import keras_io_models
 from tfdist.parallel import Pipeline, dense_model, split_layers, tensor_parallel
 
+# Every test reads the references (4 of Keras's fits): one pytest worker runs the module.
+pytestmark = pytest.mark.xdist_group("one_device_math")
+
 TOLERANCE = 1e-5
 EPOCHS = 2
 

@@ -372,6 +372,7 @@ def gemma_reference():
     return fit
 
 
+@pytest.mark.xdist_group("pipeline_four_processes")  # with the others gemma_reference serves
 @pytest.mark.parametrize("devices", [2, 4])
 def test_gemma_cut_inside_its_backbone_trains_as_keras_fit_on_one_device(devices, gemma_reference):
     """keras-hub's Gemma causal LM (random weights, its padding mask as sample weights), cut

@@ -96,6 +96,7 @@ def trained_on(tmp_path_factory):
     return found
 
 
+@pytest.mark.xdist_group("saves_trained_on")  # trained_on's jobs run once
 @pytest.mark.parametrize("mode", MODES)
 def test_a_save_loaded_by_keras_alone_trains_on_as_a_run_that_never_stopped(trained_on, mode):
     want, _ = pipeline_cases.reference(fits=2)

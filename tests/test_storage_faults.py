@@ -174,6 +174,7 @@ MID_RUN_FAULTS = {
 
 
 @needs_namespaces
+@pytest.mark.xdist_group("storage_uninterrupted")  # the uninterrupted job runs once
 @pytest.mark.parametrize("fault", MID_RUN_FAULTS)
 def test_a_fault_mid_run_is_one_line_on_every_task_and_the_resume_loses_nothing(
     tmp_path, data_dir, uninterrupted, fault

@@ -522,6 +522,7 @@ def gemma_reference():
     return model, history.history
 
 
+@pytest.mark.xdist_group("tensor_gemma")  # gemma_reference's fit runs once
 @pytest.mark.parametrize("devices", [2, 4])
 def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     devices, gemma_reference

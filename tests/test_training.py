@@ -252,6 +252,7 @@ def uninterrupted_run(data_dir, tmp_path_factory):
 # A preemption is sent inside a call of 8 steps (the harder case: the call ends before the
 # save); one a step a call, saved and resumed, is in tests/test_fit_multiworker.py (two
 # workers, BackupAndRestore).
+@pytest.mark.xdist_group("training_uninterrupted")  # the uninterrupted run runs once
 @pytest.mark.parametrize(
     "stop, per_call",
     [(signal.SIGKILL, "1"), (signal.SIGTERM, "8")],
