@@ -26,8 +26,10 @@ moves its weights to this host's memory)."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import types
+import weakref
 
 import keras
 import numpy as np
@@ -39,6 +41,35 @@ from tfdist.strategies import replica_placement
 from tfdist.training.memory import nbytes
 
 WHO = "a model built in tfdist.host_scope"
+
+
+class Dropped:
+    """The whole copies a layout drops as it takes their values, freed the moment the last
+    is dropped: by reference counting where it can, by a full garbage collection only where
+    one still lives (in a reference cycle). A full collection walks every object of the
+    process, a second or more in a notebook or a test session that holds many.
+
+        dropped = Dropped()
+        for variable in variables:
+            dropped.add(compat.storage_of(variable))
+            compat.replace_storage(variable, ...)
+        dropped.free()
+    """
+
+    def __init__(self):
+        self._copies: list[weakref.ref] = []
+        self._unwatched = False  # a copy that takes no weak reference: collect to be sure
+
+    def add(self, copy) -> None:
+        try:
+            self._copies.append(weakref.ref(copy))
+        except TypeError:
+            self._unwatched = True
+
+    def free(self) -> None:
+        if self._unwatched or any(copy() is not None for copy in self._copies):
+            gc.collect()
+        self._copies, self._unwatched = [], False
 
 
 def host_device(strategy: tf.distribute.Strategy) -> str:
@@ -133,7 +164,7 @@ class Sliced(updates.WholeStandIn):
     def __init__(self, cut: Slices, value: tf.Tensor, name: str | None):
         name = (name or "Variable").split(":")[0]
         self.cut = cut
-        self.parts = [
+        self.parts = parts = [
             compat.host_variable(
                 cut.strategy,
                 device,
@@ -147,7 +178,9 @@ class Sliced(updates.WholeStandIn):
         spec = types.SimpleNamespace(
             dtype=value.dtype, shape=value.shape, name=f"{name}:0", _shared_name=name
         )
-        super().__init__(spec, lambda: self.parts[0])
+        # The handle's source names the list, not self: no reference cycle, so the slices
+        # are freed the moment a layout drops them (see Dropped).
+        super().__init__(spec, lambda: parts[0])
         self.trainable = True
 
     @property

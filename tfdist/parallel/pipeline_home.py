@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 from typing import Any
 
 import keras
@@ -14,7 +13,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel import host, updates
 from tfdist.parallel.stages import Stage
 from tfdist.training import shards
 
@@ -97,10 +96,11 @@ class Home(shards.Shards):
     def take_weights(self, model: keras.Model) -> None:
         """Each trainable weight's value moves into its stage replicas and its whole copy
         is dropped, one weight at a time."""
+        dropped = host.Dropped()
         for i, weight in enumerate(model.trainable_variables):
-            self._take(weight, i, self.copies(i), shards.weight_key(i))
+            self._take(weight, i, self.copies(i), shards.weight_key(i), dropped=dropped)
         compat.forget_traced_functions(model)  # they read the whole copies
-        gc.collect()  # the whole copies sit in reference cycles: freed now
+        dropped.free()  # now, not at the collector's whim
 
     def take_slots(self, model: keras.Model, fresh: set[int]) -> None:
         """The same for the user's optimizer's slots, matched to the stage optimizers' by
@@ -110,6 +110,7 @@ class Home(shards.Shards):
         user = model.optimizer
         paths = {v.path.replace("/", "_"): i for i, v in enumerate(model.trainable_variables)}
         skip = {id(user.iterations), id(getattr(user, "_learning_rate", None))}
+        dropped = host.Dropped()
         for slot in user.variables:
             if id(slot) in skip:
                 continue
@@ -123,8 +124,8 @@ class Home(shards.Shards):
                     f"keep it. Use a Keras optimizer. Received: {type(user).__name__}"
                 )
             name = slot.name[len(model.trainable_variables[i].path) + 1 :]  # "momentum"
-            self._take(slot, i, copies, shards.slot_key(i, name), fresh)
-        gc.collect()
+            self._take(slot, i, copies, shards.slot_key(i, name), fresh, dropped=dropped)
+        dropped.free()
 
     def _take(
         self,
@@ -133,10 +134,14 @@ class Home(shards.Shards):
         copies: list,
         key: str,
         fresh: set[int] = frozenset(),
+        *,
+        dropped: host.Dropped,
     ) -> None:
         old = compat.storage_of(variable)
         if not self.holding(i):
             return  # no stage reads the weight: it keeps its storage
+        if id(old) not in fresh:  # an empty placeholder holds nothing to free
+            dropped.add(old)
         staged = Staged(self, old, variable.shape, copies, self.source(i))
         # A read of a weight held in parts (another layout's stages, host_scope's slices)
         # is a collective: every process makes it.
