@@ -261,3 +261,48 @@ def test_counts_see_variables_made_before_and_during_fit_and_leave_the_collector
     finally:
         if not frozen_before:
             gc.unfreeze()
+
+
+def test_dropped_copies_are_collected_only_where_a_cycle_still_holds_one():
+    """host.Dropped: copies freed by reference counting cost no full collection; one held
+    in a reference cycle is collected when freed; a copy that takes no weak reference is
+    collected to be sure."""
+    import tensorflow as tf
+
+    from tfdist.parallel.host import Dropped
+
+    full = []
+
+    def count(phase, info):
+        if phase == "stop" and info["generation"] == 2:
+            full.append(info["collected"])
+
+    class Cyclic:
+        def __init__(self):
+            self.value = tf.Variable(tf.zeros([4]))
+            self.me = self
+
+    enabled = gc.isenabled()
+    gc.disable()  # only the collections Dropped makes are counted
+    gc.callbacks.append(count)
+    try:
+        plain, dropped = tf.Variable(tf.zeros([4])), Dropped()
+        dropped.add(plain)
+        del plain
+        dropped.free()
+        assert full == []  # freed when dropped: nothing to collect
+        cyclic, dropped = Cyclic(), Dropped()
+        dropped.add(cyclic)
+        watched = dropped._copies[0]
+        del cyclic
+        assert watched() is not None  # alive in its cycle
+        dropped.free()
+        assert len(full) == 1 and watched() is None
+        dropped = Dropped()
+        dropped.add(1.5)  # a float takes no weak reference
+        dropped.free()
+        assert len(full) == 2
+    finally:
+        gc.callbacks.remove(count)
+        if enabled:
+            gc.enable()
