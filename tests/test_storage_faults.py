@@ -102,8 +102,9 @@ def _job_lines(output: str) -> dict[str, list[str]]:
 
 
 def _fault_then_resume(tmp_path, data_dir, fault: str, undo: str) -> tuple[str, str, str]:
-    """A 2-worker job on a 64 MB tmpfs meets `fault` once ckpt-10 is written; then `undo`,
-    and the same command again. Returns the first run's output, the second's, and the list
+    """A 2-worker job on a 64 MB tmpfs meets `fault` once ckpt-10 is written (the job's
+    processes stopped meanwhile: the 66-step run takes a few seconds, and under load it
+    ended before a fault made after it); then `undo`, and the same command again. Returns the first run's output, the second's, and the list
     of the checkpoint directory between them."""
     disk, run = tmp_path / "disk", tmp_path / "disk" / "run"
     disk.mkdir()
@@ -113,7 +114,9 @@ mount -t tmpfs -o size=64m tmpfs {disk}
 {command} > {tmp_path}/first.log 2>&1 &
 job=$!
 until [ -e {run}/checkpoints/ckpt-10.index ] || ! kill -0 $job 2>/dev/null; do sleep 0.05; done
+pkill -STOP -f -- "--model_dir={run}( |$)"  # the job waits while the fault is made
 {fault}
+pkill -CONT -f -- "--model_dir={run}( |$)"
 wait $job; echo "first exit $?" >> {tmp_path}/first.log
 ls -a {run}/checkpoints > {tmp_path}/listing
 {undo}
