@@ -149,16 +149,19 @@ def test_a_worker_that_never_starts_and_one_killed_later_are_survived(data_dir, 
     with open(log_path, "w") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env={**env, "TF_CPP_MIN_LOG_LEVEL": "2"},
                                 stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    started = time.monotonic()
     try:
-        named = None
+        # Timed from the chief's first line (its start-up before it is the host's load).
+        chief_started, named = None, None
         while proc.poll() is None and named is None:
+            text = log_path.read_text()
+            if chief_started is None and "[chief:0]" in text:
+                chief_started = time.monotonic()
             if re.search(
                 # the list may name worker:1 too, if it is still starting
                 r"\[chief:0\].* waiting up to 15 s more for .*worker:2",
-                log_path.read_text(),
+                text,
             ):
-                named = time.monotonic() - started
+                named = time.monotonic() - (chief_started or time.monotonic())
             time.sleep(0.1)
         killed_at = kill_after_first_checkpoint(proc, model_dir, "worker:1")
         proc.wait(timeout=200)
@@ -168,7 +171,8 @@ def test_a_worker_that_never_starts_and_one_killed_later_are_survived(data_dir, 
             proc.wait()
     output = log_path.read_text()
     assert proc.returncode == 0, output[-3000:]
-    # The chief names the missing worker as soon as it has the others, within 30 s of launch.
+    # The chief names the missing worker as soon as it has the others, within 30 s of its
+    # first line (under two fault loops at once, 30 s from the launch was start-up alone).
     assert named is not None and named < 30, output[-3000:]
     assert re.search(
         r"Starting parameter-server training with 2 of 3 workers: worker:2 \(\S+\) did not start",
