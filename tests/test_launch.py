@@ -67,6 +67,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # stdout and stderr and the restart count it reads the way a training binary would, then does
 # what `actions` says for its task: "sleep" (60 s, i.e. until stopped), "ignore_term" (sleep,
 # deaf to SIGTERM), "preempt_on_term" (sleep; on SIGTERM exit with the preempted code),
+# "second_term" (sleep; exit 143 on the second SIGTERM only, as a trainer stuck in a step),
 # "exit:N" or "kill:N", optionally with ":SECONDS" to wait first ("deaf_exit:N:SECONDS":
 # the same, deaf to SIGTERM meanwhile). A list of actions gives one
 # per attempt, the last repeating. Exits and kills wait until every task of the attempt has
@@ -93,7 +94,15 @@ TASK_PROGRAM = textwrap.dedent(
         action = action.removeprefix("deaf_")
     if action == "preempt_on_term":
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(EXIT_PREEMPTED))
-    if action in ("sleep", "ignore_term", "preempt_on_term"):
+    if action == "second_term":
+        terms = []
+        def on_term(*_):
+            terms.append(1)
+            if len(terms) == 2:
+                print(name, "stops at the second SIGTERM", flush=True)
+                sys.exit(143)
+        signal.signal(signal.SIGTERM, on_term)
+    if action in ("sleep", "ignore_term", "preempt_on_term", "second_term"):
         time.sleep(60)
         sys.exit(0)
     deadline = time.monotonic() + 10
@@ -548,6 +557,44 @@ def test_timeout_stops_everything_even_a_task_that_ignores_sigterm(tmp_path, sta
     assert "[launch] worker:0 stopped" in result.stdout
     assert "[launch] worker:1 killed (still running 0.5 s after SIGTERM)" in result.stdout
     assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_survivor_stuck_after_a_peer_failed_gets_a_second_sigterm_before_sigkill(
+    tmp_path, starts
+):
+    # A trainer takes the first SIGTERM as "save at the next step boundary", which a survivor
+    # waiting in a collective for its dead peer never reaches; the second means "now".
+    command = task_command(tmp_path, 3, {"worker-0": "exit:1", "*": "second_term"})
+
+    result, seconds = run_launch(launch_argv("--workers", "3", "--grace", "4", command=command))
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert seconds < 10
+    assert (
+        "[launch] worker:1, worker:2 did not stop within 2 s of SIGTERM, most likely "
+        "waiting in a collective for the task that failed; SIGTERM again: stop now"
+    ) in result.stdout
+    for index in (1, 2):
+        assert f"worker-{index} stops at the second SIGTERM" in result.stdout
+        assert f"[launch] worker:{index} stopped" in result.stdout
+    assert "still running 4 s" not in result.stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
+def test_a_signalled_launcher_gives_its_tasks_the_whole_grace_after_one_sigterm(tmp_path, starts):
+    # A preemption's SIGTERM lets every task save at its step boundary: no second SIGTERM.
+    command = task_command(tmp_path, 2, {"*": "second_term"})
+    launcher = subprocess.Popen(
+        launch_argv("--workers", "2", "--grace", "1", command=command),
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    wait_for_pids(tmp_path, 2)
+    launcher.send_signal(signal.SIGTERM)
+    stdout, _ = launcher.communicate(timeout=30)
+
+    assert launcher.returncode == 143
+    assert "SIGTERM again" not in stdout
+    assert "[launch] worker:0 killed (still running 1 s after SIGTERM)" in stdout
 
 
 def _default_sigint() -> None:

@@ -185,7 +185,10 @@ def _build_parser() -> argparse.ArgumentParser:
         type=float,
         default=10.0,
         metavar="SECONDS",
-        help="time a stopped task gets between SIGTERM and SIGKILL (default: 10)",
+        help=(
+            "time a stopped task gets between SIGTERM and SIGKILL (default: 10); after a "
+            "task's failure, a task still running halfway gets a second SIGTERM (stop now)"
+        ),
     )
     add(
         "--max_restarts",

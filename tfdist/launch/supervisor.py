@@ -249,7 +249,7 @@ class Launcher:
             for straggler in self._stragglers:
                 straggler.stop()  # before SIGTERM: a stopped task could not take it
             self._stragglers = []
-            self._stop_all()
+            self._stop_all(peer_lost=failed is not None)
             for reader in self._readers.values():
                 reader.join(_DRAIN_SECONDS)
         for task in self._tasks:
@@ -505,21 +505,42 @@ class Launcher:
             time.sleep(_POLL_SECONDS)
         self._readers[chief].join(1.0 if proc.poll() is not None else 0)
 
-    def _stop_all(self) -> None:
+    def _stop_all(self, *, peer_lost: bool = False) -> None:
+        """SIGTERM to every task, SIGKILL to those still running after the grace period.
+
+        A SIGTERM asks a training task to save at its next step boundary. After a peer's
+        failure (`peer_lost`) a survivor may never reach one: its collective waits for the
+        peer that is gone. Halfway through the grace such a task gets a second SIGTERM, which
+        tfdist's trainer takes as "stop now", so it exits on its own line, not by SIGKILL.
+        """
         running = [task for task, proc in self._procs.items() if proc.poll() is None]
         self._stopped.update(dict.fromkeys(running, "stopped"))
         # Every group, not only those of running tasks: a task that exited may have left children
         # behind. (An empty group's id is reused only after the pid counter wraps around.)
         self._signal_groups(signal.SIGTERM)
-        deadline = time.monotonic() + self._grace
+        start = time.monotonic()
         signals_so_far = len(self._signals)  # one more Ctrl-C while waiting means "now"
-        while any(self._procs[task].poll() is None for task in running) and (
-            time.monotonic() < deadline and len(self._signals) == signals_so_far
-        ):
-            time.sleep(0.05)
-        for task in running:
-            if self._procs[task].poll() is None:
-                self._stopped[task] = f"killed (still running {self._grace:g} s after SIGTERM)"
+
+        def wait(until: float) -> list[Task]:
+            while any(self._procs[task].poll() is None for task in running) and (
+                time.monotonic() < until and len(self._signals) == signals_so_far
+            ):
+                time.sleep(0.05)
+            return [task for task in running if self._procs[task].poll() is None]
+
+        left = wait(start + (self._grace / 2 if peer_lost else self._grace))
+        if peer_lost and left and len(self._signals) == signals_so_far:
+            self._say(
+                f"{', '.join(t.name for t in left)} did not stop within {self._grace / 2:g} s of "
+                "SIGTERM, most likely waiting in a collective for "
+                "the task that failed; SIGTERM again: stop now"
+            )
+            for task in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self._procs[task].pid, signal.SIGTERM)
+            left = wait(start + self._grace)
+        for task in left:
+            self._stopped[task] = f"killed (still running {self._grace:g} s after SIGTERM)"
         self._signal_groups(signal.SIGKILL)
         for proc in self._procs.values():
             proc.wait()
