@@ -488,7 +488,8 @@ def test_a_subclassed_model_is_split_as_its_shapes_say_once_built():
     "optimizer, keywords, message",
     [
         (lambda: keras.optimizers.Adam(clipnorm=1.0), {}, "clipnorm"),
-        (lambda: "adam", {"shard_optimizer": "zero2"}, "updates the weights its own way"),
+        # Split layers hold their parts their own way; a layout's parts shard (test_layouts).
+        (lambda: "adam", {"shard_optimizer": "zero2"}, r"layout_map=derive_layout_map\(model"),
     ],
 )
 def test_options_split_layers_cannot_honour_are_refused(optimizer, keywords, message):

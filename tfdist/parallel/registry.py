@@ -229,6 +229,9 @@ class Mode:
         arguments (a setting of this mode offered as a keyword of its own).
       needs: (keyword, why) for a setting that means something only with that keyword's
         mode on: set without it, it is refused with `why`.
+      reads_model: the builder also gets `model=` (the model, or None where there is none):
+        a mode another hook may take over for some models (a tensor-parallel layout shards
+        its own parts under shard_optimizer).
     """
 
     keyword: str | None
@@ -244,6 +247,7 @@ class Mode:
     resume_must_match: bool = False
     takes: tuple[str, ...] = ()
     needs: tuple[str, str] | None = None
+    reads_model: bool = False
 
     @property
     def name(self) -> str:
@@ -260,7 +264,12 @@ class Mode:
             target = getattr(target, part)
         if isinstance(self.value, Options):
             value = self.value.filled(value)
-        return target(value, **(settings or {})) if self.keyword else target(model)
+        settings = dict(settings or {})
+        if not self.keyword:
+            return target(model, **settings)
+        if self.reads_model:
+            settings["model"] = model
+        return target(value, **settings)
 
     def is_on(self, value: Any) -> bool:
         return self.keyword is None or value != self.default
@@ -339,6 +348,7 @@ MODES: tuple[Mode, ...] = (
         place=Place.SPLIT,
         builder="tfdist.parallel.tensor:update_for",
         flag=False,
+        takes=("shard_optimizer", "offload"),
     ),
     Mode(
         keyword="shard_optimizer",
@@ -354,6 +364,7 @@ MODES: tuple[Mode, ...] = (
         builder="tfdist.parallel.zero3:shard_hook",
         resume_must_match=True,
         takes=("offload",),
+        reads_model=True,
     ),
     Mode(
         keyword="offload",

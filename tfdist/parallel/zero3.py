@@ -65,6 +65,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.parallel import host, saved_state, units, updates
+from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.parallel.zero import (
     _ELEMENTWISE,
     ShardedUpdate,
@@ -82,10 +83,13 @@ NAME = "shard_optimizer='zero3'"
 GATHER_BUCKET_BYTES = 4 * 2**20
 
 
-def shard_hook(stage, offload: str | None = None) -> StepHook:
+def shard_hook(stage, offload: str | None = None, *, model=None) -> StepHook | None:
     """The hook fit's `shard_optimizer` asks for: zero1 and zero2 shard the optimizer's
     state (and the gradients) of whole weights; zero3 the weights too. `offload`
-    ('optimizer') keeps the optimizer's state in host memory."""
+    ('optimizer') keeps the optimizer's state in host memory. None for a model split by a
+    tensor-parallel layout: its hook shards its parts over their data groups itself."""
+    if model is not None and plan_of(model) is not None:
+        return None
     if stage in ("zero3", 3):
         return ShardedParameters(offload=offload)
     return ShardedUpdate(stage, offload=offload)

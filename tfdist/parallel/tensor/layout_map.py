@@ -54,8 +54,20 @@ that hold the same part (one per group; every replica for a weight held whole) a
 by each replica's copy of the user's optimizer. The result equals Keras's own fit on one
 device.
 
-Local devices of one mirrored strategy (not across worker processes); not with
-shard_optimizer or a pipeline (each applies the update its own way).
+With shard_optimizer (ZeRO over each part's data group, FSDP x TP): each part, and each
+weight held whole, is cut into flat slices, one per replica that holds it (the data group:
+one replica of each tensor group), and each replica's optimizer copy keeps the slots of its
+slice only. Under zero1 and zero2 a replica keeps its parts whole for its step: its slice's
+update is all-gathered over the group into them. Under zero3 it keeps only its slices: a
+part is all-gathered over its group where the step reads it, and the gather's gradient is
+the group's sum of the slice's gradient (TensorFlow's all_gather differentiates so: an
+all-reduce of which each replica keeps its slice). An embedding table stays a whole part
+(its looked-up rows arrive sparse, and Keras's optimizer updates them as rows). Every
+gathered part lives until the step ends: the step's peak holds the replica's tensor share
+of the weights, not one unit's (zero3's units are not built here).
+
+Local devices of one mirrored strategy (not across worker processes); not with a pipeline
+(it applies the update its own way).
 """
 
 from __future__ import annotations
@@ -120,6 +132,35 @@ class Placement:
         if self.axis is None:
             return whole
         return np.split(np.asarray(whole), self.parts, axis=self.axis)[index]
+
+    def shape_of(self, variable) -> tuple[int, ...]:
+        """The shape of one part of `variable`."""
+        shape = list(variable.shape)
+        if self.axis is not None:
+            shape[self.axis] //= self.parts
+        return tuple(shape)
+
+
+def _groups(placement: Placement, replicas: int) -> list[list[int]]:
+    """For each part, the replicas that hold it (its data group), in order."""
+    return [[r for r in range(replicas) if placement.index(r) == j] for j in range(placement.parts)]
+
+
+def _size(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+def _slice_size(shape, count: int) -> int:
+    """The length of each of `count` flat slices of a part of `shape` (the last padded)."""
+    return -(-_size(shape) // count)
+
+
+def _slice_of(part: np.ndarray, count: int, k: int) -> np.ndarray:
+    """Slice `k` of `count` of `part`, flattened and padded with zeros."""
+    size = _slice_size(part.shape, count)
+    flat = np.zeros(size * count, part.dtype)
+    flat[: part.size] = np.ravel(part)
+    return flat[k * size : (k + 1) * size]
 
 
 @dataclasses.dataclass
@@ -460,8 +501,11 @@ class LayoutParallel(StepHook):
     ends_chain = True
     keeps_optimizer_state = True
 
-    def __init__(self, plan: LayoutPlan):
+    def __init__(self, plan: LayoutPlan, shard: str | None = None):
         self.plan = plan
+        # shard_optimizer: None, or each part's optimizer state (zero1, zero2) and under
+        # zero3 the part itself sharded over the replicas that hold that part (its data group).
+        self.shard = {3: "zero3", 1: "zero1", 2: "zero2"}.get(shard, shard)
         # While a replica's step is traced: each weight reads as the replica's part, the
         # split layers run inside their exchanges, attention layers count its heads.
         self._traced = updates.TraceSpan(self._enter, self._exit)
@@ -470,7 +514,8 @@ class LayoutParallel(StepHook):
 
     @property
     def name(self) -> str:
-        return "tensor_parallel(layout_map=...)"
+        sharded = f" x shard_optimizer={self.shard!r}" if self.shard else ""
+        return f"tensor_parallel(layout_map=...){sharded}"
 
     def build(self, model: keras.Model, runner: Runner) -> None:
         if self.already_built(model, runner):
@@ -511,49 +556,95 @@ class LayoutParallel(StepHook):
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the parts keep the slots
 
+        self.groups = [_groups(p, replicas) for p in self.plan.placements]
+        # Under shard_optimizer each weight's part is cut into flat slices, one per replica
+        # of its data group, except an embedding table's: its looked-up rows arrive sparse,
+        # and Keras's optimizer updates them as rows (a slice of them would be dense).
+        tables = {id(layer.embeddings) for layer in compat.all_layers(model)
+                  if isinstance(layer, keras.layers.Embedding)}  # fmt: skip
+        self.sliced = [
+            self.shard is not None and id(v) not in tables and _size(p.shape_of(v)) > 0
+            for v, p in zip(self.variables, self.plan.placements, strict=True)
+        ]
+        if self.shard and tables:
+            log.info(
+                "%s: embedding tables stay whole tensor parts on their replicas (their "
+                "gradients are sparse rows): %s", self.name,
+                ", ".join(v.path for v in self.variables if id(v) in tables),
+            )  # fmt: skip
+
         def make():
-            parts, copies = [], []
+            parts, slices, copies = [], [], []
             for r, device in enumerate(self.devices):
                 with tf.device(device):
-                    mine = [
-                        keras.Variable(
-                            p.piece(np.zeros(v.shape, v.dtype), p.index(r)),
-                            dtype=v.dtype,
-                            name=f"tp_v{i}_part{p.index(r)}",
-                            autocast=False,
-                        )  # fmt: skip
-                        for i, (v, p) in enumerate(
-                            zip(self.variables, self.plan.placements, strict=True)
-                        )
-                    ]
+                    mine, cut, updated = [], [], []
+                    for i, (v, p) in enumerate(
+                        zip(self.variables, self.plan.placements, strict=True)
+                    ):
+                        name = f"tp_v{i}_part{p.index(r)}"
+                        whole = None
+                        if not (self.sliced[i] and self.shard == "zero3"):
+                            whole = keras.Variable(
+                                np.zeros(p.shape_of(v), v.dtype), dtype=v.dtype, name=name,
+                                autocast=False,
+                            )  # fmt: skip
+                        piece = None
+                        if self.sliced[i]:
+                            group = self.groups[i][p.index(r)]
+                            piece = keras.Variable(
+                                np.zeros(_slice_size(p.shape_of(v), len(group)), v.dtype),
+                                dtype=v.dtype, name=f"{name}_slice{group.index(r)}",
+                                autocast=False,
+                            )  # fmt: skip
+                        mine.append(whole if whole is not None else piece)
+                        cut.append(piece)
+                        updated.append(piece if piece is not None else whole)
                     parts.append(mine)
-                    copies.append(updates.optimizer_copy(optimizer, mine))
-            return parts, copies
+                    slices.append(cut)
+                    copies.append(updates.optimizer_copy(optimizer, updated))
+            return parts, slices, copies
 
-        self.parts, self.copies = updates.outside_strategy(make)
+        # parts[r][i]: what replica r's step reads weight i through (its part, or under
+        # zero3 its slice of the part, gathered when read); slices[r][i]: its slice of the
+        # part (None where not sliced), which its optimizer copy updates.
+        self.parts, self.slices, self.copies = updates.outside_strategy(make)
         self._stand_ins = [_Part(self, i) for i in range(len(self.variables))]
         saved_state.keep_in_saves(optimizer, model, self.slot_reader)
 
     # --- where training starts and settles ----------------------------------------------------
 
     def start(self) -> None:
-        """Each replica takes its parts from the whole weights in host memory."""
-        for r, parts in enumerate(self.parts):
-            for i, (part, placement) in enumerate(zip(parts, self.plan.placements, strict=True)):
-                part.assign(placement.piece(self.hosts[i].numpy(), placement.index(r)))
+        """Each replica takes its parts (and its slices of them) from the whole weights in
+        host memory."""
+        for i, placement in enumerate(self.plan.placements):
+            whole = self.hosts[i].numpy()
+            for r in range(self.replicas):
+                part = placement.piece(whole, placement.index(r))
+                if self.slices[r][i] is not None:
+                    group = self.groups[i][placement.index(r)]
+                    self.slices[r][i].assign(_slice_of(part, len(group), group.index(r)))
+                if self.parts[r][i] is not self.slices[r][i]:
+                    self.parts[r][i].assign(part)
 
     def settle(self) -> None:
-        """The whole weights in host memory, from the first group's parts."""
+        """The whole weights in host memory, from the first group's parts (or the slices
+        that make them up)."""
         for i, placement in enumerate(self.plan.placements):
-            if placement.axis is None:
-                whole = self.parts[0][i].numpy()
-            else:
-                holders = [next(r for r in range(self.plan.degree) if placement.index(r) == j)
-                           for j in range(placement.parts)]  # fmt: skip
-                whole = np.concatenate(
-                    [self.parts[r][i].numpy() for r in holders], axis=placement.axis
-                )
+            pieces = [self.whole_part(i, j) for j in range(placement.parts)]
+            whole = pieces[0] if placement.axis is None else np.concatenate(pieces, placement.axis)
             self.hosts[i].assign(whole)
+
+    def whole_part(self, i: int, j: int, held=None) -> np.ndarray:
+        """Part `j` of weight `i` (given `held`, of the variable `held(r)` replica r keeps
+        for it: a slot), put together from its group's slices where it is sliced."""
+        group = self.groups[i][j]
+        if held is None:
+            held = (lambda r: self.slices[r][i]) if self.sliced[i] else (lambda r: self.parts[r][i])
+        if not self.sliced[i]:
+            return held(group[0]).numpy()
+        shape = self.plan.placements[i].shape_of(self.variables[i])
+        flat = np.concatenate([held(r).numpy() for r in group])
+        return flat[: _size(shape)].reshape(shape)
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -630,6 +721,22 @@ class LayoutParallel(StepHook):
         replica, _ = replica_in_step()
         return self.parts[replica][i]
 
+    def read_part(self, i: int) -> tf.Tensor:
+        """This replica's part of weight `i`, in its step: under zero3 its data group's
+        slices all-gathered. The gather's gradient sums the group's gradients and keeps this
+        replica's slice of the sum (TensorFlow's all_gather differentiates so), which is
+        what the tape returns for the slice."""
+        own = tf.identity(self.part(i).value)  # a read, on the tape
+        if not (self.sliced[i] and self.shard == "zero3"):
+            return own
+        replica, _ = replica_in_step()
+        placement = self.plan.placements[i]
+        group = self.groups[i][placement.index(replica)]
+        shape = placement.shape_of(self.variables[i])
+        everyone = tf.distribute.get_replica_context().all_gather(own[None], axis=0)
+        flat = tf.concat([everyone[r] for r in group], 0)[: _size(shape)]
+        return tf.reshape(flat, shape)
+
     # --- the update -----------------------------------------------------------------------------
 
     def apply(self, grads_and_vars, apply_next):
@@ -637,25 +744,41 @@ class LayoutParallel(StepHook):
         context = tf.distribute.get_replica_context()
         replica, _ = replica_in_step()
         given = {id(v): g for g, v in grads_and_vars}
-        parts = self.parts[replica]
         grads = [given.get(id(v)) for v in self.variables]
         present = [i for i, g in enumerate(grads) if g is not None]
-        summed: dict[int, tf.Tensor] = {}
+        # Under zero3 a sliced part's gradient is its slice's, summed over the group already
+        # (read_part's gather); every other part's is summed here.
+        gathered = [i for i in present if self.sliced[i] and self.shard == "zero3"]
+        summed: dict[int, tf.Tensor] = {i: grads[i] for i in gathered}
+        rest = [i for i in present if i not in summed]
         # One exchange per way of holding (parts per weight): the same calls on every replica.
-        for count in sorted({self.plan.placements[i].parts for i in present}):
-            chosen = [i for i in present if self.plan.placements[i].parts == count]
+        for count in sorted({self.plan.placements[i].parts for i in rest}):
+            chosen = [i for i in rest if self.plan.placements[i].parts == count]
             placement = self.plan.placements[chosen[0]]
-            mine = placement.index(replica)
-            copies = [r for r in range(self.replicas) if placement.index(r) == mine]
-            got = summed_over(
-                context, [grads[i] for i in chosen], [tuple(parts[i].shape) for i in chosen], copies
-            )
+            copies = self.groups[chosen[0]][placement.index(replica)]
+            shapes = [self.plan.placements[i].shape_of(self.variables[i]) for i in chosen]
+            got = summed_over(context, [grads[i] for i in chosen], shapes, copies)
             summed.update(zip(chosen, got, strict=True))
+        for i in rest:  # zero1 / zero2: this replica's slice of the summed gradient
+            if self.sliced[i]:
+                group = self.groups[i][self.plan.placements[i].index(replica)]
+                summed[i] = _slice_tensor(summed[i], len(group), group.index(replica))
+        held = [self.slices[replica][i] if self.sliced[i] else self.parts[replica][i]
+                for i in present]  # fmt: skip
         updates.apply_with_copy(
-            self.optimizer, self.copies[replica], [summed[i] for i in present],
-            [parts[i] for i in present], [self.decays[i] for i in present],
-            self.devices[replica],
+            self.optimizer, self.copies[replica], [summed[i] for i in present], held,
+            [self.decays[i] for i in present], self.devices[replica],
         )  # fmt: skip
+        # zero1 / zero2: each part made whole again from its group's updated slices.
+        for i in present:
+            if self.sliced[i] and self.shard != "zero3":
+                placement = self.plan.placements[i]
+                group = self.groups[i][placement.index(replica)]
+                shape = placement.shape_of(self.variables[i])
+                mine = tf.identity(self.slices[replica][i].value)
+                everyone = context.all_gather(mine[None], axis=0)
+                flat = tf.concat([everyone[r] for r in group], 0)[: _size(shape)]
+                self.parts[replica][i].assign(tf.reshape(flat, shape))
         return None
 
     def checkpoint_state(self) -> dict:
@@ -663,17 +786,19 @@ class LayoutParallel(StepHook):
 
     def slot_reader(self) -> saved_state.BucketReader:
         """Whole slots for model.save, a weight at a time, from the first group's parts (as
-        settle() makes the weights whole)."""
-        held = {}  # (weight, part, slot) -> the slot variable
-        for copy in self.copies[: self.plan.degree]:
+        settle() makes the weights whole), put together from their slices where sliced."""
+        held = {}  # (weight, replica, slot) -> the slot variable
+        for r, copy in enumerate(self.copies):
             for slot in copy.variables:
                 found = _PART_SLOT.search(slot.path)
                 if found:
-                    held[int(found[1]), int(found[2]), found[3]] = slot
+                    held[int(found[1]), r, found[2]] = slot
 
         def whole(name: str, i: int) -> dict[int, np.ndarray]:
             placement = self.plan.placements[i]
-            pieces = [held[i, j, name].numpy() for j in range(placement.parts)]
+            pieces = [
+                self.whole_part(i, j, lambda r: held[i, r, name]) for j in range(placement.parts)
+            ]
             if placement.axis is None:
                 return {i: pieces[0]}
             return {i: np.concatenate(pieces, axis=placement.axis)}
@@ -682,9 +807,17 @@ class LayoutParallel(StepHook):
         return saved_state.BucketReader(buckets, whole, sorted({key[2] for key in held}))
 
 
-# A slot of a replica's part in its optimizer copy: Keras names it after the part
-# (tp_v{weight}_part{part}) and the slot ("momentum").
-_PART_SLOT = re.compile(r"tp_v(\d+)_part(\d+)_(\w+)$")
+# A slot of a replica's part (or slice of it) in its optimizer copy: Keras names it after
+# the variable (tp_v{weight}_part{part}, then _slice{k}) and the slot ("momentum").
+_PART_SLOT = re.compile(r"tp_v(\d+)_part\d+(?:_slice\d+)?_(\w+)$")
+
+
+def _slice_tensor(value, count: int, k: int) -> tf.Tensor:
+    """Slice `k` of `count` of `value`, flattened and padded with zeros (as _slice_of)."""
+    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
+    size = -(-int(flat.shape[0]) // count)
+    flat = tf.pad(flat, [[0, size * count - int(flat.shape[0])]])
+    return flat[k * size : (k + 1) * size]
 
 
 class _Part(updates.StandIn):
@@ -694,10 +827,11 @@ class _Part(updates.StandIn):
 
     def __init__(self, hook: LayoutParallel, index: int):
         super().__init__(hook.hosts[index], lambda: hook.part(index))
+        self._hook, self._index = hook, index
         self.scale = hook.plan.placements[index].scale
 
     def read(self) -> tf.Tensor:
-        value = tf.identity(self.own().value)  # a read, on the tape
+        value = self._hook.read_part(self._index)
         if self.scale != 1.0:
             value = value * tf.constant(self.scale, value.dtype)
         return value

@@ -108,13 +108,37 @@ class TensorParallelUpdate(StepHook):
         return {f"tensor_parallel_optimizer_{r}": copy for r, copy in enumerate(self.optimizers)}
 
 
-def update_for(model: keras.Model) -> StepHook | None:
+def update_for(
+    model: keras.Model, *, shard_optimizer: str | None = None, offload: str | None = None
+) -> StepHook | None:
     """The update a model's split layers need in tfdist.fit's chain (None: it has none):
-    LayoutParallel for a model tensor_parallel(layout_map=...) marked."""
+    LayoutParallel for a model tensor_parallel(layout_map=...) marked, its parts sharded
+    over their data groups under `shard_optimizer`.
+
+    Raises:
+      TensorParallelError: `shard_optimizer` with split layers (the rewrite of
+        tensor_parallel(degree=...) on Keras's own layers), or `offload` with a layout.
+    """
     plan = plan_of(model)
     if plan is not None:
-        return LayoutParallel(plan)
-    return TensorParallelUpdate() if split_layers(model) else None
+        if offload is not None:
+            raise TensorParallelError(
+                "offload='optimizer' keeps a sharded optimizer's state in host memory; under "
+                "a tensor-parallel layout it is not built. Drop offload, or the layout. "
+                f"Received: offload={offload!r} with tensor_parallel(layout_map=...)"
+            )
+        return LayoutParallel(plan, shard=shard_optimizer)
+    if not split_layers(model):
+        return None
+    if shard_optimizer is not None:
+        raise TensorParallelError(
+            f"shard_optimizer={shard_optimizer!r} shards the parts of a model split by a "
+            "layout (tensor_parallel(model, layout_map=...)); the split layers that "
+            "tensor_parallel(model, degree=...) wrote hold their parts their own way. Split "
+            "the model by a layout: tensor_parallel(model, layout_map=derive_layout_map(model, "
+            f"mesh)). Received: shard_optimizer={shard_optimizer!r} with split layers"
+        )
+    return TensorParallelUpdate()
 
 
 __all__ = ["TensorParallelUpdate", "update_for"]
