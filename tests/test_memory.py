@@ -264,22 +264,23 @@ def test_counts_see_variables_made_before_and_during_fit_and_leave_the_collector
 
 
 def test_dropped_copies_are_collected_only_where_a_cycle_still_holds_one():
-    """host.Dropped: copies freed by reference counting cost no full collection; one held
-    in a reference cycle is collected when freed; a copy that takes no weak reference is
-    collected to be sure."""
+    """host.Dropped: copies freed by reference counting cost no collection; one held in a
+    young reference cycle is freed by a collection of the young generations, one in an old
+    cycle by a full one; a handle a cycle captured keeps its copy watched; a copy that takes
+    no weak reference is collected to be sure."""
     import tensorflow as tf
 
     from tfdist.parallel.host import Dropped
 
-    full = []
+    made = []  # the generation of each collection made
 
     def count(phase, info):
-        if phase == "stop" and info["generation"] == 2:
-            full.append(info["collected"])
+        if phase == "stop":
+            made.append(info["generation"])
 
     class Cyclic:
-        def __init__(self):
-            self.value = tf.Variable(tf.zeros([4]))
+        def __init__(self, value):
+            self.value = value
             self.me = self
 
     enabled = gc.isenabled()
@@ -290,18 +291,39 @@ def test_dropped_copies_are_collected_only_where_a_cycle_still_holds_one():
         dropped.add(plain)
         del plain
         dropped.free()
-        assert full == []  # freed when dropped: nothing to collect
-        cyclic, dropped = Cyclic(), Dropped()
+        assert made == []  # freed when dropped: nothing to collect
+        cyclic, dropped = Cyclic(tf.Variable(tf.zeros([4]))), Dropped()
         dropped.add(cyclic)
         watched = dropped._copies[0]
         del cyclic
         assert watched() is not None  # alive in its cycle
         dropped.free()
-        assert len(full) == 1 and watched() is None
+        assert made == [1] and watched() is None  # young: no full collection
+        old = Cyclic(tf.Variable(tf.zeros([4])))
+        gc.collect()  # it survives into the oldest generation
+        made.clear()
+        dropped = Dropped()
+        dropped.add(old)
+        watched = dropped._copies[0]
+        del old
+        dropped.free()
+        assert made == [1, 2] and watched() is None
+        # The variable object goes, but a cycle still holds its handle (as a traced function
+        # holds what it captured): the handle is watched too.
+        variable = tf.Variable(tf.zeros([4]))
+        holder, dropped = Cyclic(variable.handle), Dropped()
+        dropped.add(variable)
+        watched = list(dropped._copies)  # the variable and its handle
+        del variable, holder
+        assert [copy() is None for copy in watched] == [True, False]
+        made.clear()
+        dropped.free()
+        assert made == [1] and all(copy() is None for copy in watched)
+        made.clear()
         dropped = Dropped()
         dropped.add(1.5)  # a float takes no weak reference
         dropped.free()
-        assert len(full) == 2
+        assert made == [1, 2]
     finally:
         gc.callbacks.remove(count)
         if enabled:

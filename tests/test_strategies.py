@@ -118,6 +118,12 @@ def test_tpu_detection_from_environment(monkeypatch):
             r"all_reduce does not apply to the 'one_device'",
         ),
         ("one_device", {"devices": ("/cpu:0", "/cpu:1")}, r"one_device runs on exactly one device"),
+        # A device the process lacks: its collectives would wait forever, not fail.
+        (
+            "mirrored",
+            {"devices": ("/cpu:0", "/cpu:9")},
+            r"/cpu:9 is not a device of this process \(it has /cpu:0, .*configure_cpu_devices",
+        ),
         ("parameter_server", {"tpu": "local"}, r"Option tpu does not apply"),
         (
             "mirrored",

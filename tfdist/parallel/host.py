@@ -61,14 +61,29 @@ class Dropped:
         self._unwatched = False  # a copy that takes no weak reference: collect to be sure
 
     def add(self, copy) -> None:
-        try:
-            self._copies.append(weakref.ref(copy))
-        except TypeError:
-            self._unwatched = True
+        # The copy, the variables it is made of (a distributed variable's per-device ones, a
+        # Sliced's slices) and their resource handles: a handle a traced function captured
+        # keeps the variable's memory alive after the variable object is gone.
+        held = [copy, *(getattr(copy, "values", None) or getattr(copy, "parts", None) or ())]
+        watched = [*held, *(getattr(v, "_handle", None) for v in held)]
+        for obj in watched:
+            if obj is None:
+                continue
+            try:
+                self._copies.append(weakref.ref(obj))
+            except TypeError:
+                self._unwatched = True
 
     def free(self) -> None:
-        if self._unwatched or any(copy() is not None for copy in self._copies):
-            gc.collect()
+        def alive() -> bool:
+            return self._unwatched or any(copy() is not None for copy in self._copies)
+
+        # A cycle made since the last collections (a traced function that captured a copy's
+        # handle) is in the young generations, which a collection of them alone frees.
+        for generation in (1, 2):
+            if not alive():
+                break
+            gc.collect(generation)
         self._copies, self._unwatched = [], False
 
 

@@ -55,7 +55,6 @@ of which each replica keeps its slice).
 
 from __future__ import annotations
 
-import gc
 import re
 import weakref
 
@@ -185,6 +184,7 @@ class ShardedParameters(StepHook):
         # copy (mirrored, or sliced for another layout), which is then dropped, one weight
         # at a time: from here on no process holds the whole model.
         self.storages = []
+        dropped = host.Dropped()
         for i, variable in enumerate(self.variables):
             whole = compat.storage_of(variable)
             born = isinstance(whole, host.Sliced) and whole.cut.same(self.cut)
@@ -192,9 +192,10 @@ class ShardedParameters(StepHook):
                 shards[i].assign(whole.parts[d] if born else self.cut.slice(whole, self.first + d))
             self.storages.append(_Sharded(self, i, whole))
             compat.replace_storage(variable, self.storages[-1])
+            dropped.add(whole)  # its values now in the shards
             del whole
         compat.forget_traced_functions(model)  # they read the whole copies
-        gc.collect()  # the whole copies sit in reference cycles: freed now, not at gc's whim
+        dropped.free()  # a copy a traced function captured sits in a cycle: freed now
         units.recompute(self.units)
         self.copies = updates.outside_strategy(
             lambda: [

@@ -20,6 +20,7 @@ def _local_devices(options: StrategyOptions) -> list[str]:
     """The devices the options choose: `devices`, the first `num_gpus` GPUs, or every GPU
     (every logical CPU device when there is none)."""
     if options.devices is not None:
+        _check_present(options.devices)
         return list(options.devices)
     gpus = _devices.gpu_device_names()
     if options.num_gpus is not None:
@@ -33,6 +34,30 @@ def _local_devices(options: StrategyOptions) -> list[str]:
             return gpus[: options.num_gpus]
         return _devices.cpu_device_names()
     return gpus or _devices.cpu_device_names()
+
+
+def _check_present(named) -> None:
+    """Refuses a device TensorFlow does not have: a strategy over it would place its work on
+    another and wait in its collectives forever (/cpu:1 before the CPU was split)."""
+    present = {
+        (spec.device_type, spec.device_index)
+        for spec in map(tf.DeviceSpec.from_string, (d.name for d in tf.config.list_logical_devices()))
+    }  # fmt: skip
+    for name in named:
+        spec = tf.DeviceSpec.from_string(name)
+        kind = (spec.device_type or "").upper()
+        if (kind, spec.device_index or 0) not in present:
+            have = ", ".join(f"/{t.lower()}:{i}" for t, i in sorted(present))
+            split = (
+                " Split the CPU into logical devices first, at the very start of the program: "
+                "tfdist.configure_cpu_devices(N)."
+                if kind == "CPU"
+                else ""
+            )
+            raise StrategyError(
+                f"{name} is not a device of this process (it has {have}).{split} "
+                f"Received: devices={list(named)!r}"
+            )
 
 
 def build_one_device(cluster: ClusterInfo | None, options: StrategyOptions):
