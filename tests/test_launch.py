@@ -645,7 +645,10 @@ def test_tasks_forked_by_a_preload_server_are_its_children_each_in_a_session_of_
     )  # fmt: skip
     try:
         pids = wait_for_pids(tmp_path, 3)
-        listed = running_tasks(launcher.pid)
+        # A forked task runs (and records its pid) before the launcher lists it.
+        deadline = time.monotonic() + 10
+        while len(listed := running_tasks(launcher.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
         lineage = {name: _parent_and_session(pid) for name, pid in pids.items()}
         launcher.send_signal(signal.SIGTERM)
         output, _ = launcher.communicate(timeout=10)

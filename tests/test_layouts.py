@@ -75,12 +75,15 @@ def mlp_reference():
 
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
-def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(stage, mlp_reference):
+def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
+    stage, mlp_reference, tmp_path
+):
     """2-way tensor x 2-way data, each part's optimizer state (zero1, zero2) or the part
     itself too (zero3) sharded over the replicas that hold it: 2 for a split weight's part,
     all 4 for a weight held whole. fit twice, an epoch each. Each device (CPU:1-3; CPU:0 is
     also the host) holds a quarter of every weight as its slice, with Adam's two slots for
-    it; under zero1 and zero2 its parts whole too (what its step reads)."""
+    it; under zero1 and zero2 its parts whole too (what its step reads). model.save writes
+    the whole weights and Adam's whole slots, put together from the slices."""
     reference, losses = mlp_reference
     strategy = mirrored()
     gc.collect()
@@ -105,3 +108,12 @@ def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(stage, ml
     for device in (1, 2, 3):
         held = record.added[f"CPU:{device}"]
         assert held == pytest.approx(share, rel=0.03), (device, held / share)
+
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    for want, got in zip(reference.get_weights(), loaded.get_weights(), strict=True):
+        assert np.max(np.abs(want - got)) <= TOLERANCE
+    slots = zip(reference.optimizer.variables, loaded.optimizer.variables, strict=True)
+    for want, got in slots:
+        assert want.path.split("/", 1)[1] == got.path.split("/", 1)[1]  # "adam_3/..."
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-7)
