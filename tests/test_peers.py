@@ -238,14 +238,18 @@ def test_a_task_whose_peer_never_starts_fails_within_the_startup_timeout(tmp_pat
     # the wait begins) to its exit: TensorFlow's start-up before it is the host's load.
     waiting: dict[int, float] = {}
     ended: dict[int, float] = {}
-    deadline = time.monotonic() + 90
+    started = time.monotonic()
     while len(ended) < len(jobs):
+        now = time.monotonic()
         for index, (proc, log, _, _) in enumerate(jobs):
             if index not in waiting and "Waiting for " in log.read_text(errors="replace"):
-                waiting[index] = time.monotonic()
+                waiting[index] = now
             if index not in ended and proc.poll() is not None:
-                ended[index] = time.monotonic()
-        assert time.monotonic() < deadline, "a task still waits after 90 s: a hang"
+                ended[index] = now
+            hung = index in waiting and index not in ended and now - waiting[index] > 60
+            assert not hung, f"worker:{index} still waits 60 s after its wait began: a hang"
+        # Reaching the wait is TensorFlow's start-up: minutes on a loaded host, not a hang.
+        assert now - started < 300, "no task reached its wait and ended within 300 s"
         time.sleep(0.05)
     for index, (proc, log, missing_port, code) in enumerate(jobs):
         assert proc.returncode == code, log.read_text()[-3000:]
@@ -273,9 +277,10 @@ def test_a_peer_that_dies_or_freezes_in_training_is_named_within_the_heartbeat_t
         jobs[stop] = procs, logs, ports
     try:
         for stop, (procs, logs, ports) in jobs.items():
-            deadline = time.monotonic() + 120
+            deadline = time.monotonic() + 300  # start-up and an epoch, on a loaded host
             while "epoch 2/200" not in logs[0].read_text():
-                assert procs[0].poll() is None and time.monotonic() < deadline
+                running = procs[0].poll() is None and time.monotonic() < deadline
+                assert running, "\n".join(log.read_text()[-2000:] for log in logs)
                 time.sleep(0.1)
             procs[1].send_signal(stop)
             killed = time.monotonic()

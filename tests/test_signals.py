@@ -102,7 +102,7 @@ def test_a_stop_signal_before_training_ends_each_role_at_once(tmp_path):
     try:
         for name, (_, _, _, marker, signum, code, why) in roles.items():
             proc, log, started = procs[name]
-            deadline = started + 120
+            deadline = started + 300  # start-up, on a loaded host: not what is measured
             while marker not in log.read_text():
                 assert proc.poll() is None, log.read_text()[-3000:]
                 assert time.monotonic() < deadline, f"{name}: never reached {marker!r}"
@@ -181,8 +181,9 @@ if sys.argv[1] == "mid-epoch":
     stop = keras.callbacks.LambdaCallback(
         on_train_batch_end=lambda batch, logs: batch == 3 and os.kill(os.getpid(), signal.SIGTERM))
 else:  # after the last step, held where no step boundary comes (a collective, a peer gone)
-    stop = keras.callbacks.LambdaCallback(
-        on_train_end=lambda logs: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(60)))
+    stop = keras.callbacks.LambdaCallback(on_train_end=lambda logs: (
+        print("signalled at", time.time(), file=sys.stderr, flush=True),
+        os.kill(os.getpid(), signal.SIGTERM), time.sleep(60)))
 tfdist.fit(model, np.zeros((256, 4)), np.zeros((256, 1)), epochs=2, verbose=0, callbacks=[stop])
 """
 
@@ -194,7 +195,7 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     a collective by a peer that died after the last save waited out the launcher's grace)."""
     result = subprocess.run(
         [sys.executable, "-c", USER_SCRIPT, "mid-epoch"], cwd=REPO, capture_output=True,
-        text=True, timeout=120, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+        text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
     assert result.returncode == 143, result.stderr[-2000:]
     # The signal is sent at step 4's end; Python runs its handler between bytecodes, so on a
@@ -205,12 +206,13 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     assert "nothing to save" in result.stderr and "saving a checkpoint" not in result.stderr
     assert "Traceback" not in result.stderr
 
-    started = time.monotonic()
     result = subprocess.run(
         [sys.executable, "-c", USER_SCRIPT, "after-the-last-step"], cwd=REPO,
-        capture_output=True, text=True, timeout=120,
+        capture_output=True, text=True, timeout=300,
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
     )  # fmt: skip
+    ended = time.time()
     assert result.returncode == 143, result.stderr[-2000:]
     assert "received SIGTERM after the last training step" in result.stderr, result.stderr
-    assert time.monotonic() - started < 50  # not the 60 s the callback holds it
+    signalled = float(re.search(r"signalled at (\S+)", result.stderr).group(1))
+    assert ended - signalled < 30  # not the 60 s the callback holds it
