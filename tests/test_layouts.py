@@ -16,6 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tfdist.errors import FitError
 from tfdist.parallel import tensor_parallel
 from tfdist.parallel.tensor.layout_map import plan_of
 
@@ -117,3 +118,8 @@ def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
     for want, got in slots:
         assert want.path.split("/", 1)[1] == got.path.split("/", 1)[1]  # "adam_3/..."
         np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-7)
+
+    # Another sharding would start Adam's state afresh: refused, as zero's own modes are.
+    other = None if stage == "zero3" else "zero3"
+    with pytest.raises(FitError, match=r"held by its tensor-parallel update .* Fit it again"):
+        tfdist.fit(model, data(), verbose=0, shard_optimizer=other)

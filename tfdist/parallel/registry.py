@@ -516,8 +516,16 @@ def _refuse_state_left_behind(kept: dict, used: set, optimizer: int, options) ->
     was never built on the model's weights, or would start again from zero)."""
     for key in kept:
         owner, keyword, value = key[:3]
-        if owner != optimizer or key in used or keyword is None:
+        if owner != optimizer or key in used:
             continue
+        if keyword is None:  # a hook the model asked for, built with other settings
+            raise FitError(
+                "This model's optimizer state is held by its tensor-parallel update from an "
+                f"earlier tfdist.fit with {key[3]}, which this fit would not continue. Fit it "
+                "again with the same shard_optimizer and offload, or compile the model again "
+                "(a new optimizer) to train it another way. Received: "
+                + repr({k: options.get(k) for k in ("shard_optimizer", "offload")})
+            )
         now = options.get(keyword, mode(keyword).default)
         raise FitError(
             f"This model's optimizer state is held by {keyword}={value} from an earlier "
