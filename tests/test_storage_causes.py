@@ -136,3 +136,25 @@ def test_the_lock_makes_a_model_dir_that_is_not_there_yet(tmp_path):
     hold(model_dir)
     assert os.path.exists(os.path.join(model_dir, LOCK_FILE))
     let_go(model_dir)
+
+
+def test_a_resume_removes_what_a_failed_save_could_not(tmp_path, caplog):
+    """A save that failed on storage that then refused its clean-up too (a read-only
+    remount) leaves ckpt-N_temp behind: the next run's restore removes it, and says so."""
+    import logging
+
+    from tfdist.training.checkpoints import CHECKPOINT_SUBDIR, Checkpoints
+
+    left = tmp_path / CHECKPOINT_SUBDIR / "ckpt-22_temp"
+    left.mkdir(parents=True)
+    (left / "part-00000-of-00001.data-00000-of-00001").write_bytes(b"half")
+    checkpoints = Checkpoints(
+        tf.train.Checkpoint(step=tf.Variable(0)), model_dir=str(tmp_path), is_chief=True,
+        max_to_keep=2,
+    )  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="tfdist"):
+        assert checkpoints.restore_latest() is None  # nothing complete to resume
+    assert not left.exists()
+    assert "Removed what an earlier run left of a checkpoint it could not finish: ckpt-22_temp" in (
+        caplog.text
+    )

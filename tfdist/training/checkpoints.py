@@ -175,6 +175,8 @@ class Checkpoints:
         """
         if self.directory is None:
             return None
+        if self._scratch is None:
+            self._remove_leftovers()
         rejected = []
         for path in checkpoint_candidates(self.directory):
             problem = verify_checkpoint(path)
@@ -216,6 +218,27 @@ class Checkpoints:
         if rejected:
             log.warning("No complete checkpoint in %s; starting from scratch", self.directory)
         return None
+
+    def _remove_leftovers(self) -> None:
+        """Removes what an earlier run left of checkpoints it could not finish: a save that
+        failed on storage that then refused the clean-up too (a read-only remount)."""
+        try:
+            left = tf.io.gfile.glob(os.path.join(self.directory, "ckpt-*_temp*"))
+            for path in left:
+                if tf.io.gfile.isdir(path):
+                    tf.io.gfile.rmtree(path)
+                else:
+                    tf.io.gfile.remove(path)
+        except (tf.errors.OpError, OSError) as error:
+            log.warning(
+                "Could not remove a half-written checkpoint in %s: %s", self.directory, error
+            )
+            return
+        if left:
+            log.info(
+                "Removed what an earlier run left of a checkpoint it could not finish: %s",
+                ", ".join(os.path.basename(path) for path in left),
+            )
 
     def _read_shards(self, path: str) -> str | None:
         """This process's part of a sharded checkpoint read back (None: done, or nothing
