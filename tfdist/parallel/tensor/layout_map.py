@@ -729,11 +729,16 @@ class LayoutParallel(StepHook):
         own = tf.identity(self.part(i).value)  # a read, on the tape
         if not (self.sliced[i] and self.shard == "zero3"):
             return own
+        return self._gathered_part(i, own)
+
+    def _gathered_part(self, i: int, mine: tf.Tensor) -> tf.Tensor:
+        """Weight `i`'s part put together from this replica's slice `mine` and those of the
+        other replicas of its group, in a replica's step (an all-gather every replica makes)."""
         replica, _ = replica_in_step()
         placement = self.plan.placements[i]
         group = self.groups[i][placement.index(replica)]
         shape = placement.shape_of(self.variables[i])
-        everyone = tf.distribute.get_replica_context().all_gather(own[None], axis=0)
+        everyone = tf.distribute.get_replica_context().all_gather(mine[None], axis=0)
         flat = tf.concat([everyone[r] for r in group], 0)[: _size(shape)]
         return tf.reshape(flat, shape)
 
@@ -772,13 +777,8 @@ class LayoutParallel(StepHook):
         # zero1 / zero2: each part made whole again from its group's updated slices.
         for i in present:
             if self.sliced[i] and self.shard != "zero3":
-                placement = self.plan.placements[i]
-                group = self.groups[i][placement.index(replica)]
-                shape = placement.shape_of(self.variables[i])
                 mine = tf.identity(self.slices[replica][i].value)
-                everyone = context.all_gather(mine[None], axis=0)
-                flat = tf.concat([everyone[r] for r in group], 0)[: _size(shape)]
-                self.parts[replica][i].assign(tf.reshape(flat, shape))
+                self.parts[replica][i].assign(self._gathered_part(i, mine))
         return None
 
     def checkpoint_state(self) -> dict:
