@@ -123,3 +123,150 @@ def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
     other = None if stage == "zero3" else "zero3"
     with pytest.raises(FitError, match=r"held by its tensor-parallel update .* Fit it again"):
         tfdist.fit(model, data(), verbose=0, shard_optimizer=other)
+
+
+# --- a pipeline's stages sharded over its pipelines --------------------------------------------
+
+
+def _stage_bytes(model: keras.Model, prefixes: tuple[str, ...]) -> int:
+    return sum(
+        int(np.prod(v.shape)) * 4
+        for v in model.trainable_variables
+        if v.path.split("/")[0].startswith(prefixes)
+    )
+
+
+@pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
+@pytest.mark.parametrize("first, then", [("zero1", "zero3"), ("zero2", "zero1"), ("zero3", None)])
+def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
+    first, then, mlp_reference, tmp_path, caplog
+):
+    """2 stages x 2 pipelines on 4 devices, each stage's optimizer state (zero1, zero2: its
+    summed gradients too) or its weights too (zero3) in flat halves over its 2 replicas.
+    An epoch with `first`, then one with `then`: the state moves between the shardings and
+    Adam goes on as Keras's. Each stage replica holds its stage's share: half of each weight
+    with Adam's two slots for it, and under zero1 and zero2 the whole weights its passes
+    read. model.save writes the whole
+    weights and Adam's whole slots."""
+    reference, losses = mlp_reference
+    strategy = mirrored()
+    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
+    gc.collect()
+    record = tfdist.DeviceBytes()
+    with pipeline.scope(strategy):
+        model = mlp()
+    with caplog.at_level("INFO", logger="tfdist"):
+        got = tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer=first,
+                         callbacks=[record])  # fmt: skip
+    assert f"shard_optimizer={first!r}: each stage's" in caplog.text
+    again = tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer=then)
+    assert [got.history["loss"][0], again.history["loss"][0]] == pytest.approx(losses, abs=1e-5)
+    weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
+    for v, want, have in weights:
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+
+    # Stage 0 (up0, down0) on CPU:0 and CPU:2, stage 1 (up1, down1, head) on CPU:1 and 3.
+    whole = {2: _stage_bytes(model, ("up0", "down0")),
+             1: _stage_bytes(model, ("up1", "down1", "head"))}  # fmt: skip
+    whole[3] = whole[1]
+    for device, weights_bytes in whole.items():
+        # Half of each weight (zero3: all it keeps; zero1, zero2: the slice it updates,
+        # beside the whole weights) and Adam's two slots for that half.
+        share = 1.5 * weights_bytes if first == "zero3" else 2.5 * weights_bytes
+        held = record.added[f"CPU:{device}"]
+        assert held == pytest.approx(share, rel=0.03), (device, held / share)
+
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    for want, have in zip(reference.get_weights(), loaded.get_weights(), strict=True):
+        assert np.max(np.abs(want - have)) <= TOLERANCE
+    slots = zip(reference.optimizer.variables, loaded.optimizer.variables, strict=True)
+    for want, have in slots:
+        assert want.path.split("/", 1)[1] == have.path.split("/", 1)[1]
+        np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_a_pipeline_refuses_what_its_stages_cannot_shard():
+    """Offload, and an optimizer whose update reads a whole weight, each in one line before
+    anything trains."""
+    strategy = mirrored()
+    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
+    with pipeline.scope(strategy):
+        model = mlp()
+    with pytest.raises(FitError, match="offload='optimizer' .* a pipeline's stages keep"):
+        tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer="zero1",
+                   offload="optimizer")  # fmt: skip
+    with pipeline.scope(strategy):
+        model = mlp()
+        model.compile(keras.optimizers.Lamb(), "sparse_categorical_crossentropy")
+    with pytest.raises(FitError, match="Lamb reads a whole variable's gradient"):
+        tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer="zero2")
+
+
+# --- keras-hub's Llama -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    """Keras's own fit of keras-hub's Llama causal LM on one device, 2 epochs."""
+    from tests import keras_hub_models
+
+    model = keras_hub_models.llama_causal_lm()
+    history = model.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
+    return model, history.history["loss"]
+
+
+@pytest.mark.xdist_group("layouts_llama")  # llama_reference's fit runs once
+def test_llama_under_its_own_map_with_zero3_trains_as_keras_on_one_device(llama_reference):
+    """keras-hub's Llama (4 query heads, 1 key/value head, untied logits) split by its own
+    layout map over 2 x 2, each part sharded over its data group (zero3), fit twice; its
+    plain Keras copy holds the model's 21 weights, each once."""
+    import keras_hub
+
+    from tests import keras_hub_models
+
+    reference, losses = llama_reference
+    with tfdist.host_scope(mirrored()):
+        model = keras_hub_models.llama_causal_lm()
+    tensor_parallel(model, layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh()))
+    got = [
+        tfdist.fit(model, keras_hub_models.token_data(), verbose=0, shard_optimizer="zero3")
+        for _ in range(2)
+    ]
+    assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
+    for v, want, have in zip(
+        reference.weights, reference.get_weights(), model.get_weights(), strict=True
+    ):
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+    dense = tfdist.parallel.dense_model(model)
+    assert len(dense.weights) == len(reference.weights) == 21
+    assert [w.path for w in dense.weights] == [w.path for w in reference.weights]
+
+
+@pytest.mark.xdist_group("layouts_llama")
+def test_llama_in_a_pipeline_with_zero3_stages_trains_as_keras_on_one_device(llama_reference):
+    """The Llama cut inside its backbone into 2 stages x 2 pipelines, each stage's weights
+    and state sharded over its 2 replicas (zero3), its lookup table whole (sparse rows), the
+    logits' table sliced; fit twice."""
+    from tests import keras_hub_models
+
+    reference, losses = llama_reference
+    with tfdist.host_scope(mirrored()):
+        model = keras_hub_models.llama_causal_lm()
+    cut = f"{model.backbone.name}/transformer_layer_1"
+    pipeline = tfdist.parallel.Pipeline(cut_before=[cut], micro_batches=2)
+    got = [
+        tfdist.fit(
+            model,
+            keras_hub_models.token_data(),
+            verbose=0,
+            pipeline=pipeline,
+            shard_optimizer="zero3",
+        )  # fmt: skip
+        for _ in range(2)
+    ]
+    assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
+    for v, want, have in zip(
+        reference.weights, reference.get_weights(), model.get_weights(), strict=True
+    ):
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path

@@ -501,6 +501,40 @@ def test_across_processes_evaluation_reads_the_stages_and_checkpoints_are_writte
 
 @pytest.mark.xdist_group("pipeline_four_processes")
 @pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "run", pipeline_worker.SHARDED, ids=lambda run: pipeline_worker.run_name(*run)
+)
+def test_a_pipeline_s_stages_sharded_across_processes_train_the_weights_keras_trains(
+    reference, run, four_processes
+):
+    """2 pipelines x 2 stages on 4 processes, each stage's state sharded over its 2
+    replicas' processes (zero2: slots and gradients, reduce-scattered over the stage's ring;
+    zero3: the weights too, gathered each step): Keras's weights on one device. zero3's run
+    also evaluates (each weight read as its slices, from the processes that hold them) and
+    its StepCheckpoint holds every weight and slot whole, in the shards."""
+    want, history, _ = reference
+    for task, got, logs in written(four_processes, run):
+        assert max_diff(want, got) <= TOLERANCE, task
+        assert logs["loss"] == pytest.approx(history["loss"], abs=1e-6), task
+    if run[5] != "zero3":
+        return
+    model = pipeline_cases.mlp()
+    model.set_weights(want)
+    expected = model.evaluate(pipeline_cases.data(), verbose=0, return_dict=True)
+    for task, _, logs in written(four_processes, run):
+        assert logs["val_loss"] == pytest.approx([expected["loss"]], abs=1e-5), task
+    prefix = four_processes / pipeline_worker.run_name(*run) / "run" / "checkpoints" / "ckpt-5"
+    shards = tf.compat.v1.train.NewCheckpointReader(f"{prefix}.shards/merged")
+    saved = shards.get_variable_to_shape_map()
+    for i, weight in enumerate(want):
+        assert saved[f"trainable/{i}"] == list(weight.shape), i
+        np.testing.assert_allclose(shards.get_tensor(f"trainable/{i}"), weight, atol=TOLERANCE)
+        for slot in ("momentum", "velocity"):
+            assert saved[f"trainable/{i}/.slot/{slot}"] == list(weight.shape), (i, slot)
+
+
+@pytest.mark.xdist_group("pipeline_four_processes")
+@pytest.mark.multiprocess
 def test_a_pipeline_across_processes_trains_in_mixed_bfloat16(four_processes):
     """Activations and their gradients cross between the processes in bfloat16, which
     TensorFlow's collectives do not take (the transport sends its bits as float16): the

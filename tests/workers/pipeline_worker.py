@@ -8,7 +8,8 @@ host_scope, what Pipeline.scope returns): tests/pipeline_cases.py's model under 
 schedule with M = 1 and 4, once under mixed_bfloat16 (activations cross the processes in
 bfloat16), and keras-hub's Gemma causal LM cut inside its backbone (its tied embedding held
 by the first and the last stage), and its Mistral (untied tables: each stage's token rows
-gathered as rows over its 2 pipelines). It writes the weights and history to
+gathered as rows over its 2 pipelines); then the 2 x 2 MLP with its stages sharded
+(SHARDED: zero2, and zero3 with validation and a StepCheckpoint). It writes the weights and history to
 OUT/<run>/<task>.{npz,json} for tests/test_pipeline.py to compare.
 """
 
@@ -38,18 +39,26 @@ RUNS = [
 ]
 
 
-def run_name(model: str, stages: int, schedule: str, micro_batches: int, policy) -> str:
-    return f"{model}_{stages}_{schedule}_m{micro_batches}" + (f"_{policy}" if policy else "")
+# Then the 2 x 2 MLP with each stage's state sharded over its 2 pipelines (shard_optimizer);
+# zero3's run also evaluates and checkpoints, as EVALUATED does (its weights are slices).
+SHARDED = [("mlp", 2, "1f1b", 2, None, "zero2"), ("mlp", 2, "1f1b", 2, None, "zero3")]
+
+
+def run_name(model: str, stages: int, schedule: str, micro_batches: int, policy, shard=None) -> str:
+    name = f"{model}_{stages}_{schedule}_m{micro_batches}" + (f"_{policy}" if policy else "")
+    return name + (f"_{shard}" if shard else "")
 
 
 def main(out: str) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     task = json.loads(os.environ["TF_CONFIG"])["task"]
-    for run in RUNS:
+    for run in [*RUNS, *SHARDED]:
         here = os.path.join(out, run_name(*run))
         os.makedirs(here, exist_ok=True)
         keras.mixed_precision.set_dtype_policy(run[4] or "float32")
-        model, history = train(strategy, *run[:4], here=here)
+        model, history = train(
+            strategy, *run[:4], here=here, shard=run[5] if len(run) > 5 else None
+        )
         name = f"{task['type']}_{task['index']}"
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(here, f"{name}.json"), "w") as f:
@@ -61,7 +70,9 @@ def main(out: str) -> None:
 EVALUATED = ("mlp", 2, "1f1b", 4, None)
 
 
-def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: int, *, here):
+def train(
+    strategy, model_name: str, stages: int, schedule: str, micro_batches: int, *, here, shard=None
+):
     # 4 stages: built as users of tf.distribute build (mirrored on every worker); 2 stages:
     # in Pipeline.scope, each process's device holding only its stage.
     scope = strategy.scope() if stages == 4 else tfdist.host_scope(strategy)
@@ -78,9 +89,10 @@ def train(strategy, model_name: str, stages: int, schedule: str, micro_batches: 
     pipeline = tfdist.parallel.Pipeline(
         cut_before=cuts, micro_batches=micro_batches, schedule=schedule, timeout_seconds=120
     )
-    keywords = {}
-    if (model_name, stages, schedule, micro_batches, None) == EVALUATED and not run_policy():
-        keywords = {
+    keywords = {"shard_optimizer": shard}
+    evaluated = (model_name, stages, schedule, micro_batches, None) == EVALUATED
+    if (evaluated and not run_policy() and not shard) or shard == "zero3":
+        keywords |= {
             "validation_data": data,
             "callbacks": [tfdist.StepCheckpoint(os.path.join(here, "run"))],
         }

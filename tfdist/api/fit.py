@@ -162,6 +162,7 @@ def fit(
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
     layout = registry.runner_factory_of(options)
+    settings = registry.factory_settings(options)  # what the layout takes over
     user_hooks = chain.check_hooks(step_hooks)
     hooks = registry.chain(options, user_hooks, model=model)
     _check_host_scope(model, options, hooks)
@@ -171,8 +172,9 @@ def fit(
     chain.check_callbacks(hooks, callbacks)
     # The last call's runner where nothing its traced step closes over changed (kept.py).
     runner, hooks, _ = kept.runner_for_call(
-        model, strategy, lambda: runner_for(model, strategy, layout=layout), hooks,
-        user_hooks=user_hooks, layout=layout,
+        model, strategy,
+        lambda: runner_for(model, strategy, layout=layout, settings=settings), hooks,
+        user_hooks=user_hooks, layout=layout if layout is None else (layout, repr(settings)),
     )  # fmt: skip
     with kept.forgotten_on_error(model):
         runner.build(data.sample_batch, hooks)

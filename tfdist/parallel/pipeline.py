@@ -39,9 +39,18 @@ them, with optimizer state of its own; its gradient is summed over them (and ove
 pipelines), so the copies take the same steps and stay equal (Megatron-LM's tied
 embeddings).
 
+Sharded stages: with fit's `shard_optimizer`, each stage's replicas (one per pipeline) share
+out its state in flat slices, as ZeRO shares a model's: 'zero1' keeps 1/D of the stage's
+optimizer slots on each replica, 'zero2' also sums only that slice of the gradients, and
+'zero3' keeps only the slice of the weights too, gathered from the stage's replicas for each
+step. Each replica updates its slice; under zero1 and zero2 the stage's replicas then gather
+the updated slices into their whole weights. Embedding tables stay whole (their gradients
+are sparse rows). On one host's devices for now.
+
 Limits (each refused with a message): models with their own `train_step` (a pipeline runs
 the layer graph, not the step), global_clipnorm (a norm over every stage), loss scaling,
-StepHooks (accumulation is the micro-batches already; sharded state is per stage already).
+StepHooks (accumulation is the micro-batches already), shard_optimizer across worker
+processes, offload.
 BatchNormalization normalises each micro-batch by its own statistics, as in GPipe; M = 1
 matches the unsplit model exactly.
 
@@ -136,9 +145,26 @@ class Pipeline:
         """
         return host_scope(strategy)
 
-    def runner(self, model: keras.Model, strategy: tf.distribute.Strategy):
+    def runner(
+        self,
+        model: keras.Model,
+        strategy: tf.distribute.Strategy,
+        *,
+        shard_optimizer: str | None = None,
+        offload: str | None = None,
+    ):
         """The runner tfdist.fit trains `model` with (not yet built): under
-        parameter_server, each worker's replica split over its devices (downpour.py)."""
+        parameter_server, each worker's replica split over its devices (downpour.py).
+        fit's `shard_optimizer` shards each stage's optimizer state ('zero1', 'zero2': and
+        its gradients) or its weights too ('zero3') over the stage's replicas, one per
+        pipeline."""
+        if offload is not None:
+            raise FitError(
+                "offload='optimizer' keeps a sharded optimizer's state in host memory under "
+                "data parallelism; a pipeline's stages keep theirs on their devices (not "
+                "built). Drop offload, or train without pipeline=. "
+                f"Received: offload={offload!r}, shard_optimizer={shard_optimizer!r}"
+            )
         recomputed = units.recomputed(model)
         if recomputed:
             # Its stages call the layers on weight values (stateless calls), which a unit's
@@ -152,9 +178,15 @@ class Pipeline:
                 f"Received: {len(recomputed)} recomputed layer(s)"
             )
         if needs_coordinator(strategy):  # parameter_server: a replica per worker, split
+            if shard_optimizer is not None:
+                raise FitError(
+                    "shard_optimizer shards state over synchronous replicas; under "
+                    "parameter_server the variables live on the ps tasks already. Drop "
+                    f"shard_optimizer. Received: shard_optimizer={shard_optimizer!r}"
+                )
             from tfdist.parallel.downpour import SplitReplicaRunner
 
             return SplitReplicaRunner(model, strategy, self)
         from tfdist.parallel.pipeline_runner import PipelineRunner
 
-        return PipelineRunner(model, strategy, self)
+        return PipelineRunner(model, strategy, self, shard=shard_optimizer)

@@ -9,9 +9,11 @@ import dataclasses
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.collective.ring import owned_chunk
 from tfdist.errors import FitError
 from tfdist.parallel import host, updates
 from tfdist.parallel.stages import Stage
@@ -20,7 +22,13 @@ from tfdist.training import shards
 
 @dataclasses.dataclass
 class StageReplica:
-    """One replica of one stage: its place, its weights and its optimizer (on its device)."""
+    """One replica of one stage: its place, its weights and its optimizer (on its device).
+
+    Under shard_optimizer, `slices[j]` is this replica's flat slice of its j-th weight (the
+    pipeline's, of D: see slice_size), or None for a weight kept whole. The optimizer
+    updates the slices (its slots are slices too); under zero3 the slice is all the replica
+    keeps of the weight (`trainable[j]` is the slice), gathered for each step.
+    """
 
     stage: Stage
     pipeline: int
@@ -28,6 +36,44 @@ class StageReplica:
     trainable: list[keras.Variable]
     non_trainable: list[keras.Variable]
     optimizer: keras.optimizers.Optimizer | None  # built once the weights have moved in
+    slices: list[keras.Variable | None] = dataclasses.field(default_factory=list)
+
+    @property
+    def updated(self) -> list[keras.Variable]:
+        """What the optimizer updates, weight by weight: the slice, or the whole weight."""
+        if not self.slices:
+            return list(self.trainable)
+        return [s if s is not None else w for s, w in zip(self.slices, self.trainable, strict=True)]
+
+
+def piece_of(pipeline: int, count: int) -> int:
+    """Which of `count` flat slices pipeline `pipeline`'s replica of a stage holds: the chunk
+    a ring reduce-scatter leaves complete at that rank (tfdist.collective.ring), so that
+    between processes the stage's ring sums and gathers the slices where they are held."""
+    return owned_chunk(pipeline, count)
+
+
+def slice_size(shape, count: int) -> int:
+    """The length of each of `count` flat slices of a weight of `shape` (the last padded
+    with zeros): ceil(elements / count)."""
+    return -(-int(np.prod(shape, dtype=np.int64)) // count)
+
+
+def flat_slice(value, count: int, k: int, shape=None) -> tf.Tensor:
+    """Slice `k` of `count` of `value` (of `shape`, by default its own), flattened and
+    padded with zeros; a gradient of rows (IndexedSlices) is made dense first."""
+    shape = tf.TensorShape(value.shape if shape is None else shape)
+    elements = int(np.prod(shape.as_list(), dtype=np.int64))
+    flat = tf.reshape(tf.convert_to_tensor(value), [elements])
+    size = slice_size(shape, count)
+    flat = tf.pad(flat, [[0, size * count - elements]])
+    return flat[k * size : (k + 1) * size]
+
+
+def joined(pieces, shape) -> tf.Tensor:
+    """A value of `shape` from its flat slices, in order (the padding dropped)."""
+    flat = tf.concat([tf.convert_to_tensor(p) for p in pieces], 0)
+    return tf.reshape(flat[: int(np.prod(shape, dtype=np.int64))], shape)
 
 
 class Home(shards.Shards):
@@ -48,8 +94,11 @@ class Home(shards.Shards):
     # runner: the PipelineRunner (pipeline_runner.py, which imports this module)
     def __init__(self, key: tuple, runner: Any, replicas: list[StageReplica]):
         self.key, self.strategy, self.processes = key, runner.strategy, runner.processes
+        self.pipelines = runner.pipelines
         self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
-        self.shared = runner.shared
+        self.shared, self.sliced = runner.shared, runner.sliced
+        # zero3: the weights' copies are slices too, as every sliced weight's slots are.
+        self.weights_sliced = runner.shard == "zero3"
         # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
         self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
         self.staged: list[tuple[str, Staged]] = []  # by checkpoint key (shards.py)
@@ -81,15 +130,40 @@ class Home(shards.Shards):
     def copies(self, i: int, slot: str | None = None) -> list[keras.Variable]:
         """This process's replicas' copies of weight `i` (or of its slot named `slot`),
         the source's first."""
+        return [copy for copy, _ in self._held(i, slot)]
+
+    def _held(self, i: int, slot: str | None) -> list[tuple[keras.Variable, int]]:
+        """(copy, the pipeline of the replica holding it), as `copies`."""
         out = []
         for r in self._ordered:
             if i not in r.stage.trainable:
                 continue
             if slot is None:
-                out.append(r.trainable[r.stage.trainable.index(i)])
+                out.append((r.trainable[r.stage.trainable.index(i)], r.pipeline))
             else:  # none where the stage's optimizer keeps no such slot
-                out += [v for v in r.optimizer.variables if v.name == slot][:1]
+                out += [(v, r.pipeline) for v in r.optimizer.variables if v.name == slot][:1]
         return out
+
+    def _updated_slices(self, i: int) -> list[tuple[keras.Variable, int]]:
+        """zero1 and zero2: (slice, piece) of weight `i` that this process's replicas update
+        beside the whole copies their passes read (loaded with them)."""
+        if i not in self.sliced or self.weights_sliced:
+            return []
+        out = []
+        for r in self._ordered:
+            if i in r.stage.trainable:
+                out.append(
+                    (r.slices[r.stage.trainable.index(i)], piece_of(r.pipeline, self.pipelines))
+                )
+        return out
+
+    def _pieces(self, i: int, slot: str | None) -> list[int] | None:
+        """Which slice each of `copies(i, slot)` holds (piece_of its pipeline), where they
+        are slices of the whole (see StageReplica), on every process alike (a process
+        holding none gets []); None where each is whole."""
+        if i not in self.sliced or (slot is None and not self.weights_sliced):
+            return None
+        return [piece_of(pipeline, self.pipelines) for _, pipeline in self._held(i, slot)]
 
     # --- moving in --------------------------------------------------------------------------
 
@@ -98,7 +172,10 @@ class Home(shards.Shards):
         is dropped, one weight at a time."""
         dropped = host.Dropped()
         for i, weight in enumerate(model.trainable_variables):
-            self._take(weight, i, self.copies(i), shards.weight_key(i), dropped=dropped)
+            self._take(
+                weight, i, self.copies(i), shards.weight_key(i), dropped=dropped,
+                pieces=self._pieces(i, None), updated=self._updated_slices(i),
+            )  # fmt: skip
         compat.forget_traced_functions(model)  # they read the whole copies
         dropped.free()  # now, not at the collector's whim
 
@@ -124,7 +201,10 @@ class Home(shards.Shards):
                     f"keep it. Use a Keras optimizer. Received: {type(user).__name__}"
                 )
             name = slot.name[len(model.trainable_variables[i].path) + 1 :]  # "momentum"
-            self._take(slot, i, copies, shards.slot_key(i, name), fresh, dropped=dropped)
+            self._take(
+                slot, i, copies, shards.slot_key(i, name), fresh, dropped=dropped,
+                pieces=self._pieces(i, slot.name),
+            )  # fmt: skip
         dropped.free()
 
     def _take(
@@ -136,13 +216,17 @@ class Home(shards.Shards):
         fresh: set[int] = frozenset(),
         *,
         dropped: host.Dropped,
+        pieces: list[int] | None = None,
+        updated: list[tuple[keras.Variable, int]] = (),
     ) -> None:
         old = compat.storage_of(variable)
         if not self.holding(i):
             return  # no stage reads the weight: it keeps its storage
         if id(old) not in fresh:  # an empty placeholder holds nothing to free
             dropped.add(old)
-        staged = Staged(self, old, variable.shape, copies, self.source(i))
+        staged = Staged(
+            self, old, variable.shape, copies, self.source(i), pieces, index=i, updated=updated
+        )
         # A read of a weight held in parts (another layout's stages, host_scope's slices)
         # is a collective: every process makes it.
         if id(old) not in fresh and (copies or getattr(old, "read_by_collectives", False)):
@@ -155,11 +239,15 @@ class Home(shards.Shards):
     def entries(self) -> list[shards.Entry]:
         """This process's part of a sharded checkpoint: each weight and slot it is the
         source of, whole (each is written by one process)."""
-        return [
-            shards.Entry(key, tf.identity(staged.copies[0].value))
-            for key, staged in self.staged
-            if staged.source and staged.copies
-        ]
+        out = []
+        for key, staged in self.staged:
+            if staged.pieces is not None:  # slices: put together (across processes by all)
+                whole = staged.read()
+                if staged.source and staged.copies:
+                    out.append(shards.Entry(key, whole))
+            elif staged.source and staged.copies:
+                out.append(shards.Entry(key, tf.identity(staged.copies[0].value)))
+        return out
 
     def wanted(self) -> list[shards.Wanted]:
         """What this process's stages read back: each weight and slot they hold."""
@@ -173,19 +261,38 @@ class Home(shards.Shards):
 
     def read(self, staged: Staged) -> tf.Tensor:
         if self.processes == 1:
+            if staged.pieces is not None:  # its slices put together, in order
+                first = {}
+                for copy, k in zip(staged.copies, staged.pieces, strict=True):
+                    first.setdefault(k, copy)
+                with tf.device(self.replicas[0].device):
+                    return joined([first[k].value for k in sorted(first)], staged.shape)
             return tf.identity(staged.copies[0].value)
         context = tf.distribute.get_replica_context()
         part = self._part(staged)
         if context is not None and context.strategy is self.strategy:
             with tf.device(self.replicas[0].device):
-                return context.all_reduce(tf.distribute.ReduceOp.SUM, part)
-        with updates.read_together("a pipeline"):
-            return self._sent(part)
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, part)
+        else:
+            with updates.read_together("a pipeline"):
+                summed = self._sent(part)
+        if staged.pieces is None:
+            return summed
+        return joined([summed], staged.shape)
 
     def _part(self, staged: Staged) -> tf.Tensor:
         """What this process adds to a read across processes: the value at its source,
-        zeros elsewhere (so the sum is the value, exactly)."""
+        zeros elsewhere (so the sum is the value, exactly). Slices: each pipeline's first
+        stage holding the weight adds its slice in place in the flat, padded whole."""
         with tf.device(self.replicas[0].device):
+            if staged.pieces is not None:
+                count = self.pipelines
+                size = slice_size(staged.shape, count)
+                pieces = [tf.zeros([size], staged.dtype) for _ in range(count)]
+                r = self.replicas[0]
+                if staged.copies and r.stage.index == min(self.holding(staged.index)):
+                    pieces[staged.pieces[0]] = tf.identity(staged.copies[0].value)
+                return tf.concat(pieces, 0)
             if staged.source:
                 return tf.identity(staged.copies[0].value)
             return tf.zeros(staged.shape, staged.dtype)
@@ -218,11 +325,29 @@ class Home(shards.Shards):
 class Staged(updates.WholeStandIn):
     """A weight's (or a slot's) storage under a pipeline: see Home."""
 
-    def __init__(self, home: Home, old, shape, copies: list[keras.Variable], source: bool):
+    def __init__(
+        self,
+        home: Home,
+        old,
+        shape,
+        copies: list[keras.Variable],
+        source: bool,
+        pieces: list[int] | None = None,
+        *,
+        index: int,
+        updated: list[tuple[keras.Variable, int]] = (),
+    ):
         dtype = old.dtype  # not `old` itself: the stand-in must not keep the whole copy
         super().__init__(old, lambda: copies[0] if copies else home.placeholder(dtype))
         self.shape = tf.TensorShape(shape)
         self.home, self.copies, self.source = home, copies, source
+        # Under shard_optimizer: copy k is slice pieces[k] of home.pipelines (a slot's, or
+        # under zero3 a weight's); None: each copy is whole.
+        self.pieces = pieces
+        self.index = index  # the weight's position in model.trainable_variables
+        # zero1, zero2: the slices (and their pieces) the optimizer updates beside the whole
+        # copies, given each value assigned too.
+        self.updated = list(updated)
         self.trainable = getattr(old, "trainable", True)
 
     def read(self) -> tf.Tensor:
@@ -231,8 +356,15 @@ class Staged(updates.WholeStandIn):
     def assign(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
         value = tf.convert_to_tensor(value, self.dtype)
+        if self.pieces is not None:
+            count = self.home.pipelines
+            for copy, k in zip(self.copies, self.pieces, strict=True):
+                copy.assign(flat_slice(value, count, k))
+            return
         for copy in self.copies:
             copy.assign(value)
+        for piece, k in self.updated:
+            piece.assign(flat_slice(value, self.home.pipelines, k))
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ from tfdist.collective.transport import ProcessLinks, ProcessRing
 from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device
-from tfdist.parallel.pipeline_home import Home, StageReplica, empty_variables
+from tfdist.parallel.pipeline_home import Home, StageReplica, empty_variables, slice_size
 from tfdist.parallel.pipeline_step import StepProgram
 from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
 from tfdist.parallel.stages import SharedWeight, Stage, StageError, devices_for, shared, split, tied
@@ -59,9 +59,14 @@ class PipelineRunner(SyncRunner):
         model: keras.Model,
         strategy: tf.distribute.Strategy,
         options: Any,  # a tfdist.parallel.Pipeline (pipeline.py makes this runner)
+        shard: str | None = None,
     ):
         super().__init__(model, strategy)
         self.options = options
+        # fit's shard_optimizer: each stage's optimizer state ('zero1'; 'zero2': its summed
+        # gradients too) or its weights too ('zero3') in flat slices over its pipelines.
+        self.shard = shard
+        self.sliced: set[int] = set()  # the weights cut into slices (see _slice_plan)
         self.stages: list[Stage] = []
         self.replicas: list[StageReplica] = []  # this process's
         self.pipelines = 1
@@ -93,8 +98,8 @@ class PipelineRunner(SyncRunner):
         if step_hooks:
             raise FitError(
                 "A pipeline takes no step hooks: its micro-batches already accumulate "
-                "gradients (drop accumulate_steps), and each stage keeps only its own "
-                "optimizer state (drop shard_optimizer). "
+                "gradients (drop accumulate_steps), and shard_optimizer shards each stage's "
+                "state over its pipelines. "
                 f"Received: {', '.join(h.name for h in step_hooks)}"
             )
         if custom_train_step(model):
@@ -110,13 +115,15 @@ class PipelineRunner(SyncRunner):
         if home is not None and home.key == self._home_key():
             # A later fit on the same layout: its stages go on with their weights and slots.
             self.stages, self.tied, self.replicas = home.stages, home.tied, home.replicas
-            self.shared = home.shared
+            self.shared, self.sliced = home.shared, home.sliced
             self._grid()
         else:
             self.stages = split(model, options.cut_before)
             self.tied = tied(self.stages)
             self.shared = shared(self.stages)
-            self._place(*self._grid())
+            ranks, devices = self._grid()
+            self.sliced = self._slice_plan()
+            self._place(ranks, devices)
             held = sum(nbytes(v) or 0 for r in self.replicas for v in r.trainable)
             whole = sum(nbytes(v) or 0 for v in model.trainable_variables)
             log.info(
@@ -165,7 +172,52 @@ class PipelineRunner(SyncRunner):
 
     def _home_key(self) -> tuple:
         options = self.options
-        return (options.cut_before, options.chunks_per_device, self.placement)
+        return (options.cut_before, options.chunks_per_device, self.placement, self.shard)
+
+    def _slice_plan(self) -> set[int]:
+        """The trainable weights (by position) whose optimizer state, and under zero3 the
+        weight itself, each stage replica keeps a flat 1/D slice of, D the pipelines: all
+        under shard_optimizer but embedding tables (their looked-up rows arrive as sparse
+        rows, which Keras's optimizer updates as rows) and empty weights."""
+        if self.shard is None:
+            return set()
+        optimizer, model = self.model.optimizer, self.model
+        if not isinstance(optimizer, updates.ELEMENTWISE):
+            raise FitError(
+                f"{type(optimizer).__name__} reads a whole variable's gradient in its update "
+                "(LAMB's trust ratio, Adafactor's factored moments), so a stage's slice of a "
+                "weight cannot be updated alone. Use an elementwise optimizer (SGD, Adam, "
+                "AdamW, RMSprop, ...) or drop shard_optimizer. Received: "
+                f"shard_optimizer={self.shard!r} with {type(optimizer).__name__}"
+            )
+        if optimizer.clipnorm is not None:
+            raise FitError(
+                "Under shard_optimizer a stage replica updates a slice of each weight, so a "
+                "whole weight's norm (clipnorm) is not known where it is updated. Use "
+                f"clipvalue, or no clipping. Received: clipnorm={optimizer.clipnorm}"
+            )
+        if self.pipelines == 1:
+            log.info(
+                "shard_optimizer=%r: one pipeline, so each stage's state has no replicas to "
+                "shard over; the stages keep it whole.", self.shard,
+            )  # fmt: skip
+            return set()
+        tables = {id(layer.embeddings) for layer in compat.all_layers(model)
+                  if isinstance(layer, keras.layers.Embedding)}  # fmt: skip
+        weights = model.trainable_variables
+        sliced = {i for i, v in enumerate(weights)
+                  if id(v) not in tables and (v.shape.num_elements() or 0) > 0}  # fmt: skip
+        kept = [weights[i].path for i in range(len(weights)) if i not in sliced]
+        log.info(
+            "shard_optimizer=%r: each stage's %s sharded over its %d pipelines%s.",
+            self.shard,
+            "weights, gradients and optimizer state" if self.shard == "zero3"
+            else "optimizer state" + (" and gradients" if self.shard == "zero2" else ""),
+            self.pipelines,
+            f"; kept whole (embedding tables, their gradients sparse rows): {', '.join(kept)}"
+            if kept else "",
+        )  # fmt: skip
+        return sliced
 
     def _grid(self) -> tuple[list[int], dict[int, str]]:
         """Sets the pipelines and the devices each takes; returns this process's ranks
@@ -219,6 +271,8 @@ class PipelineRunner(SyncRunner):
         trainable = self.model.trainable_variables
         non_trainable = self.model.non_trainable_variables
 
+        sliced, zero3 = self.sliced, self.shard == "zero3"
+
         def make():
             made = []
             for rank in ranks:
@@ -226,10 +280,20 @@ class PipelineRunner(SyncRunner):
                 stage, device = stages[index], devices[rank]
                 with tf.device(device):
                     # Named as the model's own (its path's '/' as '_'), so the optimizer
-                    # copy's slots are named as the user's optimizer's for the same weight.
-                    copies = [_copy(trainable[i]) for i in stage.trainable]
+                    # copy's slots are named as the user's optimizer's for the same weight
+                    # (a slice too: its slots are the slices of the user's).
+                    slices = [
+                        _copy(trainable[i], piece=(pipeline, self.pipelines))
+                        if i in sliced
+                        else None
+                        for i in stage.trainable
+                    ]
+                    copies = [
+                        piece if zero3 and piece is not None else _copy(trainable[i])
+                        for i, piece in zip(stage.trainable, slices, strict=True)
+                    ]
                     statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
-                made.append(StageReplica(stage, pipeline, device, copies, statistics, None))
+                made.append(StageReplica(stage, pipeline, device, copies, statistics, None, slices))
             return made
 
         self.replicas = updates.outside_strategy(make)
@@ -254,7 +318,7 @@ class PipelineRunner(SyncRunner):
         def build_optimizers():
             for r in self.replicas:
                 with tf.device(r.device):
-                    r.optimizer = updates.optimizer_copy(user, r.trainable)
+                    r.optimizer = updates.optimizer_copy(user, r.updated)
 
         updates.outside_strategy(build_optimizers)
         home.take_slots(self.model, fresh={id(v) for v in empty})
@@ -455,10 +519,12 @@ def _buckets(variables: list, limit: int) -> list[list[int]]:
     return [b for b in out if b]
 
 
-def _copy(variable) -> keras.Variable:
-    """A plain variable shaped as `variable` (its value is loaded before training)."""
+def _copy(variable, piece: tuple[int, int] | None = None) -> keras.Variable:
+    """A plain variable shaped as `variable`, or given `piece` (k, n) as its k-th flat slice
+    of n (see pipeline_home.slice_size); its value is loaded before training."""
+    shape = variable.shape if piece is None else (slice_size(variable.shape, piece[1]),)
     return keras.Variable(
-        np.zeros(variable.shape, variable.dtype),
+        np.zeros(shape, variable.dtype),
         dtype=variable.dtype,
         trainable=variable.trainable,
         name=variable.path.replace("/", "_"),

@@ -17,7 +17,7 @@ import tensorflow as tf
 
 from tfdist.parallel import updates
 from tfdist.parallel.executor import Executor, StageInput, StepOptions
-from tfdist.parallel.pipeline_home import StageReplica
+from tfdist.parallel.pipeline_home import StageReplica, flat_slice, joined, piece_of, slice_size
 from tfdist.parallel.schedules import schedule
 from tfdist.parallel.stage_links import StageLinks
 from tfdist.training import sparse_rows
@@ -90,7 +90,8 @@ class StepProgram:
         for key in keys:
             r = self.local[key]
             with tf.device(r.device):
-                values += [tf.identity(v.value) for v in [*r.trainable, *r.non_trainable]]
+                values += [self._whole(r, j) for j in range(len(r.trainable))]
+                values += [tf.identity(v.value) for v in r.non_trainable]
         if self._passes is None:
             # Without tf.function's ordering of stateful ops in program order: its chain of
             # the passes' timestamps (stateful, no resource) would make every pass wait for
@@ -107,9 +108,11 @@ class StepProgram:
         for key in keys:
             r = self.local[key]
             grads = []
-            for variable, sparse in zip(r.trainable, self.sparse[key], strict=True):
+            weights = [self.model.trainable_variables[i] for i in r.stage.trainable]
+            for variable, sparse in zip(weights, self.sparse[key], strict=True):
                 if sparse:
-                    # A tensor: Keras's sparse ops (RMSprop's divide) read its dtype.
+                    # A tensor: Keras's sparse ops (RMSprop's divide) read its dtype. The
+                    # weight's whole shape (under zero3 the replica holds a slice).
                     shape = tf.constant(np.asarray(variable.shape, np.int64))
                     grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], shape))
                     at += 2
@@ -129,6 +132,29 @@ class StepProgram:
             state = [tf.identity(s) for s in state]
         times = {f"{p}_{s}": results[p, s].times for p, s in keys}
         return state, times
+
+    def _whole(self, r: StageReplica, j: int) -> tf.Tensor:
+        """Replica `r`'s j-th weight for this step's passes: under zero3, a sliced weight
+        gathered from the slices of its stage's replicas (one per pipeline)."""
+        weight = r.trainable[j]
+        if self.runner.shard != "zero3" or r.slices[j] is None:
+            return tf.identity(weight.value)
+        return self._gathered(r, j)
+
+    def _gathered(self, r: StageReplica, j: int) -> tf.Tensor:
+        """Replica `r`'s j-th weight put together from its stage's replicas' slices of it:
+        copies between this process's devices, or the stage's ring between processes."""
+        runner = self.runner
+        shape = self.model.trainable_variables[r.stage.trainable[j]].shape
+        count = runner.pipelines
+        if runner.processes > 1:
+            size = slice_size(shape, count)
+            bounds = [(k * size, (k + 1) * size) for k in range(count)]
+            ring = runner._rings[r.stage.index]
+            return joined([ring.all_gather(r.slices[j].value, bounds)], shape)
+        holder = {piece_of(q, count): q for q in range(count)}
+        pieces = [self.local[holder[k], r.stage.index].slices[j].value for k in range(count)]
+        return joined(pieces, shape)
 
     def _all_passes(self, structure, batch_length: int, keys, args) -> list[tf.Tensor]:
         """Every pass of this process's stage replicas, in the schedule's order per stage.
@@ -187,36 +213,70 @@ class StepProgram:
                 grads = self._summed_between_processes(r, result.grads)
             else:  # every replica of every stage is on a device here
                 with tf.device(r.device):
-                    grads = [
-                        functools.reduce(
-                            updates.added,
-                            [
-                                results[q, s].grads[runner.stages[s].trainable.index(i)]
-                                for q in range(pipelines)
-                                for s in runner.tied.get(i, (index,))
-                            ],
-                        )
-                        for i in r.stage.trainable
-                    ]
+                    grads = [self._summed_here(results, r, i, index) for i in r.stage.trainable]
             if count is not None:
                 grads = [_scaled(g, 1.0 / count) for g in grads]
             elif pipelines > 1:
                 grads = [_scaled(g, 1.0 / pipelines) for g in grads]
             with tf.device(r.device):
-                done.append(_apply(r.optimizer, grads, r.trainable, step, learning_rate))
+                done.append(_apply(r.optimizer, grads, r.updated, step, learning_rate))
                 for variable, value in zip(r.non_trainable, result.statistics, strict=True):
                     variable.assign(value)
+        if runner.shard in ("zero1", "zero2"):
+            with tf.control_dependencies(done):
+                done += self._gathered_back()
         with tf.control_dependencies(done):
             done.append(user.iterations.assign_add(1))
         return done
+
+    def _summed_here(self, results, r: StageReplica, i: int, index: int):
+        """Weight `i`'s gradient for replica `r` (of stage `index`), in one process: summed
+        over the pipelines and the stages holding it. Under shard_optimizer, the replica's
+        slice of that sum: zero2 and zero3 sum only their slices of each gradient (the
+        reduce-scatter's sums), zero1 slices the whole sum (the all-reduce's); the same
+        numbers either way."""
+        runner = self.runner
+        grads = [
+            results[q, s].grads[runner.stages[s].trainable.index(i)]
+            for q in range(runner.pipelines)
+            for s in runner.tied.get(i, (index,))
+        ]
+        if i not in runner.sliced:
+            return functools.reduce(updates.added, grads)
+        pieces, k = runner.pipelines, piece_of(r.pipeline, runner.pipelines)
+        shape = self.model.trainable_variables[i].shape
+        if runner.shard == "zero1":
+            return flat_slice(functools.reduce(updates.added, grads), pieces, k, shape)
+        return functools.reduce(updates.added, [flat_slice(g, pieces, k, shape) for g in grads])
+
+    def _gathered_back(self) -> list:
+        """zero1 and zero2: each replica's whole weights again, from the updated slices of
+        its stage's replicas (the all-gather)."""
+        written = []
+        for r in self.local.values():
+            for j, variable in enumerate(r.trainable):
+                if r.slices[j] is not None:
+                    with tf.device(r.device):
+                        written.append(variable.assign(self._gathered(r, j)))
+        return written
 
     def _summed_between_processes(self, r: StageReplica, grads: list) -> list:
         """`grads` summed over the pipelines' replicas of this stage (a ring per stage), and
         a shared weight's over every replica of the stages that hold it (a ring per set of
         holders). Rows looked up by the batch travel as rows (one device's tape keeps each
-        lookup's row apart, and Adam squares each apart); other gradients travel dense."""
+        lookup's row apart, and Adam squares each apart); other gradients travel dense.
+        Under shard_optimizer a sliced weight's gradient comes back as this replica's slice
+        of the sum: zero2 and zero3 reduce-scatter it over the stage's ring (a tied weight's,
+        and zero1's, is sliced from the whole sum)."""
         runner = self.runner
         out = list(grads)
+        count = runner.pipelines
+        piece = piece_of(r.pipeline, count)
+        scatter = {
+            j for j, i in enumerate(r.stage.trainable)
+            if i in runner.sliced and runner.shard != "zero1" and i not in runner.tied
+        }  # fmt: skip
+        scattered: set[int] = set()  # came back from the ring as this replica's slice
         # holders -> positions in `grads`, in the model's order of the weights: every member
         # of a ring passes the same weights in the same order (stages may list shared weights
         # in orders of their own)
@@ -228,13 +288,26 @@ class StepProgram:
                 continue
             ring = runner._rings[holders or r.stage.index]
             rows = [j for j in positions if self._as_rows(r.stage.trainable[j], grads[j])]
-            dense = [j for j in positions if j not in rows]
+            dense = [j for j in positions if j not in rows and j not in scatter]
             if dense:
                 summed = ring.all_reduce_many([tf.convert_to_tensor(grads[j]) for j in dense])
                 for j, g in zip(dense, summed, strict=True):
                     out[j] = g
             for j in rows:
                 out[j] = ring.all_gather_rows(_as_slices(grads[j]))
+            for j in sorted(scatter.intersection(positions) - set(rows)):
+                shape = self.model.trainable_variables[r.stage.trainable[j]].shape
+                size = slice_size(shape, count)
+                flat = tf.reshape(tf.convert_to_tensor(grads[j]), [-1])
+                flat = tf.pad(flat, [[0, size * count - int(np.prod(shape))]])
+                out[j] = ring.reduce_scatter(
+                    flat, [(k * size, (k + 1) * size) for k in range(count)]
+                )
+                scattered.add(j)
+        for j, i in enumerate(r.stage.trainable):
+            if i in runner.sliced and j not in scattered:
+                shape = self.model.trainable_variables[i].shape
+                out[j] = flat_slice(out[j], count, piece, shape)
         return out
 
     def _as_rows(self, i: int, g) -> bool:

@@ -422,9 +422,11 @@ MODES: tuple[Mode, ...] = (
     Mode(
         keyword="pipeline",
         summary="a tfdist.parallel.Pipeline: the model cut into stages over the replicas, "
-        "trained in micro-batches (GPipe or 1F1B); see tfdist.parallel.pipeline",
+        "trained in micro-batches (GPipe or 1F1B; with shard_optimizer, each stage's state "
+        "sharded over its pipelines); see tfdist.parallel.pipeline",
         value=RunnerFactoryValue("a tfdist.parallel.Pipeline(cut_before=[...], ...)"),
         flag=False,
+        takes=("shard_optimizer", "offload"),
     ),
 )
 
@@ -472,12 +474,25 @@ def problems(options: Mapping[str, Any]) -> list[str]:
 
 def runner_factory_of(options: Mapping[str, Any]) -> Any:
     """The runner factory `options` name (the pipeline), or None."""
-    factories = [
-        options[m.keyword]
-        for m in MODES
-        if isinstance(m.value, RunnerFactoryValue) and options.get(m.keyword) is not None
-    ]
-    return factories[0] if factories else None
+    entry = _factory_mode(options)
+    return None if entry is None else options[entry.keyword]
+
+
+def factory_settings(options: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings the runner factory `options` name takes over from their own modes
+    (a pipeline shards its stages' state itself under shard_optimizer): those turned on,
+    as keyword arguments of its `runner`."""
+    entry = _factory_mode(options)
+    if entry is None:
+        return {}
+    return {k: options[k] for k in entry.takes if mode(k).is_on(options.get(k, mode(k).default))}
+
+
+def _factory_mode(options: Mapping[str, Any]) -> Mode | None:
+    for m in MODES:
+        if isinstance(m.value, RunnerFactoryValue) and options.get(m.keyword) is not None:
+            return m
+    return None
 
 
 def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> list[Any]:
@@ -489,8 +504,10 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
     kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {}) if model is not None else {}
     optimizer = id(getattr(model, "optimizer", None))  # a recompiled model starts afresh
     used, made = set(), {}  # made: kept only once this fit's chain is allowed
+    factory = _factory_mode(options)
+    taken = set(factory.takes) if factory is not None else set()  # the runner's own
     for order, m in enumerate(MODES):
-        if m.place is None or (m.keyword is None and model is None):
+        if m.place is None or (m.keyword is None and model is None) or m.keyword in taken:
             continue
         value = options.get(m.keyword, m.default) if m.keyword else None
         if not m.is_on(value):
@@ -589,6 +606,7 @@ __all__ = [
     "Switch",
     "Whole",
     "chain",
+    "factory_settings",
     "fill_docstring",
     "flagged",
     "keywords",

@@ -25,6 +25,20 @@ from tfdist.errors import FitError, TfdistError
 from tfdist.strategies import ReplicaPlacement
 from tfdist.training import shards, sparse_rows
 
+# Optimizers whose update of each weight reads only that weight's gradient and slots (and
+# scalar hyperparameters): any contiguous range of the packed weights can be updated alone.
+ELEMENTWISE = (
+    keras.optimizers.SGD,
+    keras.optimizers.Adam,
+    keras.optimizers.AdamW,
+    keras.optimizers.Adamax,
+    keras.optimizers.RMSprop,
+    keras.optimizers.Adagrad,
+    keras.optimizers.Adadelta,
+    keras.optimizers.Ftrl,
+    keras.optimizers.Lion,
+)
+
 
 def outside_strategy(build: Callable):
     """Runs `build` in a thread of its own, where no strategy's scope is entered (scopes are

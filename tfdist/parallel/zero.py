@@ -74,20 +74,6 @@ PARTITIONS = ("auto", "flat", "variables")
 # block per ring (compile's optimizer's, then each optimizer a train_step applies itself).
 _RING_KEYS = 1000
 
-# Optimizers whose update of each weight reads only that weight's gradient and slots (and
-# scalar hyperparameters): any contiguous range of the packed weights can be updated alone.
-_ELEMENTWISE = (
-    keras.optimizers.SGD,
-    keras.optimizers.Adam,
-    keras.optimizers.AdamW,
-    keras.optimizers.Adamax,
-    keras.optimizers.RMSprop,
-    keras.optimizers.Adagrad,
-    keras.optimizers.Adadelta,
-    keras.optimizers.Ftrl,
-    keras.optimizers.Lion,
-)
-
 
 class ShardingError(FitError):
     """A sharded update was asked for where it cannot work as asked."""
@@ -385,7 +371,7 @@ class ShardedUpdate(StepHook):
             )
 
     def _partitions(self, optimizer, shapes, ranks: int) -> list[Partition]:
-        elementwise = isinstance(optimizer, _ELEMENTWISE)
+        elementwise = isinstance(optimizer, updates.ELEMENTWISE)
         choice = self.partition_choice
         if choice == "flat" and not elementwise:
             raise ShardingError(

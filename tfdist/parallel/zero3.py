@@ -66,7 +66,6 @@ from tfdist import compat
 from tfdist.parallel import host, saved_state, units, updates
 from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.parallel.zero import (
-    _ELEMENTWISE,
     ShardedUpdate,
     ShardingError,
     _WholeSlots,
@@ -579,7 +578,7 @@ def _check_unchanged(grad, mine: list, i: int, hook: ShardedParameters) -> None:
 
 def _check_optimizer(optimizer) -> None:
     updates.check_copyable(optimizer, who=f"{NAME}'s slices", error=ShardingError)
-    if not isinstance(optimizer, _ELEMENTWISE):
+    if not isinstance(optimizer, updates.ELEMENTWISE):
         raise ShardingError(
             f"{NAME} cuts each weight into N equal flat slices, so its optimizer must update "
             "each element from its own gradient and slots; "

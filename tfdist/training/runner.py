@@ -351,7 +351,8 @@ class Runner(abc.ABC):
 @runtime_checkable
 class RunnerFactory(Protocol):
     """A layout that replaces the runner (tfdist.parallel.Pipeline): `tfdist.fit(...,
-    pipeline=factory)` trains with `factory.runner(model, strategy)`."""
+    pipeline=factory)` trains with `factory.runner(model, strategy)`; the modes its registry
+    entry takes over (a pipeline's shard_optimizer), where on, come as keyword arguments."""
 
     def runner(self, model: keras.Model, strategy: tf.distribute.Strategy) -> Runner:
         """The runner that trains `model` under `strategy` (not yet built)."""

@@ -40,13 +40,19 @@ def runner_class(strategy: tf.distribute.Strategy | str) -> type[Runner]:
 
 
 def runner_for(
-    model: keras.Model, strategy: tf.distribute.Strategy, *, layout: RunnerFactory | None = None
+    model: keras.Model,
+    strategy: tf.distribute.Strategy,
+    *,
+    layout: RunnerFactory | None = None,
+    settings: dict[str, Any] | None = None,
 ) -> Runner:
     """The runner that trains `model` under `strategy` (not yet built).
 
     Args:
       layout: None (the strategy's kind decides), or a RunnerFactory whose `runner(model,
         strategy)` makes a runner of its own (tfdist.parallel.Pipeline).
+      settings: the modes the layout takes over (registry.factory_settings: a pipeline's
+        shard_optimizer), passed to its `runner` as keyword arguments.
     """
     if layout is not None:
         if not isinstance(layout, RunnerFactory):
@@ -54,7 +60,7 @@ def runner_for(
                 "A layout makes the runner that trains: an object with a runner(model, "
                 f"strategy) method. Received: {type(layout).__name__}"
             )
-        return layout.runner(model, strategy)
+        return layout.runner(model, strategy, **(settings or {}))
     return runner_class(strategy)(model, strategy)
 
 
