@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import linecache
 import os
 import socket
 import subprocess
@@ -204,7 +205,7 @@ def pytest_configure(config):
 
 _LAUNCHES = {
     "launches": 0, "processes": 0, "tensorflow": 0, "forked": 0, "by_test": {},
-    "gc_seconds": 0.0, "gc_full": 0, "gc_full_seconds": 0.0, "first_start": None, "last_end": None,
+    "gc_seconds": 0.0, "gc_full": 0, "gc_full_seconds": 0.0, "gc_full_by_site": {}, "first_start": None, "last_end": None,
 }  # fmt: skip
 # Modules whose processes run TensorFlow: the training binaries and the tests' worker scripts
 # (the launcher's own tests start plain Python tasks, which the fast tier may).
@@ -258,6 +259,7 @@ def pytest_runtest_protocol(item, nextitem):
     now = time.time()
     if _LAUNCHES["first_start"] is None:
         _LAUNCHES["first_start"] = now
+    _freeze_survivors()
     yield
     _LAUNCHES["last_end"] = time.time()
 
@@ -266,16 +268,21 @@ def _time_the_collector() -> None:
     """Sums the time Python's garbage collector takes in this pytest process: a full
     collection walks every object the session holds (TensorFlow's alone are 400,000)."""
     started = [0.0]
+    site = [""]
 
     def timed(phase: str, info: dict) -> None:
         if phase == "start":
             started[0] = time.perf_counter()
+            if info["generation"] == 2:
+                site[0] = _collecting_site()
             return
         took = time.perf_counter() - started[0]
         _LAUNCHES["gc_seconds"] += took
         if info["generation"] == 2:
             _LAUNCHES["gc_full"] += 1
             _LAUNCHES["gc_full_seconds"] += took
+            by_site = _LAUNCHES["gc_full_by_site"]
+            by_site[site[0]] = by_site.get(site[0], 0.0) + took
 
     gc.callbacks.append(timed)
     # A pytest process holds every test's traced functions and models until they go, millions
@@ -284,6 +291,41 @@ def _time_the_collector() -> None:
     # after 100 leaves each test's own cycles to the young generations, where they are freed.
     young, middle, _ = gc.get_threshold()
     gc.set_threshold(young, middle, 100)
+
+
+# A full collection walks every object the collector tracks: in a pytest process late in a
+# run, millions (the traced functions and models of module fixtures, Keras's and TensorFlow's
+# caches), a second or more each, and the layouts make one wherever a dropped copy may sit in
+# a cycle (host.Dropped). So between tests, at most once this often, everything alive is
+# collected once and frozen out of the collector (gc.freeze, as Python's documentation
+# advises before a fork): the collections a test makes walk only what it made since. What
+# was frozen and dies in a cycle later waits for the next refreeze.
+_REFREEZE_SECONDS = 120.0
+_FROZEN_AT = [float("-inf")]
+
+
+def _freeze_survivors() -> None:
+    if time.monotonic() - _FROZEN_AT[0] >= _REFREEZE_SECONDS:
+        collect_everything()
+
+
+def collect_everything() -> None:
+    """A full collection of everything, frozen objects too, the survivors frozen again: for
+    a test that counts what is alive (tests/test_memory.py)."""
+    gc.unfreeze()
+    gc.collect()
+    gc.freeze()
+    _FROZEN_AT[0] = time.monotonic()
+
+
+def _collecting_site() -> str:
+    """Where a full collection was asked for: the file and line of the gc.collect() call, or
+    'automatic' when an allocation set it off."""
+    frame = sys._getframe(2)  # past this function and the callback: who was running
+    line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+    if "collect(" in line:
+        return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
+    return "automatic"
 
 
 def pytest_sessionfinish(session):
@@ -311,6 +353,15 @@ def pytest_terminal_summary(terminalreporter, config):
         f"{sum(c.get('gc_full', 0) for c in counts)} full collections "
         f"({sum(c.get('gc_full_seconds', 0.0) for c in counts):.0f} s of it)"
     )
+    sites: dict[str, float] = {}
+    for count in counts:
+        for where, seconds in count.get("gc_full_by_site", {}).items():
+            sites[where] = sites.get(where, 0.0) + seconds
+    if sites:
+        terminalreporter.write_line(
+            "  full collections by where they were asked for: "
+            + ", ".join(f"{w} {t:.0f} s" for w, t in sorted(sites.items(), key=lambda x: -x[1])[:6])
+        )
     ends = sorted(c["last_end"] for c in counts if c.get("last_end"))
     if len(ends) > 1:
         terminalreporter.write_line(

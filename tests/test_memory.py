@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import tfdist
+from tests.conftest import collect_everything
 from tfdist.parallel import tensor_parallel
 from tfdist.training.memory import device_name, variable_bytes
 
@@ -29,8 +30,9 @@ TOLERANCE = 0.05
 @pytest.fixture(autouse=True)
 def _earlier_tests_variables_freed():
     """Frees what earlier tests in this process left for the garbage collector (a model's
-    variables in a reference cycle), so none is freed during a count and taken off it."""
-    gc.collect()
+    variables in a reference cycle), frozen ones too (the harness freezes what survives
+    between tests: tests/conftest.py), so none is freed during a count and taken off it."""
+    collect_everything()
 
 
 def mirrored(devices: int):

@@ -44,12 +44,16 @@ def device_name(device: str) -> str:
 def live_variables() -> Iterable[tf.Variable]:
     """Every tf.Variable alive in this process that holds its own memory: the copies of a
     distributed variable, not the variable that stands for them. Objects frozen out of the
-    collector (gc.freeze: a forking server's imports, say) are walked too, and stay frozen."""
+    collector (gc.freeze: a forking server's imports, say) are walked too, and stay frozen;
+    the collection made first to drop dead ones collects only the others (a frozen variable
+    that died in a reference cycle since it was frozen still counts), so that a process
+    that froze what it holds is not walked whole by the collector at each count."""
+    gc.collect()
     frozen = gc.get_freeze_count() > 0
     if frozen:
         gc.unfreeze()  # gc.get_objects() lists no frozen object
     try:
-        return _variables_among_unfrozen()
+        return _variables_among(gc.get_objects())
     finally:
         if frozen:
             gc.freeze()
@@ -57,9 +61,13 @@ def live_variables() -> Iterable[tf.Variable]:
 
 def _variables_among_unfrozen() -> list[tf.Variable]:
     gc.collect()
+    return _variables_among(gc.get_objects())
+
+
+def _variables_among(objects) -> list[tf.Variable]:
     seen: set[int] = set()
     found = []
-    for obj in gc.get_objects():
+    for obj in objects:
         if not isinstance(obj, tf.Variable) or id(obj) in seen:
             continue
         seen.add(id(obj))
@@ -166,10 +174,13 @@ class DeviceBytes(keras.callbacks.Callback):
 
 
 def _thaw(refreeze: bool) -> None:
-    gc.unfreeze()
+    """Undoes on_train_begin's freeze. Where the collector was frozen before (a forking
+    server's imports), it stays frozen: what was alive when fit began stays so, and what fit
+    left behind is collected (none of it was frozen) and the rest left to the collector."""
     if refreeze:
-        gc.collect()  # what fit left behind is not frozen for good
-        gc.freeze()
+        gc.collect()
+    else:
+        gc.unfreeze()
 
 
 __all__ = ["DeviceBytes", "device_name", "live_variables", "nbytes", "variable_bytes"]
