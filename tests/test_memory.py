@@ -229,7 +229,7 @@ def test_counts_see_variables_made_before_and_during_fit_and_leave_the_collector
     only what fit made, plus the variables alive then: the peak is the model and Adam's
     slots, as a full count says; a fit that raises thaws the collector when the callback
     goes, and a clean one when it ends. A collector frozen before (a forking server's
-    imports) is frozen again, and its variables are counted."""
+    imports, this harness's survivors) stays frozen, and its variables are counted."""
     gc.collect()
     frozen_before = gc.get_freeze_count() > 0  # the harness may freeze its own
     record = tfdist.DeviceBytes()
