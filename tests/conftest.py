@@ -299,8 +299,9 @@ def _time_the_collector() -> None:
 # a cycle (host.Dropped). So between tests, at most once this often, everything alive is
 # collected once and frozen out of the collector (gc.freeze, as Python's documentation
 # advises before a fork): the collections a test makes walk only what it made since. What
-# was frozen and dies in a cycle later waits for the next refreeze.
-_REFREEZE_SECONDS = 120.0
+# was frozen and dies in a cycle later waits for the next refreeze. A refreeze late in a
+# whole run costs about 3 s itself (135 s over a run at 120 s apart: hence 300).
+_REFREEZE_SECONDS = 300.0
 _FROZEN_AT = [float("-inf")]
 
 

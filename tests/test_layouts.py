@@ -159,6 +159,7 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
         got = tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer=first,
                          callbacks=[record])  # fmt: skip
     assert f"shard_optimizer={first!r}: each stage's" in caplog.text
+    assert f"in 2 micro-batch(es) of 8 (1f1b, {first}; mirrored)" in caplog.text
     again = tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer=then)
     assert [got.history["loss"][0], again.history["loss"][0]] == pytest.approx(losses, abs=1e-5)
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)

@@ -167,7 +167,8 @@ class PipelineRunner(SyncRunner):
             f"Global batch {global_batch} = {self.pipelines} pipeline(s) x {per} per pipeline, "
             f"each of {stages} stages over {self.devices_per_pipeline} device(s) in "
             f"{options.micro_batches} micro-batch(es) of {per // options.micro_batches} "
-            f"({options.schedule}; {strategy_kind(self.strategy)})"
+            f"({options.schedule}{', ' + self.shard if self.shard else ''}; "
+            f"{strategy_kind(self.strategy)})"
         )
 
     def _home_key(self) -> tuple:
