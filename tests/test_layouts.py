@@ -188,7 +188,8 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
 
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
-    """Offload, and an optimizer whose update reads a whole weight, each in one line before
+    """Offload, an optimizer whose update reads a whole weight, and a model split by a
+    layout map (tensor parallelism inside stages: not built), each in one line before
     anything trains."""
     strategy = mirrored()
     pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
@@ -202,6 +203,11 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
         model.compile(keras.optimizers.Lamb(), "sparse_categorical_crossentropy")
     with pytest.raises(FitError, match="Lamb reads a whole variable's gradient"):
         tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer="zero2")
+    with tfdist.host_scope(strategy):
+        model = mlp()
+    tensor_parallel(model, layout_map=mlp_layout())
+    with pytest.raises(FitError, match="tensor-parallel layers inside its stages are not built"):
+        tfdist.fit(model, data(), verbose=0, pipeline=pipeline)
 
 
 # --- keras-hub's Llama -------------------------------------------------------------------------

@@ -98,9 +98,10 @@ class PipelineRunner(SyncRunner):
         if step_hooks:
             raise FitError(
                 "A pipeline takes no step hooks: its micro-batches already accumulate "
-                "gradients (drop accumulate_steps), and shard_optimizer shards each stage's "
-                "state over its pipelines. "
-                f"Received: {', '.join(h.name for h in step_hooks)}"
+                "gradients (drop accumulate_steps; shard_optimizer shards each stage's state "
+                "over its pipelines), and a model's tensor-parallel layers inside its stages "
+                "are not built yet (train a split model without pipeline=, or the unsplit "
+                f"model with it). Received: {', '.join(h.name for h in step_hooks)}"
             )
         if custom_train_step(model):
             raise FitError(
