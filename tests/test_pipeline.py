@@ -508,7 +508,8 @@ def test_a_pipeline_s_stages_sharded_across_processes_train_the_weights_keras_tr
     reference, run, four_processes
 ):
     """2 pipelines x 2 stages on 4 processes, each stage's state sharded over its 2
-    replicas' processes (zero2: slots and gradients, reduce-scattered over the stage's ring;
+    replicas' processes (zero1: the slots; zero2: and the gradients, reduce-scattered over
+    the stage's ring;
     zero3: the weights too, gathered each step): Keras's weights on one device. zero3's run
     also evaluates (each weight read as its slices, from the processes that hold them) and
     its StepCheckpoint holds every weight and slot whole, in the shards."""

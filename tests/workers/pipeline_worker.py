@@ -9,7 +9,7 @@ schedule with M = 1 and 4, once under mixed_bfloat16 (activations cross the proc
 bfloat16), and keras-hub's Gemma causal LM cut inside its backbone (its tied embedding held
 by the first and the last stage), and its Mistral (untied tables: each stage's token rows
 gathered as rows over its 2 pipelines); then the 2 x 2 MLP with its stages sharded
-(SHARDED: zero2, and zero3 with validation and a StepCheckpoint). It writes the weights and history to
+(SHARDED: zero1, zero2, and zero3 with validation and a StepCheckpoint). It writes the weights and history to
 OUT/<run>/<task>.{npz,json} for tests/test_pipeline.py to compare.
 """
 
@@ -41,7 +41,7 @@ RUNS = [
 
 # Then the 2 x 2 MLP with each stage's state sharded over its 2 pipelines (shard_optimizer);
 # zero3's run also evaluates and checkpoints, as EVALUATED does (its weights are slices).
-SHARDED = [("mlp", 2, "1f1b", 2, None, "zero2"), ("mlp", 2, "1f1b", 2, None, "zero3")]
+SHARDED = [("mlp", 2, "1f1b", 2, None, shard) for shard in ("zero1", "zero2", "zero3")]
 
 
 def run_name(model: str, stages: int, schedule: str, micro_batches: int, policy, shard=None) -> str:
