@@ -322,7 +322,9 @@ def collect_everything() -> None:
 def _collecting_site() -> str:
     """Where a full collection was asked for: the file and line of the gc.collect() call, or
     'automatic' when an allocation set it off."""
-    frame = sys._getframe(2)  # past this function and the callback: who was running
+    frame = sys._getframe(1).f_back  # past the callback: who was running (if anyone was)
+    if frame is None:
+        return "automatic"
     line = linecache.getline(frame.f_code.co_filename, frame.f_lineno)
     if "collect(" in line:
         return f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
