@@ -365,7 +365,7 @@ def test_a_killed_shard_or_stage_is_one_line_and_the_restart_equals_the_uninterr
     )  # fmt: skip
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
-    assert "[launch] worker:1 was killed by SIGKILL" in output
+    assert "[launch] worker:1 was killed by SIGKILL" in output, output[-6000:]
     lines = [line for line in output.splitlines() if line.startswith("[worker:0] error:")]
     assert len(lines) == 1 and "Lost worker:1" in lines[0], output[-4000:]
     assert "resumes from" in lines[0] and lines[0].count("ckpt-10") == 1, lines[0]
