@@ -371,6 +371,36 @@ def test_parameter_server_run_ends_when_the_chief_finishes(tmp_path):
     assert_all_gone(recorded_pids(tmp_path))
 
 
+def test_a_worker_killed_as_its_peer_reports_it_is_named_as_the_cause(tmp_path):
+    """worker:0 exits 1 (as a survivor reports its lost peer) and worker:1, killed first,
+    is still exiting when the launcher looks: worker:1's SIGKILL is the cause, not worker:0's
+    exit (a fault loop saw the killed worker's line missing, its exit coming from the
+    preload server after the survivor's). Here worker:1 dies 0.3 s after the launcher looks."""
+    command = task_command(tmp_path, 2, {"worker-0": "exit:1:1", "worker-1": "sleep"})
+    launcher = subprocess.Popen(
+        launch_argv("--workers", "2", "--grace", "1", command=command),
+        cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        pids = wait_for_pids(tmp_path, 2)
+        os.kill(launcher.pid, signal.SIGSTOP)
+        wait_until_ended(pids["worker-0.0"])  # the survivor's report ends it...
+        os.kill(launcher.pid, signal.SIGCONT)
+        time.sleep(0.3)
+        os.kill(pids["worker-1.0"], signal.SIGKILL)  # ...before the killed peer's end is seen
+        stdout, stderr = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.communicate()
+    assert "[launch] worker:1 was killed by SIGKILL; stopping the other tasks" in stdout, (
+        stdout + stderr
+    )
+    assert "worker:0 failed with exit code 1; stopping" not in stdout, stdout
+    assert launcher.returncode == 137, stdout
+    assert_all_gone(recorded_pids(tmp_path))
+
+
 def test_a_dead_ps_seen_with_the_chief_s_exit_is_named_as_the_cause(tmp_path):
     """The chief reports a lost ps and exits; the ps is the cause, not the chief (the launcher
     had said the chief failed and the ps was 'stopped'), also when the killed ps is still

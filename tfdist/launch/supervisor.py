@@ -38,9 +38,9 @@ EXIT_TIMEOUT = 124  # what coreutils `timeout` returns, so scripts can tell the 
 EXIT_NO_EXEC, EXIT_NOT_FOUND = 126, 127  # the shell's codes for a command it cannot run / find
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _POLL_SECONDS = 0.1
-# A failed chief seen, the launcher watches the ps this long before naming the cause: a ps
-# killed first can still be exiting (a loaded machine schedules it late) when the chief's
-# report of it has already ended the chief.
+# A chief or worker failed by itself, the launcher watches the other tasks this long before
+# naming the cause: a ps or peer killed first can still be exiting (a loaded machine
+# schedules it late) when the report of it has already ended the reporter.
 _SETTLE_SECONDS = 1.0
 # A task may leave a daemon holding its output pipe open; wait this long for it, not forever.
 _DRAIN_SECONDS = 5.0
@@ -401,12 +401,13 @@ class Launcher:
         exited: set[Task] = set()
         while not self._signals:
             ended = self._ended(exited)
-            if any(t.type == "chief" and self._procs[t].returncode != 0 for t in ended):
+            if any(self._failed_by_itself(t) for t in ended):
                 ended = self._settled(exited, ended)
-            # A dead ps is the cause of what ends with it (the chief reports the lost ps and
-            # exits): seen in the same round, the ps is told first, or the chief's exit
-            # would be blamed and the ps said to be stopped.
-            ended.sort(key=lambda t: t.type != "ps")
+            # A dead ps, or a task killed by a signal, is the cause of what ends with it (the
+            # chief reports the lost ps, a worker its lost peer, and exits): seen in the same
+            # round, it is told first, or the reporter's exit would be blamed and the killed
+            # task said to be stopped.
+            ended.sort(key=lambda t: (t.type != "ps", self._procs[t].returncode >= 0))
             for task in ended:
                 proc = self._procs[task]
                 exited.add(task)
@@ -459,13 +460,21 @@ class Launcher:
     def _ended(self, exited: set[Task]) -> list[Task]:
         return [t for t, p in self._procs.items() if t not in exited and p.poll() is not None]
 
+    def _failed_by_itself(self, task: Task) -> bool:
+        """A chief that failed, or a worker that exited with an error of its own (not a
+        signal): it may be reporting a peer that died first (a lost ps or worker)."""
+        code = self._procs[task].returncode or 0
+        return (task.type == "chief" and code != 0) or (task.type == "worker" and code > 0)
+
     def _settled(self, exited: set[Task], ended: list[Task]) -> list[Task]:
-        """`ended` and whatever ps ends within the settle time: a ps that was killed first is
-        the cause of the chief's failure seen with it, even when it is still exiting."""
+        """`ended` and whatever other task ends within the settle time: a ps or a peer that
+        was killed first is the cause of the failure seen with it, even when it is still
+        exiting (or its exit has not reached the launcher yet: a forked task's comes from
+        the preload server)."""
         deadline = time.monotonic() + _SETTLE_SECONDS
         while time.monotonic() < deadline and not self._signals:
-            alive_ps = [t for t in self._serving if t.type == "ps" and t not in ended]
-            if not alive_ps or any(self._procs[t].poll() is not None for t in alive_ps):
+            others = [t for t in self._procs if t not in ended and t not in exited]
+            if not others or any(self._procs[t].poll() is not None for t in others):
                 break
             time.sleep(_POLL_SECONDS)
         return self._ended(exited)
