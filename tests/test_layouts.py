@@ -66,6 +66,19 @@ def mirrored():
     return tfdist.build_strategy("mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(4)])
 
 
+def _saves_as(reference: keras.Model, model: keras.Model, tmp_path) -> None:
+    """model.save writes the whole weights and the optimizer's whole slots: loaded by Keras
+    alone, they equal the reference's (Keras's own fit on one device)."""
+    model.save(tmp_path / "model.keras")
+    loaded = keras.models.load_model(tmp_path / "model.keras")
+    for want, have in zip(reference.get_weights(), loaded.get_weights(), strict=True):
+        assert np.max(np.abs(want - have)) <= TOLERANCE
+    slots = zip(reference.optimizer.variables, loaded.optimizer.variables, strict=True)
+    for want, have in slots:
+        assert want.path.split("/", 1)[1] == have.path.split("/", 1)[1]  # "adam_3/..."
+        np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-4, atol=1e-7)
+
+
 @pytest.fixture(scope="module")
 def mlp_reference():
     """Keras's own fit of the MLP on one device, 2 epochs."""
@@ -110,14 +123,7 @@ def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
         held = record.added[f"CPU:{device}"]
         assert held == pytest.approx(share, rel=0.03), (device, held / share)
 
-    model.save(tmp_path / "model.keras")
-    loaded = keras.models.load_model(tmp_path / "model.keras")
-    for want, got in zip(reference.get_weights(), loaded.get_weights(), strict=True):
-        assert np.max(np.abs(want - got)) <= TOLERANCE
-    slots = zip(reference.optimizer.variables, loaded.optimizer.variables, strict=True)
-    for want, got in slots:
-        assert want.path.split("/", 1)[1] == got.path.split("/", 1)[1]  # "adam_3/..."
-        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-4, atol=1e-7)
+    _saves_as(reference, model, tmp_path)
 
     # Another sharding would start Adam's state afresh: refused, as zero's own modes are.
     other = None if stage == "zero3" else "zero3"
@@ -177,14 +183,7 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
         held = record.added[f"CPU:{device}"]
         assert held == pytest.approx(share, rel=0.03), (device, held / share)
 
-    model.save(tmp_path / "model.keras")
-    loaded = keras.models.load_model(tmp_path / "model.keras")
-    for want, have in zip(reference.get_weights(), loaded.get_weights(), strict=True):
-        assert np.max(np.abs(want - have)) <= TOLERANCE
-    slots = zip(reference.optimizer.variables, loaded.optimizer.variables, strict=True)
-    for want, have in slots:
-        assert want.path.split("/", 1)[1] == have.path.split("/", 1)[1]
-        np.testing.assert_allclose(have.numpy(), want.numpy(), rtol=1e-4, atol=1e-7)
+    _saves_as(reference, model, tmp_path)
 
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
