@@ -9,7 +9,6 @@ import dataclasses
 from typing import Any
 
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
@@ -17,6 +16,7 @@ from tfdist.collective.ring import owned_chunk
 from tfdist.errors import FitError
 from tfdist.parallel import host, updates
 from tfdist.parallel.stages import Stage
+from tfdist.parallel.updates import flat_slice, joined, slice_size
 from tfdist.training import shards
 
 
@@ -51,29 +51,6 @@ def piece_of(pipeline: int, count: int) -> int:
     a ring reduce-scatter leaves complete at that rank (tfdist.collective.ring), so that
     between processes the stage's ring sums and gathers the slices where they are held."""
     return owned_chunk(pipeline, count)
-
-
-def slice_size(shape, count: int) -> int:
-    """The length of each of `count` flat slices of a weight of `shape` (the last padded
-    with zeros): ceil(elements / count)."""
-    return -(-int(np.prod(shape, dtype=np.int64)) // count)
-
-
-def flat_slice(value, count: int, k: int, shape=None) -> tf.Tensor:
-    """Slice `k` of `count` of `value` (of `shape`, by default its own), flattened and
-    padded with zeros; a gradient of rows (IndexedSlices) is made dense first."""
-    shape = tf.TensorShape(value.shape if shape is None else shape)
-    elements = int(np.prod(shape.as_list(), dtype=np.int64))
-    flat = tf.reshape(tf.convert_to_tensor(value), [elements])
-    size = slice_size(shape, count)
-    flat = tf.pad(flat, [[0, size * count - elements]])
-    return flat[k * size : (k + 1) * size]
-
-
-def joined(pieces, shape) -> tf.Tensor:
-    """A value of `shape` from its flat slices, in order (the padding dropped)."""
-    flat = tf.concat([tf.convert_to_tensor(p) for p in pieces], 0)
-    return tf.reshape(flat[: int(np.prod(shape, dtype=np.int64))], shape)
 
 
 class Home(shards.Shards):

@@ -150,14 +150,9 @@ def _size(shape) -> int:
     return int(np.prod(shape, dtype=np.int64))
 
 
-def _slice_size(shape, count: int) -> int:
-    """The length of each of `count` flat slices of a part of `shape` (the last padded)."""
-    return -(-_size(shape) // count)
-
-
 def _slice_of(part: np.ndarray, count: int, k: int) -> np.ndarray:
     """Slice `k` of `count` of `part`, flattened and padded with zeros."""
-    size = _slice_size(part.shape, count)
+    size = updates.slice_size(part.shape, count)
     flat = np.zeros(size * count, part.dtype)
     flat[: part.size] = np.ravel(part)
     return flat[k * size : (k + 1) * size]
@@ -592,7 +587,7 @@ class LayoutParallel(StepHook):
                         if self.sliced[i]:
                             group = self.groups[i][p.index(r)]
                             piece = keras.Variable(
-                                np.zeros(_slice_size(p.shape_of(v), len(group)), v.dtype),
+                                np.zeros(updates.slice_size(p.shape_of(v), len(group)), v.dtype),
                                 dtype=v.dtype, name=f"{name}_slice{group.index(r)}",
                                 autocast=False,
                             )  # fmt: skip
@@ -767,7 +762,7 @@ class LayoutParallel(StepHook):
         for i in rest:  # zero1 / zero2: this replica's slice of the summed gradient
             if self.sliced[i]:
                 group = self.groups[i][self.plan.placements[i].index(replica)]
-                summed[i] = _slice_tensor(summed[i], len(group), group.index(replica))
+                summed[i] = updates.flat_slice(summed[i], len(group), group.index(replica))
         held = [self.slices[replica][i] if self.sliced[i] else self.parts[replica][i]
                 for i in present]  # fmt: skip
         updates.apply_with_copy(
@@ -810,14 +805,6 @@ class LayoutParallel(StepHook):
 # A slot of a replica's part (or slice of it) in its optimizer copy: Keras names it after
 # the variable (tp_v{weight}_part{part}, then _slice{k}) and the slot ("momentum").
 _PART_SLOT = re.compile(r"tp_v(\d+)_part\d+(?:_slice\d+)?_(\w+)$")
-
-
-def _slice_tensor(value, count: int, k: int) -> tf.Tensor:
-    """Slice `k` of `count` of `value`, flattened and padded with zeros (as _slice_of)."""
-    flat = tf.reshape(tf.convert_to_tensor(value), [-1])
-    size = -(-int(flat.shape[0]) // count)
-    flat = tf.pad(flat, [[0, size * count - int(flat.shape[0])]])
-    return flat[k * size : (k + 1) * size]
 
 
 class _Part(updates.StandIn):
