@@ -18,9 +18,11 @@ import gc
 import json
 import linecache
 import os
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -206,6 +208,7 @@ def pytest_configure(config):
 _LAUNCHES = {
     "launches": 0, "processes": 0, "tensorflow": 0, "forked": 0, "by_test": {},
     "gc_seconds": 0.0, "gc_full": 0, "gc_full_seconds": 0.0, "gc_full_by_site": {}, "first_start": None, "last_end": None,
+    "cpu_by_test": {}, "cpu_self": 0.0, "cpu_started": 0.0, "cpu_forked": 0.0,
 }  # fmt: skip
 # Modules whose processes run TensorFlow: the training binaries and the tests' worker scripts
 # (the launcher's own tests start plain Python tasks, which the fast tier may).
@@ -236,20 +239,25 @@ def _count_launches(config) -> None:
     original = subprocess.Popen.__init__
 
     def counted(self, args, *rest, **keywords):
-        _LAUNCHES["launches"] += 1
-        _LAUNCHES["processes"] += _tasks_of(args)
-        # "tests/test_x.py::test_y (setup)": a module fixture's launches count for the test
-        # that set it up
-        test = os.environ.get("PYTEST_CURRENT_TEST", "outside a test").rsplit(" (", 1)[0]
-        _LAUNCHES["by_test"][test] = _LAUNCHES["by_test"].get(test, 0) + _tasks_of(args)
-        argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
-        # `python -m <module>` itself (through a launcher the tasks may never start: a
-        # refused layout starts none).
-        if argv[1:2] == ["-m"] and argv[2:3] and argv[2].startswith(_TENSORFLOW_MODULES):
-            _LAUNCHES["tensorflow"] += 1
+        _count_process(args)
         original(self, args, *rest, **keywords)
 
     subprocess.Popen.__init__ = counted
+
+
+def _count_process(args) -> None:
+    """Counts a process a test starts (through subprocess.Popen, or forked: run_python)."""
+    _LAUNCHES["launches"] += 1
+    _LAUNCHES["processes"] += _tasks_of(args)
+    # "tests/test_x.py::test_y (setup)": a module fixture's launches count for the test that
+    # set it up
+    test = os.environ.get("PYTEST_CURRENT_TEST", "outside a test").rsplit(" (", 1)[0]
+    _LAUNCHES["by_test"][test] = _LAUNCHES["by_test"].get(test, 0) + _tasks_of(args)
+    argv = [str(a) for a in (args if isinstance(args, (list, tuple)) else [args])]
+    # `python -m <module>` itself (through a launcher the tasks may never start: a refused
+    # layout starts none).
+    if argv[1:2] == ["-m"] and argv[2:3] and argv[2].startswith(_TENSORFLOW_MODULES):
+        _LAUNCHES["tensorflow"] += 1
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -260,8 +268,31 @@ def pytest_runtest_protocol(item, nextitem):
     if _LAUNCHES["first_start"] is None:
         _LAUNCHES["first_start"] = now
     _freeze_survivors()
+    before = sum(_cpu_seconds())
     yield
     _LAUNCHES["last_end"] = time.time()
+    _LAUNCHES["cpu_by_test"][item.nodeid] = sum(_cpu_seconds()) - before
+
+
+_SERVER_PID: list[int] = []  # this pytest process's preload server, once started
+
+
+def _cpu_seconds() -> tuple[float, float, float]:
+    """CPU seconds so far: this pytest process's own, the processes it started and waited
+    for (a launcher's tasks included), and the tasks its preload server forked and reaped."""
+    import resource
+
+    own, children = (
+        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    forked = 0.0
+    if _SERVER_PID:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{_SERVER_PID[0]}/stat").read_text().rsplit(")", 1)[1].split()
+            forked = (int(fields[13]) + int(fields[14])) / os.sysconf(
+                "SC_CLK_TCK"
+            )  # cutime, cstime
+    return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, forked
 
 
 def _time_the_collector() -> None:
@@ -334,6 +365,7 @@ def _collecting_site() -> str:
 def pytest_sessionfinish(session):
     folder = os.environ.get(_LAUNCH_DIR)
     if folder and os.path.isdir(folder):
+        _LAUNCHES["cpu_self"], _LAUNCHES["cpu_started"], _ = _cpu_seconds()
         name = getattr(session.config, "workerinput", {}).get("workerid", "main")
         Path(folder, f"{name}.json").write_text(json.dumps(_LAUNCHES))
 
@@ -372,6 +404,22 @@ def pytest_terminal_summary(terminalreporter, config):
             f"(their first: {ends[0] - min(c['first_start'] for c in counts if c.get('first_start')):.0f} s "
             "after the first test began)"
         )
+    own, started, forked = (
+        sum(c.get(k, 0.0) for c in counts) for k in ("cpu_self", "cpu_started", "cpu_forked")
+    )
+    terminalreporter.write_line(
+        f"CPU: {own + started + forked:.0f} s in all: {own:.0f} s in the pytest processes, "
+        f"{started:.0f} s in the processes they started, {forked:.0f} s in tasks forked by the "
+        "preload servers"
+    )
+    cpu: dict[str, float] = {}
+    for count in counts:
+        cpu.update(count.get("cpu_by_test", {}))
+    terminalreporter.write_line(
+        f"the {_MOST_LAUNCHING} tests that took the most CPU (set-up of shared fixtures included):"
+    )
+    for test, seconds in sorted(cpu.items(), key=lambda item: -item[1])[:_MOST_LAUNCHING]:
+        terminalreporter.write_line(f"{seconds:7.1f} s  {test}")
     by_test: dict[str, int] = {}
     for count in counts:
         for test, started in count.get("by_test", {}).items():
@@ -389,14 +437,131 @@ def run_module(
     """Runs `python -m module args...` from the repository root and captures its output."""
     full_env = {k: v for k, v in os.environ.items() if k != "TF_CONFIG"}
     full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, "-m", module, *args],
-        cwd=REPO,
-        env=full_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return run_python([sys.executable, "-m", module, *args], env=full_env, timeout=timeout)
+
+
+# Launchers start afresh (they import no TensorFlow, and their own tests signal them): their
+# tasks are forked by the preload server through TFDIST_PRELOAD_SERVER.
+_STARTED_AFRESH = ("tools.launch", "tfdist.launch")
+
+
+def run_python(
+    argv: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path | str = REPO,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """Runs a command of this interpreter (`python -m ...`, `python FILE`, `python -c ...`)
+    as subprocess.run(..., capture_output=True, text=True) does. In the whole suite the
+    preload server forks it with TensorFlow and Keras imported (about 6 s of CPU saved a
+    run; tfdist/launch/preload.py says what differs from a fresh interpreter); a launcher,
+    or a run without the server, starts afresh."""
+    from tfdist.launch.preload import SERVER_ENV, python_program
+
+    env = dict(os.environ) if env is None else env
+    path = os.environ.get(SERVER_ENV)
+    program = python_program(argv)
+    if not path or program is None or (program[0] == "module" and program[1] in _STARTED_AFRESH):
+        return subprocess.run(
+            argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
+        )
+    _count_process(argv)
+    task = _preloader(path).spawn(argv, env=env, cwd=str(cwd), stderr_apart=True)
+    read: dict[str, str] = {}
+
+    def drain(name: str, stream) -> None:
+        with stream:
+            read[name] = stream.read().decode(errors="replace")
+
+    readers = [
+        threading.Thread(target=drain, args=(name, getattr(task, name)), daemon=True)
+        for name in ("stdout", "stderr")
+    ]
+    for reader in readers:
+        reader.start()
+    try:
+        task.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(OSError):
+            os.killpg(task.pid, signal.SIGKILL)
+        task.wait()
+        for reader in readers:
+            reader.join(10)
+        raise subprocess.TimeoutExpired(
+            argv, timeout, read.get("stdout"), read.get("stderr")
+        ) from None
+    for reader in readers:
+        reader.join()
+    return subprocess.CompletedProcess(argv, task.returncode, read["stdout"], read["stderr"])
+
+
+def start_python(
+    argv: list[str], *, output, env: dict[str, str] | None = None, cwd: Path | str = REPO
+):
+    """Starts a command of this interpreter, as subprocess.Popen(argv, stdout=output,
+    stderr=subprocess.STDOUT) would, with SIGINT delivered (a suite run in the background
+    hands its children SIGINT ignored). Forked by the preload server where run_python would
+    fork it; the returned process answers pid, returncode, poll, wait, send_signal,
+    terminate and kill as a Popen does."""
+    from tfdist.launch.preload import SERVER_ENV, python_program
+
+    env = dict(os.environ) if env is None else env
+    path = os.environ.get(SERVER_ENV)
+    program = python_program(argv)
+    if not path or program is None or (program[0] == "module" and program[1] in _STARTED_AFRESH):
+        return subprocess.Popen(
+            argv, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
+            preexec_fn=_default_sigint if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else None,
+        )  # fmt: skip
+    _count_process(argv)
+    return _Forked(_preloader(path).spawn(argv, env=env, cwd=str(cwd), output=output.fileno()))
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+class _Forked:
+    """A task the preload server forked, with subprocess.Popen's ways to wait and signal."""
+
+    def __init__(self, task):
+        self._task, self.pid, self.args = task, task.pid, task.args
+
+    @property
+    def returncode(self) -> int | None:
+        return self._task.returncode
+
+    def poll(self) -> int | None:
+        return self._task.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self._task.wait(timeout)
+
+    def send_signal(self, signum: int) -> None:
+        if self.returncode is None:  # as Popen: no signal to a pid that may be reused
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signum)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+_PRELOADERS: dict[str, object] = {}
+
+
+def _preloader(path: str):
+    """This pytest process's connection to the preload server at `path`."""
+    from tfdist.launch.preload import Preloader
+
+    if path not in _PRELOADERS:
+        preloader = Preloader(["tensorflow", "keras"], env=dict(os.environ), say=print, relay=print)
+        assert preloader.connect(path), f"no preload server at {path}"
+        _PRELOADERS[path] = preloader
+    return _PRELOADERS[path]
 
 
 @pytest.fixture(scope="session")
@@ -476,8 +641,11 @@ def preload_server(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp("preload")
     path, server = start_preload_server(folder, ["tensorflow", "keras"])
     os.environ[SERVER_ENV] = path
+    _SERVER_PID.append(server.pid)
     yield path
     os.environ.pop(SERVER_ENV, None)
+    _LAUNCHES["cpu_forked"] = _cpu_seconds()[2]
+    _SERVER_PID.clear()
     server.terminate()
     server.wait(timeout=30)
     log = (folder / "server.log").read_text(errors="replace").splitlines()

@@ -1,11 +1,10 @@
 """Logical CPU devices: created once, before TensorFlow initialises its runtime."""
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import NUM_CPU_DEVICES, REPO
+from tests.conftest import NUM_CPU_DEVICES, run_python
 from tfdist.devices import DeviceConfigurationError, configure_cpu_devices, cpu_device_names
 
 
@@ -38,8 +37,6 @@ def test_importing_tfdist_leaves_the_runtime_uninitialised():
         "import tfdist, tfdist.data, tfdist.training, tfdist.strategies, tfdist.roles;"
         "print(len(tfdist.configure_cpu_devices(3)))"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    result = run_python([sys.executable, "-c", code], timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "3"

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_python
 
 DOCS = REPO / "docs"
 
@@ -226,7 +225,7 @@ def _env() -> dict[str, str]:
 
 
 def _run(args: list[str], cwd: Path, what: str) -> str:
-    result = subprocess.run(args, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+    result = run_python(args, env=_env(), cwd=cwd, timeout=600)
     assert result.returncode == 0, (
         f"{what} failed (exit {result.returncode}):\n{result.stdout[-3000:]}\n"
         f"{result.stderr[-5000:]}"

@@ -694,6 +694,31 @@ def test_tasks_forked_by_a_preload_server_are_its_children_each_in_a_session_of_
     assert running_tasks(launcher.pid) == {}  # the launcher's list went with it
 
 
+def test_a_forked_program_gets_its_own_folder_search_path_and_streams(tmp_path, bare_server):
+    """As a fresh interpreter would: the task's working folder, its PYTHONPATH's modules,
+    stderr apart from stdout when asked, and its exit code."""
+    from tfdist.launch.preload import Preloader
+
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "only_here.py").write_text("WHERE = 'lib'\n")
+    code = (
+        "import os, sys, only_here; print(os.getcwd(), only_here.WHERE); "
+        "print('to stderr', file=sys.stderr); sys.exit(3)"
+    )
+    preloader = Preloader([], env=dict(os.environ), say=print, relay=print)
+    assert preloader.connect(bare_server[0])
+    try:
+        env = {**os.environ, "PYTHONPATH": str(tmp_path / "lib")}
+        task = preloader.spawn([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
+                               stderr_apart=True)  # fmt: skip
+        with task.stdout, task.stderr:
+            out, err = task.stdout.read().decode(), task.stderr.read().decode()
+        assert task.wait(30) == 3, (out, err)
+    finally:
+        preloader.close()
+    assert out == f"{tmp_path} lib\n" and err == "to stderr\n", (out, err)
+
+
 @pytest.mark.parametrize(
     ("flags", "said"),
     [

@@ -7,12 +7,11 @@ one error line (a process costs a TensorFlow start-up each).
 
 import json
 import re
-import subprocess
 import sys
 
 import numpy as np
 
-from tests.conftest import run_module
+from tests.conftest import run_module, run_python
 from tfdist.data import PipelineOptions, find_records, prepare_dataset, tfrecord_dataset
 from tools import make_tfrecords
 
@@ -201,8 +200,8 @@ def test_the_binary_names_a_tfrecord_dir_without_a_test_split(tmp_path, capsys):
 
 def test_import_tfdist_makes_its_subpackages_usable():
     # In a fresh process: this one imported tfdist.data above.
-    done = subprocess.run(
+    done = run_python(
         [sys.executable, "-c", "import tfdist; print(tfdist.data.tfrecord_dataset.__name__)"],
-        capture_output=True, text=True, timeout=120,
+        timeout=120,
     )  # fmt: skip
     assert done.stdout.strip() == "tfrecord_dataset", done.stderr[-2000:]

@@ -25,7 +25,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests.conftest import REPO, free_ports, task_pid
+from tests.conftest import REPO, free_ports, run_python, start_python, task_pid
 from tfdist.app import TrainConfig, Trainer
 from tfdist.cluster import parse_tf_config
 from tfdist.peers import PeerError, explain_peer_error, wait_for_peers, wait_for_servers
@@ -213,9 +213,7 @@ def start_worker(index, ports, *flags, log, env=None):
     }
     command = [sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored"]
     with open(log, "w") as out:  # the child keeps its own copy of the file descriptor
-        return subprocess.Popen(
-            [*command, "--model=mlp", *flags], cwd=REPO, env=env, stdout=out, stderr=out
-        )
+        return start_python([*command, "--model=mlp", *flags], env=env, output=out)
 
 
 def error_line(log_path):
@@ -405,11 +403,10 @@ def test_a_port_another_process_holds_is_named_in_one_line(tmp_path):
     )  # fmt: skip
     tf_config = json.dumps({"cluster": cluster, "task": {"type": task, "index": 0}})
     try:
-        result = subprocess.run(
+        result = run_python(
             [sys.executable, "-m", "experiments.train", f"--strategy={strategy}",
              "--epochs=1", "--steps_per_epoch=1", f"--data_dir={tmp_path}"],
-            cwd=REPO, env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"},
-            capture_output=True, text=True, timeout=120,
+            env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=120,
         )  # fmt: skip
     finally:
         for holder in holders:
@@ -440,11 +437,10 @@ def test_a_task_whose_own_port_is_taken_says_so_before_waiting_for_a_missing_pee
         }
     )
     try:
-        result = subprocess.run(
+        result = run_python(
             [sys.executable, "-m", "experiments.train", "--strategy=multi_worker_mirrored",
              "--epochs=1", "--steps_per_epoch=1", f"--data_dir={tmp_path}"],
-            cwd=REPO, env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"},
-            capture_output=True, text=True, timeout=90,
+            env={**os.environ, "TF_CONFIG": tf_config, "TF_CPP_MIN_LOG_LEVEL": "2"}, timeout=90,
         )  # fmt: skip
     finally:
         holder.close()

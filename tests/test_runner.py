@@ -8,7 +8,6 @@ import glob
 import logging
 import os
 import re
-import subprocess
 import sys
 import textwrap
 
@@ -19,7 +18,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import custom_step_models
-from tests.conftest import REPO, free_ports
+from tests.conftest import free_ports, run_python
 from tfdist.errors import FitError
 from tfdist.strategies import keras_guard
 from tfdist.training.runners import RUNNERS
@@ -191,12 +190,9 @@ PS_JOB = textwrap.dedent(
 
 def test_parameter_server_steps_are_timed_on_the_workers(tmp_path):
     addresses = [f"localhost:{port}" for port in free_ports(3)]
-    result = subprocess.run(
+    result = run_python(
         [sys.executable, "-c", PS_JOB, *addresses, str(tmp_path / "tb")],
-        cwd=REPO,
         env={k: v for k, v in os.environ.items() if k != "TF_CONFIG"},  # its cluster is its own
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]

@@ -11,7 +11,6 @@ Keras's save wrote its two variables: loaded, Adam restarted from zero moments a
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 
@@ -22,7 +21,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import keras_hub_models, pipeline_cases
-from tests.conftest import REPO
+from tests.conftest import run_python
 from tests.workers import sparse_rows_worker
 from tfdist.parallel import Pipeline, tensor_parallel
 
@@ -83,10 +82,7 @@ def trained_on(tmp_path_factory):
     paths = {mode: str(out / f"{mode}.keras") for mode in MODES}
     for mode, path in paths.items():
         saved_after_one_epoch(mode, path)
-    result = subprocess.run(
-        [sys.executable, "-c", _TRAIN_ON, *paths.values()],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    result = run_python([sys.executable, "-c", _TRAIN_ON, *paths.values()])
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     found = {}

@@ -10,13 +10,12 @@ or with 1 and whole variables, must continue as that reference did.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import run_module
+from tests.conftest import run_module, run_python
 
 pytestmark = pytest.mark.multiprocess
 
@@ -122,9 +121,7 @@ def test_the_exported_model_holds_whole_tensors_and_loads_without_tfdist(on_two_
         f"np.savez({str(on_two_ps / 'loaded.npz')!r}, *[w.numpy() for w in model.trainable_weights])\n"
         "print(model.get_layer('table').embeddings.shape)\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
-    )
+    result = run_python([sys.executable, "-c", script], timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1000, 16)" in result.stdout
     assert largest_difference(weights(on_two_ps, "loaded"), weights(on_two_ps, "sgd_momentum")) == 0

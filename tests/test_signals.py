@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, free_ports
+from tests.conftest import REPO, free_ports, run_python, start_python
 
 # Its processes must answer a signal within seconds: not beside tests/test_peaks.py's jobs.
 pytestmark = pytest.mark.xdist_group("process_heavy")
@@ -30,24 +30,15 @@ def tf_config(cluster, task_type, index):
     return json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}})
 
 
-def start(log: Path, tf_config_value: str, *flags: str, env=None) -> subprocess.Popen:
+def start(log: Path, tf_config_value: str, *flags: str, env=None):
     full_env = {**os.environ, "TF_CONFIG": tf_config_value, "TF_CPP_MIN_LOG_LEVEL": "2"}
     full_env.update(env or {})
     with open(log, "w") as out:
-        return subprocess.Popen(
+        return start_python(
             [sys.executable, "-m", "experiments.train", "--model=mlp", *flags],
-            cwd=REPO,
             env=full_env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            # As from a terminal: a suite run in the background (`pytest &`, CI's runner)
-            # hands its children SIGINT ignored, and an ignored signal stays ignored.
-            preexec_fn=_interruptible,
+            output=out,
         )
-
-
-def _interruptible() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 @pytest.mark.multiprocess
@@ -193,10 +184,10 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     step boundary, says nothing was saved, and exits 143 (not 42, which claims a saved state).
     After the last epoch's end no step boundary comes: it stops at once (a survivor held in
     a collective by a peer that died after the last save waited out the launcher's grace)."""
-    result = subprocess.run(
-        [sys.executable, "-c", USER_SCRIPT, "mid-epoch"], cwd=REPO, capture_output=True,
-        text=True, timeout=300, env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )  # fmt: skip
+    result = run_python(
+        [sys.executable, "-c", USER_SCRIPT, "mid-epoch"],
+        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
+    )
     assert result.returncode == 143, result.stderr[-2000:]
     # The signal is sent at step 4's end; Python runs its handler between bytecodes, so on a
     # busy machine step 5 may have begun: the stop comes at the boundary after the handler.
@@ -206,11 +197,10 @@ def test_a_stop_signal_in_a_user_s_fit_says_it_was_training():
     assert "nothing to save" in result.stderr and "saving a checkpoint" not in result.stderr
     assert "Traceback" not in result.stderr
 
-    result = subprocess.run(
-        [sys.executable, "-c", USER_SCRIPT, "after-the-last-step"], cwd=REPO,
-        capture_output=True, text=True, timeout=300,
+    result = run_python(
+        [sys.executable, "-c", USER_SCRIPT, "after-the-last-step"],
         env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "2"},
-    )  # fmt: skip
+    )
     ended = time.time()
     assert result.returncode == 143, result.stderr[-2000:]
     assert "received SIGTERM after the last training step" in result.stderr, result.stderr

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_python
 from tfdist.exit_codes import EXIT_STORAGE
 from tools.chaos import running_tasks
 
@@ -72,8 +72,7 @@ def data_dir(digits_dir):
 def uninterrupted(data_dir, tmp_path_factory):
     """The 2-worker run nothing stops: its chief's weights."""
     here = tmp_path_factory.mktemp("uninterrupted")
-    whole = subprocess.run(train(here / "run", data_dir, here / "w"), cwd=REPO, env=_env(),
-                           capture_output=True, text=True, timeout=400)  # fmt: skip
+    whole = run_python(train(here / "run", data_dir, here / "w"), env=_env(), timeout=400)
     assert whole.returncode == 0, whole.stdout[-3000:]
     return _weights(here / "w" / "worker_0.npz")
 
@@ -220,8 +219,7 @@ def test_a_file_size_limit_met_mid_run_is_one_line_and_keeps_the_last_checkpoint
     assert "ulimit -f" in errors[0] and "Traceback" not in stderr
     names = os.listdir(run / "checkpoints")
     assert not [n for n in names if "_temp" in n], names
-    resumed = subprocess.run(train(run, data_dir, tmp_path / "w", workers=1), cwd=REPO,
-                             env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    resumed = run_python(train(run, data_dir, tmp_path / "w", workers=1), env=_env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps"] == summary["steps_trained"] == 66 and summary["resumed_from_step"] >= 10
@@ -256,8 +254,7 @@ def test_a_second_job_on_a_model_dir_is_refused_on_every_task_and_leaves_the_fir
             time.sleep(0.05)
         lock = json.loads((run / "tfdist.lock").read_text())
         started = time.monotonic()
-        second = subprocess.run(train(run, data_dir, tmp_path / "wb", epochs=60), cwd=REPO,
-                                env=_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+        second = run_python(train(run, data_dir, tmp_path / "wb", epochs=60), env=_env())
         assert second.returncode == EXIT_STORAGE, second.stdout[-3000:]
         errors = _job_lines(second.stdout)
         assert sorted(errors) == ["worker:0", "worker:1"], second.stdout[-3000:]

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests.conftest import REPO, run_module
+from tests.conftest import REPO, run_module, run_python
 from tfdist.app import ConfigError, TrainConfig, Trainer
 from tfdist.exit_codes import EXIT_PREEMPTED
 from tfdist.training.callbacks import WarmupSchedule
@@ -234,10 +234,7 @@ def _binary_env() -> dict[str, str]:
 
 
 def _run_to_the_end(model_dir, data_dir, weights_dir):
-    return subprocess.run(
-        train_command(model_dir, data_dir, weights_dir), cwd=REPO, env=_binary_env(),
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    return run_python(train_command(model_dir, data_dir, weights_dir), env=_binary_env())
 
 
 @pytest.fixture(scope="module")
@@ -289,10 +286,7 @@ def test_a_stopped_run_resumes_to_the_same_step_and_weights(
         assert proc.returncode == EXIT_PREEMPTED, stderr[-2000:]
         assert re.search(r"preempted: SIGTERM at step \d+; checkpoint saved", stderr)
     assert not (interrupted / "summary.json").exists()
-    resumed = subprocess.run(
-        train_command(interrupted, data_dir, tmp_path / "w2", *flags), cwd=REPO, env=env,
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    resumed = run_python(train_command(interrupted, data_dir, tmp_path / "w2", *flags), env=env)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
 
     first, second = read_summary(whole), read_summary(interrupted)

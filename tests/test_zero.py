@@ -8,7 +8,6 @@ In one process over 2, 3 and 4 logical CPUs (mirrored), and with real worker pro
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 
 import keras
@@ -18,7 +17,7 @@ import tensorflow as tf
 
 import tfdist
 from tests import zero_cases
-from tests.conftest import run_module
+from tests.conftest import run_module, run_python
 from tests.workers import zero_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
@@ -421,7 +420,7 @@ def test_a_model_trained_with_sharding_saves_and_loads_without_tfdist(tmp_path):
         "assert not any(m.startswith('tfdist') for m in sys.modules)\n"
         f"np.savez({str(tmp_path / 'loaded.npz')!r}, *model.get_weights())\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    result = run_python([sys.executable, "-c", script])
     assert result.returncode == 0, result.stderr[-3000:]
     trained, loaded = (np.load(tmp_path / f"{n}.npz") for n in ("trained", "loaded"))
     assert all(np.array_equal(trained[k], loaded[k]) for k in trained.files)

@@ -16,9 +16,10 @@ runs no TensorFlow op, so no runtime thread exists when it forks.
 
 What differs from a fresh interpreter: the preloaded modules were imported with the
 launcher's environment, not the task's (TF_CONFIG is read later, when a strategy is made,
-so it is the task's); and the server's standard streams and hash seed are shared. The
-`random` module and NumPy's global generator are seeded afresh in each task. The imports'
-objects are frozen out of the garbage collector (gc.freeze), as they live as long as a task.
+so it is the task's; the task's PYTHONPATH is added to the search path); and the server's
+standard stream objects (their buffering) and hash seed are shared. The `random` module and NumPy's global generator are seeded afresh in
+each task. The imports' objects are frozen out of the garbage collector (gc.freeze), as
+they live as long as a task.
 """
 
 from __future__ import annotations
@@ -69,10 +70,11 @@ def python_program(command: Sequence[str]) -> tuple[str, str, list[str]] | None:
 
 class Forked:
     """A task forked by the preload server, read as the supervisor reads a subprocess.Popen:
-    `pid`, `stdout`, `returncode`, `poll()` and `wait()`."""
+    `pid`, `stdout` (and `stderr` where it was asked for apart), `returncode`, `poll()` and
+    `wait()`."""
 
-    def __init__(self, args: Sequence[str], pid: int, stdout, preloader: Preloader):
-        self.args, self.pid, self.stdout = list(args), pid, stdout
+    def __init__(self, args: Sequence[str], pid: int, stdout, preloader: Preloader, stderr=None):
+        self.args, self.pid, self.stdout, self.stderr = list(args), pid, stdout, stderr
         self._codes, self._ended = preloader._codes, preloader._ended  # noqa: SLF001
 
     @property
@@ -174,28 +176,47 @@ class Preloader:
             return False
         return True
 
-    def spawn(self, command: Sequence[str], *, env: dict[str, str]) -> Forked:
-        """Forks `command` (python_program(command) must not be None) with `env`; its output
-        (stdout and stderr) comes on the returned process's `stdout`."""
-        read, write = os.pipe()
+    def spawn(
+        self,
+        command: Sequence[str],
+        *,
+        env: dict[str, str],
+        cwd: str | None = None,
+        stderr_apart: bool = False,
+        output: int | None = None,
+    ) -> Forked:
+        """Forks `command` (python_program(command) must not be None) with `env`, in `cwd`
+        (this process's by default). Its output (stdout and stderr) comes on the returned
+        process's `stdout`; with `stderr_apart`, stderr comes on its `stderr`; with `output`
+        (an open file descriptor), both are written there instead."""
+        pipes = [] if output is not None else [os.pipe() for _ in range(1 + stderr_apart)]
+        reads, writes = [read for read, _ in pipes], [write for _, write in pipes]
         with open(os.devnull, "rb") as null, self._lock:
-            if self._lost:
-                os.close(read), os.close(write)
-                raise OSError("the preload server is gone")
-            request = {"program": python_program(command), "env": env, "cwd": os.getcwd()}
-            _send(self._channel, request, fds=[null.fileno(), write])
-            os.close(write)
-            with self._ended:
-                self._ended.wait_for(lambda: self._replies or self._lost)
-                if not self._replies:
-                    os.close(read)
+            try:
+                if self._lost:
                     raise OSError("the preload server is gone")
-                reply = self._replies.pop(0)
-            if "error" in reply:
-                os.close(read)
-                raise OSError(reply["error"])
+                request = {
+                    "program": python_program(command), "env": env, "cwd": cwd or os.getcwd(),
+                }  # fmt: skip
+                sent = writes if output is None else [output]
+                _send(self._channel, request, fds=[null.fileno(), *sent])
+                for write in writes:
+                    os.close(write)
+                writes = []
+                with self._ended:
+                    self._ended.wait_for(lambda: self._replies or self._lost)
+                    if not self._replies:
+                        raise OSError("the preload server is gone")
+                    reply = self._replies.pop(0)
+                if "error" in reply:
+                    raise OSError(reply["error"])
+            except BaseException:
+                for fd in reads + writes:
+                    os.close(fd)
+                raise
             self._pids.append(reply["pid"])
-        return Forked(command, reply["pid"], open(read, "rb"), self)
+        streams = [open(read, "rb") for read in reads]  # noqa: SIM115 - the caller's to close
+        return Forked(command, reply["pid"], *(streams[:1] or [None]), self, *streams[1:])
 
     def close(self) -> None:
         """Ends the server (the tasks it forked are the supervisor's to stop)."""
@@ -257,15 +278,18 @@ def _send(channel: socket.socket, message: dict, fds: Sequence[int] = ()) -> Non
 
 
 def _receive(channel: socket.socket) -> tuple[dict | None, list[int]]:
-    """The next message and the descriptors that came with it; (None, []) at the end."""
+    """The next message and the descriptors that came with it (stdin, stdout, and stderr
+    where it is apart); (None, []) at the end."""
     try:
-        data, fds, flags, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 2)
+        data, fds, flags, _ = socket.recv_fds(channel, _MESSAGE_BYTES, 3)
     except OSError:
         return None, []
     if not data:
         return None, []
     if flags & socket.MSG_TRUNC:
         raise OSError(f"a message over {_MESSAGE_BYTES} bytes")
+    if flags & socket.MSG_CTRUNC:
+        raise OSError("a message with more descriptors than stdin, stdout and stderr")
     return json.loads(data), fds
 
 
@@ -372,10 +396,10 @@ def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | i
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        stdin, output = fds
+        stdin, output, *error = fds  # stderr on a pipe of its own, or with stdout
         os.dup2(stdin, 0)
         os.dup2(output, 1)
-        os.dup2(output, 2)
+        os.dup2(error[0] if error else output, 2)
         for fd in fds:
             os.close(fd)
         for one in own:  # a socket forgets its descriptor, or it would close a reused one
@@ -383,6 +407,7 @@ def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | i
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _add_python_path(request["env"].get("PYTHONPATH", ""))
         _reseed()
     except BaseException:  # noqa: BLE001 - it must not return into the server's loop
         with contextlib.suppress(BaseException):
@@ -391,6 +416,13 @@ def _run_task(request: dict, fds: Sequence[int], own: Sequence[socket.socket | i
         os._exit(1)
     # Up through the server's frames, which catch nothing, to the interpreter's exit.
     raise SystemExit(_run_program(*request["program"]))
+
+
+def _add_python_path(value: str) -> None:
+    # A fresh interpreter puts PYTHONPATH's folders after the program's own; the server's
+    # search path was made from the server's environment.
+    folders = [os.path.abspath(folder) for folder in value.split(os.pathsep) if folder]
+    sys.path[1:1] = [folder for folder in folders if folder not in sys.path]
 
 
 def _reseed() -> None:
