@@ -451,18 +451,25 @@ def run_python(
     env: dict[str, str] | None = None,
     cwd: Path | str = REPO,
     timeout: float = 300,
+    fresh: bool = False,
 ) -> subprocess.CompletedProcess:
     """Runs a command of this interpreter (`python -m ...`, `python FILE`, `python -c ...`)
     as subprocess.run(..., capture_output=True, text=True) does. In the whole suite the
     preload server forks it with TensorFlow and Keras imported (about 6 s of CPU saved a
-    run; tfdist/launch/preload.py says what differs from a fresh interpreter); a launcher,
-    or a run without the server, starts afresh."""
+    run; tfdist/launch/preload.py says what differs from a fresh interpreter). A launcher,
+    a run without the server, and a `fresh` one start afresh: `fresh` for a program that
+    checks what a new interpreter imports (the server has imported tfdist.launch)."""
     from tfdist.launch.preload import SERVER_ENV, python_program
 
     env = dict(os.environ) if env is None else env
     path = os.environ.get(SERVER_ENV)
     program = python_program(argv)
-    if not path or program is None or (program[0] == "module" and program[1] in _STARTED_AFRESH):
+    if (
+        fresh
+        or not path
+        or program is None
+        or (program[0] == "module" and program[1] in _STARTED_AFRESH)
+    ):
         return subprocess.run(
             argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
@@ -472,7 +479,8 @@ def run_python(
 
     def drain(name: str, stream) -> None:
         with stream:
-            read[name] = stream.read().decode(errors="replace")
+            text = stream.read().decode(errors="replace")  # as text=True reads it:
+            read[name] = text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines
 
     readers = [
         threading.Thread(target=drain, args=(name, getattr(task, name)), daemon=True)

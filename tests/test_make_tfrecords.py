@@ -202,6 +202,6 @@ def test_import_tfdist_makes_its_subpackages_usable():
     # In a fresh process: this one imported tfdist.data above.
     done = run_python(
         [sys.executable, "-c", "import tfdist; print(tfdist.data.tfrecord_dataset.__name__)"],
-        timeout=120,
+        timeout=120, fresh=True,
     )  # fmt: skip
     assert done.stdout.strip() == "tfrecord_dataset", done.stderr[-2000:]

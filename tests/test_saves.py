@@ -82,7 +82,7 @@ def trained_on(tmp_path_factory):
     paths = {mode: str(out / f"{mode}.keras") for mode in MODES}
     for mode, path in paths.items():
         saved_after_one_epoch(mode, path)
-    result = run_python([sys.executable, "-c", _TRAIN_ON, *paths.values()])
+    result = run_python([sys.executable, "-c", _TRAIN_ON, *paths.values()], fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     found = {}

@@ -121,7 +121,7 @@ def test_the_exported_model_holds_whole_tensors_and_loads_without_tfdist(on_two_
         f"np.savez({str(on_two_ps / 'loaded.npz')!r}, *[w.numpy() for w in model.trainable_weights])\n"
         "print(model.get_layer('table').embeddings.shape)\n"
     )
-    result = run_python([sys.executable, "-c", script], timeout=120)
+    result = run_python([sys.executable, "-c", script], timeout=120, fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "(1000, 16)" in result.stdout
     assert largest_difference(weights(on_two_ps, "loaded"), weights(on_two_ps, "sgd_momentum")) == 0

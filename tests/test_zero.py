@@ -420,7 +420,7 @@ def test_a_model_trained_with_sharding_saves_and_loads_without_tfdist(tmp_path):
         "assert not any(m.startswith('tfdist') for m in sys.modules)\n"
         f"np.savez({str(tmp_path / 'loaded.npz')!r}, *model.get_weights())\n"
     )
-    result = run_python([sys.executable, "-c", script])
+    result = run_python([sys.executable, "-c", script], fresh=True)
     assert result.returncode == 0, result.stderr[-3000:]
     trained, loaded = (np.load(tmp_path / f"{n}.npz") for n in ("trained", "loaded"))
     assert all(np.array_equal(trained[k], loaded[k]) for k in trained.files)
