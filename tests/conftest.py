@@ -365,8 +365,10 @@ def _collecting_site() -> str:
 def pytest_sessionfinish(session):
     folder = os.environ.get(_LAUNCH_DIR)
     if folder and os.path.isdir(folder):
-        _LAUNCHES["cpu_self"], _LAUNCHES["cpu_started"], _ = _cpu_seconds()
         name = getattr(session.config, "workerinput", {}).get("workerid", "main")
+        controller = name == "main" and getattr(session.config.option, "numprocesses", None)
+        if not controller:  # pytest-xdist's controller has waited for its workers: their sum
+            _LAUNCHES["cpu_self"], _LAUNCHES["cpu_started"], _ = _cpu_seconds()
         Path(folder, f"{name}.json").write_text(json.dumps(_LAUNCHES))
 
 
@@ -407,10 +409,11 @@ def pytest_terminal_summary(terminalreporter, config):
     own, started, forked = (
         sum(c.get(k, 0.0) for c in counts) for k in ("cpu_self", "cpu_started", "cpu_forked")
     )
+    # A preload server is waited for at the session's end: its tasks are among the started.
     terminalreporter.write_line(
-        f"CPU: {own + started + forked:.0f} s in all: {own:.0f} s in the pytest processes, "
-        f"{started:.0f} s in the processes they started, {forked:.0f} s in tasks forked by the "
-        "preload servers"
+        f"CPU: {own + started:.0f} s in all: {own:.0f} s in the pytest processes, "
+        f"{started:.0f} s in the processes they started ({forked:.0f} s of it in tasks "
+        "forked by the preload servers; Ray's own processes are not counted)"
     )
     cpu: dict[str, float] = {}
     for count in counts:
