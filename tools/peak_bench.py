@@ -1,4 +1,4 @@
-"""Benchmark: each process's memory PEAK, by phase, as TensorFlow's allocator counts it.
+"""Benchmark: each process's memory PEAK, by phase, as TensorFlow's allocator and the OS count it.
 
 A device runs out of memory at its peak, not at rest. This runs one device per worker
 process (tfdist-launch, multi_worker_mirrored) so that the allocator's figures are that
@@ -12,6 +12,13 @@ the allocator's peak in each phase, as a multiple of W:
   epoch end      the last batch's end to fit's return (what the runner writes back)
   save           model.save
   at rest        what is allocated after fit, before the save
+
+and, in a second table, the OS's count of the same phases: the resident high-water mark
+(VmHWM of /proc/self/status, reset at each phase's start by writing 5 to
+/proc/self/clear_refs) over the process's resident memory once its strategy is built.
+What the allocator never sees shows there: Python's and Keras's own buffers (model.save
+writes the .keras file's weights into one in memory), the gRPC transport's buffers of the
+collectives, the copies NumPy makes.
 
 Layouts: plain data parallelism, zero1 and zero2 (strategy.scope()), zero3 and the pipeline
 (built in tfdist.host_scope, as the README says), one stage per process: over 2 processes
@@ -70,12 +77,16 @@ def worker(args) -> None:
 
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     peaks: dict[str, float] = {}
+    resident: dict[str, float] = {}
+    baseline = _resident("VmRSS")
 
     def reset() -> None:
         tf.config.experimental.reset_memory_stats("CPU:0")
+        _reset_high_water_mark()
 
-    def peak() -> int:
-        return tf.config.experimental.get_memory_info("CPU:0")["peak"]
+    def peak(phase: str) -> None:
+        peaks[phase] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
+        resident[phase] = _resident("VmHWM") - baseline
 
     reset()
     hosted = args.layout in ("zero3", "pipeline")
@@ -86,16 +97,16 @@ def worker(args) -> None:
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
     if args.recompute:
         tfdist.parallel.recompute_activations(model, units=BLOCKS if args.blocks else None)
-    peaks["construction"] = peak()
+    peak("construction")
     weights = sum(int(np.prod(v.shape)) * 4 for v in model.trainable_variables)
 
     class Phases(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
             if batch == 0:
-                peaks["first step"] = peak()
+                peak("first step")
                 reset()
             elif batch == STEPS - 1:
-                peaks["steps"] = peak()
+                peak("steps")
                 reset()
 
     rng = np.random.default_rng(0)
@@ -113,15 +124,30 @@ def worker(args) -> None:
     }[args.layout]
     reset()
     tfdist.fit(model, data, epochs=1, verbose=0, callbacks=[Phases()], **keywords)
-    peaks["epoch end"] = peak()
+    peak("epoch end")
     rest = tf.config.experimental.get_memory_info("CPU:0")["current"]
     reset()
     task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
     model.save(os.path.join(args.out_dir, f"model{task}.keras"))
-    peaks["save"] = peak()
-    record = {"weights": weights, "rest": rest, **peaks}
+    peak("save")
+    record = {"weights": weights, "rest": rest, **peaks, "resident": resident}
     with open(os.path.join(args.out_dir, f"task{task}.json"), "w") as f:
         json.dump(record, f)
+
+
+def _resident(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (its high-water mark) of this process, in bytes."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {field}")
+
+
+def _reset_high_water_mark() -> None:
+    # Linux: writing 5 resets VmHWM to the resident memory now (proc(5), clear_refs).
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
 
 
 BLOCKS = [f"block{i}" for i in range(4)]
@@ -234,20 +260,29 @@ def main(argv=None) -> int:
         return budget_table(args.layouts, args.workers, int(args.budget_mb * 2**20))
     if args.activations:
         return activations_table(args.layouts, args.workers, args.activations)
+    runs = {(layout, n): run(layout, n) for layout in args.layouts for n in args.workers}
     print("allocator peak per process (the largest over the processes), in W = weight bytes")
     print("| layout | processes | " + " | ".join(PHASES) + " | whole run | at rest |")
     print("|---" * (len(PHASES) + 4) + "|")
-    for layout in args.layouts:
-        for workers in args.workers:
-            records = run(layout, workers)
-            w = records[0]["weights"]
-            cells = [max(r[p] for r in records) / w for p in PHASES]
-            rest = max(r["rest"] for r in records) / w
-            print(
-                f"| {layout} | {workers} | " + " | ".join(f"{c:.2f}" for c in cells)
-                + f" | {max(cells):.2f} | {rest:.2f} |",
-                flush=True,
-            )  # fmt: skip
+    for (layout, workers), records in runs.items():
+        w = records[0]["weights"]
+        cells = [max(r[p] for r in records) / w for p in PHASES]
+        rest = max(r["rest"] for r in records) / w
+        print(
+            f"| {layout} | {workers} | " + " | ".join(f"{c:.2f}" for c in cells)
+            + f" | {max(cells):.2f} | {rest:.2f} |",
+            flush=True,
+        )  # fmt: skip
+    print()
+    print("resident high-water mark per process (VmHWM, reset each phase) over its resident "
+          "memory once the strategy was built, in W")  # fmt: skip
+    print("| layout | processes | " + " | ".join(PHASES) + " | whole run |")
+    print("|---" * (len(PHASES) + 3) + "|")
+    for (layout, workers), records in runs.items():
+        w = records[0]["weights"]
+        cells = [max(r["resident"][p] for r in records) / w for p in PHASES]
+        print(f"| {layout} | {workers} | " + " | ".join(f"{c:.2f}" for c in cells)
+              + f" | {max(cells):.2f} |", flush=True)  # fmt: skip
     return 0
 
 
