@@ -289,9 +289,8 @@ def _cpu_seconds() -> tuple[float, float, float]:
     if _SERVER_PID:
         with contextlib.suppress(OSError, IndexError, ValueError):
             fields = Path(f"/proc/{_SERVER_PID[0]}/stat").read_text().rsplit(")", 1)[1].split()
-            forked = (int(fields[13]) + int(fields[14])) / os.sysconf(
-                "SC_CLK_TCK"
-            )  # cutime, cstime
+            cutime, cstime = int(fields[13]), int(fields[14])  # its reaped children's
+            forked = (cutime + cstime) / os.sysconf("SC_CLK_TCK")
     return own.ru_utime + own.ru_stime, children.ru_utime + children.ru_stime, forked
 
 
@@ -462,22 +461,14 @@ def run_python(
     run; tfdist/launch/preload.py says what differs from a fresh interpreter). A launcher,
     a run without the server, and a `fresh` one start afresh: `fresh` for a program that
     checks what a new interpreter imports (the server has imported tfdist.launch)."""
-    from tfdist.launch.preload import SERVER_ENV, python_program
-
     env = dict(os.environ) if env is None else env
-    path = os.environ.get(SERVER_ENV)
-    program = python_program(argv)
-    if (
-        fresh
-        or not path
-        or program is None
-        or (program[0] == "module" and program[1] in _STARTED_AFRESH)
-    ):
+    preloader = None if fresh else _preloader_for(argv)
+    if preloader is None:
         return subprocess.run(
             argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
     _count_process(argv)
-    task = _preloader(path).spawn(argv, env=env, cwd=str(cwd), stderr_apart=True)
+    task = preloader.spawn(argv, env=env, cwd=str(cwd), stderr_apart=True)
     read: dict[str, str] = {}
 
     def drain(name: str, stream) -> None:
@@ -515,18 +506,15 @@ def start_python(
     hands its children SIGINT ignored). Forked by the preload server where run_python would
     fork it; the returned process answers pid, returncode, poll, wait, send_signal,
     terminate and kill as a Popen does."""
-    from tfdist.launch.preload import SERVER_ENV, python_program
-
     env = dict(os.environ) if env is None else env
-    path = os.environ.get(SERVER_ENV)
-    program = python_program(argv)
-    if not path or program is None or (program[0] == "module" and program[1] in _STARTED_AFRESH):
+    preloader = _preloader_for(argv)
+    if preloader is None:
         return subprocess.Popen(
             argv, cwd=cwd, env=env, stdout=output, stderr=subprocess.STDOUT,
             preexec_fn=_default_sigint if signal.getsignal(signal.SIGINT) is signal.SIG_IGN else None,
         )  # fmt: skip
     _count_process(argv)
-    return _Forked(_preloader(path).spawn(argv, env=env, cwd=str(cwd), output=output.fileno()))
+    return _Forked(preloader.spawn(argv, env=env, cwd=str(cwd), output=output.fileno()))
 
 
 def _default_sigint() -> None:
@@ -564,10 +552,15 @@ class _Forked:
 _PRELOADERS: dict[str, object] = {}
 
 
-def _preloader(path: str):
-    """This pytest process's connection to the preload server at `path`."""
-    from tfdist.launch.preload import Preloader
+def _preloader_for(argv: list[str]):
+    """This pytest process's connection to its preload server, to fork `argv` with; None
+    where it starts afresh: no server (the fast tier), a command the server does
+    not fork, or a launcher."""
+    from tfdist.launch.preload import SERVER_ENV, Preloader, python_program
 
+    path, program = os.environ.get(SERVER_ENV), python_program(argv)
+    if not path or program is None or (program[0] == "module" and program[1] in _STARTED_AFRESH):
+        return None
     if path not in _PRELOADERS:
         preloader = Preloader(["tensorflow", "keras"], env=dict(os.environ), say=print, relay=print)
         assert preloader.connect(path), f"no preload server at {path}"

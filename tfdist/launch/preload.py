@@ -16,10 +16,11 @@ runs no TensorFlow op, so no runtime thread exists when it forks.
 
 What differs from a fresh interpreter: the preloaded modules were imported with the
 launcher's environment, not the task's (TF_CONFIG is read later, when a strategy is made,
-so it is the task's; the task's PYTHONPATH is added to the search path); and the server's
-standard stream objects (their buffering) and hash seed are shared. The `random` module and NumPy's global generator are seeded afresh in
-each task. The imports' objects are frozen out of the garbage collector (gc.freeze), as
-they live as long as a task.
+so it is the task's; the task's PYTHONPATH is added to the search path); the modules the
+server imported, tfdist.launch among them, are imported already; and the server's
+standard stream objects (their buffering) and hash seed are shared. The `random` module
+and NumPy's global generator are seeded afresh in each task. The imports' objects are
+frozen out of the garbage collector (gc.freeze), as they live as long as a task.
 """
 
 from __future__ import annotations
