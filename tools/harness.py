@@ -43,6 +43,16 @@ class Job:
     seconds: float
 
 
+def resident(field: str) -> int:
+    """VmRSS (resident now) or VmHWM (its high-water mark) of this process, in bytes, from
+    /proc/self/status; 0 where it has no such field."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def environment() -> dict[str, str]:
     """This process's environment for a job: no TF_CONFIG (the launcher sets each task's),
     TensorFlow's C++ logs at warnings and above."""

@@ -82,14 +82,6 @@ def ring_bytes(length: int, ranks: int, itemsize: int, phases: tuple[str, ...]) 
     return sent * itemsize
 
 
-def _rss(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 # --- one worker process -------------------------------------------------------------------------
 
 
@@ -125,7 +117,7 @@ def worker(args) -> None:
         "plain": [], "zero1": [ShardedUpdate(1)], "zero2": [ShardedUpdate(2)],
         "zero3": [ShardedParameters()],
     }[args.mode]  # fmt: skip
-    built_rss = _rss("VmRSS")
+    built_rss = harness.resident("VmRSS")
     ends: list[float] = []
 
     class Clock(keras.callbacks.Callback):
@@ -158,8 +150,8 @@ def worker(args) -> None:
     record = {
         "size": args.size, "workers": workers, "mode": args.mode, "task": task,
         "parameters": params, "parameter_bytes": params * 4, "optimizer_state_bytes": state,
-        "reduced_gradient_bytes": gradient, "peak_rss_bytes": _rss("VmHWM"),
-        "training_rss_bytes": _rss("VmHWM") - built_rss,
+        "reduced_gradient_bytes": gradient, "peak_rss_bytes": harness.resident("VmHWM"),
+        "training_rss_bytes": harness.resident("VmHWM") - built_rss,
         "step_seconds": statistics.median(steps), "bytes_sent_per_step": sent,
     }  # fmt: skip
     with open(os.path.join(args.out_dir, f"task{task}.json"), "w") as f:

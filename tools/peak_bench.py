@@ -78,7 +78,7 @@ def worker(args) -> None:
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     peaks: dict[str, float] = {}
     resident: dict[str, float] = {}
-    baseline = _resident("VmRSS")
+    baseline = harness.resident("VmRSS")
 
     def reset() -> None:
         tf.config.experimental.reset_memory_stats("CPU:0")
@@ -86,7 +86,7 @@ def worker(args) -> None:
 
     def peak(phase: str) -> None:
         peaks[phase] = tf.config.experimental.get_memory_info("CPU:0")["peak"]
-        resident[phase] = _resident("VmHWM") - baseline
+        resident[phase] = harness.resident("VmHWM") - baseline
 
     reset()
     hosted = args.layout in ("zero3", "pipeline")
@@ -133,15 +133,6 @@ def worker(args) -> None:
     record = {"weights": weights, "rest": rest, **peaks, "resident": resident}
     with open(os.path.join(args.out_dir, f"task{task}.json"), "w") as f:
         json.dump(record, f)
-
-
-def _resident(field: str) -> int:
-    """VmRSS (resident now) or VmHWM (its high-water mark) of this process, in bytes."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise OSError(f"/proc/self/status has no {field}")
 
 
 def _reset_high_water_mark() -> None:
