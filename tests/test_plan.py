@@ -7,6 +7,7 @@ tfdist.fit (tfdist.DeviceBytes) for every layout that runs here.
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -24,6 +25,7 @@ from tfdist.plan import (
     Unit,
     costs,
     estimate,
+    hybrid_layouts,
     layouts_for,
 )
 from tfdist.plan.cli import main as plan_main
@@ -225,6 +227,87 @@ def test_attention_counts_its_products_and_its_scores():
     assert cost.tensor_blocks == 1
 
 
+# --- layouts that combine axes ------------------------------------------------------------------
+
+
+def split_units() -> ModelCost:
+    """four_units, every weight of which tensor parallelism splits (8 blocks)."""
+    return dataclasses.replace(four_units(), split_bytes=4 * MIB, tensor_blocks=8)
+
+
+def test_hybrid_layouts_keep_each_tensor_group_within_a_host():
+    found = hybrid_layouts(16, 64, units=10, devices_per_host=8)
+    assert found and all(x.devices == 16 for x in found)
+    assert all(8 % x.tensor == 0 for x in found)
+    names = {x.name for x in found}
+    assert "pipeline 2 M=4 x tensor 2 x zero3 x data 4" in names
+    assert "pipeline 2 M=4 v=2 x tensor 2 x zero3 x data 4" in names
+    assert "tensor 8 x zero3 x data 2" in names
+    three = next(x for x in found if x.stages > 1 and x.tensor > 1)
+    assert not three.built(hosts=1)  # pipeline x tensor: not trained by tfdist yet
+    assert ParallelLayout(data=2, tensor=2, zero=3).built(hosts=1)
+    assert not ParallelLayout(data=2, tensor=2, zero=3).built(hosts=2)
+    assert ParallelLayout(data=2, stages=2, micro_batches=2, zero=3).built(hosts=2)
+
+
+def test_a_hybrid_layout_holds_its_share_and_interleaving_halves_its_bubble():
+    """2 stages x 2 tensor x 2 data under zero3: a device holds its stage's weights (half
+    the model) / T / D, and Adam's two slots of that; two chunks a device halve the bubble
+    (the sends of a slot aside)."""
+    training = Training(split_units(), batch=32)
+    layout = ParallelLayout(data=2, stages=2, micro_batches=4, tensor=2, zero=3)
+    e = estimate(layout, training, cluster(per_host=8))
+    assert e.weights == e.gradients == pytest.approx(2 * MIB / 2 / 2)
+    assert e.optimizer == pytest.approx(2 * e.weights)
+    interleaved = dataclasses.replace(layout, chunks=2, schedule="interleaved")
+    v = estimate(interleaved, training, cluster(per_host=8))
+    assert v.bubble == pytest.approx(e.bubble / 2, rel=0.05)
+    unsharded = estimate(dataclasses.replace(layout, zero=0), training, cluster(per_host=8))
+    assert unsharded.weights == pytest.approx(2 * MIB / 2)
+
+
+# --- against published runs ----------------------------------------------------------------------
+
+
+@pytest.mark.slow  # builds and traces keras-hub's Llama in this process
+def test_a_decoder_counted_from_its_shapes_is_the_traced_decoder():
+    """ModelCost.decoder (for a model too big to build) against ModelCost.of on keras-hub's
+    Llama of the same shapes: the same parameters, layer by layer; FLOPs within 1% (the
+    traced count has a few small products more); the split weights within 2%."""
+    from tests import keras_hub_models
+
+    traced = ModelCost.of(keras_hub_models.llama_causal_lm(), example=[(64,), (64,)])
+    shaped = ModelCost.decoder(
+        "llama", layers=2, hidden=16, ffn=32, heads=4, kv_heads=1,
+        vocab=keras_hub_models.VOCAB, sequence=64,
+    )  # fmt: skip
+    assert shaped.params == traced.params
+    assert [u.params for u in shaped.units[1:-1]] == [u.params for u in traced.units[1:-1]]
+    assert shaped.forward_flops == pytest.approx(traced.forward_flops, rel=0.01)
+    assert shaped.split_bytes == pytest.approx(traced.split_bytes, rel=0.02)
+
+
+def test_the_planner_ranks_torchtitans_layouts_for_llama_3_on_h100s():
+    """torchtitan trained Llama 3.1 70B on 256 H100s as 2D (FSDP x TP) and 405B on 512 as
+    3D (PP x FSDP x TP), where interleaved 1F1B ran 1.28x as fast as 1F1B
+    (tools/plan_published.py has the figures and their source)."""
+    from tools import plan_published
+
+    plans = plan_published.torchtitan_plans()
+    cluster_70b, ranked = plans["70B"]
+    first = ranked[0].layout
+    assert (first.stages, first.zero) == (1, 3) and first.tensor > 1 and first.data > 1, first
+    assert ranked[0].fits(cluster_70b)
+    cluster_405b, ranked = plans["405B"]
+    first = ranked[0].layout
+    assert first.stages > 1 and first.tensor > 1 and first.data > 1, first
+    assert ranked[0].fits(cluster_405b)
+    one, interleaved = plans["schedules"]
+    assert one.fits(cluster_405b) and interleaved.fits(cluster_405b)  # as torchtitan ran them
+    speedup = one.step / interleaved.step
+    assert speedup == pytest.approx(plan_published.TORCHTITAN_INTERLEAVED_SPEEDUP, rel=0.10)
+
+
 # --- the console script -------------------------------------------------------------------------
 
 
@@ -271,6 +354,16 @@ def test_a_model_that_gains_from_devices_is_not_planned_on_one():
     assert costs.best_choice(estimates, cluster()) == (
         f"Best: {best.layout.name}, {best.speedup:.1f}x one device's step."
     )
+
+
+def test_tfdist_plan_hybrid_marks_the_layouts_tfdist_does_not_train_yet(capsys):
+    code = plan_main(["--model", "tests.test_plan:tiny", "--batch", "64", "--hybrid",
+                      "--hosts", "2", "--devices_per_host", "4", "--device", "h100"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert any("tensor 2 x data 4 *" in line for line in out.splitlines()), out
+    assert "* not trained by tfdist yet: pipeline x tensor" in out
+    assert "Tensor parallelism is planned on one host only" not in out
 
 
 def tiny() -> keras.Model:

@@ -14,13 +14,23 @@ hardware entered, the predicted scaling efficiency printed beside the published 
    al., 2019: 1536, 1920, 2304, 3072 with 16, 20, 24, 32 heads) and the layers make up
    the parameter count (40, 43, 64, 76).
 
+3. torchtitan's Llama 3.1 runs on H100s (Liang et al., 2024; the torchtitan repository's
+   docs/performance.md): 70B on 256 GPUs as 2D, FSDP 32 x TP 8, global batch 512; 405B on
+   512 GPUs as 3D, PP 8 x FSDP 8 x TP 8, global batch 256, where interleaved 1F1B ran at 128
+   tokens/s/GPU against 1F1B's 100 (1.28x), 72.7 and 82.5 GiB at most per GPU. Sequences of
+   8,192 tokens, full activation checkpointing, bfloat16. Hosts of 8 H100s (96 GB HBM2e,
+   2.4 TB/s) on NVLink, 400 Gb/s RDMA per GPU between hosts. The planner ranks every layout,
+   the hybrids with it, for tfdist's collectives (ZeRO's exchange not overlapped with the
+   passes); the models are counted from their shapes (ModelCost.decoder), and
+   micro-batches as torchtitan's default, one per pipeline stage.
+
 What sets each device's speed: the one-device figure the source gives or points to. For
 Horovod, TensorFlow's published tf_cnn_benchmarks rates on one P100 of a DGX-1 (synthetic
 data, batch 64: Inception V3 142, VGG-16 132, ResNet-152 95.6 images/s; ResNet-101, not
 listed, at ResNet-152's FLOP/s). For Megatron, the 1.2 B model's 1288 ms per iteration on
 one GPU. The predicted efficiency is then the exchange model's alone.
 
-  python -m tools.plan_published          # about a minute (builds the models, no weights
+  python -m tools.plan_published          # about a minute; --tables torchtitan: seconds (builds the models, no weights
                                           # are downloaded)
 """
 
@@ -54,6 +64,13 @@ MEGATRON = [
     (8.7, 8, 1508, 0.796, (3072, 32, 76)),
 ]
 MEGATRON_BATCH, MEGATRON_SEQ, MEGATRON_VOCAB = 8, 1024, 51200
+# torchtitan's Llama 3.1 runs: shapes from Meta's published configs (layers, width, MLP
+# width, query and key/value heads, vocabulary), GPUs, global batch in sequences of 8,192
+# tokens, the layout it ran and the published figures.
+LLAMA_70B = dict(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab=128256)
+LLAMA_405B = dict(layers=126, hidden=16384, ffn=53248, heads=128, kv_heads=8, vocab=128256)
+TORCHTITAN_SEQ = 8192
+TORCHTITAN_INTERLEAVED_SPEEDUP = 128 / 100  # tokens/s/GPU, interleaved 1F1B over 1F1B
 
 
 @dataclasses.dataclass
@@ -167,13 +184,78 @@ def megatron_rows() -> list[Row]:
     return rows
 
 
+def torchtitan_cluster(gpus: int):
+    from tfdist.plan import Cluster, Device, Link
+
+    return Cluster(
+        hosts=gpus // 8, devices_per_host=8,
+        device=Device("h100 (96 GB)", {"bfloat16": 989e12}, 96e9, memory_bandwidth=2.4e12),
+        intra=Link(3e-6, 450e9),  # NVLink 4: 900 GB/s both ways
+        inter=Link(10e-6, 400e9 / 8),  # 400 Gb/s RDMA per GPU
+        efficiency=0.4, tensor_exchange="group", name="Grand Teton",
+    )  # fmt: skip
+
+
+def torchtitan_training(shape: dict, batch: int):
+    from tfdist.plan import ModelCost, Training
+
+    cost = ModelCost.decoder("llama", **shape, sequence=TORCHTITAN_SEQ)
+    return Training(
+        cost, batch=batch, precision="bfloat16", activation_bytes=2, recompute=True
+    )  # fmt: skip
+
+
+def torchtitan_plans() -> dict:
+    """The planner's ranking for each run (hybrids included), and at 405B the step of the
+    layout torchtitan ran under 1F1B and interleaved 1F1B (v = 2)."""
+    from tfdist.plan import ParallelLayout, estimate, plan
+
+    out = {}
+    for name, shape, gpus, batch in (("70B", LLAMA_70B, 256, 512), ("405B", LLAMA_405B, 512, 256)):
+        cluster = torchtitan_cluster(gpus)
+        out[name] = cluster, plan(torchtitan_training(shape, batch), cluster, hybrid=True)
+    cluster = torchtitan_cluster(512)
+    training = torchtitan_training(LLAMA_405B, 256)
+    ran = ParallelLayout(data=8, stages=8, micro_batches=8, tensor=8, zero=3)
+    interleaved = dataclasses.replace(ran, chunks=2, schedule="interleaved")
+    out["schedules"] = [estimate(x, training, cluster) for x in (ran, interleaved)]
+    return out
+
+
+def print_torchtitan() -> None:
+    plans = torchtitan_plans()
+    for name, ran in (("70B", "tensor 8 x zero3 x data 32"),
+                      ("405B", "pipeline 8 M=8 x tensor 8 x zero3 x data 8")):  # fmt: skip
+        cluster, estimates = plans[name]
+        print(f"Llama 3.1 {name} on {cluster.devices} H100s: the planner's first 5 of "
+              f"{len(estimates)} layouts (torchtitan ran {ran})")  # fmt: skip
+        print(f"  {'layout':48s} {'GiB':>6s} {'step s':>7s} {'bubble s':>8s}")
+        names = [e.layout.name for e in estimates]
+        for e in estimates[:5]:
+            print(f"  {e.layout.name:48s} {e.memory / GIB:6.1f} {e.step:7.2f} {e.bubble:8.2f}")
+        if ran in names:
+            e = estimates[names.index(ran)]
+            print(f"  torchtitan's, ranked {names.index(ran) + 1}: {e.memory / GIB:.1f} GiB, "
+                  f"{e.step:.2f} s a step ({e.step / estimates[0].step:.2f}x the first)")  # fmt: skip
+    one, interleaved = plans["schedules"]
+    print(
+        f"405B as torchtitan ran it: 1F1B {one.step:.2f} s a step ({one.memory / GIB:.1f} GiB), "
+        f"interleaved v=2 {interleaved.step:.2f} s ({interleaved.memory / GIB:.1f} GiB): "
+        f"{one.step / interleaved.step:.3f}x; torchtitan measured "
+        f"{TORCHTITAN_INTERLEAVED_SPEEDUP:.2f}x (82.5 and 72.7 GiB)"
+    )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m tools.plan_published", description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
-    parser.add_argument("--tables", default="horovod,megatron")
+    parser.add_argument("--tables", default="horovod,megatron,torchtitan")
     args = parser.parse_args(argv)
+    if "torchtitan" in args.tables:
+        print_torchtitan()
+        print()
     rows = []
     if "horovod" in args.tables:
         rows += horovod_rows(overlap=True)

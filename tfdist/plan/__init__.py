@@ -28,6 +28,7 @@ _EXPORTS = {
     "ParallelLayout": "tfdist.plan.costs",
     "Training": "tfdist.plan.costs",
     "estimate": "tfdist.plan.costs",
+    "hybrid_layouts": "tfdist.plan.costs",
     "layouts_for": "tfdist.plan.costs",
     "plan": "tfdist.plan.costs",
     "ModelCost": "tfdist.plan.model",

@@ -67,6 +67,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--efficiency", type=float, default=0.4, help="share of peak FLOP/s a step reaches"
     )
+    p.add_argument(
+        "--hybrid", action="store_true",
+        help="rank the layouts that combine pipeline, tensor and ZeRO too (those tfdist does "
+        "not train yet are marked *)",
+    )  # fmt: skip
     p.add_argument("--top", type=int, default=0, help="print only the first N layouts (0: all)")
     return p
 
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         training = training_of(model, args)
         from tfdist.plan.costs import plan
 
-        estimates = plan(training, cluster)
+        estimates = plan(training, cluster, hybrid=args.hybrid)
     except PlanError as e:
         print(f"tfdist-plan: error: {e}", file=sys.stderr)
         return 2
@@ -155,6 +160,7 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
     from tfdist.plan.costs import best_choice
 
     model = training.model
+    width = max([28, *(len(_name(e.layout, cluster)) for e in estimates[: top or None])])
     lines = [
         cluster.describe(),
         f"model {model.name}: {_parameters(model.params)}, "
@@ -164,22 +170,28 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         f"example; global batch {training.batch}, {training.precision}, optimizer state "
         f"{model.slots_per_param} x the weights",
         "",
-        f"{'rank':>4s}  {'layout':28s} {'weights':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} "
+        f"{'rank':>4s}  {'layout':{width}s} {'weights':>8s} {'grads':>8s} {'optim':>8s} {'activ':>8s} "
         f"{'buffers':>8s} {'total':>8s} {'fits':>4s} {'step ms':>8s} {'compute':>8s} "
         f"{'exchange':>8s} {'bubble':>8s} {'speedup':>7s} {'effic':>6s}",
     ]
     n = cluster.devices
-    for i, e in enumerate(estimates[: top or None], 1):
+    shown = estimates[: top or None]
+    for i, e in enumerate(shown, 1):
         gib = lambda b: f"{b / GIB:8.2f}"  # noqa: E731
         fits = e.fits(cluster)
         lines.append(
-            f"{(str(i) if fits else '-'):>4s}  {e.layout.name:28s} {gib(e.weights)} {gib(e.gradients)} "
+            f"{(str(i) if fits else '-'):>4s}  {_name(e.layout, cluster):{width}s} {gib(e.weights)} {gib(e.gradients)} "
             f"{gib(e.optimizer)} {gib(e.activations)} {gib(e.buffers)} {gib(e.memory)} "
             f"{('yes' if fits else 'no'):>4s} {_ms(e.step)} {_ms(e.compute)} "
             f"{_ms(e.exchange)} {_ms(e.bubble)} {_times(e.speedup)} "
             f"{e.efficiency(e.layout.devices):6.1%}"
         )
     lines.append("\n" + best_choice(estimates, cluster))
+    if any(not e.layout.built(cluster.hosts) for e in shown):
+        lines.append(
+            "* not trained by tfdist yet: pipeline x tensor, and tensor groups in a job of "
+            "several hosts (docs/guides/combining-layouts.md)."
+        )
     lines.append(
         "\nBytes per device in GiB; step = compute + exchange + bubble; speedup against one "
         f"device training the whole batch (efficiency: speedup / {n}). Layouts that do not fit "
@@ -187,11 +199,15 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         + (
             " Tensor parallelism is planned on one host only: tfdist's split layers run "
             "over one process's devices."
-            if cluster.hosts > 1
+            if cluster.hosts > 1 and all(e.layout.built(cluster.hosts) for e in estimates)
             else ""
         )
     )
     return "\n".join(lines)
+
+
+def _name(layout, cluster: Cluster) -> str:
+    return layout.name + ("" if layout.built(cluster.hosts) else " *")
 
 
 def _ms(seconds: float) -> str:

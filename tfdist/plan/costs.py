@@ -102,6 +102,8 @@ class ParallelLayout:
     tensor: int = 1
     zero: int = 0
     schedule: str = "1f1b"
+    # v, the stages each device holds under the interleaved 1F1B schedule (chunks > 1).
+    chunks: int = 1
     # Where stages 1, 2, ... begin (unit names, as Pipeline's cut_before); None: where
     # their work is about equal (stage_units).
     cut_before: tuple[str, ...] | None = None
@@ -114,7 +116,8 @@ class ParallelLayout:
     def name(self) -> str:
         parts = []
         if self.stages > 1:
-            parts.append(f"pipeline {self.stages} M={self.micro_batches}")
+            interleaved = f" v={self.chunks}" if self.chunks > 1 else ""
+            parts.append(f"pipeline {self.stages} M={self.micro_batches}{interleaved}")
         if self.tensor > 1:
             parts.append(f"tensor {self.tensor}")
         if self.zero:
@@ -122,6 +125,19 @@ class ParallelLayout:
         if self.data > 1:
             parts.append(f"data {self.data}")
         return " x ".join(parts) or "one device"
+
+    @property
+    def combined(self) -> bool:
+        """Whether it combines model-parallel axes, or ZeRO with one (a hybrid layout)."""
+        return (self.stages > 1) + (self.tensor > 1) + (self.zero > 0) > 1
+
+    def built(self, hosts: int) -> bool:
+        """Whether tfdist trains this layout today on `hosts` hosts: every axis alone, and
+        pipeline x ZeRO, and ZeRO x tensor on one host; not yet pipeline x tensor or tensor
+        groups in a job of several hosts (docs/guides/combining-layouts.md)."""
+        if self.tensor > 1 and (self.stages > 1 or hosts > 1):
+            return False
+        return self.chunks == 1 or hosts == 1
 
 
 def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list[ParallelLayout]:
@@ -147,6 +163,36 @@ def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list
         data = devices // tensor
         if batch % devices == 0:
             found.append(ParallelLayout(data=data, tensor=tensor))
+    return found
+
+
+def hybrid_layouts(
+    devices: int, batch: int, units: int, *, devices_per_host: int
+) -> list[ParallelLayout]:
+    """The layouts that combine axes on `devices` devices: S pipeline stages (1F1B, M of
+    S, 2S or 4S micro-batches a pipeline, interleaved over v = 2 stages a device where the
+    model has the units) x T tensor devices within a host x D data replicas, each with ZeRO
+    1-3 over D or none. A tensor group stays within a host (as Megatron-LM keeps it on
+    NVLink)."""
+    found = []
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    for t in (t for t in divisors if devices_per_host % t == 0):
+        for s in (s for s in divisors if s <= units and devices % (t * s) == 0):
+            d = devices // (t * s)
+            if batch % d:
+                continue
+            per_pipeline = batch // d
+            micro = [m for m in (s, 2 * s, 4 * s) if per_pipeline % m == 0] if s > 1 else [1]
+            chunks = [1, 2] if s > 1 and 2 * s <= units else [1]
+            for zero in (0, 1, 2, 3) if d > 1 else (0,):
+                for m in micro:
+                    for v in chunks:
+                        layout = ParallelLayout(
+                            data=d, stages=s, micro_batches=m, tensor=t, zero=zero, chunks=v,
+                            schedule="interleaved" if v > 1 else "1f1b",
+                        )  # fmt: skip
+                        if layout.combined or (t > 1 and s == 1 and devices_per_host < devices):
+                            found.append(layout)
     return found
 
 
@@ -222,7 +268,9 @@ def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Es
     # apart (a group stays within a host where it fits).
     data_link = cluster.link(d, stride=t * s)
     one = batch * per_example / speed + update_time(w, model.slots_per_param, cluster)
-    if s > 1:
+    if layout.combined or layout.chunks > 1:
+        est = _hybrid(layout, training, cluster, speed, data_link)
+    elif s > 1:
         est = _pipeline(layout, training, cluster, speed, data_link)
     elif t > 1:
         est = _tensor(layout, training, cluster, w, act, speed, data_link)
@@ -383,26 +431,7 @@ def _tensor(layout, training, cluster, w, act, speed, data_link) -> Estimate:
     compute += update_time(held, model.slots_per_param, cluster)
     activation = model.block_activation_bytes * training.activation_scale()
     group_batch = local * t
-    forwards = passes - 2  # the forward pass, and its recomputation
-    if cluster.tensor_exchange == "group":
-        # Within the group: an all-gather of its examples and a reduce-scatter of the
-        # partial sums, forward and the same backward (Megatron's all-reduce, in bytes).
-        link = cluster.link(t)
-        one = all_gather(activation * group_batch, t, link) + reduce_scatter(
-            activation * group_batch, t, link
-        )
-        per_block = (forwards + 1) * one
-    else:
-        # tfdist's layers (tensor/mappings.py) gather over every replica: forward an
-        # all-gather of each replica's examples and one of each replica's partial sums (its
-        # group's examples long); backward their gradients, two all-reduces of those sizes.
-        # Each gather of the examples first gathers every replica's batch size (4 bytes).
-        n = t * d
-        link = cluster.link(n)
-        inputs, partials = activation * local * n, activation * group_batch * n
-        gathers = all_gather(4 * n, n, link) + all_gather(inputs, n, link)
-        per_block = forwards * (gathers + all_gather(partials, n, link))
-        per_block += all_reduce(inputs, n, link) + all_reduce(partials, n, link)
+    per_block = _block_exchange(activation, local, t, d, passes - 2, cluster)
     exchange = model.tensor_blocks * per_block
     exchange += all_reduce(rest, t * d, cluster.link(t * d))
     exchange += all_reduce(split_bytes / t, d, data_link)
@@ -412,9 +441,112 @@ def _tensor(layout, training, cluster, w, act, speed, data_link) -> Estimate:
     )  # fmt: skip
 
 
-def plan(training: Training, cluster: Cluster, devices: int | None = None) -> list[Estimate]:
+def _kept(units: Sequence[Unit], training: Training) -> float:
+    """The activation bytes per example a device keeps for `units`' backward pass: all of
+    them, or with recomputation each unit's input only, plus the one unit being recomputed."""
+    scale = training.activation_scale()
+    if not training.recompute:
+        return sum(u.activation_bytes for u in units) * scale
+    inputs = sum(u.output_bytes for u in units)  # each unit's input: the one before's output
+    return (inputs + max((u.activation_bytes for u in units), default=0.0)) * scale
+
+
+def _hybrid(layout, training, cluster, speed, data_link) -> Estimate:
+    """S stages (v chunks a device, interleaved) x T tensor devices x D data replicas, ZeRO
+    over D. Each device computes 1/T of its stage for each micro-batch of B/(D M) examples,
+    with its blocks' tensor exchanges on the way; the pipeline's path is M + (S-1)/v of
+    those slots; its stage's state is exchanged over D as ZeRO's stage does."""
+    model, batch = training.model, training.batch
+    s, t, d, m, v, z = (layout.stages, layout.tensor, layout.data, layout.micro_batches,
+                        layout.chunks, layout.zero)  # fmt: skip
+    scale = training.weight_bytes / 4
+    share = model.split_bytes / model.trainable_bytes if model.trainable_bytes else 0.0
+    split = share / t + 1 - share  # what of a weight's bytes a tensor device holds
+    cut = layout.cut_before if v == 1 else None
+    chunks = stage_units(model.units, s * v, cut)
+    per_device = [[u for c in chunks[i::s] for u in c] for i in range(s)]  # device i: i, i+s..
+    held = [sum(u.param_bytes for u in units) * scale * split for units in per_device]
+    flops = [sum(u.forward_flops for u in units) for units in per_device]
+    micro = batch / (d * m)  # a micro-batch's examples, shared by its tensor group
+    passes = 4 if training.recompute else 3
+    work = [passes * f * micro / t / speed for f in flops]
+    width = model.block_activation_bytes * training.activation_scale()
+    total = model.forward_flops or 1.0
+    tensor = [
+        model.tensor_blocks * f / total * _block_exchange(width, micro / t, t, d, passes - 2, cluster)
+        for f in flops
+    ] if t > 1 else [0.0] * s  # fmt: skip
+    # A cut sends its activation forward and its gradient back, each tensor device its 1/T.
+    sends = [c[-1].output_bytes * training.activation_scale() * micro / t for c in chunks[:-1]]
+    hop = 2 * v * point_to_point(max(sends), cluster.link(s, stride=t)) if sends else 0.0
+    slot = max(w + x for w, x in zip(work, tensor, strict=True)) + hop
+    compute = _pooled(m * max(work), [m * w for w in work] * (d * t), cluster)
+    big = max(range(s), key=lambda i: held[i])
+    h = held[big]
+    slots = model.slots_per_param
+    compute += update_time(h / (d if z else 1), slots, cluster)
+    data = {
+        0: all_reduce(h, d, data_link),
+        1: all_reduce(h, d, data_link) + all_gather(h, d, data_link),
+        2: reduce_scatter(h, d, data_link) + all_gather(h, d, data_link),
+        3: 2 * all_gather(h, d, data_link) + reduce_scatter(h, d, data_link),
+    }[z]
+    if cluster.overlap and z == 0:  # all-reduced behind the backward passes (as `estimate`)
+        data = max(0.0, data - m * max(work))
+    exchange = m * (slot - max(work)) + data
+    bubble = (s - 1) / v * slot
+    ww, g, oo = {
+        0: (h, h, slots * h),
+        1: (h, h, (slots * h + h) / d),
+        2: (h, h, (slots * h + h) / d),
+        3: (h / d, h / d, slots * h / d),
+    }[z]
+    # Micro-batches in flight on the first device: GPipe all M; 1F1B S; interleaved its
+    # warm-up's 2(S-1) + (v-1)S chunks and one more, each 1/v of its stage.
+    if layout.schedule == "gpipe":
+        flight = m
+    elif v > 1:
+        flight = min(m * v, 2 * (s - 1) + (v - 1) * s + 1) / v
+    else:
+        flight = min(m, s)
+    activations = max(_kept(units, training) for units in per_device) * micro / t * flight
+    largest = max((u.param_bytes for u in model.units), default=0) * scale * split
+    buffers = (2 * largest if z == 3 else 0.0) + (max(sends) if sends else 0.0)
+    buffers += h if m > 1 else 0.0  # a micro-batch's gradients beside the sum so far
+    return Estimate(layout, ww, g, oo, activations, buffers, compute, exchange, bubble)
+
+
+def _block_exchange(activation, local, t, d, forwards, cluster) -> float:
+    """One split block's exchanges in a step: `activation` bytes per example, `local`
+    examples a replica, T devices a tensor group, D groups, `forwards` forward passes (2
+    when activations are recomputed)."""
+    group_batch = local * t
+    if cluster.tensor_exchange == "group":
+        # Within the group: an all-gather of its examples and a reduce-scatter of the
+        # partial sums, forward and the same backward (Megatron's all-reduce, in bytes).
+        link = cluster.link(t)
+        one = all_gather(activation * group_batch, t, link) + reduce_scatter(
+            activation * group_batch, t, link
+        )
+        return (forwards + 1) * one
+    # tfdist's layers (tensor/mappings.py) gather over every replica: forward an all-gather
+    # of each replica's examples and one of each replica's partial sums (its group's
+    # examples long); backward their gradients, two all-reduces of those sizes. Each
+    # gather of the examples first gathers every replica's batch size (4 bytes).
+    n = t * d
+    link = cluster.link(n)
+    inputs, partials = activation * local * n, activation * group_batch * n
+    gathers = all_gather(4 * n, n, link) + all_gather(inputs, n, link)
+    per_block = forwards * (gathers + all_gather(partials, n, link))
+    return per_block + all_reduce(inputs, n, link) + all_reduce(partials, n, link)
+
+
+def plan(
+    training: Training, cluster: Cluster, devices: int | None = None, *, hybrid: bool = False
+) -> list[Estimate]:
     """Every layout on the cluster's devices (or `devices` of them), fitting ones first,
-    fastest first.
+    fastest first; with `hybrid`, the layouts that combine axes too (`hybrid_layouts`,
+    some not built in tfdist yet: `ParallelLayout.built`).
 
     One device training the whole batch is among them (`ParallelLayout()`, named "one
     device"), so a model too small to gain from splitting its step ranks it first, and
@@ -424,6 +556,9 @@ def plan(training: Training, cluster: Cluster, devices: int | None = None) -> li
     units = len(training.model.units)
     hosts = -(-n // cluster.devices_per_host)
     layouts = layouts_for(n, training.batch, units, hosts=hosts)
+    if hybrid:
+        more = hybrid_layouts(n, training.batch, units, devices_per_host=cluster.devices_per_host)
+        layouts += [x for x in more if x not in layouts]
     if n > 1:
         # The reference every speed-up is measured against is a choice too.
         layouts.append(ParallelLayout())

@@ -129,6 +129,70 @@ class ModelCost:
             slots_per_param=slots_per_param(getattr(model, "optimizer", None)),
         )
 
+    @classmethod
+    def decoder(
+        cls,
+        name: str,
+        *,
+        layers: int,
+        hidden: int,
+        ffn: int,
+        heads: int,
+        kv_heads: int,
+        vocab: int,
+        sequence: int,
+        slots_per_param: int = 2,
+    ) -> ModelCost:
+        """A Llama-style decoder counted from its shapes, for a model too big to build here
+        (Llama 3 70B and 405B): a token embedding, `layers` blocks of grouped-query attention
+        and a gated MLP (SwiGLU: gate, up and down projections), a final norm and an untied
+        head. Per example of `sequence` tokens, in float32 as `of` counts:
+
+          a block's FLOPs      2 S (2 H^2 + 2 H K + 3 H F) for its projections and 4 S^2 H
+                               for attention's scores and weighted sum (the full square,
+                               as `of` counts an unmasked product)
+          what a block keeps   its products' and non-linearities' outputs, attention fused
+                               (no S x S scores kept: flash attention): S (6 H + 2 K + 4 F)
+          what a cut sends     S H
+
+        with H the width, F the MLP's, K the keys' and values' width (kv_heads x H / heads).
+        Tensor parallelism splits every matrix (Megatron: the embedding and head by the
+        vocabulary); each block makes two split exchanges (attention, MLP), the embedding
+        and the head one each.
+        """
+        s, h, f, k = sequence, hidden, ffn, kv_heads * hidden // heads
+        width = 4 * s * h  # float32 bytes of one activation of the model's width
+        block_params = 2 * h * h + 2 * h * k + 3 * h * f
+        embedding = Unit(
+            "token_embedding", params=vocab * h, param_bytes=4 * vocab * h,
+            activation_bytes=width, output_bytes=width,
+        )  # fmt: skip
+        block = block_params + 2 * h  # and its two norms' scales
+        blocks = [
+            Unit(
+                f"transformer_layer_{i}",
+                params=block,
+                param_bytes=4 * block,
+                forward_flops=2.0 * s * block_params + 4.0 * s * s * h,
+                activation_bytes=4.0 * s * (6 * h + 2 * k + 4 * f),
+                output_bytes=width,
+            )  # fmt: skip
+            for i in range(layers)
+        ]
+        head = Unit(
+            "head", params=vocab * h + h, param_bytes=4 * (vocab * h + h),
+            forward_flops=2.0 * s * h * vocab, activation_bytes=4.0 * s * (vocab + h),
+            output_bytes=4.0 * s * vocab,
+        )  # fmt: skip
+        units = [embedding, *blocks, head]
+        params = sum(u.params for u in units)
+        return cls(
+            name=name, units=units, trainable_params=params, trainable_bytes=4 * params,
+            slots_per_param=slots_per_param,
+            split_bytes=4 * (layers * block_params + 2 * vocab * h),
+            tensor_blocks=2 * layers + 2,
+        )  # fmt: skip
+
 
 def slots_per_param(optimizer) -> int:
     """How many copies of each weight `optimizer` keeps (Adam 2, SGD with momentum 1, ...),
