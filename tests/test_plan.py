@@ -266,6 +266,43 @@ def test_a_hybrid_layout_holds_its_share_and_interleaving_halves_its_bubble():
     assert unsharded.weights == pytest.approx(2 * MIB / 2)
 
 
+def test_the_hybrid_arithmetic_on_one_axis_is_the_single_axis_arithmetic():
+    """_hybrid, given a layout of one axis, predicts what the pipeline's and the tensor
+    layout's own arithmetic predict: the same bytes held and the step within 1% (its
+    sends are counted per slot)."""
+    training = Training(split_units(), batch=64, recompute=True)
+    c = cluster(per_host=8)
+    for layout in (
+        ParallelLayout(data=2, stages=4, micro_batches=8),
+        ParallelLayout(data=2, tensor=4),
+    ):
+        single = estimate(layout, training, c)
+        link = c.link(layout.data, stride=layout.tensor * layout.stages)
+        hybrid = costs._hybrid(layout, training, c, 1e12, link)
+        for field in ("weights", "gradients", "optimizer", "activations"):
+            assert getattr(hybrid, field) == pytest.approx(getattr(single, field)), (layout, field)
+        assert hybrid.step == pytest.approx(single.step, rel=0.01), layout
+
+
+def test_the_planner_prints_the_calls_that_train_its_choice():
+    """What to paste: the stages' cut points (where the FLOPs balance), the tensor degree
+    and the ZeRO stage."""
+    layout = ParallelLayout(data=2, stages=2, micro_batches=4, zero=3)
+    assert costs.recipe(layout, four_units()).splitlines() == [
+        "# a strategy of 4 replica(s): tfdist.build_strategy(...)",
+        "tfdist.fit(model, dataset, pipeline=tfdist.parallel.Pipeline(cut_before=['u2'], "
+        "micro_batches=4), shard_optimizer='zero3')",
+    ]
+    interleaved = ParallelLayout(
+        data=1, stages=2, micro_batches=4, chunks=2, schedule="interleaved"
+    )
+    assert "cut_before=['u1', 'u2', 'u3'], micro_batches=4, schedule='interleaved', " \
+        "chunks_per_device=2" in costs.recipe(interleaved, four_units())  # fmt: skip
+    assert costs.recipe(ParallelLayout(data=2, tensor=2), four_units()).splitlines()[1] == (
+        "tfdist.parallel.tensor_parallel(model, degree=2)"
+    )
+
+
 # --- against published runs ----------------------------------------------------------------------
 
 
@@ -364,6 +401,14 @@ def test_tfdist_plan_hybrid_marks_the_layouts_tfdist_does_not_train_yet(capsys):
     assert any("tensor 2 x data 4 *" in line for line in out.splitlines()), out
     assert "* not trained by tfdist yet: pipeline x tensor" in out
     assert "Tensor parallelism is planned on one host only" not in out
+    # A batch large enough to gain from the 8 devices: the calls that train the best, to paste
+    code = plan_main(["--model", "tests.test_plan:tiny", "--batch", str(2**22), "--top", "3",
+                      "--hybrid", "--hosts", "2", "--devices_per_host", "4", "--device", "h100"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0, out
+    paste = out.split("To train it:\n")[1].splitlines()
+    assert paste[0] == "    # a strategy of 8 replica(s): tfdist.build_strategy(...)", out
+    assert paste[1].startswith("    tfdist.fit(model, dataset"), out
 
 
 def tiny() -> keras.Model:

@@ -31,6 +31,7 @@ _EXPORTS = {
     "hybrid_layouts": "tfdist.plan.costs",
     "layouts_for": "tfdist.plan.costs",
     "plan": "tfdist.plan.costs",
+    "recipe": "tfdist.plan.costs",
     "ModelCost": "tfdist.plan.model",
     "Unit": "tfdist.plan.model",
 }

@@ -17,6 +17,7 @@ import importlib
 import math
 import os
 import sys
+import textwrap
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # before anything loads TensorFlow
@@ -157,7 +158,7 @@ def training_of(model, args):
 
 
 def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
-    from tfdist.plan.costs import best_choice
+    from tfdist.plan.costs import best_choice, recipe
 
     model = training.model
     width = max([28, *(len(_name(e.layout, cluster)) for e in estimates[: top or None])])
@@ -187,10 +188,22 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
             f"{e.efficiency(e.layout.devices):6.1%}"
         )
     lines.append("\n" + best_choice(estimates, cluster))
+    trained = [e for e in estimates if e.fits(cluster) and e.layout.built(cluster.hosts)]
+    if trained and trained[0].layout.devices > 1:
+        best = trained[0].layout
+        lines.append(
+            (
+                "To train it:"
+                if trained[0] is estimates[0]
+                else f"The fastest layout tfdist trains today, {best.name}:"
+            )  # fmt: skip
+            + "\n"
+            + textwrap.indent(recipe(best, model), "    ")
+        )
     if any(not e.layout.built(cluster.hosts) for e in shown):
         lines.append(
-            "* not trained by tfdist yet: pipeline x tensor, and tensor groups in a job of "
-            "several hosts (docs/guides/combining-layouts.md)."
+            "* not trained by tfdist yet: pipeline x tensor, and in a job of several hosts "
+            "tensor groups or the interleaved schedule (docs/guides/combining-layouts.md)."
         )
     lines.append(
         "\nBytes per device in GiB; step = compute + exchange + bubble; speedup against one "

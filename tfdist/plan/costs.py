@@ -259,7 +259,7 @@ def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Es
     scale = training.weight_bytes / 4
     w = model.trainable_bytes * scale
     o = model.slots_per_param * w
-    act = model.activation_bytes * training.activation_scale()
+    act = _kept(model.units, training)
     speed = cluster.device.peak(training.precision) * cluster.efficiency
     passes = 4 if training.recompute else 3
     per_example = passes * model.forward_flops
@@ -403,8 +403,7 @@ def _pipeline(layout, training, cluster, speed, data_link) -> Estimate:
     # Micro-batches whose activations stage i holds at once: GPipe all M, 1F1B S - i.
     held_at_once = [m if layout.schedule == "gpipe" else min(m, s - i) for i in range(s)]
     activations = max(
-        sum(u.activation_bytes for u in g) * training.activation_scale() * micro * k
-        for g, k in zip(groups, held_at_once, strict=True)
+        _kept(g, training) * micro * k for g, k in zip(groups, held_at_once, strict=True)
     )
     boundary = max(g[-1].output_bytes for g in groups) * training.activation_scale() * micro
     # With M > 1, a micro-batch's gradients exist beside the sum so far as they are added.
@@ -501,18 +500,23 @@ def _hybrid(layout, training, cluster, speed, data_link) -> Estimate:
         2: (h, h, (slots * h + h) / d),
         3: (h / d, h / d, slots * h / d),
     }[z]
-    # Micro-batches in flight on the first device: GPipe all M; 1F1B S; interleaved its
-    # warm-up's 2(S-1) + (v-1)S chunks and one more, each 1/v of its stage.
-    if layout.schedule == "gpipe":
-        flight = m
-    elif v > 1:
-        flight = min(m * v, 2 * (s - 1) + (v - 1) * s + 1) / v
-    else:
-        flight = min(m, s)
-    activations = max(_kept(units, training) for units in per_device) * micro / t * flight
+
+    # Micro-batches in flight on device i: GPipe all M; 1F1B S - i; interleaved its warm-up's
+    # 2(S-i-1) + (v-1)S chunks and one more, each 1/v of its stage.
+    def flight(i: int) -> float:
+        if layout.schedule == "gpipe":
+            return m
+        if v > 1:
+            return min(m * v, 2 * (s - i - 1) + (v - 1) * s + 1) / v
+        return min(m, s - i)
+
+    activations = max(
+        _kept(units, training) * micro / t * flight(i) for i, units in enumerate(per_device)
+    )
     largest = max((u.param_bytes for u in model.units), default=0) * scale * split
     buffers = (2 * largest if z == 3 else 0.0) + (max(sends) if sends else 0.0)
     buffers += h if m > 1 else 0.0  # a micro-batch's gradients beside the sum so far
+    buffers += width * micro if t > 1 else 0.0  # a split block's gathered activation
     return Estimate(layout, ww, g, oo, activations, buffers, compute, exchange, bubble)
 
 
@@ -595,3 +599,29 @@ def best_choice(estimates: Sequence[Estimate], cluster: Cluster) -> str:
         "the compute it divides. Train on one device, or give each device more work (a "
         "larger global batch or model)."
     )
+
+
+def recipe(layout: ParallelLayout, model: ModelCost) -> str:
+    """The tfdist calls that train `layout`, to paste: the model's cut points where its
+    stages begin (the units whose FLOPs `stage_units` balances), its tensor degree and the
+    ZeRO stage, on a strategy of `layout.devices` replicas."""
+    lines = [f"# a strategy of {layout.devices} replica(s): tfdist.build_strategy(...)"]
+    if layout.tensor > 1:
+        lines.append(f"tfdist.parallel.tensor_parallel(model, degree={layout.tensor})")
+    options = []
+    if layout.stages > 1:
+        groups = stage_units(model.units, layout.stages * layout.chunks, layout.cut_before)
+        cuts = [g[0].name for g in groups[1:]]
+        interleaved = (
+            f", schedule='interleaved', chunks_per_device={layout.chunks}"
+            if layout.chunks > 1
+            else ""
+        )
+        options.append(
+            f"pipeline=tfdist.parallel.Pipeline(cut_before={cuts}, "
+            f"micro_batches={layout.micro_batches}{interleaved})"
+        )
+    if layout.zero:
+        options.append(f"shard_optimizer='zero{layout.zero}'")
+    lines.append("tfdist.fit(" + ", ".join(["model", "dataset", *options]) + ")")
+    return "\n".join(lines)
