@@ -606,6 +606,11 @@ def recipe(layout: ParallelLayout, model: ModelCost) -> str:
     stages begin (the units whose FLOPs `stage_units` balances), its tensor degree and the
     ZeRO stage, on a strategy of `layout.devices` replicas."""
     lines = [f"# a strategy of {layout.devices} replica(s): tfdist.build_strategy(...)"]
+    if layout.stages > 1 or layout.tensor > 1 or layout.zero == 3:
+        lines.append(
+            "# the model built and compiled under tfdist.host_scope(strategy): no device "
+            "holds it whole"
+        )
     if layout.tensor > 1:
         lines.append(f"tfdist.parallel.tensor_parallel(model, degree={layout.tensor})")
     options = []
