@@ -47,9 +47,16 @@ def kill_after_first_checkpoint(proc: subprocess.Popen, model_dir: Path, task: s
     A checkpoint counts once the manager's state file names it: its `.index` appears while
     it is still being written (a ps killed then is a case of its own, not tested here)."""
     deadline = time.monotonic() + 180
+    log = model_dir.parent / f"{model_dir.name}.log"  # where both callers write the job's
     while not (model_dir / "checkpoints" / "checkpoint").exists():
-        assert proc.poll() is None, "the job ended before its first checkpoint"
-        assert time.monotonic() < deadline, "no checkpoint within 180 s"
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"the job ended (exit {proc.returncode}) before its first checkpoint:\n"
+                + log.read_text()[-4000:]
+            )
+        assert time.monotonic() < deadline, (
+            "no checkpoint within 180 s:\n" + log.read_text()[-4000:]
+        )
         time.sleep(0.05)
     assert not (model_dir / "summary.json").exists()
     pid = task_pid(proc.pid, task)
