@@ -274,6 +274,36 @@ def test_llama_under_its_own_map_with_zero3_trains_as_keras_on_one_device(llama_
     assert [w.path for w in dense.weights] == [w.path for w in reference.weights]
 
 
+@pytest.mark.parametrize("name, backbone", [("qwen", "QwenBackbone"), ("gemma", "GemmaBackbone")])
+def test_qwen_and_gemma_under_their_own_maps_with_zero3_train_as_keras_on_one_device(
+    name, backbone
+):
+    """keras-hub's Qwen (biased query, key and value projections) and Gemma (its logits from
+    the embedding table, tied) split by their own layout maps over 2 x 2, each part sharded
+    over its data group (zero3), fit twice; their plain Keras copies hold each weight once."""
+    import keras_hub
+
+    from tests import keras_hub_models
+
+    make = getattr(keras_hub_models, f"{name}_causal_lm")
+    reference = make()
+    history = reference.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
+    with tfdist.host_scope(mirrored()):
+        model = make()
+    tensor_parallel(model, layout_map=getattr(keras_hub.models, backbone).get_layout_map(mesh()))
+    got = [
+        tfdist.fit(model, keras_hub_models.token_data(), verbose=0, shard_optimizer="zero3")
+        for _ in range(2)
+    ]
+    assert [h.history["loss"][0] for h in got] == pytest.approx(history.history["loss"], abs=1e-5)
+    for v, want, have in zip(
+        reference.weights, reference.get_weights(), model.get_weights(), strict=True
+    ):
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+    dense = tfdist.parallel.dense_model(model)
+    assert [w.path for w in dense.weights] == [w.path for w in reference.weights]
+
+
 @pytest.mark.xdist_group("layouts_llama")
 def test_llama_in_a_pipeline_with_zero3_stages_trains_as_keras_on_one_device(llama_reference):
     """The Llama cut inside its backbone into 2 stages x 2 pipelines, each stage's weights
