@@ -26,6 +26,10 @@ grouped as tfdist runs each layout:
                    tensor_exchange="group", within the group only (Megatron-LM); the
                    replicated weights' gradients all-reduced over T x D, the split ones'
                    over D
+  S x T x D        combined (hybrid_layouts): per micro-batch each device computes 1/T
+                   of its stage with its blocks' tensor exchanges (the group's examples),
+                   the path M + (S-1)/v slots (v stages a device, interleaved); its
+                   stage's state exchanged over D as the data and ZeRO layouts above
 
 Bytes per device at the step's peak, for W the weights' bytes, G the gradients' (as the
 weights), O the optimizer's state (slots x W), A the activations one example keeps (ZeRO:
@@ -461,8 +465,7 @@ def _hybrid(layout, training, cluster, speed, data_link) -> Estimate:
     scale = training.weight_bytes / 4
     share = model.split_bytes / model.trainable_bytes if model.trainable_bytes else 0.0
     split = share / t + 1 - share  # what of a weight's bytes a tensor device holds
-    cut = layout.cut_before if v == 1 else None
-    chunks = stage_units(model.units, s * v, cut)
+    chunks = stage_units(model.units, s * v, layout.cut_before)  # cut_before: S v - 1 names
     per_device = [[u for c in chunks[i::s] for u in c] for i in range(s)]  # device i: i, i+s..
     held = [sum(u.param_bytes for u in units) * scale * split for units in per_device]
     flops = [sum(u.forward_flops for u in units) for units in per_device]
