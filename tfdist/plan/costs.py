@@ -262,7 +262,6 @@ def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Es
         )
     scale = training.weight_bytes / 4
     w = model.trainable_bytes * scale
-    o = model.slots_per_param * w
     act = _kept(model.units, training)
     speed = cluster.device.peak(training.precision) * cluster.efficiency
     passes = 4 if training.recompute else 3
@@ -280,19 +279,7 @@ def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Es
         est = _tensor(layout, training, cluster, w, act, speed, data_link)
     else:
         local = batch / d
-        if layout.zero == 0:
-            exchange, g, oo, ww = all_reduce(w, d, data_link), w, o, w
-        elif layout.zero == 1:
-            # tfdist's stages 1 and 2 also keep the slice's weights for its optimizer copy.
-            exchange = all_reduce(w, d, data_link) + all_gather(w, d, data_link)
-            g, oo, ww = w, (o + w) / d, w
-        elif layout.zero == 2:
-            # The backward pass forms each whole gradient before it is reduce-scattered.
-            exchange = reduce_scatter(w, d, data_link) + all_gather(w, d, data_link)
-            g, oo, ww = w, (o + w) / d, w
-        else:
-            exchange = 2 * all_gather(w, d, data_link) + reduce_scatter(w, d, data_link)
-            g, oo, ww = w / d, o / d, w / d
+        exchange, ww, g, oo = _zero(w, model.slots_per_param, d, layout.zero, data_link)
         forward_backward = local * per_example / speed
         if cluster.overlap and layout.zero == 0:
             exchange = _exposed(model, scale, forward_backward, d, data_link, cluster.fusion_bytes)
@@ -310,6 +297,21 @@ def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Es
     est = dataclasses.replace(est, compute=est.compute + cluster.step_overhead)
     one += cluster.step_overhead
     return dataclasses.replace(est, speedup=one / est.step if est.step else 0.0)
+
+
+def _zero(w: float, slots: int, d: int, zero: int, link: Link) -> tuple[float, float, float, float]:
+    """The exchange over D replicas, and the weights, gradients and optimizer state each
+    holds, of `w` bytes of weights under ZeRO stage `zero` (0: plain data parallelism)."""
+    o = slots * w
+    if zero == 0:
+        return all_reduce(w, d, link), w, w, o
+    if zero in (1, 2):
+        # zero1 all-reduces the gradients, zero2 reduce-scatters them: the backward pass
+        # forms each whole gradient first. tfdist's stages 1 and 2 also keep the slice's
+        # weights for its optimizer copy; both gather the updated weights.
+        reduce = all_reduce(w, d, link) if zero == 1 else reduce_scatter(w, d, link)
+        return reduce + all_gather(w, d, link), w, w, (o + w) / d
+    return 2 * all_gather(w, d, link) + reduce_scatter(w, d, link), w / d, w / d, o / d
 
 
 def update_time(held_bytes: float, slots: int, cluster: Cluster) -> float:
@@ -487,22 +489,11 @@ def _hybrid(layout, training, cluster, speed, data_link) -> Estimate:
     h = held[big]
     slots = model.slots_per_param
     compute += update_time(h / (d if z else 1), slots, cluster)
-    data = {
-        0: all_reduce(h, d, data_link),
-        1: all_reduce(h, d, data_link) + all_gather(h, d, data_link),
-        2: reduce_scatter(h, d, data_link) + all_gather(h, d, data_link),
-        3: 2 * all_gather(h, d, data_link) + reduce_scatter(h, d, data_link),
-    }[z]
+    data, ww, g, oo = _zero(h, slots, d, z, data_link)
     if cluster.overlap and z == 0:  # all-reduced behind the backward passes (as `estimate`)
         data = max(0.0, data - m * max(work))
     exchange = m * (slot - max(work)) + data
     bubble = (s - 1) / v * slot
-    ww, g, oo = {
-        0: (h, h, slots * h),
-        1: (h, h, (slots * h + h) / d),
-        2: (h, h, (slots * h + h) / d),
-        3: (h / d, h / d, slots * h / d),
-    }[z]
 
     # Micro-batches in flight on device i: GPipe all M; 1F1B S - i; interleaved its warm-up's
     # 2(S-i-1) + (v-1)S chunks and one more, each 1/v of its stage.
