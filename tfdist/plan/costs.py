@@ -195,6 +195,7 @@ def hybrid_layouts(
                             data=d, stages=s, micro_batches=m, tensor=t, zero=zero, chunks=v,
                             schedule="interleaved" if v > 1 else "1f1b",
                         )  # fmt: skip
+                        # tensor x data alone is layouts_for's on one host; across hosts here
                         if layout.combined or (t > 1 and s == 1 and devices_per_host < devices):
                             found.append(layout)
     return found
