@@ -28,7 +28,7 @@ import tensorflow as tf
 
 from tfdist.data.contract import SPLITS, DatasetInfo, ImageDataset, check_split, split_index
 from tfdist.data.images import IMAGES_PREFIX, prepare_image_folder
-from tfdist.data.pipeline import PipelineOptions, finish, tfrecord_dataset
+from tfdist.data.pipeline import PipelineOptions, as_written, finish, tfrecord_dataset
 from tfdist.data.records import META_SUFFIX, DataError, find_records, write_tfrecords
 from tfdist.storage import PATH_ERRORS, check_writable_directory
 
@@ -61,6 +61,7 @@ class TFRecordImages:
 
         shape = self.info.image_shape
 
+        @as_written
         def to_contract(batch):
             images = tf.reshape(batch[image_key], [-1, *shape])  # [B, H, W] gains its channel
             return tf.cast(images, tf.float32) * scale, tf.cast(batch[label_key], tf.int32)

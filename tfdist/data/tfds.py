@@ -24,7 +24,7 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from tfdist.data.contract import SPLITS, DatasetInfo
-from tfdist.data.pipeline import PipelineOptions, finish
+from tfdist.data.pipeline import PipelineOptions, as_written, finish
 from tfdist.data.records import DataError
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,7 @@ class TFDSImages:
 
         # Converting whole batches after batching keeps uint8 pixels in the cache and the
         # shuffle buffer (a quarter of the memory of float32) and vectorises the cast.
+        @as_written
         def to_contract(batch):
             image = tf.cast(batch[image_key], tf.float32)
             if scale != 1.0:
