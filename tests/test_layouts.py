@@ -90,7 +90,7 @@ def mlp_reference():
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
-    stage, mlp_reference, tmp_path
+    stage, mlp_reference, tmp_path, caplog
 ):
     """2-way tensor x 2-way data, each part's optimizer state (zero1, zero2) or the part
     itself too (zero3) sharded over the replicas that hold it: 2 for a split weight's part,
@@ -106,10 +106,14 @@ def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
         model = mlp()
     tensor_parallel(model, layout_map=mlp_layout())
     plan = plan_of(model)
-    got = [
-        tfdist.fit(model, data(), verbose=0, shard_optimizer=stage, callbacks=[record])
-        for _ in range(2)
-    ]
+    with caplog.at_level("INFO", logger="tfdist"):
+        got = [
+            tfdist.fit(model, data(), verbose=0, shard_optimizer=stage, callbacks=[record])
+            for _ in range(2)
+        ]
+    # The layout in one line, in the planner's form.
+    line = f"(mirrored); trained as tensor 2 x {stage} x data 2 over 4 devices in 1 process"
+    assert line in caplog.text
     assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
     for v, want, have in weights:
@@ -165,7 +169,10 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
         got = tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer=first,
                          callbacks=[record])  # fmt: skip
     assert f"shard_optimizer={first!r}: each stage's" in caplog.text
-    assert f"in 2 micro-batch(es) of 8 (1f1b, {first}; mirrored)" in caplog.text
+    assert (
+        f"in 2 micro-batch(es) of 8 (1f1b, {first}; mirrored); trained as pipeline 2 M=2 x "
+        f"{first} x data 2 over 4 devices in 1 process"
+    ) in caplog.text
     again = tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer=then)
     assert [got.history["loss"][0], again.history["loss"][0]] == pytest.approx(losses, abs=1e-5)
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
@@ -187,7 +194,7 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
 
 
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
-def test_the_planners_printed_calls_train_the_layout_they_name(mlp_reference):
+def test_the_planners_printed_calls_train_the_layout_they_name(mlp_reference, caplog):
     """What tfdist-plan prints under its verdict, run as printed, twice: 2 stages x 2
     pipelines under zero3, cut where the planner balances the MLP's FLOPs, trains as Keras's
     fit on one device."""
@@ -201,10 +208,13 @@ def test_the_planners_printed_calls_train_the_layout_they_name(mlp_reference):
         model = mlp()
     calls = {"tfdist": tfdist, "model": model, "dataset": data()}
     got = []
-    for _ in range(2):
-        exec(f"history = {printed[-1]}", calls)  # noqa: S102 - the planner's own line
-        got.append(calls["history"].history["loss"][0])
+    with caplog.at_level("INFO", logger="tfdist"):
+        for _ in range(2):
+            exec(f"history = {printed[-1]}", calls)  # noqa: S102 - the planner's own line
+            got.append(calls["history"].history["loss"][0])
     assert "cut_before=['up1'], micro_batches=2" in printed[-1]
+    # fit names the layout in the words the planner named it in.
+    assert f"trained as {layout.name} over 4 devices in 1 process" in caplog.text
     assert got == pytest.approx(losses, abs=1e-5)
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
     for v, want, have in weights:

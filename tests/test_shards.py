@@ -92,3 +92,77 @@ def test_a_part_the_shards_do_not_hold_is_named(tmp_path):
     other = _Slices({"trainable/7": np.zeros(4, "float32")}, 0, 1)
     with pytest.raises(KeyError, match="hold no trainable/7"):
         shards.read(other, prefix)
+
+
+def test_parts_are_written_and_read_in_bounded_buffers(tmp_path, monkeypatch):
+    """With buffers of 1 KiB, each rank writes its part as several bundles and reads its
+    slices back in several reads; the values are those saved, and a process resuming on
+    half the ranks reads from storage its slices' bytes (and the indexes), no more."""
+    monkeypatch.setattr(shards, "BUCKET_BYTES", 1024)
+    monkeypatch.setattr(shards, "WRITE_BUCKET_BYTES", 1024)
+    rng = np.random.default_rng(1)
+    weights = {f"trainable/{i}": rng.normal(size=(40, 30)).astype("float32") for i in range(4)}
+    prefix = str(tmp_path / "ckpt-3")
+    _save(weights, prefix, 4)
+    # Each rank's 4 slices of 1.2 KB, a bundle each: the merge keeps their 16 data files.
+    assert len(list((tmp_path / "ckpt-3.shards").glob("merged.data-*-of-00016"))) == 16
+    metadata = shards.metadata_of(prefix)
+    assert len(metadata["files"]) == 16
+    assert metadata["entries"]["trainable/0"] == {
+        "dtype": "float32", "shape": [1200], "slices": [[0, 300], [300, 300], [600, 300], [900, 300]]
+    }  # fmt: skip
+    assert shards.incomplete(prefix) is None
+    part = _Slices(weights, 1, 2)
+    done = shards.read(part, prefix)
+    assert done.reads == 4 and done.wanted_bytes == 4 * 600 * 4
+    # Each read opens the merged index again (about 1 KB here).
+    assert done.read_bytes is None or (
+        done.wanted_bytes <= done.read_bytes <= done.wanted_bytes + done.reads * 4096
+    )
+    for key, whole in weights.items():
+        np.testing.assert_array_equal(part.read_back[key], whole.reshape(-1)[600:])
+
+
+class _Without(_Slices):
+    """A rank whose part leaves out `key` (a write that lost it)."""
+
+    def __init__(self, weights, rank, ranks, key):
+        super().__init__(weights, rank, ranks)
+        self.left_out = key
+
+    def entries(self):
+        return [e for e in super().entries() if e.key != self.left_out]
+
+
+def test_a_slice_the_shards_lack_is_found_from_the_metadata_without_reading_a_tensor(tmp_path):
+    weights = {"trainable/0": np.arange(8, dtype="float32"),
+               "trainable/1": np.arange(6, dtype="float32")}  # fmt: skip
+    prefix = str(tmp_path / "ckpt-5")
+    for rank in range(2):
+        part = _Without(weights, rank, 2, "trainable/1" if rank == 1 else None)
+        shards.write(part, prefix, rank=rank, ranks=2,
+                     barrier=lambda failed=False: failed, is_chief=rank == 1)  # fmt: skip
+    assert (
+        shards.incomplete(prefix) == "the slices saved of trainable/1 do not cover its 6 elements"
+    )
+    shards.read(_Slices({"trainable/1": weights["trainable/1"]}, 0, 2), prefix)  # its half is there
+    with pytest.raises(KeyError, match=r"hold no trainable/1 \[3, 6\)"):
+        shards.read(_Slices({"trainable/1": weights["trainable/1"]}, 1, 2), prefix)
+
+
+def test_a_data_file_gone_or_cut_short_is_found_from_the_metadata(tmp_path):
+    prefix = str(tmp_path / "ckpt-2")
+    _save({"trainable/0": np.arange(64, dtype="float32")}, prefix, 2)
+    first, second = sorted((tmp_path / "ckpt-2.shards").glob("merged.data-*"))
+    size = second.stat().st_size
+    second.write_bytes(second.read_bytes()[:-8])
+    assert (
+        shards.incomplete(prefix)
+        == f"its data file {second.name} holds {size - 8} bytes, not {size}"
+    )
+    first.unlink()
+    assert shards.incomplete(prefix) == f"its data file {first.name} is missing"
+    (tmp_path / "ckpt-2.shards" / "merged.json").write_text("{")
+    assert shards.incomplete(prefix).startswith(
+        "ValueError: its metadata merged.json cannot be read"
+    )

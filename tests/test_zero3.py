@@ -162,6 +162,41 @@ def test_a_checkpoint_resumes_with_another_number_of_replicas(tmp_path):
     assert max_diff(reference, model.get_weights()) <= TOLERANCE
 
 
+def test_a_damaged_shard_is_passed_over_for_the_checkpoint_before(tmp_path, caplog):
+    """Two epochs on 2 replicas save ckpt after each; bytes of the second's merged shards
+    flipped, a resume on 4 replicas finds it from the checksum of what it reads (the
+    metadata says it is whole), passes it over for the first and trains the second epoch
+    again: the weights of two epochs without a stop."""
+    import logging
+    import re
+
+    case = CASES["regularised"]
+    reference = keras_fit(case, epochs=2).get_weights()
+    directory = tmp_path / "checkpoints"  # the model_dir's
+    caplog.set_level(logging.INFO, logger="tfdist")
+    for devices in (2, 4):
+        with replicas(devices).scope():
+            model, data = case()
+        tfdist.fit(
+            model, data, epochs=2, verbose=0, shard_optimizer="zero3",
+            callbacks=[tfdist.StepCheckpoint(str(tmp_path))],
+        )  # fmt: skip
+        if devices == 2:
+            steps = sorted(int(p.name[5:-7]) for p in directory.glob("ckpt-*.shards"))
+            assert len(steps) == 2, steps
+            damaged = directory / f"ckpt-{steps[1]}.shards"
+            (data_file,) = damaged.glob("merged.data-*")  # this process's one part
+            content = bytearray(data_file.read_bytes())
+            content[len(content) // 2] ^= 0xFF
+            data_file.write_bytes(bytes(content))
+    assert re.search(rf"ckpt-{steps[1]} is incomplete or corrupt: DataLossError", caplog.text)
+    assert f"Resuming from {directory}/ckpt-{steps[0]}" in caplog.text
+    assert re.search(
+        rf"Read this process's part of ckpt-{steps[0]}: [\d.]+ MB of slices", caplog.text
+    )
+    assert max_diff(reference, model.get_weights()) <= TOLERANCE
+
+
 def test_a_checkpoint_written_in_parts_resumed_without_them_is_one_clear_line(tmp_path):
     """zero3's StepCheckpoint holds the weights in its shards only: a job holding the whole
     model (no shard_optimizer) cannot resume from it, and says so rather than starting from

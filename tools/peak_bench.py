@@ -3,7 +3,7 @@
 A device runs out of memory at its peak, not at rest. This runs one device per worker
 process (tfdist-launch, multi_worker_mirrored) so that the allocator's figures are that
 device's, on issue 51's model: 256 -> Dense(1024) -> 8 x Dense(1024) -> Dense(10) with Adam
-(8.4M parameters; W = its weight bytes, 33.6 MB), global batch 16, and reports per process
+(8.7M parameters; W = its weight bytes, 34.7 MB), global batch 16, and reports per process
 the allocator's peak in each phase, as a multiple of W:
 
   construction   building and compiling the model under the layout's scope
@@ -12,6 +12,14 @@ the allocator's peak in each phase, as a multiple of W:
   epoch end      the last batch's end to fit's return (what the runner writes back)
   save           model.save
   at rest        what is allocated after fit, before the save
+
+and with `--restore_workers N`, two more: the job saves a tfdist.StepCheckpoint at its
+epoch's end, and a job of N processes of the same layout resumes from it (a sharded
+checkpoint read back as N processes' slices: 4 -> 2 under zero3) and trains a second epoch:
+
+  checkpoint     the StepCheckpoint's save at the epoch's end
+  restore        the resuming job's fit start through the checkpoint read back (its
+                 placement included); its other phases are not reported
 
 and, in a second table, the OS's count of the same phases: the resident high-water mark
 (VmHWM of /proc/self/status, reset at each phase's start by writing 5 to
@@ -32,6 +40,7 @@ counts here, as it would count against a GPU host's RAM.
   python -m tools.peak_bench --layouts zero3 pipeline --workers 2 4
   python -m tools.peak_bench --layouts plain zero3 --workers 4 --budget_mb 200
   python -m tools.peak_bench --layouts plain zero3 --activations 64 1024 4096
+  python -m tools.peak_bench --layouts zero3 --workers 4 --restore_workers 2 --width 4096
 
 `--activations` reports instead each step's peak against the global batch, on a model of
 transformer-like MLP blocks (256 -> Dense(512) -> 4 x [Dense(2048, relu) -> Dense(512),
@@ -59,6 +68,7 @@ from tools import harness  # noqa: E402
 
 LAYOUTS = ("plain", "zero1", "zero2", "zero3", "pipeline")
 PHASES = ("construction", "first step", "steps", "epoch end", "save")
+RESUMING = ("checkpoint", "restore")  # with --restore_workers
 INPUTS, WIDTH, HIDDEN, CLASSES = 256, 1024, 8, 10
 STEPS, BATCH = 4, 16
 # Where the pipeline is cut, by processes: over 2 before the fifth Dense layer (issue 51's
@@ -109,22 +119,44 @@ def worker(args) -> None:
                 peak("steps")
                 reset()
 
+    class AfterCheckpoint(keras.callbacks.Callback):
+        """Listed after the StepCheckpoint: its restore and save are measured alone."""
+
+        def on_train_begin(self, logs=None):
+            if args.resume:  # the saving job's first step keeps fit's start
+                peak("restore")
+                reset()
+
+        def on_epoch_end(self, epoch, logs=None):
+            peak("checkpoint")
+            reset()
+
+    class BeforeCheckpoint(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            peak("epoch end")  # the write-back; what follows the save is added below
+            reset()
+
     rng = np.random.default_rng(0)
     x = rng.normal(size=(args.batch * STEPS, INPUTS)).astype("float32")
     y = rng.integers(0, CLASSES, size=(args.batch * STEPS,)).astype("int32")
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
     workers = strategy.num_replicas_in_sync
-    cuts = CUTS[workers]
-    keywords = {
-        "plain": {},
-        "zero1": {"shard_optimizer": "zero1"},
-        "zero2": {"shard_optimizer": "zero2"},
-        "zero3": {"shard_optimizer": "zero3"},
-        "pipeline": {"pipeline": Pipeline(cut_before=cuts, micro_batches=2)},
-    }[args.layout]
+    if args.layout == "pipeline":
+        keywords = {"pipeline": Pipeline(cut_before=CUTS[workers], micro_batches=2)}
+    else:
+        keywords = {} if args.layout == "plain" else {"shard_optimizer": args.layout}
+    callbacks = [Phases()]
+    epochs = 1
+    if args.checkpoint_dir:
+        checkpoint = tfdist.StepCheckpoint(args.checkpoint_dir, max_to_keep=1)
+        callbacks += [BeforeCheckpoint(), checkpoint, AfterCheckpoint()]
+        epochs = 2 if args.resume else 1
     reset()
-    tfdist.fit(model, data, epochs=1, verbose=0, callbacks=[Phases()], **keywords)
+    tfdist.fit(model, data, epochs=epochs, verbose=0, callbacks=callbacks, **keywords)
+    before = peaks.get("epoch end", 0), resident.get("epoch end", 0)
     peak("epoch end")
+    peaks["epoch end"] = max(peaks["epoch end"], before[0])
+    resident["epoch end"] = max(resident["epoch end"], before[1])
     rest = tf.config.experimental.get_memory_info("CPU:0")["current"]
     reset()
     task = json.loads(os.environ.get("TF_CONFIG", '{"task": {"index": 0}}'))["task"]["index"]
@@ -180,15 +212,32 @@ def run(
     batch: int = BATCH,
     recompute: bool = False,
     blocks: bool = False,
+    restore_workers: int | None = None,
 ) -> list[dict]:
+    """Each process's record of one job (and with `restore_workers`, its `restore` phase
+    that of the job resuming from its checkpoint with that many processes)."""
     with tempfile.TemporaryDirectory() as out:
-        task = [
-            sys.executable, "-m", "tools.peak_bench", "--worker", "--layout", layout,
-            "--out_dir", out, "--width", str(width), "--batch", str(batch),
-            *(["--recompute"] if recompute else []), *(["--blocks"] if blocks else []),
-        ]  # fmt: skip
-        harness.launch(task, layout=["--workers", str(workers)], what=f"{layout} x{workers}")
-        return harness.task_records(out, workers)
+
+        def job(n: int, *flags: str) -> list[dict]:
+            task = [
+                sys.executable, "-m", "tools.peak_bench", "--worker", "--layout", layout,
+                "--out_dir", out, "--width", str(width), "--batch", str(batch),
+                *(["--recompute"] if recompute else []), *(["--blocks"] if blocks else []),
+                *flags,
+            ]  # fmt: skip
+            harness.launch(task, layout=["--workers", str(n)], what=f"{layout} x{n}")
+            return harness.task_records(out, n)
+
+        if restore_workers is None:
+            return job(workers)
+        model_dir = os.path.join(out, "run")
+        records = job(workers, "--checkpoint_dir", model_dir)
+        resumed = job(restore_workers, "--checkpoint_dir", model_dir, "--resume")
+        restore = max(r["restore"] for r in resumed)
+        resident = max(r["resident"]["restore"] for r in resumed)
+        for r in records:
+            r["restore"], r["resident"]["restore"] = restore, resident
+        return records
 
 
 def whole_run(records: list[dict]) -> int:
@@ -226,10 +275,20 @@ def main(argv=None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--layout", help=argparse.SUPPRESS)
     parser.add_argument("--out_dir", help=argparse.SUPPRESS)
-    parser.add_argument("--width", type=int, default=WIDTH, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--width", type=int, default=WIDTH,
+        help=f"the Dense layers' width (default {WIDTH}: 34.7 MB of weights; 4096: 541 MB)",
+    )  # fmt: skip
     parser.add_argument("--batch", type=int, default=BATCH, help=argparse.SUPPRESS)
     parser.add_argument("--recompute", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--blocks", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpoint_dir", help=argparse.SUPPRESS)
+    parser.add_argument("--resume", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--restore_workers", type=int, metavar="N",
+        help="also save a StepCheckpoint at the epoch's end and resume it with N processes: "
+        "the phases 'checkpoint' and 'restore' (the restore's is the resuming job's)",
+    )  # fmt: skip
     parser.add_argument(
         "--activations", type=int, nargs="+", metavar="BATCH",
         help="instead: each step's peak at these global batch sizes, with each layer's "
@@ -251,28 +310,37 @@ def main(argv=None) -> int:
         return budget_table(args.layouts, args.workers, int(args.budget_mb * 2**20))
     if args.activations:
         return activations_table(args.layouts, args.workers, args.activations)
-    runs = {(layout, n): run(layout, n) for layout in args.layouts for n in args.workers}
-    print("allocator peak per process (the largest over the processes), in W = weight bytes")
-    print("| layout | processes | " + " | ".join(PHASES) + " | whole run | at rest |")
-    print("|---" * (len(PHASES) + 4) + "|")
+    restoring = args.restore_workers
+    phases = PHASES + (RESUMING if restoring else ())
+    runs = {
+        (layout, n): run(layout, n, args.width, restore_workers=restoring)
+        for layout in args.layouts
+        for n in args.workers
+    }
+    moved = f" -> {restoring}" if restoring else ""
+    width = f"; {runs[next(iter(runs))][0]['weights'] / 1e6:.1f} MB of weights" if runs else ""
+    print("allocator peak per process (the largest over the processes), in W = weight bytes"
+          + width)  # fmt: skip
+    print("| layout | processes | " + " | ".join(phases) + " | whole run | at rest |")
+    print("|---" * (len(phases) + 4) + "|")
     for (layout, workers), records in runs.items():
         w = records[0]["weights"]
-        cells = [max(r[p] for r in records) / w for p in PHASES]
+        cells = [max(r[p] for r in records) / w for p in phases]
         rest = max(r["rest"] for r in records) / w
         print(
-            f"| {layout} | {workers} | " + " | ".join(f"{c:.2f}" for c in cells)
+            f"| {layout} | {workers}{moved} | " + " | ".join(f"{c:.2f}" for c in cells)
             + f" | {max(cells):.2f} | {rest:.2f} |",
             flush=True,
         )  # fmt: skip
     print()
     print("resident high-water mark per process (VmHWM, reset each phase) over its resident "
           "memory once the strategy was built, in W")  # fmt: skip
-    print("| layout | processes | " + " | ".join(PHASES) + " | whole run |")
-    print("|---" * (len(PHASES) + 3) + "|")
+    print("| layout | processes | " + " | ".join(phases) + " | whole run |")
+    print("|---" * (len(phases) + 3) + "|")
     for (layout, workers), records in runs.items():
         w = records[0]["weights"]
-        cells = [max(r["resident"][p] for r in records) / w for p in PHASES]
-        print(f"| {layout} | {workers} | " + " | ".join(f"{c:.2f}" for c in cells)
+        cells = [max(r["resident"][p] for r in records) / w for p in phases]
+        print(f"| {layout} | {workers}{moved} | " + " | ".join(f"{c:.2f}" for c in cells)
               + f" | {max(cells):.2f} |", flush=True)  # fmt: skip
     return 0
 

@@ -37,7 +37,7 @@ from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
-from tfdist.parallel import host, registry, units
+from tfdist.parallel import host, layout_line, registry, units
 from tfdist.strategies import strategy_kind
 from tfdist.training import chain, fit_callbacks, kept
 from tfdist.training.controller import Controller
@@ -180,7 +180,9 @@ def fit(
         runner.build(data.sample_batch, hooks)
     if runner.is_chief:
         if data.global_batch is not None:
-            log.info("%s", runner.describe_batch(data.global_batch))
+            line = runner.describe_batch(data.global_batch)
+            trained = layout_line.trained_as(model, runner, options)
+            log.info("%s", line if trained is None else f"{line}; {trained}")
         named = [hook.name for hook in hooks]
         if named:
             log.info("Between each step's gradients and its update: %s", ", ".join(named))

@@ -223,7 +223,9 @@ class Home(shards.Shards):
                 if staged.source and staged.copies:
                     out.append(shards.Entry(key, whole))
             elif staged.source and staged.copies:
-                out.append(shards.Entry(key, tf.identity(staged.copies[0].value)))
+                copy = staged.copies[0]  # read as its bundle is written
+                value = lambda copy=copy: tf.identity(copy.value)  # noqa: E731
+                out.append(shards.Entry(key, value, "", copy.dtype, tuple(copy.shape)))
         return out
 
     def wanted(self) -> list[shards.Wanted]:

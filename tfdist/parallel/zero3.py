@@ -501,7 +501,9 @@ class _SliceShards(shard_files.Shards):
         for d, i, lo, hi in self._pieces():
             spec = shard_files.flat_slice(self.hook.sizes[i], lo, hi)
             for key, variable in self._held(d, i):
-                out.append(shard_files.Entry(key, variable.value[: hi - lo], spec))
+                # Made as its bundle is written (the padding cut off: a copy).
+                value = lambda v=variable, n=hi - lo: v.value[:n]  # noqa: E731
+                out.append(shard_files.Entry(key, value, spec, variable.dtype, (hi - lo,)))
         return out
 
     def wanted(self) -> list[shard_files.Wanted]:

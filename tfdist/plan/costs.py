@@ -59,6 +59,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES
+from tfdist.layouts import layout_name
 from tfdist.plan.cluster import Cluster, Link, PlanError
 from tfdist.plan.model import ModelCost, Unit
 
@@ -118,17 +119,11 @@ class ParallelLayout:
 
     @property
     def name(self) -> str:
-        parts = []
-        if self.stages > 1:
-            interleaved = f" v={self.chunks}" if self.chunks > 1 else ""
-            parts.append(f"pipeline {self.stages} M={self.micro_batches}{interleaved}")
-        if self.tensor > 1:
-            parts.append(f"tensor {self.tensor}")
-        if self.zero:
-            parts.append(f"zero{self.zero}")
-        if self.data > 1:
-            parts.append(f"data {self.data}")
-        return " x ".join(parts) or "one device"
+        """The layout in the form tfdist.fit's log names it in (tfdist/layouts.py)."""
+        return layout_name(
+            data=self.data, stages=self.stages, micro_batches=self.micro_batches,
+            chunks=self.chunks, tensor=self.tensor, zero=self.zero,
+        )  # fmt: skip
 
     @property
     def combined(self) -> bool:

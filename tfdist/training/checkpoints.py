@@ -32,6 +32,11 @@ from tfdist.training.shards import Shards
 log = logging.getLogger(__name__)
 
 
+class CheckpointDamagedError(TfdistError, OSError):
+    """The only checkpoint left to resume from failed to read back after part of it was
+    restored (the message says which and what to do)."""
+
+
 class CheckpointMismatchError(TfdistError, ValueError):
     """A checkpoint whose variables do not fit the job that tries to resume from it."""
 
@@ -148,7 +153,7 @@ class Checkpoints:
         shards: Shards | None = None,
         rank: int = 0,
         ranks: int = 1,
-        barrier: Callable[[], None] = lambda: None,
+        barrier: Callable[[bool], bool] = lambda failed=False: failed,
     ):
         self.checkpoint = checkpoint
         self.directory = os.path.join(model_dir, CHECKPOINT_SUBDIR) if model_dir else None
@@ -177,11 +182,19 @@ class Checkpoints:
             return None
         if self._scratch is None:
             self._remove_leftovers()
-        rejected = []
+        # In a mode whose processes each hold part of the model, every process decides each
+        # candidate together (a collective): each reads, and so checksums, its own part.
+        agree = self.shards is not None
+        rejected, partly = [], None
         for path in checkpoint_candidates(self.directory):
             problem = verify_checkpoint(path)
             if problem is None and shard_files.has_shards(path):
-                problem = verify_checkpoint(shard_files.merged(path))
+                if shard_files.has_metadata(path):  # checked without reading a tensor
+                    problem = shard_files.incomplete(path)
+                else:  # shards an earlier tfdist wrote: every tensor read to check them
+                    problem = verify_checkpoint(shard_files.merged(path))
+            if agree and self.barrier(problem is not None) and problem is None:
+                problem = "another process found it incomplete or corrupt"
             if problem:
                 log.warning("Checkpoint %s is incomplete or corrupt: %s", path, problem)
                 rejected.append(os.path.basename(path))
@@ -198,7 +211,17 @@ class Checkpoints:
                     raise
                 mismatch = text.strip().splitlines()[0]
             if mismatch is None:
-                mismatch = self._read_shards(path)
+                mismatch, damaged = self._read_shards(path)
+                if agree:
+                    if self.barrier(mismatch is not None) and mismatch is None:
+                        mismatch = "another process's part of the shards does not fit"
+                    if self.barrier(damaged is not None) and mismatch is None:
+                        damaged = damaged or "another process's read of its shards failed"
+                if damaged is not None and mismatch is None:
+                    log.warning("Checkpoint %s is incomplete or corrupt: %s", path, damaged)
+                    rejected.append(os.path.basename(path))
+                    partly = path  # read in part: an older one must overwrite all of it
+                    continue
             if mismatch is not None:
                 _quiet_unrestored_values()
                 raise CheckpointMismatchError(
@@ -215,6 +238,13 @@ class Checkpoints:
             else:
                 log.info("Restored %s", path)
             return path
+        if partly is not None:
+            raise CheckpointDamagedError(
+                f"The checkpoint {partly} is damaged (its shards failed to read back, see the "
+                "warning above) and no older complete checkpoint is left, so the model holds "
+                "part of it. Move the damaged checkpoint aside (its ckpt-N files and ckpt-N"
+                f"{shard_files.SHARDS_SUFFIX}) to start afresh, or put back a copy from a backup."
+            )
         if rejected:
             log.warning("No complete checkpoint in %s; starting from scratch", self.directory)
         return None
@@ -240,11 +270,11 @@ class Checkpoints:
                 ", ".join(os.path.basename(path) for path in left),
             )
 
-    def _read_shards(self, path: str) -> str | None:
-        """This process's part of a sharded checkpoint read back (None: done, or nothing
-        to read); else why it does not fit."""
+    def _read_shards(self, path: str) -> tuple[str | None, str | None]:
+        """This process's part of a sharded checkpoint read back: (why it does not fit, why
+        it is damaged), both None when it was read (or there is nothing to read)."""
         if not shard_files.has_shards(path):
-            return None
+            return None, None
         if self.shards is None:
             raise CheckpointMismatchError(
                 f"The checkpoint {path} was written in parts by a job whose processes each "
@@ -253,10 +283,19 @@ class Checkpoints:
                 "or start afresh in a new model_dir."
             )
         try:
-            shard_files.read(self.shards, path)
-        except (KeyError, tf.errors.OpError) as error:
-            return (getattr(error, "message", None) or str(error)).strip().splitlines()[0]
-        return None
+            done = shard_files.read(self.shards, path)
+        except (KeyError, tf.errors.InvalidArgumentError) as error:  # another model's shards
+            return (getattr(error, "message", None) or str(error)).strip().splitlines()[0], None
+        except tf.errors.OpError as error:  # a checksum, a file cut short or gone
+            message = error.message.strip().splitlines()[0][:200]
+            return None, f"{type(error).__name__}: {message}"
+        if done is not None:
+            read = "" if done.read_bytes is None else f", {done.read_bytes / 2**20:.1f} MB read"
+            log.info(
+                "Read this process's part of %s: %.1f MB of slices in %d read(s)%s",
+                os.path.basename(path), done.wanted_bytes / 2**20, done.reads, read,
+            )  # fmt: skip
+        return None, None
 
     def save(self, step: int, *, tally: Callable[[list[int]], list[int]] = list) -> None:
         """Saves checkpoint `step` (every task calls it at the same step).
