@@ -221,6 +221,43 @@ def test_the_planners_printed_calls_train_the_layout_they_name(mlp_reference, ca
         assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
 
 
+@pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
+def test_a_zero3_checkpoint_reshards_into_a_pipeline_and_onto_one_device(
+    mlp_reference, tmp_path, caplog
+):
+    """Saved under zero3 over 4 replicas after one epoch (slices of each weight's flattened
+    values), resumed for the second as 2 stages x 2 pipelines, and on one device: each
+    reads every weight and Adam slot it holds whole from the slices, by the offsets the
+    checkpoint's metadata gives, and ends at the weights of Keras's two epochs."""
+    import shutil
+
+    reference, losses = mlp_reference
+    with tfdist.host_scope(mirrored()):
+        model = mlp()
+    saved = tmp_path / "zero3"
+    tfdist.fit(model, data(), verbose=0, shard_optimizer="zero3",
+               callbacks=[tfdist.StepCheckpoint(str(saved))])  # fmt: skip
+    caplog.set_level("INFO", logger="tfdist")
+    for target in ("pipeline", "one device"):
+        shutil.copytree(saved, tmp_path / target)
+        resume = [tfdist.StepCheckpoint(str(tmp_path / target))]
+        if target == "pipeline":
+            pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
+            with pipeline.scope(mirrored()):
+                model = mlp()
+            got = tfdist.fit(
+                model, data(), epochs=2, verbose=0, pipeline=pipeline, callbacks=resume
+            )
+        else:
+            model = mlp()
+            got = tfdist.fit(model, data(), epochs=2, verbose=0, callbacks=resume)
+        assert got.history["loss"][-1] == pytest.approx(losses[1], abs=1e-5), target
+        weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
+        for v, want, have in weights:
+            assert np.max(np.abs(want - have)) <= TOLERANCE, (target, v.path)
+    assert caplog.text.count("Read this process's part of ckpt-") == 2
+
+
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     """Offload, an optimizer whose update reads a whole weight, and a model split by a
     layout map (tensor parallelism inside stages: not built), each in one line before

@@ -6,6 +6,8 @@ device: tests/test_memory.py.
 
 from __future__ import annotations
 
+import shutil
+
 import keras
 import numpy as np
 import pytest
@@ -197,22 +199,37 @@ def test_a_damaged_shard_is_passed_over_for_the_checkpoint_before(tmp_path, capl
     assert max_diff(reference, model.get_weights()) <= TOLERANCE
 
 
-def test_a_checkpoint_written_in_parts_resumed_without_them_is_one_clear_line(tmp_path):
-    """zero3's StepCheckpoint holds the weights in its shards only: a job holding the whole
-    model (no shard_optimizer) cannot resume from it, and says so rather than starting from
-    its initial weights."""
+def test_a_checkpoint_written_in_parts_resumes_where_the_whole_model_is_held(tmp_path, caplog):
+    """zero3's StepCheckpoint holds the weights in its shards only, as slices of their
+    flattened values. A job that holds the whole model (one device, no shard_optimizer)
+    reads each weight and each of Adam's slots whole from them, and its second epoch gives
+    the weights of two epochs without a stop. zero1, which keeps Adam's slots in slices of
+    its own, has no place for the saved ones: one line, not a silent restart of Adam."""
+    import logging
+
     from tfdist.training.checkpoints import CheckpointMismatchError
 
     case = CASES["regularised"]
-    for shard in ("zero3", None):
-        with replicas(2).scope():
-            model, data = case()
-        checkpoint = tfdist.StepCheckpoint(str(tmp_path))
-        if shard is None:
-            with pytest.raises(CheckpointMismatchError, match="written in parts"):
-                tfdist.fit(model, data, verbose=0, callbacks=[checkpoint])
-        else:
-            tfdist.fit(model, data, verbose=0, shard_optimizer=shard, callbacks=[checkpoint])
+    reference = keras_fit(case, epochs=2).get_weights()
+    with replicas(4).scope():
+        model, data = case()
+    tfdist.fit(model, data, verbose=0, shard_optimizer="zero3",
+               callbacks=[tfdist.StepCheckpoint(str(tmp_path / "zero3"))])  # fmt: skip
+    for name in ("zero1", "one device"):
+        shutil.copytree(tmp_path / "zero3", tmp_path / name)
+    with replicas(2).scope():
+        model, data = case()
+    with pytest.raises(
+        CheckpointMismatchError, match=r"holds state this job has no place for: trainable/0/.slot/"
+    ):
+        tfdist.fit(model, data, epochs=2, verbose=0, shard_optimizer="zero1",
+                   callbacks=[tfdist.StepCheckpoint(str(tmp_path / "zero1"))])  # fmt: skip
+    model, data = case()  # one device: Keras's default strategy
+    caplog.set_level(logging.INFO, logger="tfdist")
+    tfdist.fit(model, data, epochs=2, verbose=0,
+               callbacks=[tfdist.StepCheckpoint(str(tmp_path / "one device"))])  # fmt: skip
+    assert "Read this process's part of ckpt-" in caplog.text
+    assert max_diff(reference, model.get_weights()) <= TOLERANCE
 
 
 def test_mixed_bfloat16_trains_as_plain_data_parallelism_does():

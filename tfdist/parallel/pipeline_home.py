@@ -215,23 +215,26 @@ class Home(shards.Shards):
 
     def entries(self) -> list[shards.Entry]:
         """This process's part of a sharded checkpoint: each weight and slot it is the
-        source of, whole (each is written by one process)."""
+        source of, whole (each is written by one process), saved flat as one slice of its
+        flattened values, as zero3 saves its slices: any layout reads any part of it."""
         out = []
         for key, staged in self.staged:
+            n = staged.shape.num_elements()
+            spec = shards.flat_slice(n, 0, n)
             if staged.pieces is not None:  # slices: put together (across processes by all)
                 whole = staged.read()
                 if staged.source and staged.copies:
-                    out.append(shards.Entry(key, whole))
+                    out.append(shards.Entry(key, tf.reshape(whole, [-1]), spec))
             elif staged.source and staged.copies:
                 copy = staged.copies[0]  # read as its bundle is written
-                value = lambda copy=copy: tf.identity(copy.value)  # noqa: E731
-                out.append(shards.Entry(key, value, "", copy.dtype, tuple(copy.shape)))
+                value = lambda copy=copy: tf.reshape(copy.value, [-1])  # noqa: E731
+                out.append(shards.Entry(key, value, spec, copy.dtype, (n,)))
         return out
 
     def wanted(self) -> list[shards.Wanted]:
-        """What this process's stages read back: each weight and slot they hold."""
+        """What this process's stages read back: each weight and slot they hold, whole."""
         return [
-            shards.Wanted(key, staged.dtype, staged.assign)
+            shards.Wanted(key, staged.dtype, staged.assign, shape=tuple(staged.shape))
             for key, staged in self.staged
             if staged.copies
         ]

@@ -225,10 +225,9 @@ class Checkpoints:
             if mismatch is not None:
                 _quiet_unrestored_values()
                 raise CheckpointMismatchError(
-                    f"The checkpoint {path} does not fit this job: a variable's saved shape "
-                    f"differs ({mismatch}). It was written by another model or optimizer. "
-                    "Resume with the model it was saved with, or start afresh in a new "
-                    "model_dir."
+                    f"The checkpoint {path} does not fit this job ({mismatch}). It was "
+                    "written by another model, optimizer or parallel mode. Resume with the "
+                    "model and optimizer it was saved with, or start afresh in a new model_dir."
                 )
             if rejected:
                 log.warning(
@@ -275,15 +274,10 @@ class Checkpoints:
         it is damaged), both None when it was read (or there is nothing to read)."""
         if not shard_files.has_shards(path):
             return None, None
-        if self.shards is None:
-            raise CheckpointMismatchError(
-                f"The checkpoint {path} was written in parts by a job whose processes each "
-                "held part of the model (shard_optimizer='zero3' or a pipeline); this job "
-                "holds the whole model. Resume with the same mode (any number of workers), "
-                "or start afresh in a new model_dir."
-            )
+        # A job holding the whole model reads every weight and slot whole.
+        shards = self.shards or shard_files.WholeModel(self.checkpoint.model)
         try:
-            done = shard_files.read(self.shards, path)
+            done = shard_files.read(shards, path)
         except (KeyError, tf.errors.InvalidArgumentError) as error:  # another model's shards
             return (getattr(error, "message", None) or str(error)).strip().splitlines()[0], None
         except tf.errors.OpError as error:  # a checksum, a file cut short or gone

@@ -34,6 +34,7 @@ the checkpoint over together.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import threading
@@ -89,16 +90,25 @@ class Entry:
 
 @dataclass(frozen=True)
 class Wanted:
-    """What a process reads back: `key` (whole, or the slice `spec`) handed to `assign`."""
+    """What a process reads back: `key` (whole, or the slice `spec`) handed to `assign`.
+
+    With `shape`, the entry is read whole however it was saved (whole, or as slices of its
+    flattened values by another layout) and handed over in that shape.
+    """
 
     key: str
     dtype: tf.DType
     assign: Callable[[tf.Tensor], None]
     spec: str = ""
+    shape: tuple[int, ...] | None = None
 
 
 class Shards:
     """What a mode that holds the model in parts gives a checkpoint (see the module)."""
+
+    # Whether this part must take every entry the checkpoint holds (a job holding the whole
+    # model: an entry it has no place for, another mode's state, would be lost).
+    takes_everything = False
 
     def entries(self) -> list[Entry]:
         """This process's part, to write."""
@@ -296,7 +306,21 @@ def read(shards: Shards, prefix: str) -> ReadBack | None:
         return None
     metadata = metadata_of(prefix)
     metadata = None if metadata is None else metadata["entries"]
+    wanted = [_resolved(w, metadata) for w in wanted]
     missing = _missing(prefix, wanted) if metadata is None else _not_held(metadata, wanted)
+    if shards.takes_everything and metadata is not None:
+        unplaced = sorted(
+            set(metadata)
+            - {w.key for w in wanted}
+            - {k for k in metadata if k.startswith(".empty/")}
+        )
+        if unplaced:
+            raise KeyError(
+                f"The checkpoint {prefix} holds state this job has no place for: "
+                f"{', '.join(unplaced[:3])}"
+                + (f" (and {len(unplaced) - 3} more)" if len(unplaced) > 3 else "")
+                + " (an optimizer's slots kept by a mode: resume with the mode it was saved with)"
+            )
     if missing:
         raise KeyError(
             f"The checkpoint {prefix}'s shards hold no {', '.join(missing[:3])}"
@@ -319,6 +343,22 @@ def read(shards: Shards, prefix: str) -> ReadBack | None:
     after = _bytes_read()
     read_bytes = None if before is None or after is None else after - before
     return ReadBack(sum(s or 0 for s in sizes), read_bytes, reads)
+
+
+def _resolved(w: Wanted, metadata: dict | None) -> Wanted:
+    """`w` with the spec that reads its entry whole as it was saved, and an assign that
+    hands it over in `w.shape` (unchanged for a wanted slice)."""
+    if w.shape is None:
+        return w
+    held = (metadata or {}).get(w.key)
+    spec = ""
+    if held is not None and held["slices"]:  # slices of the flattened values
+        (size,) = held["shape"]
+        spec = flat_slice(size, 0, size)
+    shape, assign = w.shape, w.assign
+    return dataclasses.replace(
+        w, spec=spec, assign=lambda value: assign(tf.reshape(value, shape)), shape=None
+    )
 
 
 def metadata_of(prefix: str) -> dict | None:
@@ -402,6 +442,39 @@ def _uncovered(slices: list[list[int]], lo: int, hi: int) -> bool:
             break
         at = max(at, offset + length)
     return at < hi
+
+
+class WholeModel(Shards):
+    """What a job that holds the whole model reads of a sharded checkpoint: every trainable
+    weight and every optimizer slot whole, however the writing layout cut them (zero3's
+    slices, a pipeline's stages). Slots are matched by Keras's names for them (an
+    optimizer names weight `v`'s slot `s` as `<v.path with _ for />_<s>`)."""
+
+    takes_everything = True
+
+    def __init__(self, model):
+        self.model = model
+
+    def entries(self) -> list[Entry]:
+        return []  # such a job saves the whole model in its main checkpoint
+
+    def wanted(self) -> list[Wanted]:
+        trainable = list(self.model.trainable_variables)
+        out = [_whole(weight_key(i), v) for i, v in enumerate(trainable)]
+        names = {v.path.replace("/", "_"): i for i, v in enumerate(trainable)}
+        optimizer = self.model.optimizer
+        for slot in [] if optimizer is None else optimizer.variables:
+            for cut in range(
+                len(slot.name)
+            ):  # a slot's own name may hold "_" (Adam's "velocity_hat")
+                if slot.name[cut] == "_" and slot.name[:cut] in names:
+                    out.append(_whole(slot_key(names[slot.name[:cut]], slot.name[cut + 1 :]), slot))
+                    break
+        return out
+
+
+def _whole(key: str, variable) -> Wanted:
+    return Wanted(key, tf.as_dtype(variable.dtype), variable.assign, shape=tuple(variable.shape))
 
 
 def _wanted_bytes(w: Wanted, metadata: dict | None) -> int | None:
