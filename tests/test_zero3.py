@@ -141,7 +141,14 @@ def test_predict_evaluate_and_save_after_fit_see_the_trained_weights(tmp_path):
     after = model.predict(data, verbose=0)
     assert np.abs(after - before).max() > 1e-3  # trained, and predict sees it
     path = tmp_path / "model.keras"
+    # A model held in parts saves its weights through a file on disk, a weight at a time
+    # (Keras would buffer the whole model in memory first: tools/peak_bench.py's save).
+    from keras.src.saving import saving_lib
+
+    assert saving_lib.is_memory_sufficient(model) is False
+    assert saving_lib.is_memory_sufficient(fit_models.cnn()[0]) is True
     model.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.keras"]  # no file left
     loaded = keras.models.load_model(path)
     # One device against 2 replicas' kernels: the logits (about 3) agree to float32 rounding
     # (1.4e-6 measured), far inside what training moved them (> 1e-3).

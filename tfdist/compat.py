@@ -737,6 +737,30 @@ def restore_call(layer: keras.layers.Layer) -> None:
     vars(layer).pop("call", None)
 
 
+def keras_saves_weights_through_disk(model_qualifies: Callable[[keras.Model], bool]) -> None:
+    """Makes Keras's `model.save` of a `.keras` file write the weights to a temporary file
+    beside it, then copy that file into the archive, for the models `model_qualifies`
+    (installed once; other models save as Keras chooses).
+
+    Why: Keras 3.15's saving_lib writes the weights into an in-memory buffer first whenever
+    `is_memory_sufficient(model)` says there is room, so every process of a model held in
+    parts (each writes the whole file: its reads are collectives) held the whole model in
+    memory at its save (3.0-3.8 W of resident memory, tools/peak_bench.py). Its other
+    branch, meant for models too large for memory, streams them: each weight as it is read.
+    """
+    from keras.src.saving import saving_lib
+
+    original = getattr(
+        saving_lib.is_memory_sufficient, "__wrapped__", saving_lib.is_memory_sufficient
+    )
+
+    def is_memory_sufficient(model):
+        return False if model_qualifies(model) else original(model)
+
+    is_memory_sufficient.__wrapped__ = original
+    saving_lib.is_memory_sufficient = is_memory_sufficient
+
+
 def storage_of(variable: keras.Variable):
     """The tf.Variable (or stand-in) a Keras variable reads: see replace_storage."""
     return variable._value

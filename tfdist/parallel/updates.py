@@ -286,6 +286,22 @@ def read_together(who: str):
         ) from None
 
 
+_STREAMING = []  # installed once: see _stream_saves_of_parts
+
+
+def _stream_saves_of_parts() -> None:
+    """Keras's model.save of a model held in parts writes its weights through a file on
+    disk, one weight at a time as each is read whole, not into memory first."""
+    if not _STREAMING:
+        compat.keras_saves_weights_through_disk(held_in_parts)
+        _STREAMING.append(True)
+
+
+def held_in_parts(model: keras.Model) -> bool:
+    """Whether some weight of `model` is held in parts (a WholeStandIn's storage)."""
+    return any(isinstance(compat.storage_of(v), WholeStandIn) for v in model.weights)
+
+
 class WholeStandIn(StandIn):
     """A stand-in that holds no whole copy of its weight and is read whole on demand (ZeRO-3's
     slices, a pipeline's stages): `read` gives the whole value where it is read, `assign`
@@ -295,6 +311,10 @@ class WholeStandIn(StandIn):
     # Across worker processes a read is a collective every process makes (the evaluation
     # step runs its replicas' reads outside any cond).
     read_by_collectives = True
+
+    def __init__(self, whole, own: Callable[[], keras.Variable]):
+        super().__init__(whole, own)
+        _stream_saves_of_parts()
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         raise NotImplementedError
