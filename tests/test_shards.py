@@ -166,3 +166,9 @@ def test_a_data_file_gone_or_cut_short_is_found_from_the_metadata(tmp_path):
     assert shards.incomplete(prefix).startswith(
         "ValueError: its metadata merged.json cannot be read"
     )
+
+
+def test_the_planner_states_the_read_bucket_the_checkpoint_reads_with():
+    from tfdist.plan import costs
+
+    assert costs.READ_BUCKET_BYTES == shards.BUCKET_BYTES

@@ -63,6 +63,10 @@ from tfdist.layouts import layout_name
 from tfdist.plan.cluster import Cluster, Link, PlanError
 from tfdist.plan.model import ModelCost, Unit
 
+# A sharded checkpoint's read: tfdist.training.shards.BUCKET_BYTES (the planner is
+# imported without TensorFlow, so the figure is stated here; a test holds them equal).
+READ_BUCKET_BYTES = 4 * 2**20
+
 # --- collectives ---------------------------------------------------------------------------
 
 
@@ -210,10 +214,33 @@ class Estimate:
     exchange: float
     bubble: float
     speedup: float = 0.0  # against one device's step on the whole batch
+    # Beyond what a device holds at rest: at `model.save` (the whole weights and slots a
+    # save gathers, one weight at a time) and at a StepCheckpoint's resume on this layout
+    # (the slices one read brings back); None where the planner does not model them.
+    save_buffers: float | None = None
+    restore_buffers: float | None = None
 
     @property
     def memory(self) -> float:
+        """The step's peak per device."""
         return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+
+    @property
+    def at_rest(self) -> float:
+        """What a device holds between steps: its weights and optimizer state."""
+        return self.weights + self.optimizer
+
+    @property
+    def save_peak(self) -> float | None:
+        """The peak per device while `model.save` writes the model (tfdist streams a model
+        held in parts through a file, a weight at a time)."""
+        return None if self.save_buffers is None else self.at_rest + self.save_buffers
+
+    @property
+    def restore_peak(self) -> float | None:
+        """The peak per device while a sharded checkpoint is read back on this layout, in
+        reads of at most 4 MiB (a slice larger alone)."""
+        return None if self.restore_buffers is None else self.at_rest + self.restore_buffers
 
     @property
     def step(self) -> float:
@@ -289,7 +316,15 @@ def estimate(layout: ParallelLayout, training: Training, cluster: Cluster) -> Es
         bucket = max(float(DEFAULT_BUCKET_BYTES), largest)
         buffers = {0: w, 1: 4 * bucket, 2: 3 * bucket, 3: 2 * largest}[layout.zero]
         buffers = buffers if d > 1 else 0.0
-        est = Estimate(layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0)
+        # model.save of zero3's slices gathers each weight whole with its slots, one weight at
+        # a time; the other layouts hold what they save. A resume reads its slices back, a
+        # read of at most 4 MiB or one slice at a time (tfdist.training.shards).
+        save = (1 + model.slots_per_param) * largest if layout.zero == 3 and d > 1 else 0.0
+        restore = max(float(READ_BUCKET_BYTES), largest / (d if layout.zero == 3 else 1))
+        est = Estimate(
+            layout, ww, g, oo, act * local, buffers, compute, exchange, 0.0,
+            save_buffers=save, restore_buffers=restore,
+        )  # fmt: skip
     est = dataclasses.replace(est, compute=est.compute + cluster.step_overhead)
     one += cluster.step_overhead
     return dataclasses.replace(est, speedup=one / est.step if est.step else 0.0)
