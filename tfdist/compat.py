@@ -748,8 +748,12 @@ def keras_saves_weights_through_disk(model_qualifies: Callable[[keras.Model], bo
     memory at its save (3.0-3.8 W of resident memory, tools/peak_bench.py). Its other
     branch, meant for models too large for memory, streams them: each weight as it is read.
     """
-    from keras.src.saving import saving_lib
-
+    try:
+        from keras.src.saving import saving_lib
+    except ImportError:  # another Keras: its saves go as it chooses (an optimisation only)
+        return
+    if not hasattr(saving_lib, "is_memory_sufficient"):
+        return
     original = getattr(
         saving_lib.is_memory_sufficient, "__wrapped__", saving_lib.is_memory_sufficient
     )

@@ -305,6 +305,12 @@ def main(argv=None) -> int:
         return 0
     if min(args.workers) < 2:
         parser.error("--workers: 2 or more processes (one device each)")
+    pipelines = {n for n in [*args.workers, args.restore_workers or 2]} - set(CUTS)
+    if "pipeline" in args.layouts and pipelines:
+        parser.error(
+            f"the pipeline layout is cut for {sorted(CUTS)} processes (CUTS). Received: "
+            f"{sorted(pipelines)}"
+        )
     os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # the workers' allocator statistics
     if args.budget_mb:
         return budget_table(args.layouts, args.workers, int(args.budget_mb * 2**20))

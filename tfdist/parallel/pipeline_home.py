@@ -168,7 +168,7 @@ class Home(shards.Shards):
         for slot in user.variables:
             if id(slot) in skip:
                 continue
-            i = _weight_of(slot.name, paths)
+            i = shards.weight_of_slot(slot.name, paths)
             copies = [] if i is None else self.copies(i, slot.name)
             if i is None or (self.copies(i) and not copies):
                 raise FitError(
@@ -368,10 +368,3 @@ def empty_variables():
 
     with tf.variable_creator_scope(creator):
         yield made
-
-
-def _weight_of(slot: str, paths: dict[str, int]) -> int | None:
-    """The weight a Keras optimizer's slot was made for: slots are named
-    "<weight path, '/' as '_'>_<slot>"; the longest such path."""
-    found = [p for p in paths if slot.startswith(p + "_")]
-    return paths[max(found, key=len)] if found else None

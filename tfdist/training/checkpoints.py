@@ -199,29 +199,33 @@ class Checkpoints:
                 log.warning("Checkpoint %s is incomplete or corrupt: %s", path, problem)
                 rejected.append(os.path.basename(path))
                 continue
-            # expect_partial: a checkpoint from another tfdist version may hold extra slots.
-            mismatch = None
+            mismatch, damaged, error = None, None, None
             try:
-                self.checkpoint.restore(path).expect_partial()
-            except (ValueError, tf.errors.InvalidArgumentError) as error:
-                # A ValueError when shapes are known; in a multi-task job TensorFlow restores
-                # in a tf.function, where a shape check fails as it runs.
-                text = getattr(error, "message", None) or str(error)
-                if "incompatible" not in text and "not compatible with" not in text:
+                mismatch = self._restore_main(path)
+                if mismatch is None:
+                    mismatch, damaged = self._read_shards(path)
+            except Exception as e:  # noqa: BLE001 - raised below, once every process agreed
+                if not agree:
                     raise
-                mismatch = text.strip().splitlines()[0]
-            if mismatch is None:
-                mismatch, damaged = self._read_shards(path)
-                if agree:
-                    if self.barrier(mismatch is not None) and mismatch is None:
-                        mismatch = "another process's part of the shards does not fit"
-                    if self.barrier(damaged is not None) and mismatch is None:
-                        damaged = damaged or "another process's read of its shards failed"
-                if damaged is not None and mismatch is None:
-                    log.warning("Checkpoint %s is incomplete or corrupt: %s", path, damaged)
-                    rejected.append(os.path.basename(path))
-                    partly = path  # read in part: an older one must overwrite all of it
-                    continue
+                error = e
+            if agree:  # the same three collectives on every process, whatever happened
+                others_failed = self.barrier(error is not None)
+                if self.barrier(mismatch is not None) and mismatch is None:
+                    mismatch = "another process's part of it does not fit"
+                if self.barrier(damaged is not None) and damaged is None:
+                    damaged = "another process's read of its shards failed"
+                if error is not None:
+                    raise error
+                if others_failed:
+                    raise CheckpointDamagedError(
+                        f"Another process failed to restore {path} (its log says why); this "
+                        "process stopped with it rather than train from another step."
+                    )
+            if damaged is not None and mismatch is None:
+                log.warning("Checkpoint %s is incomplete or corrupt: %s", path, damaged)
+                rejected.append(os.path.basename(path))
+                partly = path  # read in part: an older one must overwrite all of it
+                continue
             if mismatch is not None:
                 _quiet_unrestored_values()
                 raise CheckpointMismatchError(
@@ -269,6 +273,20 @@ class Checkpoints:
                 ", ".join(os.path.basename(path) for path in left),
             )
 
+    def _restore_main(self, path: str) -> str | None:
+        """Restores the chief's part of checkpoint `path`; why it does not fit, or None."""
+        try:
+            # expect_partial: a checkpoint from another tfdist version may hold extra slots.
+            self.checkpoint.restore(path).expect_partial()
+        except (ValueError, tf.errors.InvalidArgumentError) as error:
+            # A ValueError when shapes are known; in a multi-task job TensorFlow restores
+            # in a tf.function, where a shape check fails as it runs.
+            text = getattr(error, "message", None) or str(error)
+            if "incompatible" not in text and "not compatible with" not in text:
+                raise
+            return text.strip().splitlines()[0]
+        return None
+
     def _read_shards(self, path: str) -> tuple[str | None, str | None]:
         """This process's part of a sharded checkpoint read back: (why it does not fit, why
         it is damaged), both None when it was read (or there is nothing to read)."""
@@ -279,10 +297,11 @@ class Checkpoints:
         try:
             done = shard_files.read(shards, path)
         except (KeyError, tf.errors.InvalidArgumentError) as error:  # another model's shards
-            return (getattr(error, "message", None) or str(error)).strip().splitlines()[0], None
-        except tf.errors.OpError as error:  # a checksum, a file cut short or gone
-            message = error.message.strip().splitlines()[0][:200]
-            return None, f"{type(error).__name__}: {message}"
+            return _first_line(error), None
+        # A checksum that fails, a file cut short or gone: damage (other failures, memory or
+        # storage that answers no more, are raised: the checkpoint may be sound).
+        except (tf.errors.DataLossError, tf.errors.OutOfRangeError, tf.errors.NotFoundError) as e:
+            return None, f"{type(e).__name__}: {_first_line(e)[:200]}"
         if done is not None:
             read = "" if done.read_bytes is None else f", {done.read_bytes / 2**20:.1f} MB read"
             log.info(
@@ -579,6 +598,11 @@ def verify_checkpoint(prefix: str) -> str | None:
         message = getattr(e, "message", str(e)).strip().splitlines()[0]
         return f"{type(e).__name__}: {message[:200]}"
     return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = (getattr(error, "message", None) or str(error)).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 class _UnrestoredValues(logging.Filter):

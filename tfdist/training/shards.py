@@ -308,11 +308,10 @@ def read(shards: Shards, prefix: str) -> ReadBack | None:
     metadata = None if metadata is None else metadata["entries"]
     wanted = [_resolved(w, metadata) for w in wanted]
     missing = _missing(prefix, wanted) if metadata is None else _not_held(metadata, wanted)
-    if shards.takes_everything and metadata is not None:
+    if shards.takes_everything:
+        saved = set(metadata) if metadata is not None else set(_index(prefix))
         unplaced = sorted(
-            set(metadata)
-            - {w.key for w in wanted}
-            - {k for k in metadata if k.startswith(".empty/")}
+            saved - {w.key for w in wanted} - {k for k in saved if k.startswith(".empty/")}
         )
         if unplaced:
             raise KeyError(
@@ -409,13 +408,16 @@ def incomplete(prefix: str) -> str | None:
     except (tf.errors.OpError, ValueError, RuntimeError) as e:
         message = getattr(e, "message", str(e)).strip().splitlines()[0]
         return f"{type(e).__name__}: {message[:200]}"
-    for key, held in sorted(metadata["entries"].items()):
-        if key not in indexed:
-            return f"its merged shards' index lacks {key}, which its metadata lists"
-        if held["slices"]:
-            (size,) = held["shape"]
-            if _uncovered(held["slices"], 0, size):
-                return f"the slices saved of {key} do not cover its {size} elements"
+    try:
+        for key, held in sorted(metadata["entries"].items()):
+            if key not in indexed:
+                return f"its merged shards' index lacks {key}, which its metadata lists"
+            if held["slices"]:
+                (size,) = held["shape"]
+                if _uncovered(held["slices"], 0, size):
+                    return f"the slices saved of {key} do not cover its {size} elements"
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        return f"its metadata is malformed ({type(e).__name__}: {e})"
     return None
 
 
@@ -461,16 +463,22 @@ class WholeModel(Shards):
     def wanted(self) -> list[Wanted]:
         trainable = list(self.model.trainable_variables)
         out = [_whole(weight_key(i), v) for i, v in enumerate(trainable)]
-        names = {v.path.replace("/", "_"): i for i, v in enumerate(trainable)}
+        paths = {v.path.replace("/", "_"): i for i, v in enumerate(trainable)}
         optimizer = self.model.optimizer
         for slot in [] if optimizer is None else optimizer.variables:
-            for cut in range(
-                len(slot.name)
-            ):  # a slot's own name may hold "_" (Adam's "velocity_hat")
-                if slot.name[cut] == "_" and slot.name[:cut] in names:
-                    out.append(_whole(slot_key(names[slot.name[:cut]], slot.name[cut + 1 :]), slot))
-                    break
+            i = weight_of_slot(slot.name, paths)
+            if i is not None:
+                name = slot.name[len(trainable[i].path) + 1 :]  # "momentum"
+                out.append(_whole(slot_key(i, name), slot))
         return out
+
+
+def weight_of_slot(slot: str, paths: dict[str, int]) -> int | None:
+    """The weight (its index in `paths`: weight path with '/' as '_' -> index) a Keras
+    optimizer's slot variable named `slot` was made for: Keras names it
+    "<weight path, '/' as '_'>_<slot>"; the longest such path."""
+    found = [p for p in paths if slot.startswith(p + "_")]
+    return paths[max(found, key=len)] if found else None
 
 
 def _whole(key: str, variable) -> Wanted:
@@ -506,9 +514,13 @@ def remove(prefix: str) -> None:
 
 
 def _missing(prefix: str, wanted: list[Wanted]) -> list[str]:
-    reader = tf.compat.v1.train.NewCheckpointReader(merged(prefix))
-    held = reader.get_variable_to_shape_map()
+    held = _index(prefix)
     return [w.key for w in wanted if w.key not in held]
+
+
+def _index(prefix: str) -> dict:
+    """The merged shards' keys and shapes, from their index (no tensor read)."""
+    return tf.compat.v1.train.NewCheckpointReader(merged(prefix)).get_variable_to_shape_map()
 
 
 def _remove(path: str) -> None:
