@@ -1,4 +1,4 @@
-"""What tfdist.fit's log says a model trains as, in the planner's form (tfdist/layouts.py):
+"""What tfdist.fit's log says a model trains as, in the planner's form (tfdist/layout_names.py):
 
 Global batch 32 = 4 replica(s) x 8 per replica (mirrored); trained as tensor 2 x zero3 x
 data 2 over 4 devices in 1 process
@@ -11,7 +11,7 @@ from typing import Any
 
 import keras
 
-from tfdist.layouts import layout_name
+from tfdist.layout_names import layout_name
 from tfdist.parallel.pipeline_runner import PipelineRunner
 from tfdist.parallel.tensor.layers import split_layers
 from tfdist.parallel.tensor.layout_map import plan_of

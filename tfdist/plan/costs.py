@@ -59,7 +59,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from tfdist.collective.fusion import DEFAULT_BUCKET_BYTES
-from tfdist.layouts import layout_name
+from tfdist.layout_names import layout_name
 from tfdist.plan.cluster import Cluster, Link, PlanError
 from tfdist.plan.model import ModelCost, Unit
 
@@ -123,7 +123,7 @@ class ParallelLayout:
 
     @property
     def name(self) -> str:
-        """The layout in the form tfdist.fit's log names it in (tfdist/layouts.py)."""
+        """The layout in the form tfdist.fit's log names it in (tfdist/layout_names.py)."""
         return layout_name(
             data=self.data, stages=self.stages, micro_batches=self.micro_batches,
             chunks=self.chunks, tensor=self.tensor, zero=self.zero,
