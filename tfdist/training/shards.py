@@ -39,7 +39,6 @@ import json
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import tensorflow as tf
@@ -59,7 +58,7 @@ WRITE_BUCKET_BYTES = 64 * 2**20
 _saving = threading.local()
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Entry:
     """One tensor of a process's part: `value` under `key`, whole (`spec` "") or a slice of
     the flattened weight (`spec` "<size> <offset>,<length>").
@@ -88,7 +87,7 @@ class Entry:
         return int(np.prod(shape, dtype=np.int64)) * dtype.size
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Wanted:
     """What a process reads back: `key` (whole, or the slice `spec`) handed to `assign`.
 
@@ -283,7 +282,7 @@ def _buckets(items: Sequence, sizes: Sequence[int | None], most: int) -> Iterato
         yield bucket
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ReadBack:
     """What a process's read of its part took: the bytes of its slices, and the bytes it
     read from storage for them (/proc/self/io's count; None where the system keeps none)."""
