@@ -25,6 +25,7 @@ from tfdist.collective import (
     pack,
     plan_buckets,
     reduce_scatter_schedule,
+    replicas,
     unpack,
 )
 
@@ -114,6 +115,53 @@ def test_ring_over_local_devices_sums_exactly(length, devices):
     for device, total in zip(CPUS, sums, strict=False):
         assert total.device.endswith(device.replace("/cpu:", "CPU:"))
         np.testing.assert_array_equal(total.numpy(), np.sum(values, axis=0))
+
+
+@pytest.mark.parametrize("devices", [2, 3, 4])
+def test_a_gather_read_where_the_replicas_lie_is_tensorflows_gather(devices):
+    """replicas.all_gather against ReplicaContext.all_gather in one step: the same rows (of
+    uneven counts on every replica) and the same gradients, with no collective in the step."""
+    strategy = tf.distribute.MirroredStrategy(CPUS[:devices])
+    rows = sum(range(1, devices + 1))
+    stacked = tf.constant(np.arange(3 * rows, dtype="float32").reshape(rows, 3))
+
+    def step(gather):
+        def replica():
+            r = tf.distribute.get_replica_context().replica_id_in_sync_group
+            x = tf.gather(stacked, _rows_of(r, devices))
+            with tf.GradientTape() as tape:
+                tape.watch(x)
+                whole = gather(x)
+                # Each replica weighs the rows its own way: its gradient is not the others'.
+                loss = tf.reduce_sum(whole * tf.cast(r + 1, tf.float32) * tf.range(3.0))
+            return whole, tape.gradient(loss, x)
+
+        return strategy.run(replica)
+
+    def tensorflows(x):
+        return tf.distribute.get_replica_context().all_gather(x, axis=0)
+
+    want = tf.function(lambda: step(tensorflows), autograph=False)
+    got = tf.function(lambda: step(replicas.all_gather), autograph=False)
+    (want_whole, want_grad), (got_whole, got_grad) = want(), got()
+    local = strategy.experimental_local_results
+    assert [w.shape for w in local(got_whole)] == [(rows, 3)] * devices
+    assert [g.shape[0] for g in local(got_grad)] == list(range(1, devices + 1))
+    for w, g in zip(
+        local(want_whole) + local(want_grad), local(got_whole) + local(got_grad), strict=True
+    ):
+        np.testing.assert_array_equal(g.numpy(), w.numpy())
+    ops = [op.type for op in got.get_concrete_function().graph.get_operations()]
+    assert not [t for t in ops if t.startswith("Collective")]
+    assert "CollectiveGatherV2" in {
+        op.type for op in want.get_concrete_function().graph.get_operations()
+    }
+
+
+def _rows_of(replica, devices):
+    """Replica r's rows of the stacked weights: r + 1 of them."""
+    starts = tf.constant(np.cumsum([0, *range(1, devices + 1)]), tf.int32)
+    return tf.range(starts[replica], starts[replica + 1])
 
 
 @pytest.mark.parametrize("compression", [None, "float16", "bfloat16"])

@@ -18,6 +18,7 @@ Sections:
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ import keras
 import tensorflow as tf
 
 # `tensorflow.python` is TensorFlow's private tree: these imports stay in this module.
-from tensorflow.python.distribute import distribute_utils
+from tensorflow.python.distribute import distribute_utils, mirrored_run
 from tensorflow.python.distribute import values as values_lib
 
 # --- strategies -------------------------------------------------------------------------------
@@ -165,6 +166,15 @@ def mirrored_value(per_device: Sequence[tf.Tensor]) -> tf.distribute.Distributed
     private `distribute_utils.regroup` and `values.Mirrored`.
     """
     return distribute_utils.regroup(tuple(per_device), wrap_class=values_lib.Mirrored)
+
+
+def replica_threads_here() -> bool:
+    """Whether the caller is one of a MirroredStrategy's replica threads in this process
+    (whose `merge_call` hands the strategy every replica's value as tensors of one graph).
+
+    Why: the replica threads are private to mirrored_run.
+    """
+    return isinstance(threading.current_thread(), mirrored_run._MirroredReplicaThread)
 
 
 # --- coordination service ---------------------------------------------------------------------

@@ -85,6 +85,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.collective import replicas
 from tfdist.parallel import host, saved_state, updates
 from tfdist.parallel.tensor.derive import (
     HEAD_COUNTS,
@@ -733,7 +734,7 @@ class LayoutParallel(StepHook):
         placement = self.plan.placements[i]
         group = self.groups[i][placement.index(replica)]
         shape = placement.shape_of(self.variables[i])
-        everyone = tf.distribute.get_replica_context().all_gather(mine[None], axis=0)
+        everyone = replicas.all_gather(mine[None])
         flat = tf.concat([everyone[r] for r in group], 0)[: _size(shape)]
         return tf.reshape(flat, shape)
 
@@ -741,7 +742,6 @@ class LayoutParallel(StepHook):
 
     def apply(self, grads_and_vars, apply_next):
         del apply_next  # the end of the chain: every weight's update is applied here
-        context = tf.distribute.get_replica_context()
         replica, _ = replica_in_step()
         given = {id(v): g for g, v in grads_and_vars}
         grads = [given.get(id(v)) for v in self.variables]
@@ -757,7 +757,7 @@ class LayoutParallel(StepHook):
             placement = self.plan.placements[chosen[0]]
             copies = self.groups[chosen[0]][placement.index(replica)]
             shapes = [self.plan.placements[i].shape_of(self.variables[i]) for i in chosen]
-            got = summed_over(context, [grads[i] for i in chosen], shapes, copies)
+            got = summed_over([grads[i] for i in chosen], shapes, copies)
             summed.update(zip(chosen, got, strict=True))
         for i in rest:  # zero1 / zero2: this replica's slice of the summed gradient
             if self.sliced[i]:

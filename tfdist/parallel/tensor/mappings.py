@@ -29,6 +29,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
+from tfdist.collective import replicas
 from tfdist.errors import FitError
 from tfdist.training import sparse_rows
 
@@ -66,8 +67,8 @@ def _group_rows(x, sizes, group: int, degree: int):
 _SIZES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _sizes(context, x, replica: int):
-    sizes = context.all_gather(tf.shape(x)[:1], axis=0)
+def _sizes(x, replica: int):
+    sizes = replicas.all_gather(tf.shape(x)[:1])
     _SIZES.setdefault(tf.compat.v1.get_default_graph(), {})[replica] = sizes
     return sizes
 
@@ -78,8 +79,11 @@ def gather_from_group(x, degree: int):
     member's own rows of the gradient, summed over the group."""
     replica, _ = replica_in_step()
     context = tf.distribute.get_replica_context()
-    sizes = _sizes(context, x, replica)
+    sizes = _sizes(x, replica)
     boolean = x.dtype == tf.bool  # collectives take numbers: a mask travels as int32
+    # TensorFlow's own gather, not one read where the replicas' rows lie: read so, the
+    # gradients of the rows its readers (query, key, value) take are added in another
+    # order, and keras-hub's Gemma ends 1.1e-5 from one device's weights (under 1e-5 so).
     everyone = context.all_gather(tf.cast(x, "int32") if boolean else x, axis=0)
     rows = _group_rows(everyone, sizes, replica // degree, degree)
     return (tf.cast(rows, tf.bool) if boolean else rows), sizes
@@ -104,10 +108,9 @@ def reduce_scatter_to_group(partial, sizes, degree: int):
     examples, ...]). Backward (its conjugate, gather_from_group): the group's rows of the
     gradient, gathered."""
     replica, _ = replica_in_step()
-    context = tf.distribute.get_replica_context()
     group, rank = divmod(replica, degree)
     # Every replica's partial, end to end: each is as long as its group's examples.
-    everyone = context.all_gather(partial, axis=0)
+    everyone = replicas.all_gather(partial)
     length = tf.reduce_sum(sizes[group * degree : (group + 1) * degree])
     start = degree * tf.reduce_sum(sizes[: group * degree])
     # The group's partials as [degree, length, ...], summed: one slice and one sum, whose
@@ -124,8 +127,7 @@ def gather_from_parts(columns, sizes, degree: int):
     """Forward: this replica's own examples with every part's features, end to end (the
     group's column parts [group examples, units/T] gathered). Backward: each member's part."""
     replica, _ = replica_in_step()
-    context = tf.distribute.get_replica_context()
-    everyone = context.all_gather(columns[None], axis=0)  # [replicas, rows, units/T]
+    everyone = replicas.all_gather(columns[None])  # [replicas, rows, units/T]
     group, rank = divmod(replica, degree)
     members = everyone[group * degree : (group + 1) * degree]
     whole = tf.concat(tf.unstack(members, num=degree), axis=-1)
@@ -142,7 +144,7 @@ def scatter_to_parts(x, degree: int, width: int):
     return tf.ensure_shape(x[..., rank * width : (rank + 1) * width], [*x.shape[:-1], width])
 
 
-def summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
+def summed_over(grads: list, shapes: list, copies: list[int]) -> list:
     """Each of `grads` summed over the replicas `copies` (each replica passes its own).
 
     The dense ones travel packed in one gather. A sparse gradient (an embedding's lookups)
@@ -159,16 +161,16 @@ def summed_over(context, grads: list, shapes: list, copies: list[int]) -> list:
     dense = [i for i, g in enumerate(grads) if not isinstance(g, tf.IndexedSlices)]
     if dense:
         flat = tf.concat([tf.reshape(tf.convert_to_tensor(grads[i]), [-1]) for i in dense], 0)
-        everyone = context.all_gather(flat[None], axis=0)  # [replicas, elements]
+        everyone = replicas.all_gather(flat[None])  # [replicas, elements]
         total = tf.add_n([everyone[r] for r in copies])
         sizes = [int(np.prod(shapes[i])) for i in dense]
         for i, piece in zip(dense, tf.split(total, sizes), strict=True):
             out[i] = tf.reshape(piece, shapes[i])
     for i, grad in enumerate(grads):
         if isinstance(grad, tf.IndexedSlices):
-            counts = context.all_gather(tf.shape(grad.indices)[:1], axis=0)
-            values = context.all_gather(grad.values, axis=0)
-            indices = context.all_gather(grad.indices, axis=0)
+            counts = replicas.all_gather(tf.shape(grad.indices)[:1])
+            values = replicas.all_gather(grad.values)
+            indices = replicas.all_gather(grad.indices)
             starts = tf.concat([[0], tf.cumsum(counts)], 0)
             out[i] = tf.IndexedSlices(
                 tf.concat([values[starts[r] : starts[r + 1]] for r in copies], 0),

@@ -91,7 +91,7 @@ class TensorParallelUpdate(StepHook):
         grads = [
             tf.zeros_like(v.value) if g is None else g for g, v in zip(grads, parts, strict=True)
         ]
-        summed = summed_over(context, grads, [tuple(v.shape) for v in parts], copies)
+        summed = summed_over(grads, [tuple(v.shape) for v in parts], copies)
         copy, user = self.optimizers[replica], self.user
         with tf.device(parts[0].value.device):
             # The user's optimizer counts the step after this hook (Adam's bias correction
