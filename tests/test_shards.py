@@ -33,7 +33,12 @@ class _Slices(shards.Shards):
 
     def entries(self):
         return [
-            shards.Entry(key, tf.constant(flat[lo:hi]), shards.flat_slice(flat.size, lo, hi))
+            shards.Entry(
+                key,
+                tf.constant(flat[lo:hi]),
+                shards.flat_slice(flat.size, lo, hi),
+                weight_shape=self.weights[key].shape,
+            )  # fmt: skip
             for key, flat, lo, hi, _ in self._pieces()
         ]
 
@@ -42,7 +47,13 @@ class _Slices(shards.Shards):
             return lambda value: self.read_back.__setitem__(key, shards.padded(value, k).numpy())
 
         return [
-            shards.Wanted(key, tf.float32, keep(key, k), shards.flat_slice(flat.size, lo, hi))
+            shards.Wanted(
+                key,
+                tf.float32,
+                keep(key, k),
+                shards.flat_slice(flat.size, lo, hi),
+                weight_shape=self.weights[key].shape,
+            )  # fmt: skip
             for key, flat, lo, hi, k in self._pieces()
         ]
 
@@ -109,7 +120,8 @@ def test_parts_are_written_and_read_in_bounded_buffers(tmp_path, monkeypatch):
     metadata = shards.metadata_of(prefix)
     assert len(metadata["files"]) == 16
     assert metadata["entries"]["trainable/0"] == {
-        "dtype": "float32", "shape": [1200], "slices": [[0, 300], [300, 300], [600, 300], [900, 300]]
+        "dtype": "float32", "shape": [1200], "weight_shape": [40, 30],
+        "slices": [[0, 300], [300, 300], [600, 300], [900, 300]],
     }  # fmt: skip
     assert shards.incomplete(prefix) is None
     part = _Slices(weights, 1, 2)
@@ -172,3 +184,38 @@ def test_the_planner_states_the_read_bucket_the_checkpoint_reads_with():
     from tfdist.plan import costs
 
     assert costs.READ_BUCKET_BYTES == shards.BUCKET_BYTES
+
+
+class _Whole(shards.Shards):
+    """A job that holds the model whole: reads `key` whole, in `shape`."""
+
+    def __init__(self, key, shape):
+        self.key, self.shape, self.read_back = key, shape, None
+
+    def entries(self):
+        return []
+
+    def wanted(self):
+        return [shards.Wanted(self.key, tf.float32, self._keep, shape=self.shape)]
+
+    def _keep(self, value):
+        self.read_back = value.numpy()
+
+
+def test_a_resume_into_a_model_of_other_shapes_is_refused_naming_them(tmp_path):
+    """Slices of a (4, 6) weight, read as slices of a (6, 4) one (the same 24 elements) or
+    whole as (3, 8), or by a model whose weight has other elements: refused, each shape
+    named, nothing assigned. Read as (4, 6) whole, the weight comes back."""
+    weight = np.arange(24, dtype="float32").reshape(4, 6)
+    prefix = str(tmp_path / "ckpt-3")
+    _save({"trainable/0": weight}, prefix, 2)
+    other = _Slices({"trainable/0": weight.reshape(6, 4)}, 0, 2)
+    with pytest.raises(KeyError, match=r"other shapes: trainable/0 saved \(4, 6\), here \(6, 4\)"):
+        shards.read(other, prefix)
+    assert other.read_back == {}
+    for shape in [(3, 8), (5, 5)]:
+        with pytest.raises(KeyError, match=rf"saved \(4, 6\), here \({shape[0]}, {shape[1]}\)"):
+            shards.read(_Whole("trainable/0", shape), prefix)
+    whole = _Whole("trainable/0", (4, 6))
+    shards.read(whole, prefix)
+    np.testing.assert_array_equal(whole.read_back, weight)

@@ -224,11 +224,12 @@ class Home(shards.Shards):
             if staged.pieces is not None:  # slices: put together (across processes by all)
                 whole = staged.read()
                 if staged.source and staged.copies:
-                    out.append(shards.Entry(key, tf.reshape(whole, [-1]), spec))
+                    flat = tf.reshape(whole, [-1])
+                    out.append(shards.Entry(key, flat, spec, weight_shape=tuple(staged.shape)))
             elif staged.source and staged.copies:
                 copy = staged.copies[0]  # read as its bundle is written
                 value = lambda copy=copy: tf.reshape(copy.value, [-1])  # noqa: E731
-                out.append(shards.Entry(key, value, spec, copy.dtype, (n,)))
+                out.append(shards.Entry(key, value, spec, copy.dtype, (n,), tuple(staged.shape)))
         return out
 
     def wanted(self) -> list[shards.Wanted]:

@@ -500,19 +500,23 @@ class _SliceShards(shard_files.Shards):
         out = []
         for d, i, lo, hi in self._pieces():
             spec = shard_files.flat_slice(self.hook.sizes[i], lo, hi)
+            shape = tuple(self.hook.variables[i].shape)
             for key, variable in self._held(d, i):
                 # Made as its bundle is written (the padding cut off: a copy).
                 value = lambda v=variable, n=hi - lo: v.value[:n]  # noqa: E731
-                out.append(shard_files.Entry(key, value, spec, variable.dtype, (hi - lo,)))
+                out.append(shard_files.Entry(key, value, spec, variable.dtype, (hi - lo,), shape))
         return out
 
     def wanted(self) -> list[shard_files.Wanted]:
         out = []
         for d, i, lo, hi in self._pieces():
             spec, k = shard_files.flat_slice(self.hook.sizes[i], lo, hi), self.hook.lengths[i]
+            shape = tuple(self.hook.variables[i].shape)
             for key, variable in self._held(d, i):
                 assign = lambda value, v=variable, k=k: v.assign(shard_files.padded(value, k))  # noqa: E731
-                out.append(shard_files.Wanted(key, variable.dtype, assign, spec))
+                out.append(
+                    shard_files.Wanted(key, variable.dtype, assign, spec, weight_shape=shape)
+                )
         return out
 
 

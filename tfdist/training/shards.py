@@ -72,6 +72,9 @@ class Entry:
     spec: str = ""
     dtype: tf.DType | None = None
     shape: tuple[int, ...] | None = None
+    # The weight's own shape, for a slice of its flattened values (a resume under another
+    # layout checks that its model's weight has it).
+    weight_shape: tuple[int, ...] | None = None
 
     def made(self) -> tf.Tensor:
         return self.value() if callable(self.value) else self.value
@@ -92,7 +95,8 @@ class Wanted:
     """What a process reads back: `key` (whole, or the slice `spec`) handed to `assign`.
 
     With `shape`, the entry is read whole however it was saved (whole, or as slices of its
-    flattened values by another layout) and handed over in that shape.
+    flattened values by another layout) and handed over in that shape. `weight_shape`: the
+    shape of the weight a wanted slice is of (checked against the one saved).
     """
 
     key: str
@@ -100,6 +104,7 @@ class Wanted:
     assign: Callable[[tf.Tensor], None]
     spec: str = ""
     shape: tuple[int, ...] | None = None
+    weight_shape: tuple[int, ...] | None = None
 
 
 class Shards:
@@ -239,10 +244,12 @@ def _merge(prefix: str, ranks: int) -> None:
     )
     metadata: dict[str, dict] = {}
     for listed in lists:
-        for key, dtype, shape, extent in listed["entries"]:
+        for key, dtype, shape, extent, *weight_shape in listed["entries"]:
             held = metadata.setdefault(key, {"dtype": dtype, "shape": shape, "slices": []})
             if extent is not None:
                 held["slices"].append(extent)
+            if weight_shape and weight_shape[0] is not None:
+                held["weight_shape"] = weight_shape[0]
     # The merged data files and their sizes: a file gone or cut short shows without a read.
     files = {
         os.path.basename(path): tf.io.gfile.stat(path).length
@@ -257,13 +264,15 @@ def _merge(prefix: str, ranks: int) -> None:
 
 
 def _described(entry: Entry) -> list:
-    """[key, dtype, saved shape, [offset, length] or None] of an entry, for the metadata."""
+    """[key, dtype, saved shape, [offset, length] or None, the weight's shape or None] of an
+    entry, for the metadata."""
     dtype, shape = entry.facts()
     extent = _parsed(entry.spec)
+    weight = None if entry.weight_shape is None else list(entry.weight_shape)
     if extent is None:
-        return [entry.key, dtype.name, list(shape), None]
+        return [entry.key, dtype.name, list(shape), None, weight]
     size, offset, length = extent
-    return [entry.key, dtype.name, [size], [offset, length]]
+    return [entry.key, dtype.name, [size], [offset, length], weight]
 
 
 def _buckets(items: Sequence, sizes: Sequence[int | None], most: int) -> Iterator[list]:
@@ -305,6 +314,13 @@ def read(shards: Shards, prefix: str) -> ReadBack | None:
         return None
     metadata = metadata_of(prefix)
     metadata = None if metadata is None else metadata["entries"]
+    reshaped = [] if metadata is None else _reshaped(metadata, wanted)
+    if reshaped:
+        raise KeyError(
+            f"The checkpoint {prefix} was saved from a model of other shapes: "
+            f"{', '.join(reshaped[:3])}"
+            + (f" (and {len(reshaped) - 3} more)" if len(reshaped) > 3 else "")
+        )
     wanted = [_resolved(w, metadata) for w in wanted]
     missing = _missing(prefix, wanted) if metadata is None else _not_held(metadata, wanted)
     if shards.takes_everything:
@@ -433,6 +449,24 @@ def _not_held(metadata: dict, wanted: list[Wanted]) -> list[str]:
             if held["shape"] != [size] or _uncovered(held["slices"], offset, offset + length):
                 missing.append(f"{w.key} [{offset}, {offset + length})")
     return missing
+
+
+def _reshaped(metadata: dict, wanted: list[Wanted]) -> list[str]:
+    """The wanted weights (and slots) whose shape here is not the shape saved: a weight
+    saved whole has its own shape in the metadata, a slice of one its weight's (checkpoints
+    an earlier tfdist wrote only its element count)."""
+    out = []
+    for w in wanted:
+        held, here = metadata.get(w.key), w.shape or w.weight_shape
+        if held is None or here is None:
+            continue
+        saved = held.get("weight_shape") or (None if held["slices"] else held["shape"])
+        if saved is not None:
+            if tuple(saved) != tuple(here):
+                out.append(f"{w.key} saved {tuple(saved)}, here {tuple(here)}")
+        elif held["shape"][0] != int(np.prod(here, dtype=np.int64)):
+            out.append(f"{w.key} saved with {held['shape'][0]} elements, here {tuple(here)}")
+    return out
 
 
 def _uncovered(slices: list[list[int]], lo: int, hi: int) -> bool:
