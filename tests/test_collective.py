@@ -120,8 +120,10 @@ def test_ring_over_local_devices_sums_exactly(length, devices):
 @pytest.mark.parametrize("devices", [2, 3, 4])
 def test_a_gather_read_where_the_replicas_lie_is_tensorflows_gather(devices):
     """replicas.all_gather against ReplicaContext.all_gather in one step: the same rows (of
-    uneven counts on every replica) and the same gradients, with no collective in the step."""
-    strategy = tf.distribute.MirroredStrategy(CPUS[:devices])
+    uneven counts on every replica) and the same gradients, with no collective in the step.
+    (tfdist's strategy: TensorFlow's own would start its collective keys where another
+    strategy of other devices in this process started, which poisons the process.)"""
+    strategy = tfdist.build_strategy("mirrored", cluster=None, devices=CPUS[:devices])
     rows = sum(range(1, devices + 1))
     stacked = tf.constant(np.arange(3 * rows, dtype="float32").reshape(rows, 3))
 

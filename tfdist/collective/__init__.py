@@ -9,6 +9,8 @@
 - cross_device.py: RingAllReduce, a tf.distribute.CrossDeviceOps over local devices
   (and, given a ProcessRing, across processes), for MirroredStrategy and the trainer.
 - fusion.py: tensor fusion into buckets and float16/bfloat16 wire compression.
+- replicas.py: a step's all-gather among the replicas of one process, read where the
+  parts lie (one merge_call) rather than by collectives.
 """
 
 from tfdist.collective.cross_device import RingAllReduce
