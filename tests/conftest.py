@@ -326,26 +326,22 @@ def _time_the_collector() -> None:
 # A full collection walks every object the collector tracks: in a pytest process late in a
 # run, millions (the traced functions and models of module fixtures, Keras's and TensorFlow's
 # caches), a second or more each, and the layouts make one wherever a dropped copy may sit in
-# a cycle (host.Dropped). So between tests, at most once this often, what a collection finds
-# alive is frozen out of the collector (gc.freeze, as Python's documentation advises before
-# a fork): the collections a test makes walk only what it made since. Such a freeze walks
-# only what is not frozen yet. What was frozen and dies in a cycle later (a module fixture's
-# model) waits for a refreeze, which unfreezes and walks everything, about 3-6 s late in a
-# run: once every _REFREEZE_SECONDS (at 300 s, 84 s of a whole run's CPU went to them).
-_FREEZE_SECONDS = 150.0
-_REFREEZE_SECONDS = 900.0
+# a cycle (host.Dropped). So between tests, at most once this often, everything alive is
+# collected once and frozen out of the collector (gc.freeze, as Python's documentation
+# advises before a fork): the collections a test makes walk only what it made since. What
+# was frozen and dies in a cycle later waits for the next refreeze. A refreeze late in a
+# whole run costs 3-6 s itself (135 s over a run at 120 s apart, 84 s at 300: hence 600).
+# It also keeps Python's automatic full collections away: after a full collection they
+# wait until a quarter as many objects as survived it have aged, and millions survived. (A
+# cheaper refreeze that collected only what was not frozen yet reset that count to the
+# few it found: automatic full collections then took 246 s of a run, the refreezes 200.)
+_REFREEZE_SECONDS = 600.0
 _FROZEN_AT = [float("-inf")]
-_REFROZEN_AT = [float("-inf")]
 
 
 def _freeze_survivors() -> None:
-    now = time.monotonic()
-    if now - _REFROZEN_AT[0] >= _REFREEZE_SECONDS:
+    if time.monotonic() - _FROZEN_AT[0] >= _REFREEZE_SECONDS:
         collect_everything()
-    elif now - _FROZEN_AT[0] >= _FREEZE_SECONDS:
-        gc.collect()  # the objects not frozen yet
-        gc.freeze()
-        _FROZEN_AT[0] = now
 
 
 def collect_everything() -> None:
@@ -354,7 +350,7 @@ def collect_everything() -> None:
     gc.unfreeze()
     gc.collect()
     gc.freeze()
-    _FROZEN_AT[0] = _REFROZEN_AT[0] = time.monotonic()
+    _FROZEN_AT[0] = time.monotonic()
 
 
 def _collecting_site() -> str:
