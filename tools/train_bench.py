@@ -20,10 +20,17 @@ repeats and the medians of the per-repeat ratios.
   python -m tools.train_bench                      # about 12 minutes on 2 cores
   python -m tools.train_bench --repeats 3 --no-multi_worker
   python -m tools.train_bench --only_repeated_fits  # the repeated short fits alone
+  python -m tools.train_bench --only_first_step     # the time to the first step alone
 
 First, repeated short fits: 6 one-epoch calls of 32 steps on the same model after a warm-up
 call (a notebook's loop, Keras Tuner), Keras's seconds over tfdist's: where tfdist traced its
 step at every call, this row showed it.
+
+Then the time to the first step: a keras-hub Gemma causal LM of a small random config (no
+download; keras-hub is a test extra) in a fresh process per run, from `fit(data, epochs=1)`
+called to its first step done (a batch-end callback), Keras's fit against tfdist.fit under one_device and
+mirrored over 2 logical CPUs, and tfdist's zero3 over the same 2 against Keras on one device.
+What is left is tracing: the step's program built and made ready.
 
 This is a benchmark, not a test: it reports figures and never fails on them.
 """
@@ -221,6 +228,114 @@ def _repeated_fits_table(strategies: dict, repeats: int) -> list[dict]:
     return rows
 
 
+# The time to the first step: (strategy, tfdist's shard_optimizer, whether Keras's fit runs
+# there too).
+FIRST_STEP = "FIRST_STEP "  # a task's line of output that holds its figure
+FIRST_STEP_LAYOUTS = (("one_device", None, True), ("mirrored x2", None, True),
+                      ("mirrored x2", "zero3", False))  # fmt: skip
+
+
+def _causal_lm(strategy, shard: str | None) -> tuple[keras.Model, tf.data.Dataset]:
+    """keras-hub's Gemma of 2 small decoder blocks, random weights, compiled as keras-hub's
+    examples compile it, and 32 padded token sequences in batches of 8."""
+    import keras_hub
+
+    scope = tfdist.host_scope(strategy) if shard == "zero3" else strategy.scope()
+    with scope:
+        keras.utils.set_random_seed(0)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=1,
+            hidden_dim=16, intermediate_dim=32, head_dim=8,
+        )  # fmt: skip
+        model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
+        model.compile(
+            optimizer=keras.optimizers.Adam(0.01),
+            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+            weighted_metrics=["accuracy"],
+        )
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 64, (32, 9)).astype("int32")
+    mask = np.arange(9)[None, :] < rng.integers(4, 10, 32)[:, None]
+    tokens = np.where(mask, tokens, 0)
+    features = {"token_ids": tokens[:, :-1], "padding_mask": mask[:, :-1]}
+    data = tf.data.Dataset.from_tensor_slices((features, tokens[:, 1:], mask[:, 1:] * 1.0))
+    return model, data.batch(8)
+
+
+class _FirstStep(keras.callbacks.Callback):
+    def __init__(self):
+        super().__init__()
+        self.done = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.done is None:
+            self.done = time.perf_counter()
+
+
+def _first_step_task(argv: list[str]) -> int:
+    """One fresh process: seconds from fit called to its first step done, printed."""
+    trainer, strategy_name, shard = argv
+    shard = None if shard == "-" else shard
+    tfdist.configure_cpu_devices(2)
+    if strategy_name == "one_device":
+        strategy = tfdist.build_strategy("one_device", cluster=None)
+    else:
+        strategy = tfdist.build_strategy("mirrored", cluster=None, devices=("/cpu:0", "/cpu:1"))
+    model, data = _causal_lm(strategy, shard)
+    clock = _FirstStep()
+    started = time.perf_counter()
+    if trainer == "keras fit":
+        try:
+            model.fit(data, epochs=1, verbose=0, callbacks=[clock])
+        except tf.errors.OpError as error:  # Keras's fit under mirrored, keras-hub's mask
+            print(FIRST_STEP + json.dumps({"seconds": None, "error": first_line(error)[:120]}))
+            return 0
+    else:
+        tfdist.fit(model, data, epochs=1, verbose=0, callbacks=[clock],
+                   shard_optimizer=shard)  # fmt: skip
+    print(FIRST_STEP + json.dumps({"seconds": clock.done - started}), flush=True)
+    return 0
+
+
+def _first_step_table(repeats: int) -> list[dict]:
+    rows = []
+    for repeat in range(repeats):
+        for name, shard, keras_too in FIRST_STEP_LAYOUTS:
+            for trainer in ("keras fit", "tfdist.fit"):
+                if trainer == "keras fit" and not keras_too:
+                    continue
+                task = [sys.executable, "-m", "tools.train_bench", "--_first_step", trainer,
+                        name, shard or "-"]  # fmt: skip
+                job = harness.run(task, timeout=600, what=f"{trainer} first step")
+                line = next(x for x in job.output.splitlines() if x.startswith(FIRST_STEP))
+                seconds = json.loads(line[len(FIRST_STEP) :])["seconds"]
+                rows.append({"repeat": repeat, "strategy": name, "shard_optimizer": shard,
+                             "trainer": trainer, "seconds": seconds})  # fmt: skip
+                shown = "fails" if seconds is None else f"{seconds:6.2f} s"
+                print(f"  repeat {repeat}  {name:<12} {shard or '':<6} {trainer:<11} {shown}",
+                      flush=True)  # fmt: skip
+
+    def seconds(trainer, name, shard=None):
+        return [r["seconds"] for r in rows if r["trainer"] == trainer and r["strategy"] == name
+                and r["shard_optimizer"] == shard]  # fmt: skip
+
+    print("\ntime to the first step: keras-hub Gemma (2 blocks, random weights), a fresh "
+          f"process per run, medians of {repeats} (seconds)")  # fmt: skip
+    print(f"{'layout':<22} {'keras fit':>10} {'tfdist.fit':>10} {'tfdist/keras':>12}")
+    for name, shard, keras_too in FIRST_STEP_LAYOUTS:
+        keras_s = seconds("keras fit", name if keras_too else "one_device")
+        tfdist_s = seconds("tfdist.fit", name, shard)
+        label = name + (f", {shard}" if shard else "") + ("" if keras_too else " *")
+        if None in keras_s:
+            print(f"{label:<22} {'fails':>10} {statistics.median(tfdist_s):>10.2f} {'-':>12}")
+            continue
+        ratios = [t / k for t, k in zip(tfdist_s, keras_s, strict=True)]
+        print(f"{label:<22} {statistics.median(keras_s):>10.2f} {statistics.median(tfdist_s):>10.2f} "
+              f"{statistics.median(ratios):>12.2f}")  # fmt: skip
+    print("* against Keras's fit on one device (Keras has no zero3)")
+    return rows
+
+
 def _task(argv: list[str]) -> int:
     """One task of the multi-worker job: trains one variant, the chief writes its rate."""
     trainer, per_call, epochs, out = argv
@@ -260,6 +375,8 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--_task"]:
         return _task(argv[1:])
+    if argv[:1] == ["--_first_step"]:
+        return _first_step_task(argv[1:])
     parser = argparse.ArgumentParser(
         prog="python -m tools.train_bench", description=__doc__.split("\n\n")[0]
     )
@@ -281,7 +398,16 @@ def main(argv=None) -> int:
         action="store_true",
         help="only the repeated short fits (6 one-epoch calls of 32 steps after a warm-up)",
     )
+    parser.add_argument(
+        "--only_first_step",
+        action="store_true",
+        help="only the time to the first step (a keras-hub causal LM, a fresh process per run)",
+    )
     args = parser.parse_args(argv)
+    if args.only_first_step:
+        first = _first_step_table(args.repeats)
+        harness.write_csv(args.out_csv.replace(".csv", "_first_step.csv"), first)
+        return 0
 
     tfdist.configure_cpu_devices(2)
     strategies = {
@@ -294,6 +420,8 @@ def main(argv=None) -> int:
     harness.write_csv(args.out_csv.replace(".csv", "_repeated_fits.csv"), short)
     if args.only_repeated_fits:
         return 0
+    first = _first_step_table(args.repeats)
+    harness.write_csv(args.out_csv.replace(".csv", "_first_step.csv"), first)
     names = [*strategies, *(["multi_worker x2"] if args.multi_worker else [])]
     rows = []
     for repeat in range(args.repeats):
