@@ -81,9 +81,9 @@ def gather_from_group(x, degree: int):
     context = tf.distribute.get_replica_context()
     sizes = _sizes(x, replica)
     boolean = x.dtype == tf.bool  # collectives take numbers: a mask travels as int32
-    # TensorFlow's own gather, not one read where the replicas' rows lie: read so, the
-    # gradients of the rows its readers (query, key, value) take are added in another
-    # order, and keras-hub's Gemma ends 1.1e-5 from one device's weights (under 1e-5 so).
+    # TensorFlow's own gather, not replicas.all_gather: with that one alone here, keras-hub's
+    # Gemma ended 1.1e-5 from one device's weights (its tests hold 1e-5), rounding that
+    # moved (the forward is exact), against under 1e-5 with this.
     everyone = context.all_gather(tf.cast(x, "int32") if boolean else x, axis=0)
     rows = _group_rows(everyone, sizes, replica // degree, degree)
     return (tf.cast(rows, tf.bool) if boolean else rows), sizes
