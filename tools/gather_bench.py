@@ -85,20 +85,35 @@ def one(kind: str, gathers: int, devices: int, iters: int) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.gather_bench", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--gathers", default="10,40", help="gathers per step, comma-separated")
     parser.add_argument("--devices", type=int, default=4, help="logical CPUs (replicas)")
     parser.add_argument("--iters", type=int, default=20, help="timed calls after the first")
     parser.add_argument("--out_csv", default="gather_bench.csv", help="where the rows go")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a row in this process: KIND:GATHERS
     args = parser.parse_args(argv)
+    try:
+        counts = [int(g) for g in args.gathers.split(",")]
+    except ValueError:
+        counts = []
+    if not counts or min(counts) < 1:
+        parser.error(
+            f"--gathers takes positive whole numbers, e.g. 10,40. Received: {args.gathers!r}"
+        )
+    if args.devices < 2 or args.iters < 1:
+        parser.error(
+            "--devices must be at least 2 (a gather needs replicas) and --iters at least 1. "
+            f"Received: --devices={args.devices} --iters={args.iters}"
+        )
     if args.one:
         kind, gathers = args.one.split(":")
         row = one(kind, int(gathers), args.devices, args.iters)
         print(RESULT + json.dumps(row), flush=True)
         return 0
     rows = []
-    for gathers in [int(g) for g in args.gathers.split(",")]:
+    for gathers in counts:
         for kind in KINDS:
             command = [sys.executable, "-m", "tools.gather_bench", f"--one={kind}:{gathers}",
                        f"--devices={args.devices}", f"--iters={args.iters}"]  # fmt: skip
