@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
@@ -117,11 +116,8 @@ def main(argv=None) -> int:
         for kind in KINDS:
             command = [sys.executable, "-m", "tools.gather_bench", f"--one={kind}:{gathers}",
                        f"--devices={args.devices}", f"--iters={args.iters}"]  # fmt: skip
-            out = subprocess.run(
-                command, cwd=harness.REPO, env=harness.environment(), capture_output=True,
-                text=True, check=True, timeout=900,
-            )  # fmt: skip
-            line = next(x for x in out.stdout.splitlines() if x.startswith(RESULT))
+            job = harness.run(command, timeout=900, what=f"{kind} x{gathers}")
+            line = next(x for x in job.output.splitlines() if x.startswith(RESULT))
             rows.append(json.loads(line[len(RESULT) :]))
         pair = rows[-2:]
         if abs(pair[0]["checksum"] - pair[1]["checksum"]) > 1e-3 * max(

@@ -64,21 +64,20 @@ def _concat_everywhere(strategy, parts):
     values = _ends(strategy, parts)
     rows = tf.stack([tf.shape(v, out_type=tf.int32)[0] for v in values])
     starts = tf.concat([[0], tf.cumsum(rows)], 0)
-    out = []
-    for device in strategy.extended.worker_devices:
-        with tf.device(device):
-            out.append((tf.concat(values, 0), tf.identity(starts)))
-    return strategy.experimental_distribute_values_from_function(
-        lambda c: out[c.replica_id_in_sync_group]
-    )
+    return _on_each_device(strategy, lambda: (tf.concat(values, 0), tf.identity(starts)))
 
 
 def _sum_everywhere(strategy, parts):
     values = _ends(strategy, parts)
+    return _on_each_device(strategy, lambda: tf.add_n(values))
+
+
+def _on_each_device(strategy, make):
+    """`make()` on each of this process's devices, each replica given its own device's."""
     out = []
     for device in strategy.extended.worker_devices:
         with tf.device(device):
-            out.append(tf.add_n(list(values)))
+            out.append(make())
     return strategy.experimental_distribute_values_from_function(
         lambda c: out[c.replica_id_in_sync_group]
     )
