@@ -247,6 +247,7 @@ def _count_launches(config) -> None:
         import tempfile
 
         os.environ.setdefault(_LAUNCH_DIR, tempfile.mkdtemp(prefix="tfdist-launches-"))
+        os.makedirs(os.environ[_LAUNCH_DIR], exist_ok=True)  # a folder named that is not there yet
         if getattr(config.option, "numprocesses", None):
             return  # it starts the xdist workers only: they count what the tests start
     original = subprocess.Popen.__init__

@@ -86,3 +86,34 @@ def test_a_recompile_another_batch_shape_and_another_mode_each_trace_again(strat
         assert traces_of(lambda: tfdist.fit(m, data(), verbose=0)) > 0
     assert "optimizer, compiled loss" in caplog.text
     assert traces_of(lambda: tfdist.fit(m, data(), verbose=0)) == 0
+
+
+def test_verbose_0_is_quiet_as_keras_is_and_2_keeps_tfdists_lines(strategy, caplog, capsys):
+    """A loop of short fits at verbose=0 prints nothing, as Keras's does: tfdist's lines of a
+    call (the global batch, the step-time breakdown, why 'auto' runs a step a call) go to
+    debug. verbose=2 (one line an epoch, Keras's choice for a log file) keeps them at info."""
+    m = model(strategy)
+    calls = ("Global batch 8 = 2 replica(s)", "Epoch 1: step ", "'auto': one step a call")
+
+    read = []
+
+    def fit(verbose: int) -> None:
+        # A LambdaCallback's hooks are its instance's, not its class's: it hooks every batch.
+        batches = keras.callbacks.LambdaCallback(
+            on_train_batch_end=lambda batch, logs: read.append(sorted(logs))
+        )
+        tfdist.fit(m, data(), verbose=verbose, steps_per_execution="auto", callbacks=[batches])
+
+    with caplog.at_level("INFO", logger="tfdist"):
+        fit(verbose=0)
+    assert not [r for r in caplog.records if r.name.startswith("tfdist")], caplog.text
+    assert capsys.readouterr().out == ""
+    with caplog.at_level("DEBUG", logger="tfdist"):
+        fit(verbose=0)
+    assert all(line in caplog.text for line in calls), caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="tfdist"):
+        fit(verbose=2)
+    assert all(line in caplog.text for line in calls), caplog.text
+    assert len([line for line in capsys.readouterr().out.splitlines() if "loss" in line]) == 1
+    assert read == [["loss"]] * 4 * 3  # every batch's logs, quiet or not

@@ -54,7 +54,7 @@ def test_the_batch_line_says_the_pipelines_and_their_stages(caplog):
     with mirrored().scope():
         model = pipeline_cases.mlp()
     pipeline = Pipeline(cut_before=pipeline_cases.CUTS[2], micro_batches=2)
-    with caplog.at_level("INFO", logger="tfdist"):
+    with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's own lines are debug
         tfdist.fit(model, pipeline_cases.data(), verbose=0, pipeline=pipeline)
     assert (
         "Global batch 16 = 2 pipeline(s) x 8 per pipeline, each of 2 stages over 2 device(s) "

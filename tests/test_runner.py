@@ -154,7 +154,7 @@ def test_the_step_time_breakdown_is_logged_and_written_to_tensorboard(
     with strategy.scope():
         model, data = regression()
     board = keras.callbacks.TensorBoard(str(tmp_path / "tb"))
-    with caplog.at_level(logging.INFO, logger="tfdist"):
+    with caplog.at_level(logging.DEBUG, logger="tfdist"):  # verbose=0: the lines are debug
         tfdist.fit(model, data, epochs=2, verbose=0, callbacks=[board])
     lines = [r.getMessage() for r in caplog.records if "input" in r.getMessage()]
     check_step_times(lines, str(tmp_path / "tb"), epochs=2)
@@ -183,7 +183,7 @@ PS_JOB = textwrap.dedent(
     with strategy.scope():
         model, data = regression()
     callbacks = [keras.callbacks.TensorBoard(board)]
-    tfdist.fit(model, data, epochs=2, steps_per_epoch=4, verbose=0, callbacks=callbacks)
+    tfdist.fit(model, data, epochs=2, steps_per_epoch=4, verbose=2, callbacks=callbacks)
     """
 )
 

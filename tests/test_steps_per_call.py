@@ -138,7 +138,7 @@ def test_auto_keeps_one_step_a_call_for_a_callback_that_needs_every_batch(caplog
     x, y = zero_cases.data()
     model = zero_cases.mlp("adam")
     record = _Record()
-    with caplog.at_level("INFO", logger="tfdist"):
+    with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's own lines are debug
         tfdist.fit(model, x, y, batch_size=zero_cases.GLOBAL_BATCH, epochs=1, shuffle=False,
                    verbose=0, steps_per_execution="auto", callbacks=[record])  # fmt: skip
     assert "one step a call, as _Record hook every batch" in caplog.text
@@ -155,11 +155,11 @@ def test_a_bad_steps_per_execution_is_one_line(value):
 
 
 def test_auto_chooses_the_count_that_makes_a_call_s_fixed_cost_five_percent():
-    from tfdist.training.call_length import SCHEDULE, AutoCallLength
+    from tfdist.training.auto_steps_per_execution import SCHEDULE, AutoStepsPerExecution
 
     fixed, step = 1e-3, 0.5e-3
     tallies = []
-    auto = AutoCallLength(lambda counts: tallies.append(counts) or counts, is_chief=True)
+    auto = AutoStepsPerExecution(lambda counts: tallies.append(counts) or counts, is_chief=True)
     for call in range(len(SCHEDULE)):
         n = auto.length()
         # The first call traces (slow, not counted); the others take c + n s.
@@ -167,12 +167,12 @@ def test_auto_chooses_the_count_that_makes_a_call_s_fixed_cost_five_percent():
     assert auto.chosen == 40 == auto.length()  # 1 ms / (5% of 0.5 ms)
     assert tallies == [[40]]
     # A worker takes the chief's count, whatever it measured itself.
-    worker = AutoCallLength(lambda counts: [40], is_chief=False)
+    worker = AutoStepsPerExecution(lambda counts: [40], is_chief=False)
     for _ in SCHEDULE:
         worker.observe(worker.length(), 1.0)
     assert worker.chosen == 40
     # A fixed cost too small to measure (noise puts the line below zero): a probe's length.
-    quiet = AutoCallLength(lambda counts: counts, is_chief=True)
+    quiet = AutoStepsPerExecution(lambda counts: counts, is_chief=True)
     for call in range(len(SCHEDULE)):
         n = quiet.length()
         quiet.observe(n, 2.0 if call == 0 else n * step - 1e-5)
@@ -193,7 +193,7 @@ def test_a_call_s_timed_step_is_one_step_not_the_call(caplog):
     x, y = zero_cases.data()
     model = zero_cases.mlp("adam")
     wall = _EpochWall()
-    with caplog.at_level("INFO", logger="tfdist"):
+    with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's own lines are debug
         tfdist.fit(model, x, y, batch_size=len(x) // 16, epochs=2, shuffle=False, verbose=0,
                    steps_per_execution=16, callbacks=[wall])  # fmt: skip
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Epoch 2:"))

@@ -106,6 +106,9 @@ def fit(
         history = tfdist.fit(model, dataset, epochs=2)
 
     Every argument of keras.Model.fit is taken, with its meaning; tfdist's own are these.
+    `verbose=0` is quiet, as Keras's is: tfdist's lines of the call (the global batch and
+    the layout, the step-time breakdown, what 'auto' chose) are logged at debug, not info;
+    warnings, errors and a resume stay. `verbose=2` prints one line an epoch and keeps them.
 
     Args:
       model: a Keras model compiled under `strategy.scope()` (or under none, for one device).
@@ -178,14 +181,15 @@ def fit(
     )  # fmt: skip
     with kept.forgotten_on_error(model):
         runner.build(data.sample_batch, hooks)
+    say = log.debug if verbose == 0 else log.info  # verbose=0 is quiet, as Keras's fit is
     if runner.is_chief:
         if data.global_batch is not None:
             line = runner.describe_batch(data.global_batch)
             trained = layout_line.trained_as(model, runner, options)
-            log.info("%s", line if trained is None else f"{line}; {trained}")
+            say("%s", line if trained is None else f"{line}; {trained}")
         named = [hook.name for hook in hooks]
         if named:
-            log.info("Between each step's gradients and its update: %s", ", ".join(named))
+            say("Between each step's gradients and its update: %s", ", ".join(named))
     steps = steps_per_epoch or data.num_batches
     if runner.needs_epoch_length and steps is None:
         raise FitError(

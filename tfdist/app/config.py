@@ -48,7 +48,7 @@ class _RunConfig:
       lr_schedule: after warmup, 'constant' or 'cosine' decay to 0 at the last step.
       mixed_precision: None, 'mixed_float16' or 'mixed_bfloat16'.
       steps_per_execution: training steps run by one tf.function call, or 'auto': tfdist.fit
-        measures the first calls and chooses (tfdist.training.call_length).
+        measures the first calls and chooses (tfdist.training.auto_steps_per_execution).
       seed: seeds the initial weights and the data order.
       shuffle_buffer: examples in the shuffle buffer; 0 = no shuffle, a fixed data order.
       eval_every: evaluate every this many epochs (0: only at the end).

@@ -24,7 +24,7 @@ each weight's value moves into the stage replicas that hold it and its whole cop
 `Pipeline.scope(strategy)`, in host memory, or mirrored under `strategy.scope()`) is
 dropped, one weight at a time; the user's optimizer is built with no slots of its own. From
 then on the storage of each Keras weight and each of the user's slots is its stage's (see
-_Home): evaluation, callbacks, checkpoints, `get_weights` and `model.save` read the one
+StageStore): evaluation, callbacks, checkpoints, `get_weights` and `model.save` read the one
 Keras model, one variable at a time (across worker processes, from the process whose
 stage holds it: a collective every process makes, as every process saves), and a restore
 lands in the stages. Only BatchNormalization's statistics are written back, at each epoch's
@@ -56,7 +56,7 @@ matches the unsplit model exactly.
 
 Where the pieces live: this module holds the factory (`Pipeline`); pipeline_runner.py the
 runner (building, placing, the training loop); pipeline_home.py where the weights and slots
-live (_Home); pipeline_step.py a step's program (the executor's passes, the exchange over the
+live (StageStore); pipeline_step.py a step's program (the executor's passes, the exchange over the
 pipelines, the stages' updates); executor.py the one executor of every schedule's actions,
 shared with Downpour's split replica (downpour.py); stage_links.py the sends and receives
 between stages; schedules.py the schedules as typed actions.

@@ -1,5 +1,5 @@
 """Where a pipeline keeps a model's weights and its optimizer's slots: in its stage
-replicas, and nowhere else (see Home).
+replicas, and nowhere else (see StageStore).
 """
 
 from __future__ import annotations
@@ -53,12 +53,12 @@ def piece_of(pipeline: int, count: int) -> int:
     return owned_chunk(pipeline, count)
 
 
-class Home(shards.Shards):
+class StageStore(shards.Shards):
     """Where a pipeline keeps a model's weights and its optimizer's slots, from the first
     fit on: in this process's stage replicas, and nowhere else.
 
     Each trainable weight's storage, and each of the user's optimizer's slots' (see
-    compat.replace_storage), becomes a `Staged`: reading it reads the stage replica that
+    compat.replace_storage), becomes a `StoredInStages`: reading it reads the stage replica that
     holds it (across worker processes, that replica's process sends it to every process,
     a collective all make together, as all save together); assigning it assigns every
     replica of this process that holds it. So `model.save`, `get_weights`, evaluation,
@@ -78,16 +78,16 @@ class Home(shards.Shards):
         self.weights_sliced = runner.shard == "zero3"
         # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
         self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
-        self.staged: list[tuple[str, Staged]] = []  # by checkpoint key (shards.py)
+        self.staged: list[tuple[str, StoredInStages]] = []  # by checkpoint key (shards.py)
         self._placeholders: dict[tf.DType, tf.Variable] = {}
         self._sent = tf.function(self._send_part, reduce_retracing=True)
 
     @staticmethod
-    def of(model: keras.Model) -> Home | None:
+    def of(model: keras.Model) -> StageStore | None:
         for variable in model.trainable_variables:
             storage = compat.storage_of(variable)
-            if isinstance(storage, Staged):
-                return storage.home
+            if isinstance(storage, StoredInStages):
+                return storage.store
         return None
 
     # --- which replica holds what ---------------------------------------------------------
@@ -201,7 +201,7 @@ class Home(shards.Shards):
             return  # no stage reads the weight: it keeps its storage
         if id(old) not in fresh:  # an empty placeholder holds nothing to free
             dropped.add(old)
-        staged = Staged(
+        staged = StoredInStages(
             self, old, variable.shape, copies, self.source(i), pieces, index=i, updated=updated
         )
         # A read of a weight held in parts (another layout's stages, host_scope's slices)
@@ -242,7 +242,7 @@ class Home(shards.Shards):
 
     # --- reading --------------------------------------------------------------------------
 
-    def read(self, staged: Staged) -> tf.Tensor:
+    def read(self, staged: StoredInStages) -> tf.Tensor:
         if self.processes == 1:
             if staged.pieces is not None:  # its slices put together, in order
                 first = {}
@@ -263,7 +263,7 @@ class Home(shards.Shards):
             return summed
         return joined([summed], staged.shape)
 
-    def _part(self, staged: Staged) -> tf.Tensor:
+    def _part(self, staged: StoredInStages) -> tf.Tensor:
         """What this process adds to a read across processes: the value at its source,
         zeros elsewhere (so the sum is the value, exactly). Slices: each pipeline's first
         stage holding the weight adds its slice in place in the flat, padded whole."""
@@ -305,12 +305,12 @@ class Home(shards.Shards):
         return self._placeholders[dtype]
 
 
-class Staged(updates.WholeStandIn):
-    """A weight's (or a slot's) storage under a pipeline: see Home."""
+class StoredInStages(updates.WholeStandIn):
+    """A weight's (or a slot's) storage under a pipeline: see StageStore."""
 
     def __init__(
         self,
-        home: Home,
+        store: StageStore,
         old,
         shape,
         copies: list[keras.Variable],
@@ -321,10 +321,10 @@ class Staged(updates.WholeStandIn):
         updated: list[tuple[keras.Variable, int]] = (),
     ):
         dtype = old.dtype  # not `old` itself: the stand-in must not keep the whole copy
-        super().__init__(old, lambda: copies[0] if copies else home.placeholder(dtype))
+        super().__init__(old, lambda: copies[0] if copies else store.placeholder(dtype))
         self.shape = tf.TensorShape(shape)
-        self.home, self.copies, self.source = home, copies, source
-        # Under shard_optimizer: copy k is slice pieces[k] of home.pipelines (a slot's, or
+        self.store, self.copies, self.source = store, copies, source
+        # Under shard_optimizer: copy k is slice pieces[k] of store.pipelines (a slot's, or
         # under zero3 a weight's); None: each copy is whole.
         self.pieces = pieces
         self.index = index  # the weight's position in model.trainable_variables
@@ -334,20 +334,20 @@ class Staged(updates.WholeStandIn):
         self.trainable = getattr(old, "trainable", True)
 
     def read(self) -> tf.Tensor:
-        return self.home.read(self)
+        return self.store.read(self)
 
     def assign(self, value, use_locking=None, name=None, read_value=True):
         del use_locking, name, read_value
         value = tf.convert_to_tensor(value, self.dtype)
         if self.pieces is not None:
-            count = self.home.pipelines
+            count = self.store.pipelines
             for copy, k in zip(self.copies, self.pieces, strict=True):
                 copy.assign(flat_slice(value, count, k))
             return
         for copy in self.copies:
             copy.assign(value)
         for piece, k in self.updated:
-            piece.assign(flat_slice(value, self.home.pipelines, k))
+            piece.assign(flat_slice(value, self.store.pipelines, k))
 
 
 @contextlib.contextmanager

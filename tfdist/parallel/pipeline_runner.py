@@ -21,8 +21,8 @@ from tfdist.collective.transport import ProcessLinks, ProcessRing
 from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device
-from tfdist.parallel.pipeline_home import Home, StageReplica, empty_variables, slice_size
-from tfdist.parallel.pipeline_step import StepProgram
+from tfdist.parallel.pipeline_home import StageReplica, StageStore, empty_variables, slice_size
+from tfdist.parallel.pipeline_step import PipelineStep
 from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
 from tfdist.parallel.stages import SharedWeight, Stage, StageError, devices_for, shared, split, tied
 from tfdist.strategies import strategy_kind
@@ -46,13 +46,13 @@ class PipelineRunner(SyncRunner):
     """Trains a model cut into pipeline stages (see the module docstring).
 
     Evaluation, the chief, agreement between workers and failure messages are the
-    synchronous runner's: the model's weights read from the stages (see Home).
+    synchronous runner's: the model's weights read from the stages (see StageStore).
     """
 
     # Its schedule and stages are made for each fit's layout.
     kept_across_calls = False
 
-    builds_optimizer = False  # its slots are the stages' (see Home)
+    builds_optimizer = False  # its slots are the stages' (see StageStore)
 
     def __init__(
         self,
@@ -72,7 +72,7 @@ class PipelineRunner(SyncRunner):
         self.pipelines = 1
         self.devices_per_pipeline = 1
         self._state: list[np.ndarray] = []
-        self._programs: dict[int, StepProgram] = {}
+        self._programs: dict[int, PipelineStep] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
         self._loaded = False
         self.tied: dict[int, tuple[int, ...]] = {}  # weight -> the stages holding it
@@ -112,11 +112,11 @@ class PipelineRunner(SyncRunner):
             )
         updates.check_copyable(model.optimizer, who="A pipeline's stages")
         super().build(sample_batch)  # all but the optimizer's slots, which the stages keep
-        home = Home.of(model)
-        if home is not None and home.key == self._home_key():
+        store = StageStore.of(model)
+        if store is not None and store.key == self._store_key():
             # A later fit on the same layout: its stages go on with their weights and slots.
-            self.stages, self.tied, self.replicas = home.stages, home.tied, home.replicas
-            self.shared, self.sliced = home.shared, home.sliced
+            self.stages, self.tied, self.replicas = store.stages, store.tied, store.replicas
+            self.shared, self.sliced = store.shared, store.sliced
             self._grid()
         else:
             self.stages = split(model, options.cut_before)
@@ -172,7 +172,7 @@ class PipelineRunner(SyncRunner):
             f"{strategy_kind(self.strategy)})"
         )
 
-    def _home_key(self) -> tuple:
+    def _store_key(self) -> tuple:
         options = self.options
         return (options.cut_before, options.chunks_per_device, self.placement, self.shard)
 
@@ -268,7 +268,7 @@ class PipelineRunner(SyncRunner):
 
     def _place(self, ranks: list[int], devices: dict[int, str]) -> None:
         """Makes this process's stage replicas and moves the model's weights and its
-        optimizer's slots into them (see Home)."""
+        optimizer's slots into them (see StageStore)."""
         stages = self.stages
         trainable = self.model.trainable_variables
         non_trainable = self.model.non_trainable_variables
@@ -299,7 +299,7 @@ class PipelineRunner(SyncRunner):
             return made
 
         self.replicas = updates.outside_strategy(make)
-        home = Home(self._home_key(), self, self.replicas)
+        store = StageStore(self._store_key(), self, self.replicas)
         user = self.model.optimizer
         empty: list[tf.Variable] = []  # the slots made without a value, if it builds now
         if not user.built:  # its slots made empty: each is given its stage's below
@@ -315,7 +315,7 @@ class PipelineRunner(SyncRunner):
             compat.build_optimizer_plainly(user, trainable, host_device(self.strategy), outside)
         # The weights move into the stages first, each whole copy dropped as it goes, then
         # the stages' optimizers are built: the whole model and the slots never coexist.
-        home.take_weights(self.model)
+        store.take_weights(self.model)
 
         def build_optimizers():
             for r in self.replicas:
@@ -323,7 +323,7 @@ class PipelineRunner(SyncRunner):
                     r.optimizer = updates.optimizer_copy(user, r.updated)
 
         updates.outside_strategy(build_optimizers)
-        home.take_slots(self.model, fresh={id(v) for v in empty})
+        store.take_slots(self.model, fresh={id(v) for v in empty})
 
     def _make_rings(self) -> dict:
         """Between worker processes: a ring per stage over its pipelines' replicas, and one
@@ -352,7 +352,7 @@ class PipelineRunner(SyncRunner):
         return rings
 
     def checkpoint_shards(self) -> shards.Shards:
-        return Home.of(self.model)
+        return StageStore.of(self.model)
 
     def check_callbacks(self, callbacks) -> None:
         super().check_callbacks(callbacks)
@@ -423,9 +423,9 @@ class PipelineRunner(SyncRunner):
                 done += 1
             return done, (self._read(logs) if logs and done else None)
 
-    def _program(self, micro: int) -> StepProgram:
+    def _program(self, micro: int) -> PipelineStep:
         if micro not in self._programs:
-            self._programs[micro] = StepProgram(self, micro)
+            self._programs[micro] = PipelineStep(self, micro)
         return self._programs[micro]
 
     def _zeros(self) -> list[np.ndarray]:
@@ -469,7 +469,7 @@ class PipelineRunner(SyncRunner):
 
     def _load(self) -> None:
         """The stages take the model's statistics (BatchNormalization's): its weights and
-        its optimizer's slots are the stages' own already (see Home)."""
+        its optimizer's slots are the stages' own already (see StageStore)."""
         non_trainable = self.model.non_trainable_variables
         for r in self.replicas:
             for copy, i in zip(r.non_trainable, r.stage.non_trainable, strict=True):

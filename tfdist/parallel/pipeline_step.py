@@ -32,7 +32,7 @@ class _Result:
     times: tf.Tensor  # [passes, 2]: each pass's start and end
 
 
-class StepProgram:
+class PipelineStep:
     """Builds one training step of this process's stage replicas, for micro-batches of
     `micro` examples: every pass in its schedule's order (the executor), the gradients
     averaged over the pipelines, one optimizer step per stage. The traced function takes

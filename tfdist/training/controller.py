@@ -16,7 +16,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat, signals
-from tfdist.training import call_length, fit_callbacks
+from tfdist.training import auto_steps_per_execution, fit_callbacks
 from tfdist.training.fit_data import FitData
 from tfdist.training.preemption import Preempted, PreemptionWatcher
 from tfdist.training.runner import Runner
@@ -62,27 +62,32 @@ class Controller:
         self.epochs = options["epochs"]
         self.initial_epoch = options["initial_epoch"]
         self.verbose = options["verbose"]
+        # verbose=0 is quiet, as Keras's fit is: a call's own lines (the step-time breakdown,
+        # the length 'auto' chose) go to debug; warnings, errors and a resume stay.
+        self.say = log.debug if self.verbose == 0 else log.info
         self.validation_steps = options["validation_steps"]
         self.validation_freq = options["validation_freq"]
         # Steps a call: fit's steps_per_execution, else the model's (compile's); 'auto'
-        # measures the first calls, then chooses (tfdist.training.call_length).
+        # measures the first calls, then chooses (tfdist.training.auto_steps_per_execution).
         per_call = options.get("steps_per_execution")
         self.auto = None
-        if per_call == call_length.AUTO:
+        if per_call == auto_steps_per_execution.AUTO:
             per_call = 1
-            needing = call_length.every_step_needed(callbacks)
+            needing = auto_steps_per_execution.every_step_needed(callbacks)
             if not runner.train_waits_for_steps:
-                log.info(
+                self.say(
                     "steps_per_execution='auto': one step a closure, as a closure's time is "
                     "hidden by its asynchronous dispatch; give a number to run more"
                 )
             elif needing and runner.is_chief:
-                log.info(
+                self.say(
                     "steps_per_execution='auto': one step a call, as %s hook every batch",
                     ", ".join(needing),
                 )
             elif not needing:
-                self.auto = call_length.AutoCallLength(runner.tally, runner.is_chief)
+                self.auto = auto_steps_per_execution.AutoStepsPerExecution(
+                    runner.tally, runner.is_chief, self.say
+                )
         self.per_call = max(1, int(per_call or model.steps_per_execution))
         self.iterator = None
         self.pass_position = 0
@@ -112,7 +117,9 @@ class Controller:
         # its own process's replicas, which costs no collective.
         wanted = any(fit_callbacks.reads_batch_logs(c) for c in self.callbacks)
         self.global_logs = runner.agree(wanted)
-        self.batch_logs = "global" if self.global_logs else ("local" if progress_bar else None)
+        # verbose=2's bar prints each epoch's end only: it needs no batch's logs.
+        bar_reads_batches = progress_bar and self.verbose != 2
+        self.batch_logs = "global" if self.global_logs else ("local" if bar_reads_batches else None)
         for callback in self.callbacks:  # tfdist's callbacks ask the runner (who writes, ...)
             if callable(getattr(callback, "set_runner", None)):
                 callback.set_runner(runner)
@@ -192,7 +199,7 @@ class Controller:
         step = start_step
         vote_every = max(1, (self.steps or 10 * _VOTES_PER_EPOCH) // _VOTES_PER_EPOCH)
         while self.steps is None or step < self.steps:
-            n = self._call_length(step)
+            n = self._steps_this_call(step)
             started = time.perf_counter()
             callbacks.on_train_batch_begin(step)
             done, logs = runner.train(iterator, n, bounded=self.bounded, logs=self.batch_logs)
@@ -230,7 +237,7 @@ class Controller:
         runner.settle()
         return runner.logs()
 
-    def _call_length(self, step: int) -> int:
+    def _steps_this_call(self, step: int) -> int:
         """How many steps the next call runs: steps_per_execution, cut at the epoch's end
         and at the next step a callback must see end (a checkpoint's `every_n_steps`), so
         that what runs at a step boundary runs at the step it names."""
@@ -328,7 +335,7 @@ class Controller:
         times = self.runner.step_times()
         if times is None or not self.runner.is_chief:
             return
-        log.info("Epoch %d: %s", epoch + 1, describe(times))
+        self.say("Epoch %d: %s", epoch + 1, describe(times))
         for callback in self.callbacks:
             if isinstance(callback, keras.callbacks.TensorBoard):
                 # A run of its own beside Keras's "train" and "validation" runs.

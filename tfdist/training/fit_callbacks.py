@@ -46,10 +46,16 @@ _NO_BATCH_LOGS = (keras.callbacks.BackupAndRestore, keras.callbacks.History)
 
 
 def hooks_batches(callback: keras.callbacks.Callback) -> bool:
-    """Whether `callback` overrides a per-batch training hook."""
+    """Whether `callback` overrides a per-batch training hook: in its class, or on the
+    instance (keras.callbacks.LambdaCallback sets the functions it is given there)."""
     base = keras.callbacks.Callback
+
+    def overridden(hook: str) -> bool:
+        found = getattr(callback, hook)
+        return getattr(found, "__func__", found) is not getattr(base, hook)
+
     return any(
-        getattr(type(callback), hook) is not getattr(base, hook)
+        overridden(hook)
         for hook in ("on_train_batch_begin", "on_train_batch_end", "on_batch_begin", "on_batch_end")
     )
 

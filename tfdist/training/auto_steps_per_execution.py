@@ -2,7 +2,7 @@
 
 A call of `tfdist.fit` runs k steps in one traced loop, then returns to Python for the
 callbacks, the logs and a preemption vote. That return costs about the same whatever k is;
-for a small model it can cost as much as a step. `AutoCallLength` measures both on the run's
+for a small model it can cost as much as a step. `AutoStepsPerExecution` measures both on the run's
 first calls, which train as usual: calls of `PROBE` and `PROBE // 2` steps in turn (the first
 traces the loop and is not counted; an epoch's end or a checkpoint may cut a call shorter,
 and it still counts). A line through the fastest call of each length, t(n) = c + n s, gives
@@ -35,16 +35,18 @@ LIMIT = 512
 
 
 @dataclasses.dataclass
-class AutoCallLength:
+class AutoStepsPerExecution:
     """The next call's length while probing, then the chosen one (see the module).
 
     Args:
       agree: sums a list of ints over the lockstep workers (the runner's `tally`).
       is_chief: whether this process's measurements decide.
+      say: logs the length chosen (log.info; fit's verbose=0 passes log.debug).
     """
 
     agree: Callable[[list[int]], list[int]]
     is_chief: bool
+    say: Callable[..., None] = log.info
     chosen: int | None = None
     _calls: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
@@ -80,7 +82,7 @@ class AutoCallLength:
                 mine = min(LIMIT, max(1, math.ceil(ratio)))
         self.chosen = self.agree([mine if self.is_chief else 0])[0]
         if self.is_chief:
-            log.info(
+            self.say(
                 "steps_per_execution='auto': a call costs %.2f ms beyond its steps of %.2f ms "
                 "each; running %d step(s) a call (the fixed cost %.1f%% of a call)",
                 1e3 * fixed, 1e3 * step, self.chosen,
