@@ -305,7 +305,7 @@ class Trainer:
             validation_freq=validation_freq,
             callbacks=self.callbacks,
             # Keras's bar on the chief, where it can redraw in place (it reads the chief's own
-            # replicas' logs: no collective); in a log file one line an epoch (verbose=2,
+            # replicas' logs: no collective); in a log file Keras's line an epoch (verbose=2,
             # which also keeps tfdist.fit's own lines: verbose=0 would quiet them).
             verbose=1 if self.is_chief and sys.stdout.isatty() else 2,
             strategy=self.strategy,
