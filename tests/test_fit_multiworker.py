@@ -22,9 +22,10 @@ import numpy as np
 import pytest
 
 import tfdist
-from tests import custom_step_models, fit_models, keras_io_models
+from tests import custom_step_models, fit_models
 from tests.conftest import REPO, run_module
 from tfdist.exit_codes import EXIT_PREEMPTED
+from tools import keras_io_models
 
 pytestmark = pytest.mark.multiprocess
 

@@ -287,7 +287,7 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
 @pytest.fixture(scope="module")
 def llama_reference():
     """Keras's own fit of keras-hub's Llama causal LM on one device, 2 epochs."""
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     model = keras_hub_models.llama_causal_lm()
     history = model.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
@@ -301,7 +301,7 @@ def test_llama_under_its_own_map_with_zero3_trains_as_keras_on_one_device(llama_
     plain Keras copy holds the model's 21 weights, each once."""
     import keras_hub
 
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     reference, losses = llama_reference
     with tfdist.host_scope(mirrored()):
@@ -330,7 +330,7 @@ def test_qwen_and_gemma_under_their_own_maps_with_zero3_train_as_keras_on_one_de
     over its data group (zero3), fit twice; their plain Keras copies hold each weight once."""
     import keras_hub
 
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     make = getattr(keras_hub_models, f"{name}_causal_lm")
     reference = make()
@@ -356,7 +356,7 @@ def test_llama_in_a_pipeline_with_zero3_stages_trains_as_keras_on_one_device(lla
     """The Llama cut inside its backbone into 2 stages x 2 pipelines, each stage's weights
     and state sharded over its 2 replicas (zero3), its lookup table whole (sparse rows), the
     logits' table sliced; fit twice."""
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     reference, losses = llama_reference
     with tfdist.host_scope(mirrored()):

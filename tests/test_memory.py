@@ -195,8 +195,8 @@ def test_gemma_cut_in_two_stages_holds_each_stage_and_the_tied_embedding_on_both
     decoder block: each device holds 3x its stage (Adam), and the embedding tied to the
     logits counts on both (each stage that uses it holds a copy and its slots); the host,
     where it is built, keeps none of it."""
-    from tests import keras_hub_models
     from tfdist.parallel import Pipeline, split
+    from tools import keras_hub_models
 
     strategy = tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:1", "/cpu:2"])
     record = tfdist.DeviceBytes()  # counts what is made from here on

@@ -17,48 +17,15 @@ Two worker processes are held to the same figures in tests/test_fit_multiworker.
 
 from __future__ import annotations
 
-import keras
 import pytest
 
-import tfdist
-from tests import keras_io_models
-from tfdist.parallel import Pipeline, dense_model, split_layers, tensor_parallel
+from tools import keras_io_models
+from tools.one_device_math import EPOCHS, MODELS, MODES, data, mirrored, train
 
 # Every test reads the references (4 of Keras's fits): one pytest worker runs the module.
 pytestmark = pytest.mark.xdist_group("one_device_math")
 
 TOLERANCE = 1e-5
-EPOCHS = 2
-
-MODELS = {
-    "seq2seq rmsprop": (lambda: keras_io_models.seq2seq(optimizer="rmsprop"), "sentence_pairs"),
-    "seq2seq sgd": (lambda: keras_io_models.seq2seq(optimizer="sgd"), "sentence_pairs"),
-    "vit adamw": (lambda: keras_io_models.vit(optimizer="adamw"), "images"),
-    "vit rmsprop": (lambda: keras_io_models.vit(optimizer="rmsprop"), "images"),
-}
-# Where the 2-stage pipeline cuts each: the seq2seq model between its encoder and decoder (the
-# encoder's output and the decoder's embedded input cross, each with its padding mask), the
-# ViT between its transformer blocks.
-CUTS = {"seq2seq": "decoder", "vit": "ln1a"}
-MODES = {
-    "plain": {},
-    "zero1": {"shard_optimizer": "zero1"},
-    "zero2": {"shard_optimizer": "zero2"},
-    "zero3": {"shard_optimizer": "zero3"},
-    "accumulate": {"accumulate_steps": 2},
-    "tensor": {"tensor_parallel": 2},
-    "pipeline": {"pipeline": CUTS},
-}
-
-
-def mirrored(devices: int = 2):
-    return tfdist.build_strategy(
-        "mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(devices)]
-    )
-
-
-def data(name: str):
-    return getattr(keras_io_models, name)()
 
 
 @pytest.fixture(scope="module")
@@ -70,24 +37,6 @@ def references():
         history = model.fit(data(source), epochs=EPOCHS, verbose=0, shuffle=False).history
         out[name] = model, history
     return out
-
-
-def train(name: str, mode: dict) -> tuple[keras.Model, dict]:
-    make, source = MODELS[name]
-    keywords = dict(mode)
-    with mirrored().scope():
-        model = make()
-        if "tensor_parallel" in keywords:
-            optimizer, loss = model.optimizer, model.loss
-            model = tensor_parallel(model, degree=keywords.pop("tensor_parallel"))
-            model.compile(
-                type(optimizer).from_config(optimizer.get_config()), loss, metrics=["accuracy"]
-            )
-    if "pipeline" in keywords:
-        cut = keywords["pipeline"][name.split()[0]]
-        keywords["pipeline"] = Pipeline(cut_before=[cut], micro_batches=2)
-    history = tfdist.fit(model, data(source), epochs=EPOCHS, verbose=0, **keywords).history
-    return (dense_model(model) if split_layers(model) else model), history
 
 
 # SGD's seq2seq run only plain and pipelined (the masked loss's normalisation; every mode

@@ -16,7 +16,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests import keras_hub_models, keras_io_models, pipeline_cases
+from tests import pipeline_cases
 from tests.conftest import run_module
 from tests.workers import pipeline_worker
 from tfdist.errors import FitError
@@ -24,6 +24,7 @@ from tfdist.parallel import Pipeline, StageError, chain, split
 from tfdist.parallel.schedules import schedule
 from tfdist.parallel.stages import tied
 from tfdist.training.fit_data import make_fit_data
+from tools import keras_hub_models, keras_io_models
 
 # One worker runs this module: its tests share costly module fixtures.
 

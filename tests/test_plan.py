@@ -313,7 +313,7 @@ def test_a_decoder_counted_from_its_shapes_is_the_traced_decoder():
     """ModelCost.decoder (for a model too big to build) against ModelCost.of on keras-hub's
     Llama of the same shapes: the same parameters, layer by layer; FLOPs within 1% (the
     traced count has a few small products more); the split weights within 2%."""
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     traced = ModelCost.of(keras_hub_models.llama_causal_lm(), example=[(64,), (64,)])
     shaped = ModelCost.decoder(
@@ -352,7 +352,7 @@ def test_the_planner_ranks_torchtitans_layouts_for_llama_3_on_h100s():
 
 def test_tfdist_plan_ranks_a_keras_hub_causal_lm_on_two_hosts_of_eight(capsys):
     code = plan_main([
-        "--model", "tests.keras_hub_models:llama_causal_lm", "--batch", "64",
+        "--model", "tools.keras_hub_models:llama_causal_lm", "--batch", "64",
         "--example", "64", "--example", "64", "--precision", "bfloat16",
         "--hosts", "2", "--devices_per_host", "8", "--device", "h100",
     ])  # fmt: skip

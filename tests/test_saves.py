@@ -20,10 +20,11 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests import keras_hub_models, pipeline_cases
+from tests import pipeline_cases
 from tests.conftest import run_python
 from tests.workers import sparse_rows_worker
 from tfdist.parallel import Pipeline, tensor_parallel
+from tools import keras_hub_models
 
 MODES = ["zero1", "zero2", "zero3", "pipeline", "tensor"]
 TOLERANCE = 1e-5

@@ -18,9 +18,9 @@ import json
 import numpy as np
 import pytest
 
-from tests import keras_hub_models
 from tests.workers import downpour_worker, sparse_rows_worker
 from tfdist.parallel.stages import shared, split
+from tools import keras_hub_models
 
 pytest.importorskip("keras_hub")
 

@@ -19,7 +19,6 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests import keras_io_models
 from tfdist.errors import FitError
 from tfdist.parallel import (
     ColumnParallelDense,
@@ -33,6 +32,7 @@ from tfdist.parallel import (
 from tfdist.parallel.tensor import dense_weights
 from tfdist.parallel.tensor.derive import derive_layout_map, derive_split
 from tfdist.parallel.tensor.layout_map import plan_of
+from tools import keras_io_models
 
 TOLERANCE = 1e-5
 VOCAB, LENGTH, WIDTH, CLASSES = 32, 6, 16, 3
@@ -516,7 +516,7 @@ def gemma_layout(devices: int, degree: int):
 @pytest.fixture(scope="module")
 def gemma_reference():
     """Keras's own fit of keras-hub's Gemma causal LM on one device, 2 epochs."""
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     model = keras_hub_models.gemma_causal_lm()
     history = model.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)
@@ -535,8 +535,8 @@ def test_gemma_split_by_its_own_layout_map_trains_as_keras_fit_on_one_device(
     head is held by both replicas of a group; norms whole. On 4 devices fit is called
     twice, an epoch each, as users do. During fit each replica's device holds 3x its share
     (Adam: its parts and what it holds whole, with their slots), and the host the model."""
-    from tests import keras_hub_models
     from tfdist.parallel.tensor.layout_map import plan_of
+    from tools import keras_hub_models
 
     reference, history = gemma_reference
     replicas = range(1, 3) if devices == 2 else range(4)
@@ -591,7 +591,7 @@ def test_keras_hub_s_own_layout_maps_as_shipped_train_as_keras(name, backbone, c
     carry biases, split with their heads."""
     import keras_hub
 
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     make = getattr(keras_hub_models, f"{name}_causal_lm")
     names = ["cpu:0", "cpu:1"]
@@ -672,7 +672,7 @@ def test_a_lone_layer_whose_split_outputs_are_not_its_last_dimension_is_refused(
 def test_a_layout_map_keras_hub_writes_is_checked_before_training():
     """One line each: a mesh without the model axis, both degree= and layout_map=, a weight
     of a layer that cannot split, and heads that do not divide over the model axis."""
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     model = keras_hub_models.gemma_causal_lm()
     mesh = keras.distribution.DeviceMesh((2,), ["batch"], ["cpu:0", "cpu:1"])
@@ -705,7 +705,7 @@ def test_a_model_that_ships_no_layout_map_splits_as_its_shapes_say_and_trains_as
     layer. fit called twice against Keras's fit on one device; dense_model gives back a
     plain Keras model that predicts as the reference does."""
     pytest.importorskip("keras_hub")
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     make = getattr(keras_hub_models, f"{name}_causal_lm")
     with tfdist.host_scope(mirrored(2)):
@@ -769,7 +769,7 @@ def test_a_map_is_checked_against_the_model_before_training_naming_a_dimension_t
     derive_layout_map is the derived split as a map to edit. A layer that cannot split
     stays whole, and the report says why."""
     keras_hub = pytest.importorskip("keras_hub")
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     model = keras_hub_models.mistral_causal_lm()
     mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])

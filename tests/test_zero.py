@@ -339,7 +339,7 @@ def test_sharded_updates_equal_unsharded_training_across_worker_processes(resume
 def test_zero3_trains_keras_hubs_gemma_across_two_worker_processes_as_keras_on_one_device(
     resumed_jobs,
 ):
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     reference = keras_hub_models.gemma_causal_lm()
     reference.fit(keras_hub_models.token_data(), epochs=2, verbose=0, shuffle=False)

@@ -14,9 +14,10 @@ import pytest
 import tensorflow as tf
 
 import tfdist
-from tests import custom_step_models, fit_models, keras_hub_models, keras_io_models, zero_cases
+from tests import custom_step_models, fit_models, zero_cases
 from tfdist import compat
 from tfdist.parallel import ShardedParameters, ShardingError
+from tools import keras_hub_models, keras_io_models
 
 TOLERANCE = 1e-5
 

@@ -237,29 +237,14 @@ FIRST_STEP_LAYOUTS = (("one_device", None, True), ("mirrored x2", None, True),
 
 def _causal_lm(strategy, shard: str | None) -> tuple[keras.Model, tf.data.Dataset]:
     """keras-hub's Gemma of 2 small decoder blocks, random weights, compiled as keras-hub's
-    examples compile it, and 32 padded token sequences in batches of 8."""
-    import keras_hub
+    examples compile it, and 32 padded token sequences in batches of 8 (the tests' model:
+    tools/keras_hub_models.py)."""
+    from tools import keras_hub_models
 
     scope = tfdist.host_scope(strategy) if shard == "zero3" else strategy.scope()
     with scope:
-        keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.GemmaBackbone(
-            vocabulary_size=64, num_layers=2, num_query_heads=2, num_key_value_heads=1,
-            hidden_dim=16, intermediate_dim=32, head_dim=8,
-        )  # fmt: skip
-        model = keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=None)
-        model.compile(
-            optimizer=keras.optimizers.Adam(0.01),
-            loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-            weighted_metrics=["accuracy"],
-        )
-    rng = np.random.default_rng(0)
-    tokens = rng.integers(1, 64, (32, 9)).astype("int32")
-    mask = np.arange(9)[None, :] < rng.integers(4, 10, 32)[:, None]
-    tokens = np.where(mask, tokens, 0)
-    features = {"token_ids": tokens[:, :-1], "padding_mask": mask[:, :-1]}
-    data = tf.data.Dataset.from_tensor_slices((features, tokens[:, 1:], mask[:, 1:] * 1.0))
-    return model, data.batch(8)
+        model = keras_hub_models.gemma_causal_lm()
+    return model, keras_hub_models.token_data()
 
 
 class _FirstStep(keras.callbacks.Callback):

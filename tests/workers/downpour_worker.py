@@ -82,7 +82,7 @@ SPARSE_ROWS_CASES = {
 
 
 def sparse_rows(strategy, out: str) -> None:
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     for name, cut in SPARSE_ROWS_CASES.items():
         with strategy.scope():

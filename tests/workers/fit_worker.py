@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import custom_step_models, fit_models, keras_io_models  # noqa: E402
+from tests import custom_step_models, fit_models  # noqa: E402
+from tools import keras_io_models  # noqa: E402
 
 
 def task_name() -> str:

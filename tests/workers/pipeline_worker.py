@@ -25,7 +25,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import keras_hub_models, pipeline_cases  # noqa: E402
+from tests import pipeline_cases  # noqa: E402
+from tools import keras_hub_models  # noqa: E402
 
 # (model, stages, schedule, micro-batches, dtype policy)
 RUNS = [

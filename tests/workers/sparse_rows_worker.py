@@ -2,7 +2,7 @@
 
   python -m tools.launch --workers 2 -- python -m tests.workers.sparse_rows_worker OUT
 
-keras-hub causal LMs (tests/keras_hub_models.py) look up token rows that repeat within a
+keras-hub causal LMs (tools/keras_hub_models.py) look up token rows that repeat within a
 batch: one device's tape holds a row per occurrence, and Adam squares each apart. Each worker
 trains every run of RUNS, one after the other, on the same token batches, and writes the
 weights and the history to OUT/<run>/<task>.{npz,json}, and for the runs in SAVED the
@@ -22,7 +22,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
 import tfdist  # noqa: E402
-from tests import keras_hub_models  # noqa: E402
+from tools import keras_hub_models  # noqa: E402
 
 MODELS = {
     "mistral": keras_hub_models.mistral_causal_lm,

@@ -124,7 +124,7 @@ def resume(out: str, strategy, epochs: int) -> None:
 def gemma(out: str, strategy) -> None:
     """keras-hub's Gemma causal LM under zero3, built in host_scope, 2 epochs; writes the
     weights to OUT/gemma_<N workers>/<task>.npz."""
-    from tests import keras_hub_models
+    from tools import keras_hub_models
 
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     here = os.path.join(out, f"gemma_{strategy.num_replicas_in_sync}")
