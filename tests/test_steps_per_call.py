@@ -199,4 +199,6 @@ def test_a_call_s_timed_step_is_one_step_not_the_call(caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("Epoch 2:"))
     step_ms = float(re.match(r"Epoch 2: step (\S+) ms", line)[1])
     per_step_ms = 1e3 * wall.seconds / 16  # the epoch's wall time, its one call included
-    assert step_ms < 4 * per_step_ms, (line, per_step_ms)
+    # A clock started with the call would time the call's 16 steps; one step is a sample that
+    # a busy host can stretch (one took 5.8x the mean in a whole-suite run): half the call.
+    assert step_ms < 8 * per_step_ms, (line, per_step_ms)
