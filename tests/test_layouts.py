@@ -193,20 +193,86 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
     _saves_as(reference, model, tmp_path)
 
 
+# --- a pipeline's stages split by a layout (tensor parallelism inside stages) ----------------
+
+
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
-def test_the_planners_printed_calls_train_the_layout_they_name(mlp_reference, caplog):
-    """What tfdist-plan prints under its verdict, run as printed, twice: 2 stages x 2
-    pipelines under zero3, cut where the planner balances the MLP's FLOPs, trains as Keras's
-    fit on one device."""
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
+    schedule, mlp_reference, tmp_path, caplog
+):
+    """2 stages x 2-way tensor on 4 devices: each stage's layers split by the layout map over
+    its 2 devices (a column layer's outputs, a row layer's inputs), the cut between the
+    blocks; fit twice, an epoch each (Adam goes on). Each device holds its part of each split
+    weight of its stage and the rest of its stage whole, with Adam's two slots for them;
+    model.save writes the whole weights and Adam's whole slots, put together from the
+    parts."""
+    reference, losses = mlp_reference
+    strategy = mirrored()
+    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2, schedule=schedule)
+    gc.collect()
+    record = tfdist.DeviceBytes()
+    with pipeline.scope(strategy):
+        model = mlp()
+    tensor_parallel(model, layout_map=mlp_layout())
+    plan = plan_of(model)
+    with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's lines are debug
+        got = [
+            tfdist.fit(model, data(), verbose=0, pipeline=pipeline, callbacks=[record])
+            for _ in range(2)
+        ]
+    assert (
+        "each of 2 stages over 4 device(s) (2 a stage, its layers split) in 2 micro-batch(es) "
+        f"of 16 ({schedule}; mirrored); trained as pipeline 2 M=2 x tensor 2 over 4 devices "
+        "in 1 process"
+    ) in caplog.text
+    assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
+    weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
+    for v, want, have in weights:
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+
+    # Stage 0 (up0, down0) on CPU:0 and CPU:1, stage 1 (up1, down1, head) on CPU:2 and 3
+    # (CPU:0 is also the host). A member: its half of each split weight, the rest whole.
+    def member_bytes(prefixes):
+        held = zip(model.trainable_variables, plan.placements, strict=True)
+        return sum(int(np.prod(v.shape)) * 4 // p.parts for v, p in held
+                   if v.path.split("/")[0].startswith(prefixes))  # fmt: skip
+
+    share = {1: member_bytes(("up0", "down0")), 2: member_bytes(("up1", "down1", "head"))}
+    share[3] = share[2]
+    for device, weights_bytes in share.items():
+        held = record.added[f"CPU:{device}"]
+        assert held == pytest.approx(3 * weights_bytes, rel=0.03), (device, held / weights_bytes)
+
+    _saves_as(reference, model, tmp_path)
+
+
+@pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
+@pytest.mark.parametrize(
+    "layout",
+    [
+        dict(data=2, stages=2, micro_batches=2, zero=3),
+        dict(data=1, stages=2, micro_batches=2, tensor=2),
+    ],
+    ids=["pipeline_x_zero3", "pipeline_x_tensor"],
+)
+def test_the_planners_printed_calls_train_the_layout_they_name(layout, mlp_reference, caplog):
+    """What tfdist-plan prints under its verdict, run as printed (the fit twice): 2 stages
+    x 2 pipelines under zero3, and 2 stages x 2-way tensor (a layout map derived from the
+    MLP's shapes), cut where the planner balances the MLP's FLOPs, train as Keras's fit on
+    one device."""
     from tfdist import plan
 
     reference, losses = mlp_reference
-    layout = plan.ParallelLayout(data=2, stages=2, micro_batches=2, zero=3)
+    layout = plan.ParallelLayout(**layout)
     printed = plan.recipe(layout, plan.ModelCost.of(mlp())).splitlines()
     assert "tfdist.host_scope(strategy)" in printed[1]
     with tfdist.host_scope(mirrored()):
         model = mlp()
-    calls = {"tfdist": tfdist, "model": model, "dataset": data()}
+    calls = {"tfdist": tfdist, "keras": keras, "model": model, "dataset": data(),
+             "devices": [f"cpu:{i}" for i in range(4)]}  # fmt: skip
+    for line in printed[2:-1]:  # the layout's own calls (a tensor split), once
+        exec(line, calls)  # noqa: S102 - the planner's own lines
     got = []
     with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's lines are debug
         for _ in range(2):
@@ -259,9 +325,9 @@ def test_a_zero3_checkpoint_reshards_into_a_pipeline_and_onto_one_device(
 
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
-    """Offload, an optimizer whose update reads a whole weight, and a model split by a
-    layout map (tensor parallelism inside stages: not built), each in one line before
-    anything trains."""
+    """Offload, an optimizer whose update reads a whole weight, and, for a model split by
+    a layout map, shard_optimizer and the zero-bubble schedule (not built with
+    tensor-parallel stages), each in one line before anything trains."""
     strategy = mirrored()
     pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
     with pipeline.scope(strategy):
@@ -277,8 +343,11 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     with tfdist.host_scope(strategy):
         model = mlp()
     tensor_parallel(model, layout_map=mlp_layout())
-    with pytest.raises(FitError, match="tensor-parallel layers inside its stages are not built"):
-        tfdist.fit(model, data(), verbose=0, pipeline=pipeline)
+    with pytest.raises(FitError, match="not built yet: shard_optimizer='zero3' with a layout"):
+        tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer="zero3")
+    with pytest.raises(FitError, match="not built yet: schedule='zero_bubble' with a layout"):
+        bubble = tfdist.parallel.Pipeline(cut_before=["up1"], schedule="zero_bubble")
+        tfdist.fit(model, data(), verbose=0, pipeline=bubble)
 
 
 # --- keras-hub's Llama -------------------------------------------------------------------------
@@ -349,6 +418,35 @@ def test_qwen_and_gemma_under_their_own_maps_with_zero3_train_as_keras_on_one_de
         assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
     dense = tfdist.parallel.dense_model(model)
     assert [w.path for w in dense.weights] == [w.path for w in reference.weights]
+
+
+@pytest.mark.xdist_group("layouts_llama")
+def test_llama_under_its_own_map_in_a_pipeline_trains_as_keras_on_one_device(llama_reference):
+    """The Llama split by its own layout map and cut inside its backbone: 2 stages, each
+    over 2 devices (its attention by heads, its MLP by Megatron's column and row layers,
+    its vocabulary split); fit twice; its plain Keras copy holds the model's 21 weights."""
+    import keras_hub
+
+    from tools import keras_hub_models
+
+    reference, losses = llama_reference
+    with tfdist.host_scope(mirrored()):
+        model = keras_hub_models.llama_causal_lm()
+    tensor_parallel(model, layout_map=keras_hub.models.LlamaBackbone.get_layout_map(mesh()))
+    cut = f"{model.backbone.name}/transformer_layer_1"
+    pipeline = tfdist.parallel.Pipeline(cut_before=[cut], micro_batches=2)
+    got = [
+        tfdist.fit(model, keras_hub_models.token_data(), verbose=0, pipeline=pipeline)
+        for _ in range(2)
+    ]
+    assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
+    for v, want, have in zip(
+        reference.weights, reference.get_weights(), model.get_weights(), strict=True
+    ):
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+    dense = tfdist.parallel.dense_model(model)
+    assert [w.path for w in dense.weights] == [w.path for w in reference.weights]
+    assert len(dense.weights) == 21
 
 
 @pytest.mark.xdist_group("layouts_llama")

@@ -243,8 +243,11 @@ def test_hybrid_layouts_keep_each_tensor_group_within_a_host():
     assert "pipeline 2 M=4 x tensor 2 x zero3 x data 4" in names
     assert "pipeline 2 M=4 v=2 x tensor 2 x zero3 x data 4" in names
     assert "tensor 8 x zero3 x data 2" in names
-    three = next(x for x in found if x.stages > 1 and x.tensor > 1)
-    assert not three.built(hosts=1)  # pipeline x tensor: not trained by tfdist yet
+    pipeline_tensor = ParallelLayout(data=2, stages=2, micro_batches=2, tensor=2)
+    assert pipeline_tensor.built(hosts=1)
+    assert not pipeline_tensor.built(hosts=2)  # tensor groups in a job of several hosts
+    three = dataclasses.replace(pipeline_tensor, zero=3)
+    assert not three.built(hosts=1)  # all three: not trained by tfdist yet
     assert ParallelLayout(data=2, tensor=2, zero=3).built(hosts=1)
     assert not ParallelLayout(data=2, tensor=2, zero=3).built(hosts=2)
     assert ParallelLayout(data=2, stages=2, micro_batches=2, zero=3).built(hosts=2)
@@ -300,9 +303,11 @@ def test_the_planner_prints_the_calls_that_train_its_choice():
     )
     assert "cut_before=['u1', 'u2', 'u3'], micro_batches=4, schedule='interleaved', " \
         "chunks_per_device=2" in costs.recipe(interleaved, four_units())  # fmt: skip
-    assert costs.recipe(ParallelLayout(data=2, tensor=2), four_units()).splitlines()[2] == (
-        "tfdist.parallel.tensor_parallel(model, degree=2)"
-    )
+    assert costs.recipe(ParallelLayout(data=2, tensor=2), four_units()).splitlines()[2:4] == [
+        'mesh = keras.distribution.DeviceMesh((2, 2), ["batch", "model"], devices)',
+        "tfdist.parallel.tensor_parallel(model, "
+        "layout_map=tfdist.parallel.derive_layout_map(model, mesh))",
+    ]
 
 
 # --- against published runs ----------------------------------------------------------------------
@@ -401,7 +406,7 @@ def test_tfdist_plan_hybrid_marks_the_layouts_tfdist_does_not_train_yet(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert any("tensor 2 x data 4 *" in line for line in out.splitlines()), out
-    assert "* not trained by tfdist yet: pipeline x tensor" in out
+    assert "* not trained by tfdist yet: pipeline x tensor x ZeRO" in out
     assert "Tensor parallelism is planned on one host only" not in out
     # A batch large enough to gain from the 8 devices: the calls that train the best, to paste
     code = plan_main(["--model", "tests.test_plan:tiny", "--batch", str(2**22), "--top", "3",

@@ -809,3 +809,18 @@ def forget_traced_functions(model: keras.Model) -> None:
     for name in ("train_function", "test_function", "predict_function"):
         if getattr(model, name, None) is not None:
             setattr(model, name, None)
+
+
+def stateless_scope(values: Sequence[tuple[keras.Variable, tf.Tensor]]) -> keras.StatelessScope:
+    """A `keras.StatelessScope` (collecting losses) in which each variable reads as its
+    value in `values`, which may be a part of the variable: smaller along one dimension.
+
+    Why: StatelessScope checks each value's shape against its variable's when it is made,
+    and `stateless_call` makes one; a tensor-parallel stage of a pipeline calls its layers
+    on its parts of their weights (the split layers run in their exchanges, which expect
+    the parts). The scope reads its mapping by the variable's id, as it is made.
+    """
+    scope = keras.StatelessScope(collect_losses=True)
+    for variable, value in values:
+        scope.state_mapping[id(variable)] = tf.convert_to_tensor(value, variable.dtype)
+    return scope

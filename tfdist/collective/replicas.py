@@ -37,10 +37,14 @@ def all_gather(x: tf.Tensor) -> tf.Tensor:
     @tf.custom_gradient
     def gather(part):
         whole, starts = context.merge_call(_concat_everywhere, args=(part,))
-        replica = context.replica_id_in_sync_group
 
         def grad(upstream):
-            total = context.merge_call(_sum_everywhere, args=(tf.convert_to_tensor(upstream),))
+            # The replica context the gradient is taken in: a pipeline's stage group takes
+            # a pass's gradient in a later run of its strategy than the pass's (the same
+            # replica, another context).
+            now = tf.distribute.get_replica_context()
+            total = now.merge_call(_sum_everywhere, args=(tf.convert_to_tensor(upstream),))
+            replica = now.replica_id_in_sync_group
             return total[starts[replica] : starts[replica + 1]]
 
         return whole, grad

@@ -72,11 +72,14 @@ class StepOptions:
 
 @dataclasses.dataclass
 class StageInput:
-    """One stage replica as the step starts: its device, weights and statistics."""
+    """One stage replica as the step starts: its device, weights and statistics. A tensor
+    group (pipeline_tensor.py) gives its first member's device, and each member's weights
+    and statistics (`weights[k]`, `statistics[k]`), with `group` set."""
 
     device: str
-    weights: list[tf.Tensor]
-    statistics: list[tf.Tensor]
+    weights: list
+    statistics: list
+    group: bool = False
 
 
 @dataclasses.dataclass
@@ -85,8 +88,9 @@ class StageOutput:
 
     Attributes:
       grads: per weight, its gradient summed over the micro-batches (None: the stage did
-        not use it).
-      statistics: its statistics (BatchNormalization's) after its last forward pass.
+        not use it); a tensor group's, per member.
+      statistics: its statistics (BatchNormalization's) after its last forward pass; a
+        tensor group's, per member.
       times: [passes, 2], each pass's start and end (None unless timed).
       names: its passes, as run ("F0", "B0", "I1", "W1", ...).
     """
@@ -114,6 +118,9 @@ class _Forward:
 
     tape: tf.GradientTape
     inputs: Any  # what crossed the cut before the stage (the batch's share on the first)
+    # A tensor group's: each member's own tape, by member (`tape` then differentiates only
+    # the compiled loss, on the last stage).
+    members: dict | None
     outputs: Any
     regularization: tf.Tensor | None  # the stage's penalty, per micro-batch
     objective: tf.Tensor | None  # the loss term to differentiate: on the last stage only
@@ -128,9 +135,10 @@ class _Replica:
     stage: Stage
     pipeline: int
     device: str
-    weights: list[tf.Tensor]
-    statistics: list[tf.Tensor]  # after the latest forward pass
-    grads: list | None = None  # the weights' gradients, summed so far
+    weights: list  # a tensor group's: per member
+    statistics: list  # after the latest forward pass (a tensor group's: per member)
+    group: bool = False  # a tensor group (pipeline_tensor.py)
+    grads: list | None = None  # the weights' gradients, summed so far (a group's: per member)
     saved: dict[int, _Forward] = dataclasses.field(default_factory=dict)  # by micro-batch
     # Received (RECV_*) and to be sent (SEND_*): by (forward?, micro-batch).
     inbox: dict[tuple[bool, int], list] = dataclasses.field(default_factory=dict)
@@ -152,6 +160,8 @@ class Executor:
       links: where sends and receives go.
       metric_variables: the metric state's variables, in its order.
       options: see StepOptions.
+      tensor: runs the passes of stage replicas that are tensor groups (a
+        pipeline_tensor.TensorStages; None: each replica is one device).
     """
 
     def __init__(
@@ -162,8 +172,10 @@ class Executor:
         links: StageLinks,
         metric_variables: Sequence,
         options: StepOptions,
+        tensor: Any = None,
     ):
         self.model, self.stages, self.links = model, list(stages), links
+        self.tensor = tensor
         self.metric_variables, self.options = list(metric_variables), options
         self.width = len(plan)
         self.program = lowered(plan)
@@ -184,7 +196,7 @@ class Executor:
         self._device_end: dict[str, list] = {}  # one pass at a time per device
         live = {
             key: _Replica(self.stages[key[1]], key[0], given.device, list(given.weights),
-                          list(given.statistics))
+                          list(given.statistics), given.group)
             for key, given in replicas.items()
         }  # fmt: skip
         data = (x, y, sample_weight)
@@ -280,15 +292,25 @@ class Executor:
         else:  # what crossed the cut, and the model's inputs it reads (a padding mask, say)
             inputs = self._begin(r, r.inbox.pop((True, m)))
             given, mask = stage.call_args(inputs, tf.nest.flatten(self._micro(x, r.pipeline, m)))
-        objective = counts = scaled = None
+        objective = counts = scaled = members = None
         with tf.GradientTape(persistent=self.persistent) as tape:
-            tape.watch(r.weights)
-            if not stage.first:
-                tape.watch(stage.watched(inputs))
-            outputs, statistics, losses = stage.model.stateless_call(
-                r.weights, r.statistics, given, training=True, return_losses=True,
-                **({} if mask is None else {"mask": mask}),
-            )  # fmt: skip
+            if r.group:  # each member's pass on its own tape; this one the loss's, if last
+                members = {}
+                batch = inputs if stage.first else tf.nest.flatten(self._micro(x, r.pipeline, m))
+                outputs, statistics = self.tensor.forward(
+                    (r.pipeline, stage.index), stage, r.weights, r.statistics,
+                    None if stage.first else inputs, batch, members,
+                )  # fmt: skip
+                losses = []
+                tape.watch(tf.nest.flatten(outputs))
+            else:
+                tape.watch(r.weights)
+                if not stage.first:
+                    tape.watch(stage.watched(inputs))
+                outputs, statistics, losses = stage.model.stateless_call(
+                    r.weights, r.statistics, given, training=True, return_losses=True,
+                    **({} if mask is None else {"mask": mask}),
+                )  # fmt: skip
             regularization = tf.add_n(losses) / micro_batches if losses else None
             if last:
                 y_m = self._micro(y, r.pipeline, m)
@@ -319,7 +341,7 @@ class Executor:
         if regularization is not None:  # the logged loss counts each stage's penalty too
             amount = regularization * micro_batches * size
             state = updates.added_to_loss(model, self.metric_variables, state, amount)
-        r.saved[m] = _Forward(tape, inputs, outputs, regularization, scaled)
+        r.saved[m] = _Forward(tape, inputs, members, outputs, regularization, scaled)
         if not last:
             r.outbox[True, m] = stage.passed_on(outputs, [] if stage.first else inputs)
         return outputs, state
@@ -359,6 +381,8 @@ class Executor:
 
     def _backward(self, r: _Replica, m: int, kind: Kind):
         stage = r.stage
+        if r.group:
+            return self._group_backward(r, m)
         if kind == Kind.BACKWARD_WEIGHT:  # after its I: the same targets and seeds
             forward = r.saved.pop(m)
             targets, seeds = forward.targets
@@ -384,16 +408,42 @@ class Executor:
             return r.ready or tf.constant(0.0)
         return _marker(r)
 
+    def _group_backward(self, r: _Replica, m: int):
+        """A tensor group's backward pass: its members' tapes (pipeline_tensor.py), seeded
+        by the loss's gradient for the outputs on the last stage, else by what came back."""
+        forward = r.saved.pop(m)
+        if forward.objective is not None:
+            self._begin(r, [])
+            outputs = tf.nest.flatten(forward.outputs)
+            upstream = _gradient(forward.tape, [forward.objective], outputs, None, r.ready)
+            upstream = [
+                tf.zeros_like(o) if g is None else g for g, o in zip(upstream, outputs, strict=True)
+            ]
+        else:
+            upstream = self._begin(r, r.inbox.pop((False, m)))
+        grads, sent = self.tensor.backward(
+            (r.pipeline, r.stage.index), r.stage, forward.members, upstream,
+            last=forward.objective is not None,
+        )  # fmt: skip
+        if r.grads is None:
+            r.grads = [None] * len(grads)
+        r.grads = [
+            list(g) if total is None else _summed(total, g)
+            for total, g in zip(r.grads, grads, strict=True)
+        ]
+        if not r.stage.first:
+            r.outbox[False, m] = sent
+            if sent:
+                return sent
+        return _marker(r)
+
     @staticmethod
     def _add(r: _Replica, grads: list) -> None:
         """Adds one micro-batch's weight gradients to the stage's sums (None: unused)."""
         if r.grads is None:
             r.grads = list(grads)
             return
-        r.grads = [
-            a if b is None else b if a is None else updates.added(a, b)
-            for a, b in zip(r.grads, grads, strict=True)
-        ]
+        r.grads = _summed(r.grads, grads)
 
 
 def _gradient(tape: tf.GradientTape, targets: list, sources: list, seeds, after: list) -> list:
@@ -405,7 +455,16 @@ def _gradient(tape: tf.GradientTape, targets: list, sources: list, seeds, after:
         return tape.gradient(targets, sources, output_gradients=seeds)
 
 
+def _summed(total: list, grads: list) -> list:
+    """Weight gradients added to their sums so far (None: unused)."""
+    return [
+        a if b is None else b if a is None else updates.added(a, b)
+        for a, b in zip(total, grads, strict=True)
+    ]
+
+
 def _marker(r: _Replica):
     """A tensor that exists once the stage's latest weight gradient does."""
-    made = [updates.dense_part(g) for g in r.grads or [] if g is not None]
+    grads = [g for member in r.grads or [] for g in member] if r.group else r.grads or []
+    made = [updates.dense_part(g) for g in grads if g is not None]
     return made[0] if made else tf.constant(0.0)

@@ -32,6 +32,7 @@ def trained_as(model: keras.Model, runner: Runner, options: Mapping[str, Any]) -
         name = layout_name(
             data=runner.pipelines, stages=runner.devices_per_pipeline, zero=zero,
             micro_batches=pipeline.micro_batches, chunks=pipeline.chunks_per_device,
+            tensor=runner.tensor,
         )  # fmt: skip
     else:
         tensor = tensor_degree(model)

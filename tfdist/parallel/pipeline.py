@@ -47,19 +47,24 @@ step. Each replica updates its slice; under zero1 and zero2 the stage's replicas
 the updated slices into their whole weights. Embedding tables stay whole (their gradients
 are sparse rows). On one host's devices for now.
 
+Tensor-parallel stages: a model split by a layout map (`tensor_parallel(model,
+layout_map=...)`) runs each stage replica over T devices, each holding its parts of the
+stage's split weights (pipeline_tensor.py), on one process's devices, 1F1B or GPipe.
+
 Limits (each refused with a message): models with their own `train_step` (a pipeline runs
 the layer graph, not the step), global_clipnorm (a norm over every stage), loss scaling,
-StepHooks (accumulation is the micro-batches already), shard_optimizer across worker
-processes, offload.
+StepHooks (accumulation is the micro-batches already), offload; with tensor-parallel
+stages, shard_optimizer, the interleaved and zero-bubble schedules, worker processes.
 BatchNormalization normalises each micro-batch by its own statistics, as in GPipe; M = 1
 matches the unsplit model exactly.
 
 Where the pieces live: this module holds the factory (`Pipeline`); pipeline_runner.py the
 runner (building, placing, the training loop); pipeline_home.py where the weights and slots
 live (StageStore); pipeline_step.py a step's program (the executor's passes, the exchange over the
-pipelines, the stages' updates); executor.py the one executor of every schedule's actions,
-shared with Downpour's split replica (downpour.py); stage_links.py the sends and receives
-between stages; schedules.py the schedules as typed actions.
+pipelines, the stages' updates); pipeline_tensor.py a tensor group's passes; executor.py the
+one executor of every schedule's actions, shared with Downpour's split replica (downpour.py);
+stage_links.py the sends and receives between stages; schedules.py the schedules as typed
+actions.
 """
 
 from __future__ import annotations

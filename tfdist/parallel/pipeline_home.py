@@ -28,6 +28,10 @@ class StageReplica:
     pipeline's, of D: see slice_size), or None for a weight kept whole. The optimizer
     updates the slices (its slots are slices too); under zero3 the slice is all the replica
     keeps of the weight (`trainable[j]` is the slice), gathered for each step.
+
+    A stage replica that is a tensor group (pipeline_tensor.py) is T of these, `member`
+    0 to T-1, each on its own device: a member's copy of a weight the layout splits is its
+    part (and so are its slots).
     """
 
     stage: Stage
@@ -37,6 +41,7 @@ class StageReplica:
     non_trainable: list[keras.Variable]
     optimizer: keras.optimizers.Optimizer | None  # built once the weights have moved in
     slices: list[keras.Variable | None] = dataclasses.field(default_factory=list)
+    member: int = 0
 
     @property
     def updated(self) -> list[keras.Variable]:
@@ -44,6 +49,26 @@ class StageReplica:
         if not self.slices:
             return list(self.trainable)
         return [s if s is not None else w for s, w in zip(self.slices, self.trainable, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How the copies of a weight that are pieces of it make it up: `count` flat slices of
+    its values (shard_optimizer; `axis` None), or `count` parts along `axis` (a tensor-
+    parallel layout)."""
+
+    count: int
+    axis: int | None = None
+
+    def piece(self, value, k: int) -> tf.Tensor:
+        if self.axis is None:
+            return flat_slice(value, self.count, k)
+        return tf.split(value, self.count, axis=self.axis)[k]
+
+    def joined(self, pieces: list, shape) -> tf.Tensor:
+        if self.axis is None:
+            return joined(pieces, shape)
+        return tf.concat(pieces, self.axis)
 
 
 def piece_of(pipeline: int, count: int) -> int:
@@ -74,10 +99,15 @@ class StageStore(shards.Shards):
         self.pipelines = runner.pipelines
         self.stages, self.tied, self.replicas = runner.stages, runner.tied, replicas
         self.shared, self.sliced = runner.shared, runner.sliced
+        # A tensor-parallel layout's placement of each weight (None: no layout): members
+        # hold parts of the weights it splits.
+        self.placements = runner.placements
+        self.tensor_stages = None  # pipeline_tensor.TensorStages, kept for later fits
         # zero3: the weights' copies are slices too, as every sliced weight's slots are.
         self.weights_sliced = runner.shard == "zero3"
-        # By pipeline, then stage: pipeline 0's first holder of a weight is its source.
-        self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index))
+        # By pipeline, then stage, then member: pipeline 0's first holder of a weight is its
+        # source.
+        self._ordered = sorted(replicas, key=lambda r: (r.pipeline, r.stage.index, r.member))
         self.staged: list[tuple[str, StoredInStages]] = []  # by checkpoint key (shards.py)
         self._placeholders: dict[tf.DType, tf.Variable] = {}
         self._sent = tf.function(self._send_part, reduce_retracing=True)
@@ -109,16 +139,20 @@ class StageStore(shards.Shards):
         the source's first."""
         return [copy for copy, _ in self._held(i, slot)]
 
-    def _held(self, i: int, slot: str | None) -> list[tuple[keras.Variable, int]]:
-        """(copy, the pipeline of the replica holding it), as `copies`."""
+    def _held(
+        self, i: int, slot: str | None, *, by_member: bool = False
+    ) -> list[tuple[keras.Variable, int]]:
+        """(copy, the pipeline of the replica holding it; its member, `by_member`), as
+        `copies`."""
         out = []
         for r in self._ordered:
             if i not in r.stage.trainable:
                 continue
+            where = r.member if by_member else r.pipeline
             if slot is None:
-                out.append((r.trainable[r.stage.trainable.index(i)], r.pipeline))
+                out.append((r.trainable[r.stage.trainable.index(i)], where))
             else:  # none where the stage's optimizer keeps no such slot
-                out += [(v, r.pipeline) for v in r.optimizer.variables if v.name == slot][:1]
+                out += [(v, where) for v in r.optimizer.variables if v.name == slot][:1]
         return out
 
     def _updated_slices(self, i: int) -> list[tuple[keras.Variable, int]]:
@@ -134,13 +168,21 @@ class StageStore(shards.Shards):
                 )
         return out
 
-    def _pieces(self, i: int, slot: str | None) -> list[int] | None:
-        """Which slice each of `copies(i, slot)` holds (piece_of its pipeline), where they
-        are slices of the whole (see StageReplica), on every process alike (a process
-        holding none gets []); None where each is whole."""
+    def _pieces(self, i: int, slot: str | None) -> tuple[list[int], Cut] | None:
+        """(which piece each of `copies(i, slot)` holds, how the pieces make the whole),
+        where they are pieces: slices (piece_of the pipeline; see StageReplica), on every
+        process alike (a process holding none gets []), or a tensor-parallel layout's
+        parts (by member); None where each is whole."""
+        placement = None if self.placements is None else self.placements[i]
+        if placement is not None and placement.parts > 1:
+            members = [r.member for r in self._ordered if i in r.stage.trainable]
+            if slot is not None:
+                members = [m for (_, m) in self._held(i, slot, by_member=True)]
+            return [placement.index(m) for m in members], Cut(placement.parts, placement.axis)
         if i not in self.sliced or (slot is None and not self.weights_sliced):
             return None
-        return [piece_of(pipeline, self.pipelines) for _, pipeline in self._held(i, slot)]
+        pieces = [piece_of(pipeline, self.pipelines) for _, pipeline in self._held(i, slot)]
+        return pieces, Cut(self.pipelines)
 
     # --- moving in --------------------------------------------------------------------------
 
@@ -193,7 +235,7 @@ class StageStore(shards.Shards):
         fresh: set[int] = frozenset(),
         *,
         dropped: host.Dropped,
-        pieces: list[int] | None = None,
+        pieces: tuple[list[int], Cut] | None = None,
         updated: list[tuple[keras.Variable, int]] = (),
     ) -> None:
         old = compat.storage_of(variable)
@@ -202,8 +244,9 @@ class StageStore(shards.Shards):
         if id(old) not in fresh:  # an empty placeholder holds nothing to free
             dropped.add(old)
         staged = StoredInStages(
-            self, old, variable.shape, copies, self.source(i), pieces, index=i, updated=updated
-        )
+            self, old, variable.shape, copies, self.source(i), *(pieces or (None, None)),
+            index=i, updated=updated,
+        )  # fmt: skip
         # A read of a weight held in parts (another layout's stages, host_scope's slices)
         # is a collective: every process makes it.
         if id(old) not in fresh and (copies or getattr(old, "read_by_collectives", False)):
@@ -249,7 +292,8 @@ class StageStore(shards.Shards):
                 for copy, k in zip(staged.copies, staged.pieces, strict=True):
                     first.setdefault(k, copy)
                 with tf.device(self.replicas[0].device):
-                    return joined([first[k].value for k in sorted(first)], staged.shape)
+                    pieces = [first[k].value for k in sorted(first)]
+                    return staged.cut.joined(pieces, staged.shape)
             return tf.identity(staged.copies[0].value)
         context = tf.distribute.get_replica_context()
         part = self._part(staged)
@@ -316,6 +360,7 @@ class StoredInStages(updates.WholeStandIn):
         copies: list[keras.Variable],
         source: bool,
         pieces: list[int] | None = None,
+        cut: Cut | None = None,
         *,
         index: int,
         updated: list[tuple[keras.Variable, int]] = (),
@@ -325,8 +370,9 @@ class StoredInStages(updates.WholeStandIn):
         self.shape = tf.TensorShape(shape)
         self.store, self.copies, self.source = store, copies, source
         # Under shard_optimizer: copy k is slice pieces[k] of store.pipelines (a slot's, or
-        # under zero3 a weight's); None: each copy is whole.
-        self.pieces = pieces
+        # under zero3 a weight's); under a tensor-parallel layout, part pieces[k] of the
+        # layout's (`cut` says which); None: each copy is whole.
+        self.pieces, self.cut = pieces, cut
         self.index = index  # the weight's position in model.trainable_variables
         # zero1, zero2: the slices (and their pieces) the optimizer updates beside the whole
         # copies, given each value assigned too.
@@ -340,9 +386,8 @@ class StoredInStages(updates.WholeStandIn):
         del use_locking, name, read_value
         value = tf.convert_to_tensor(value, self.dtype)
         if self.pieces is not None:
-            count = self.store.pipelines
             for copy, k in zip(self.copies, self.pieces, strict=True):
-                copy.assign(flat_slice(value, count, k))
+                copy.assign(self.cut.piece(value, k))
             return
         for copy in self.copies:
             copy.assign(value)

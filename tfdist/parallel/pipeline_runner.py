@@ -23,8 +23,10 @@ from tfdist.parallel import updates
 from tfdist.parallel.host import host_device
 from tfdist.parallel.pipeline_home import StageReplica, StageStore, empty_variables, slice_size
 from tfdist.parallel.pipeline_step import PipelineStep
+from tfdist.parallel.pipeline_tensor import TensorStages
 from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
 from tfdist.parallel.stages import SharedWeight, Stage, StageError, devices_for, shared, split, tied
+from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.strategies import strategy_kind
 from tfdist.training import shards
 from tfdist.training.fit_data import FitData, unpack
@@ -71,6 +73,12 @@ class PipelineRunner(SyncRunner):
         self.replicas: list[StageReplica] = []  # this process's
         self.pipelines = 1
         self.devices_per_pipeline = 1
+        # A model split by a layout map: each stage replica is a group of `tensor` devices
+        # (pipeline_tensor.py), each weight held as `placements` says.
+        plan = plan_of(model)
+        self.tensor = 1 if plan is None else plan.degree
+        self.placements = None if plan is None else list(plan.placements)
+        self.tensor_stages: TensorStages | None = None
         self._state: list[np.ndarray] = []
         self._programs: dict[int, PipelineStep] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
@@ -99,10 +107,14 @@ class PipelineRunner(SyncRunner):
             raise FitError(
                 "A pipeline takes no step hooks: its micro-batches already accumulate "
                 "gradients (drop accumulate_steps; shard_optimizer shards each stage's state "
-                "over its pipelines), and a model's tensor-parallel layers inside its stages "
-                "are not built yet (train a split model without pipeline=, or the unsplit "
-                f"model with it). Received: {', '.join(h.name for h in step_hooks)}"
+                "over its pipelines), and of tensor parallelism it trains a model split by a "
+                "layout map (tensor_parallel(model, layout_map=...)), not the split layers "
+                "tensor_parallel(model, degree=...) writes (split the model by "
+                "derive_layout_map(model, mesh) instead). Received: "
+                f"{', '.join(h.name for h in step_hooks)}"
             )
+        if self.tensor > 1:
+            self._check_tensor()
         if custom_train_step(model):
             raise FitError(
                 f"Model {model.name!r} has its own train_step, which runs the whole model at "
@@ -136,6 +148,33 @@ class PipelineRunner(SyncRunner):
         self._log_shared()
         self._rings = self._make_rings()
         self._state = self._zeros()
+        if self.tensor > 1:
+            store = StageStore.of(model)
+            if store.tensor_stages is None:  # the groups' strategies, for every later fit
+                ranks, devices = self._grid()
+                groups = {divmod(rank, len(self.stages)): devices[rank] for rank in ranks}
+                store.tensor_stages = TensorStages(model, plan_of(model), groups)
+            self.tensor_stages = store.tensor_stages
+
+    def _check_tensor(self) -> None:
+        """What a pipeline of tensor-parallel stages does not do yet, refused in one line."""
+        options, problem = self.options, None
+        if self.shard is not None:
+            problem = (
+                f"shard_optimizer={self.shard!r} with a layout map and pipeline= (all three "
+                "together)"
+            )
+        elif options.schedule not in ("gpipe", "1f1b"):
+            problem = f"schedule={options.schedule!r} with a layout map"
+        elif self.processes > 1:
+            problem = f"a layout map across {self.processes} worker processes"
+        if problem is not None:
+            raise FitError(
+                "A pipeline of tensor-parallel stages (a layout map's model with pipeline=) "
+                "runs on one process's devices with the 'gpipe' or '1f1b' schedule, its "
+                "stages' state whole; not built yet: "
+                f"{problem}. Drop one of them. Received: {problem}"
+            )
 
     def _log_shared(self) -> None:
         """Names the weights several stages hold: tied ones (read by several), and those of a
@@ -164,9 +203,11 @@ class PipelineRunner(SyncRunner):
     def describe_batch(self, global_batch: int) -> str:
         options, stages = self.options, len(self.stages)
         per = global_batch // self.pipelines
+        devices = self.devices_per_pipeline * self.tensor
+        tensor = f" ({self.tensor} a stage, its layers split)" if self.tensor > 1 else ""
         return (
             f"Global batch {global_batch} = {self.pipelines} pipeline(s) x {per} per pipeline, "
-            f"each of {stages} stages over {self.devices_per_pipeline} device(s) in "
+            f"each of {stages} stages over {devices} device(s){tensor} in "
             f"{options.micro_batches} micro-batch(es) of {per // options.micro_batches} "
             f"({options.schedule}{', ' + self.shard if self.shard else ''}; "
             f"{strategy_kind(self.strategy)})"
@@ -174,7 +215,10 @@ class PipelineRunner(SyncRunner):
 
     def _store_key(self) -> tuple:
         options = self.options
-        return (options.cut_before, options.chunks_per_device, self.placement, self.shard)
+        return (
+            options.cut_before, options.chunks_per_device, self.placement, self.shard,
+            self.tensor,
+        )  # fmt: skip
 
     def _slice_plan(self) -> set[int]:
         """The trainable weights (by position) whose optimizer state, and under zero3 the
@@ -221,9 +265,10 @@ class PipelineRunner(SyncRunner):
         )  # fmt: skip
         return sliced
 
-    def _grid(self) -> tuple[list[int], dict[int, str]]:
+    def _grid(self) -> tuple[list[int], dict[int, list[str]]]:
         """Sets the pipelines and the devices each takes; returns this process's ranks
-        (pipeline p's stage k is rank p * stages + k) and each rank's device."""
+        (pipeline p's stage k is rank p * stages + k) and each rank's devices (one, or a
+        tensor group's T, consecutive as Megatron-LM keeps a tensor group)."""
         stages, layout = self.stages, self.placement
         devices = list(layout.devices)
         processes = layout.processes
@@ -245,28 +290,28 @@ class PipelineRunner(SyncRunner):
                 f"{chunks}"
             )
         self.devices_per_pipeline = width
-        if replicas % width:
+        tensor = self.tensor
+        if replicas % (width * tensor):
+            split = f" x {tensor} tensor-parallel" if tensor > 1 else ""
             raise StageError(
-                f"{len(stages)} stages need a multiple of {width} replicas (D pipelines x "
-                f"{width} devices); the strategy has {replicas}. Cut the model into a "
-                "number of stages that divides the replicas, or change the devices/workers. "
-                f"Received: {len(stages)} stages over {replicas} replicas"
+                f"{len(stages)} stages need a multiple of {width * tensor} replicas (D "
+                f"pipelines x {width} devices{split}); the strategy has {replicas}. Cut the "
+                "model into a number of stages that divides the replicas, or change the "
+                f"devices/workers. Received: {len(stages)} stages over {replicas} replicas"
             )
-        self.pipelines = replicas // width
+        self.pipelines = replicas // (width * tensor)
         if processes > 1:
             ranks = [layout.process_index]
-            devices = {ranks[0]: devices[0]}
-        else:
-            # Pipeline p's stage k: its device is p's (k mod width)-th (interleaved: each
-            # device holds the stages k, k + width, ...).
-            ranks = list(range(self.pipelines * len(stages)))
-            devices = {
-                rank: devices[(rank // len(stages)) * width + (rank % len(stages)) % width]
-                for rank in ranks
-            }
-        return ranks, devices
+            return ranks, {ranks[0]: [devices[0]]}
+        # Pipeline p's stage k: its devices are p's (k mod width)-th (interleaved: each
+        # device holds the stages k, k + width, ...), a group of `tensor`.
+        ranks = list(range(self.pipelines * len(stages)))
+        group = {
+            rank: (rank // len(stages)) * width + (rank % len(stages)) % width for rank in ranks
+        }
+        return ranks, {rank: devices[g * tensor : (g + 1) * tensor] for rank, g in group.items()}
 
-    def _place(self, ranks: list[int], devices: dict[int, str]) -> None:
+    def _place(self, ranks: list[int], devices: dict[int, list[str]]) -> None:
         """Makes this process's stage replicas and moves the model's weights and its
         optimizer's slots into them (see StageStore)."""
         stages = self.stages
@@ -274,28 +319,42 @@ class PipelineRunner(SyncRunner):
         non_trainable = self.model.non_trainable_variables
 
         sliced, zero3 = self.sliced, self.shard == "zero3"
+        placements = self.placements
+
+        def shape(i: int, member: int) -> tuple[int, ...] | None:
+            """A tensor-parallel part's shape (None: the weight's own)."""
+            if placements is None or placements[i].parts == 1:
+                return None
+            return placements[i].shape_of(trainable[i])
 
         def make():
             made = []
             for rank in ranks:
                 pipeline, index = divmod(rank, len(stages))
-                stage, device = stages[index], devices[rank]
-                with tf.device(device):
-                    # Named as the model's own (its path's '/' as '_'), so the optimizer
-                    # copy's slots are named as the user's optimizer's for the same weight
-                    # (a slice too: its slots are the slices of the user's).
-                    slices = [
-                        _copy(trainable[i], piece=(pipeline, self.pipelines))
-                        if i in sliced
-                        else None
-                        for i in stage.trainable
-                    ]
-                    copies = [
-                        piece if zero3 and piece is not None else _copy(trainable[i])
-                        for i, piece in zip(stage.trainable, slices, strict=True)
-                    ]
-                    statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
-                made.append(StageReplica(stage, pipeline, device, copies, statistics, None, slices))
+                stage = stages[index]
+                for member, device in enumerate(devices[rank]):
+                    with tf.device(device):
+                        # Named as the model's own (its path's '/' as '_'), so the optimizer
+                        # copy's slots are named as the user's optimizer's for the same
+                        # weight (a slice or a part too: its slots are the user's pieces).
+                        slices = [
+                            _copy(trainable[i], piece=(pipeline, self.pipelines))
+                            if i in sliced
+                            else None
+                            for i in stage.trainable
+                        ]
+                        copies = [
+                            piece
+                            if zero3 and piece is not None
+                            else _copy(trainable[i], shape=shape(i, member))
+                            for i, piece in zip(stage.trainable, slices, strict=True)
+                        ]
+                        statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
+                    made.append(
+                        StageReplica(
+                            stage, pipeline, device, copies, statistics, None, slices, member
+                        )
+                    )
             return made
 
         self.replicas = updates.outside_strategy(make)
@@ -521,10 +580,12 @@ def _buckets(variables: list, limit: int) -> list[list[int]]:
     return [b for b in out if b]
 
 
-def _copy(variable, piece: tuple[int, int] | None = None) -> keras.Variable:
-    """A plain variable shaped as `variable`, or given `piece` (k, n) as its k-th flat slice
-    of n (see pipeline_home.slice_size); its value is loaded before training."""
-    shape = variable.shape if piece is None else (slice_size(variable.shape, piece[1]),)
+def _copy(variable, piece: tuple[int, int] | None = None, shape=None) -> keras.Variable:
+    """A plain variable shaped as `variable` (or as `shape`: a tensor-parallel part), or
+    given `piece` (k, n) as its k-th flat slice of n (see pipeline_home.slice_size); its
+    value is loaded before training."""
+    if shape is None:
+        shape = variable.shape if piece is None else (slice_size(variable.shape, piece[1]),)
     return keras.Variable(
         np.zeros(shape, variable.dtype),
         dtype=variable.dtype,

@@ -8,6 +8,7 @@ processes), and each stage's optimizer copy takes one step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -29,7 +30,7 @@ class _Result:
 
     grads: list[tf.Tensor]
     statistics: list[tf.Tensor]
-    times: tf.Tensor  # [passes, 2]: each pass's start and end
+    times: tf.Tensor | None  # [passes, 2]: each pass's start and end (its first member's)
 
 
 class PipelineStep:
@@ -43,7 +44,13 @@ class PipelineStep:
         self.runner, self.micro = runner, micro
         self.model = runner.model
         options = runner.options
-        self.local = {(r.pipeline, r.stage.index): r for r in runner.replicas}
+        # (pipeline, stage) -> its replica's members (one, or a tensor group's T), and the
+        # first, which stands for the replica where one device does (sends, receives).
+        self.members: dict[tuple[int, int], list[StageReplica]] = {}
+        for r in sorted(runner.replicas, key=lambda r: r.member):
+            self.members.setdefault((r.pipeline, r.stage.index), []).append(r)
+        self.local = {key: members[0] for key, members in self.members.items()}
+        self.tensor = runner.tensor_stages
         # Between processes the sends and receives are collective transfers, with keys of
         # this program's own: TensorFlow's collective runtime remembers each instance key's
         # shape for the life of the process.
@@ -61,10 +68,12 @@ class PipelineStep:
                 micro_batches=options.micro_batches, pipelines=runner.pipelines, micro=micro,
                 timed=True, processes=runner.processes,
             ),
+            tensor=self.tensor,
         )  # fmt: skip
         self.names: dict[str, list[str]] = {}  # replica -> its passes, in the order run
-        # (pipeline, stage) -> which of its weights' gradients are sparse (IndexedSlices).
-        self.sparse: dict[tuple[int, int], list[bool]] = {}
+        # ((pipeline, stage), member) -> which of its weights' gradients are sparse
+        # (IndexedSlices).
+        self.sparse: dict[tuple[tuple[int, int], int], list[bool]] = {}
         self.counted = False  # whether the step's gradients are of sums over its count
         self._passes = None  # the passes' program, built when the step is first traced
         self.function = tf.function(self.step)
@@ -88,10 +97,10 @@ class PipelineStep:
         keys = sorted(self.local)
         values = []
         for key in keys:
-            r = self.local[key]
-            with tf.device(r.device):
-                values += [self._whole(r, j) for j in range(len(r.trainable))]
-                values += [tf.identity(v.value) for v in r.non_trainable]
+            for r in self.members[key]:
+                with tf.device(r.device):
+                    values += [self._whole(r, j) for j in range(len(r.trainable))]
+                    values += [tf.identity(v.value) for v in r.non_trainable]
         if self._passes is None:
             # Without tf.function's ordering of stateful ops in program order: its chain of
             # the passes' timestamps (stateful, no resource) would make every pass wait for
@@ -103,25 +112,26 @@ class PipelineStep:
                 lambda *args: self._all_passes(structure, len(flat), keys, args), specs
             )
         outputs = list(self._passes(*flat, *values))
-        results: dict[tuple[int, int], _Result] = {}
+        results: dict[tuple[tuple[int, int], int], _Result] = {}
         at = 0
         for key in keys:
-            r = self.local[key]
-            grads = []
-            weights = [self.model.trainable_variables[i] for i in r.stage.trainable]
-            for variable, sparse in zip(weights, self.sparse[key], strict=True):
-                if sparse:
-                    # A tensor: Keras's sparse ops (RMSprop's divide) read its dtype. The
-                    # weight's whole shape (under zero3 the replica holds a slice).
-                    shape = tf.constant(np.asarray(variable.shape, np.int64))
-                    grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], shape))
-                    at += 2
-                else:
-                    grads.append(outputs[at])
-                    at += 1
-            statistics = outputs[at : at + len(r.non_trainable)]
-            at += len(r.non_trainable)
-            results[key] = _Result(grads, statistics, outputs[at])
+            for r in self.members[key]:
+                grads = []
+                for j, sparse in enumerate(self.sparse[key, r.member]):
+                    if sparse:
+                        # A tensor: Keras's sparse ops (RMSprop's divide) read its dtype.
+                        # The shape of what the replica reads (under zero3 it holds a slice
+                        # of it).
+                        shape = tf.constant(np.asarray(self._read_shape(r, j), np.int64))
+                        grads.append(tf.IndexedSlices(outputs[at], outputs[at + 1], shape))
+                        at += 2
+                    else:
+                        grads.append(outputs[at])
+                        at += 1
+                statistics = outputs[at : at + len(r.non_trainable)]
+                at += len(r.non_trainable)
+                results[key, r.member] = _Result(grads, statistics, None)
+            results[key, 0].times = outputs[at]
             at += 1
         count = None
         if self.counted:  # the step's count over its micro-batches and pipelines
@@ -130,8 +140,17 @@ class PipelineStep:
         updates = self._update(results, count)
         with tf.control_dependencies(updates):
             state = [tf.identity(s) for s in state]
-        times = {f"{p}_{s}": results[p, s].times for p, s in keys}
+        times = {f"{p}_{s}": results[(p, s), 0].times for p, s in keys}
         return state, times
+
+    def _read_shape(self, r: StageReplica, j: int) -> tuple[int, ...]:
+        """The shape of `r`'s j-th weight as the step reads it: the weight's (under zero3
+        the replica holds a slice of it), or a tensor-parallel part's."""
+        i = r.stage.trainable[j]
+        placements = self.runner.placements
+        if placements is not None and placements[i].parts > 1:
+            return tuple(r.trainable[j].shape)
+        return tuple(self.model.trainable_variables[i].shape)
 
     def _whole(self, r: StageReplica, j: int) -> tf.Tensor:
         """Replica `r`'s j-th weight for this step's passes: under zero3, a sliced weight
@@ -166,36 +185,48 @@ class PipelineStep:
         batch = tf.nest.pack_sequence_as(structure, list(args[:batch_length]))
         given, at = {}, batch_length
         for key in keys:
-            r = self.local[key]
-            trainable, statistics = len(r.trainable), len(r.non_trainable)
+            weights, statistics = [], []
+            for r in self.members[key]:
+                counts = len(r.trainable), len(r.non_trainable)
+                weights.append(list(args[at : at + counts[0]]))
+                statistics.append(list(args[at + counts[0] : at + sum(counts)]))
+                at += sum(counts)
+            group = len(weights) > 1
             given[key] = StageInput(
-                r.device, list(args[at : at + trainable]),
-                list(args[at + trainable : at + trainable + statistics]),
+                self.local[key].device, weights if group else weights[0],
+                statistics if group else statistics[0], group,
             )  # fmt: skip
-            at += trainable + statistics
         state = [tf.zeros(v.shape, v.dtype) for v in self.runner.metric_variables]
-        step = self.executor.run(batch, given, state)
+        with self.tensor.traced() if self.tensor else contextlib.nullcontext():
+            step = self.executor.run(batch, given, state)
         self.names = {f"{p}_{s}": step.stages[p, s].names for p, s in keys}
         outputs = []
         for key in keys:
-            own = step.stages[key]
-            grads = [
-                _no_rows(w) if g is None else g
-                for g, w in zip(own.grads, given[key].weights, strict=True)
-            ]
-            # A sparse gradient (an Embedding's rows) leaves the program as its values and
-            # indices; `step` makes it an IndexedSlices again.
-            self.sparse[key] = [isinstance(g, tf.IndexedSlices) for g in grads]
-            for g in grads:
-                outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
-            outputs += [*own.statistics, own.times]
+            own, group = step.stages[key], given[key].group
+            weights = given[key].weights if group else [given[key].weights]
+            per_member = own.grads if group else [own.grads]
+            member_statistics = own.statistics if group else [own.statistics]
+            for r, member_grads, member_weights, member_stats in zip(
+                self.members[key], per_member, weights, member_statistics, strict=True
+            ):
+                grads = [
+                    _no_rows(w) if g is None else g
+                    for g, w in zip(member_grads, member_weights, strict=True)
+                ]
+                # A sparse gradient (an Embedding's rows) leaves the program as its values
+                # and indices; `step` makes it an IndexedSlices again.
+                self.sparse[key, r.member] = [isinstance(g, tf.IndexedSlices) for g in grads]
+                for g in grads:
+                    outputs += [g.values, g.indices] if isinstance(g, tf.IndexedSlices) else [g]
+                outputs += list(member_stats)
+            outputs.append(own.times)
         self.counted = step.count is not None
         if self.counted:
             outputs.append(step.count)
         outputs += step.state
         return self.links.after_sends(outputs)
 
-    def _update(self, results: dict[tuple[int, int], _Result], count=None) -> list[tf.Tensor]:
+    def _update(self, results: dict, count=None) -> list[tf.Tensor]:
         """Each replica's gradients summed over the stages that hold the weight (tied
         weights) and averaged over the pipelines, then one optimizer step. With `count`
         (the step's count of unmasked elements), the summed gradients are of the loss's
@@ -207,8 +238,8 @@ class PipelineStep:
         step = tf.identity(user.iterations.value)
         learning_rate = updates.learning_rate_at(user, step)
         done = []
-        for (pipeline, index), result in results.items():
-            r = self.local[pipeline, index]
+        for ((pipeline, index), member), result in results.items():
+            r = self.members[pipeline, index][member]
             if runner.processes > 1:
                 grads = self._summed_between_processes(r, result.grads)
             else:  # every replica of every stage is on a device here
@@ -231,15 +262,22 @@ class PipelineStep:
 
     def _summed_here(self, results, r: StageReplica, i: int, index: int):
         """Weight `i`'s gradient for replica `r` (of stage `index`), in one process: summed
-        over the pipelines and the stages holding it. Under shard_optimizer, the replica's
-        slice of that sum: zero2 and zero3 sum only their slices of each gradient (the
-        reduce-scatter's sums), zero1 slices the whole sum (the all-reduce's); the same
-        numbers either way."""
+        over the pipelines and the stages holding it (and a tensor group's members holding
+        the same part: every member, for a weight held whole). Under shard_optimizer, the
+        replica's slice of that sum: zero2 and zero3 sum only their slices of each gradient
+        (the reduce-scatter's sums), zero1 slices the whole sum (the all-reduce's); the
+        same numbers either way."""
         runner = self.runner
+        members = [0]
+        if runner.placements is not None:
+            placement = runner.placements[i]
+            part = placement.index(r.member)
+            members = [k for k in range(runner.tensor) if placement.index(k) == part]
         grads = [
-            results[q, s].grads[runner.stages[s].trainable.index(i)]
+            results[(q, s), k].grads[runner.stages[s].trainable.index(i)]
             for q in range(runner.pipelines)
             for s in runner.tied.get(i, (index,))
+            for k in members
         ]
         if i not in runner.sliced:
             return functools.reduce(updates.added, grads)

@@ -348,7 +348,7 @@ MODES: tuple[Mode, ...] = (
         place=Place.SPLIT,
         builder="tfdist.parallel.tensor:update_for",
         flag=False,
-        takes=("shard_optimizer", "offload"),
+        takes=("shard_optimizer", "offload", "pipeline"),
     ),
     Mode(
         keyword="shard_optimizer",

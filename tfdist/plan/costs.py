@@ -136,10 +136,13 @@ class ParallelLayout:
 
     def built(self, hosts: int) -> bool:
         """Whether tfdist trains this layout today on `hosts` hosts: every axis alone, and
-        pipeline x ZeRO, and ZeRO x tensor on one host; not yet pipeline x tensor or tensor
-        groups in a job of several hosts (docs/guides/combining-layouts.md)."""
-        if self.tensor > 1 and (self.stages > 1 or hosts > 1):
+        pipeline x ZeRO, ZeRO x tensor and pipeline x tensor (1F1B) on one host; not yet all
+        three, or tensor groups in a job of several hosts
+        (docs/guides/combining-layouts.md)."""
+        if self.tensor > 1 and hosts > 1:
             return False
+        if self.tensor > 1 and self.stages > 1:
+            return self.zero == 0 and self.chunks == 1
         return self.chunks == 1 or hosts == 1
 
 
@@ -637,7 +640,15 @@ def recipe(layout: ParallelLayout, model: ModelCost) -> str:
             "holds it whole"
         )
     if layout.tensor > 1:
-        lines.append(f"tfdist.parallel.tensor_parallel(model, degree={layout.tensor})")
+        # A layout map (derived from the layers' shapes here), which composes with the
+        # pipeline and ZeRO; the split layers of tensor_parallel(model, degree=) do not.
+        groups = layout.devices // layout.tensor
+        lines += [
+            f"mesh = keras.distribution.DeviceMesh(({groups}, {layout.tensor}), "
+            '["batch", "model"], devices)',
+            "tfdist.parallel.tensor_parallel(model, "
+            "layout_map=tfdist.parallel.derive_layout_map(model, mesh))",
+        ]
     options = []
     if layout.stages > 1:
         groups = stage_units(model.units, layout.stages * layout.chunks, layout.cut_before)

@@ -66,8 +66,9 @@ all-reduce of which each replica keeps its slice). An embedding table stays a wh
 gathered part lives until the step ends: the step's peak holds the replica's tensor share
 of the weights, not one unit's (zero3's units are not built here).
 
-Local devices of one mirrored strategy (not across worker processes); not with a pipeline
-(it applies the update its own way).
+Local devices of one mirrored strategy (not across worker processes). With a pipeline
+the stages train the parts themselves, each stage replica a group of T devices
+(parallel/pipeline_tensor.py, which runs the same exchanges: SplitCalls).
 """
 
 from __future__ import annotations
@@ -483,6 +484,91 @@ def _local_heads(count: int, degree: int) -> int:
     return count // degree if count % degree == 0 else 1
 
 
+# --- the split layers' exchanges, while a step is traced ------------------------------------
+
+
+class SplitCalls:
+    """The split layers of a plan run inside their exchanges while installed: each layer's
+    call wrapped by its kind's (below), a row layer's input check lifted (its part takes
+    its share of the features), an attention layer counting this replica's heads.
+
+    Args:
+      plan: the model's split.
+      variables: the model's trainable weights, in the plan's order.
+      gather: the all-gather of a group's examples (None: TensorFlow's, for a step of one
+        strategy; a pipeline's stage groups pass tfdist's, whose gradient is taken in the
+        replica context the backward pass runs in, not the forward's).
+    """
+
+    def __init__(self, plan: LayoutPlan, variables: list, gather=None):
+        self.plan, self.variables, self.gather = plan, list(variables), gather
+        self._region = threading.local()
+        self._gathers: dict = {}
+        self._lifted: list = []  # (layer, attribute, its value): set back by uninstall
+
+    def install(self) -> None:
+        degree = self.plan.degree
+        self._lifted = []
+        for layer, kind in self.plan.layers:
+            compat.replace_call(layer, _CALLS[kind](self, layer, layer.call))
+            if kind == "row" and layer.input_spec is not None:
+                # Keras checks the input's width against the whole kernel's (Dense): this
+                # replica's part takes its share of the features.
+                self._lifted.append((layer, "input_spec", layer.input_spec))
+                layer.input_spec = None
+            if kind == "heads":
+                local = {
+                    attribute: _local_heads(count, degree)
+                    for attribute in HEAD_COUNTS
+                    if isinstance(count := getattr(layer, attribute, None), int)
+                }
+                for groups in GROUP_COUNTS:
+                    if isinstance(getattr(layer, groups, None), int):
+                        # Llama repeats each key/value head for its queries: here, this
+                        # replica's ("_num_key_value_groups" beside "_num_query_heads")
+                        prefix = groups[: groups.index("num")]
+                        local[groups] = (
+                            local[f"{prefix}num_query_heads"]
+                            // local[f"{prefix}num_key_value_heads"]
+                        )
+                for attribute, count in local.items():
+                    self._lifted.append((layer, attribute, getattr(layer, attribute)))
+                    setattr(layer, attribute, count)
+
+    def uninstall(self) -> None:
+        for layer, _ in self.plan.layers:
+            compat.restore_call(layer)
+        for layer, attribute, value in self._lifted:
+            setattr(layer, attribute, value)
+        self._lifted = []
+        self._gathers.clear()
+
+    def in_region(self) -> bool:
+        return getattr(self._region, "depth", 0) > 0
+
+    @contextlib.contextmanager
+    def region(self):
+        self._region.depth = getattr(self._region, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            self._region.depth -= 1
+
+    def group_rows(self, x):
+        """(the group's examples of `x`, every replica's batch size): gathered once per
+        tensor per replica's step (the query, key and value read one gather)."""
+        replica, _ = replica_in_step()
+        key = (tf.compat.v1.get_default_graph(), replica, x.ref())
+        if key not in self._gathers:
+            self._gathers[key] = gather_from_group(x, self.plan.degree, gather=self.gather)
+        return self._gathers[key]
+
+    def is_split(self, variable) -> bool:
+        """Whether the replicas hold `variable` in parts."""
+        i = next(i for i, v in enumerate(self.variables) if v is variable)
+        return self.plan.placements[i].parts > 1
+
+
 # --- training ---------------------------------------------------------------------------------
 
 
@@ -505,8 +591,6 @@ class LayoutParallel(StepHook):
         # While a replica's step is traced: each weight reads as the replica's part, the
         # split layers run inside their exchanges, attention layers count its heads.
         self._traced = updates.TraceSpan(self._enter, self._exit)
-        self._region = threading.local()
-        self._gathers: dict = {}
 
     @property
     def name(self) -> str:
@@ -547,6 +631,7 @@ class LayoutParallel(StepHook):
                 "read them. Call it again after changing the model."
             )
         self.hosts = [compat.storage_of(v) for v in self.variables]
+        self.calls = SplitCalls(self.plan, self.variables)
         self.decays = updates.decoupled_decays(optimizer, self.variables)
         self.optimizer = optimizer
         if not optimizer.built:
@@ -649,69 +734,14 @@ class LayoutParallel(StepHook):
             return train_step(batch)
 
     def _enter(self) -> None:
-        degree = self.plan.degree
         for variable, stand_in in zip(self.variables, self._stand_ins, strict=True):
             compat.replace_storage(variable, stand_in)
-        self._heads = []  # (layer, attribute, its value): set back when the trace ends
-        for layer, kind in self.plan.layers:
-            compat.replace_call(layer, _CALLS[kind](self, layer, layer.call))
-            if kind == "row" and layer.input_spec is not None:
-                # Keras checks the input's width against the whole kernel's (Dense): this
-                # replica's part takes its share of the features.
-                self._heads.append((layer, "input_spec", layer.input_spec))
-                layer.input_spec = None
-            if kind == "heads":
-                local = {
-                    attribute: _local_heads(count, degree)
-                    for attribute in HEAD_COUNTS
-                    if isinstance(count := getattr(layer, attribute, None), int)
-                }
-                for groups in GROUP_COUNTS:
-                    if isinstance(getattr(layer, groups, None), int):
-                        # Llama repeats each key/value head for its queries: here, this
-                        # replica's ("_num_key_value_groups" beside "_num_query_heads")
-                        prefix = groups[: groups.index("num")]
-                        local[groups] = (
-                            local[f"{prefix}num_query_heads"]
-                            // local[f"{prefix}num_key_value_heads"]
-                        )
-                for attribute, count in local.items():
-                    self._heads.append((layer, attribute, getattr(layer, attribute)))
-                    setattr(layer, attribute, count)
+        self.calls.install()
 
     def _exit(self) -> None:
         for variable, storage in zip(self.variables, self.hosts, strict=True):
             compat.replace_storage(variable, storage)
-        for layer, _ in self.plan.layers:
-            compat.restore_call(layer)
-        for layer, attribute, count in self._heads:
-            setattr(layer, attribute, count)
-        self._gathers.clear()
-
-    def in_region(self) -> bool:
-        return getattr(self._region, "depth", 0) > 0
-
-    @contextlib.contextmanager
-    def region(self):
-        self._region.depth = getattr(self._region, "depth", 0) + 1
-        try:
-            yield
-        finally:
-            self._region.depth -= 1
-
-    def group_rows(self, x):
-        """(the group's examples of `x`, every replica's batch size): gathered once per
-        tensor per replica's step (the query, key and value read one gather)."""
-        replica, _ = replica_in_step()
-        key = (tf.compat.v1.get_default_graph(), replica, x.ref())
-        if key not in self._gathers:
-            self._gathers[key] = gather_from_group(x, self.plan.degree)
-        return self._gathers[key]
-
-    def is_split(self, variable) -> bool:
-        """Whether the replicas hold `variable` in parts."""
-        i = next(i for i, v in enumerate(self.variables) if v is variable)
-        return self.plan.placements[i].parts > 1
+        self.calls.uninstall()
 
     def part(self, i: int) -> keras.Variable:
         replica, _ = replica_in_step()
@@ -827,50 +857,50 @@ class _Part(updates.StandIn):
 # --- the exchanges around each kind of split layer -------------------------------------------
 
 
-def _column(hook: LayoutParallel, layer, call):
+def _column(calls: SplitCalls, layer, call):
     first = _first_argument(call)
 
     def column(*args, **kwargs):
         inputs, args, kwargs = first(args, kwargs)
-        if replica_in_step() is None or hook.in_region():
+        if replica_in_step() is None or calls.in_region():
             return call(inputs, *args, **kwargs)
-        return call(hook.group_rows(inputs)[0], *args, **kwargs)
+        return call(calls.group_rows(inputs)[0], *args, **kwargs)
 
     return column
 
 
-def _gathered(hook: LayoutParallel, layer, call):
+def _gathered(calls: SplitCalls, layer, call):
     first = _first_argument(call)
 
     def gathered(*args, **kwargs):
         inputs, args, kwargs = first(args, kwargs)
-        if replica_in_step() is None or hook.in_region():
+        if replica_in_step() is None or calls.in_region():
             return call(inputs, *args, **kwargs)
-        x, sizes = hook.group_rows(inputs)
-        return gather_from_parts(call(x, *args, **kwargs), sizes, hook.plan.degree)
+        x, sizes = calls.group_rows(inputs)
+        return gather_from_parts(call(x, *args, **kwargs), sizes, calls.plan.degree)
 
     return gathered
 
 
-def _row(hook: LayoutParallel, layer, call):
+def _row(calls: SplitCalls, layer, call):
     first = _first_argument(call)
 
     def row(*args, **kwargs):
         inputs, args, kwargs = first(args, kwargs)
         partial = call(inputs, *args, **kwargs)
-        if replica_in_step() is None or hook.in_region():
+        if replica_in_step() is None or calls.in_region():
             return partial
-        return reduce_scatter_to_group(partial, step_sizes(layer.name), hook.plan.degree)
+        return reduce_scatter_to_group(partial, step_sizes(layer.name), calls.plan.degree)
 
     return row
 
 
-def _vocab(hook: LayoutParallel, layer, call):
+def _vocab(calls: SplitCalls, layer, call):
     first = _first_argument(call)
-    degree = hook.plan.degree
-    table_split = hook.is_split(layer.embeddings)
+    degree = calls.plan.degree
+    table_split = calls.is_split(layer.embeddings)
     reverse_table = getattr(layer, "reverse_embeddings", None)  # untied logits: a table apart
-    logits_split = hook.is_split(layer.embeddings if reverse_table is None else reverse_table)
+    logits_split = calls.is_split(layer.embeddings if reverse_table is None else reverse_table)
 
     def vocab(*args, **kwargs):
         inputs, args, kwargs = first(args, kwargs)
@@ -880,11 +910,11 @@ def _vocab(hook: LayoutParallel, layer, call):
         if kwargs.get("reverse", args[0] if args else False):  # the logits: my columns
             if not logits_split:
                 return call(inputs, *args, **kwargs)
-            x, sizes = hook.group_rows(inputs)
+            x, sizes = calls.group_rows(inputs)
             return gather_from_parts(call(x, *args, **kwargs), sizes, degree)
         if not table_split:
             return call(inputs, *args, **kwargs)
-        ids, sizes = hook.group_rows(inputs)
+        ids, sizes = calls.group_rows(inputs)
         rows = layer.input_dim // degree
         local = tf.cast(ids, "int32") - (replica % degree) * rows
         inside = (local >= 0) & (local < rows)
@@ -895,30 +925,30 @@ def _vocab(hook: LayoutParallel, layer, call):
     return vocab
 
 
-def _heads(hook: LayoutParallel, layer, call):
+def _heads(calls: SplitCalls, layer, call):
     first = _first_argument(call)
 
     def heads(*args, **kwargs):
         inputs, args, kwargs = first(args, kwargs)
         if replica_in_step() is None:
             return call(inputs, *args, **kwargs)
-        x, sizes = hook.group_rows(inputs)
+        x, sizes = calls.group_rows(inputs)
 
         def rows(value):  # a mask or cache beside the input: per example too
             if isinstance(value, tf.Tensor) and value.shape.rank:
-                return hook.group_rows(value)[0]
+                return calls.group_rows(value)[0]
             return value
 
         args = [rows(a) for a in args]
         kwargs = {k: rows(v) for k, v in kwargs.items()}
-        with hook.region():
+        with calls.region():
             partial = call(x, *args, **kwargs)
         if not isinstance(partial, tf.Tensor):
             raise TensorParallelError(
                 f"{layer.name} returned {type(partial).__name__} in a training step; a split "
                 "attention layer must return one tensor there (no cache)."
             )
-        return reduce_scatter_to_group(partial, sizes, hook.plan.degree)
+        return reduce_scatter_to_group(partial, sizes, calls.plan.degree)
 
     return heads
 

@@ -73,18 +73,22 @@ def _sizes(x, replica: int):
     return sizes
 
 
-def gather_from_group(x, degree: int):
+def gather_from_group(x, degree: int, *, gather=None):
     """Forward: every example of this replica's group (its members' batches end to end),
     and every replica's batch size. Backward (its conjugate, reduce_scatter_to_group): each
-    member's own rows of the gradient, summed over the group."""
+    member's own rows of the gradient, summed over the group.
+
+    `gather`: the all-gather to use (None: TensorFlow's `ReplicaContext.all_gather`)."""
     replica, _ = replica_in_step()
-    context = tf.distribute.get_replica_context()
     sizes = _sizes(x, replica)
     boolean = x.dtype == tf.bool  # collectives take numbers: a mask travels as int32
-    # TensorFlow's own gather, not replicas.all_gather: with that one alone here, keras-hub's
-    # Gemma ended 1.1e-5 from one device's weights (its tests hold 1e-5), rounding that
-    # moved (the forward is exact), against under 1e-5 with this.
-    everyone = context.all_gather(tf.cast(x, "int32") if boolean else x, axis=0)
+    if gather is None:
+        # TensorFlow's own gather, not replicas.all_gather: with that one alone here,
+        # keras-hub's Gemma ended 1.1e-5 from one device's weights (its tests hold 1e-5),
+        # rounding that moved (the forward is exact), against under 1e-5 with this.
+        context = tf.distribute.get_replica_context()
+        gather = lambda value: context.all_gather(value, axis=0)  # noqa: E731
+    everyone = gather(tf.cast(x, "int32") if boolean else x)
     rows = _group_rows(everyone, sizes, replica // degree, degree)
     return (tf.cast(rows, tf.bool) if boolean else rows), sizes
 

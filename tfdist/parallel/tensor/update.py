@@ -109,17 +109,24 @@ class TensorParallelUpdate(StepHook):
 
 
 def update_for(
-    model: keras.Model, *, shard_optimizer: str | None = None, offload: str | None = None
+    model: keras.Model,
+    *,
+    shard_optimizer: str | None = None,
+    offload: str | None = None,
+    pipeline: object | None = None,
 ) -> StepHook | None:
     """The update a model's split layers need in tfdist.fit's chain (None: it has none):
     LayoutParallel for a model tensor_parallel(layout_map=...) marked, its parts sharded
-    over their data groups under `shard_optimizer`.
+    over their data groups under `shard_optimizer`. Under `pipeline` the stages train a
+    layout's parts themselves (pipeline_tensor.py): none.
 
     Raises:
       TensorParallelError: `shard_optimizer` with split layers (the rewrite of
         tensor_parallel(degree=...) on Keras's own layers), or `offload` with a layout.
     """
     plan = plan_of(model)
+    if plan is not None and pipeline is not None:
+        return None
     if plan is not None:
         if offload is not None:
             raise TensorParallelError(
