@@ -9,6 +9,7 @@ table, attention, an MLP block), trained with Adam by tfdist.fit, called twice a
 from __future__ import annotations
 
 import gc
+import json
 
 import keras
 import numpy as np
@@ -16,6 +17,7 @@ import pytest
 import tensorflow as tf
 
 import tfdist
+from tests.conftest import run_module
 from tfdist.errors import FitError
 from tfdist.parallel import tensor_parallel
 from tfdist.parallel.tensor.layout_map import plan_of
@@ -197,35 +199,36 @@ def test_pipeline_x_zero_trains_as_keras_on_one_device_holding_its_share(
 
 
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
-    schedule, mlp_reference, tmp_path, caplog
+    mlp_reference, tmp_path, caplog
 ):
     """2 stages x 2-way tensor on 4 devices: each stage's layers split by the layout map over
     its 2 devices (a column layer's outputs, a row layer's inputs), the cut between the
-    blocks; fit twice, an epoch each (Adam goes on). Each device holds its part of each split
-    weight of its stage and the rest of its stage whole, with Adam's two slots for them;
-    model.save writes the whole weights and Adam's whole slots, put together from the
-    parts."""
+    blocks; fit twice, an epoch each (Adam goes on), under 1F1B then GPipe. Each device
+    holds its part of each split weight of its stage and the rest of its stage whole, with
+    Adam's two slots for them; model.save writes the whole weights and Adam's whole slots,
+    put together from the parts."""
     reference, losses = mlp_reference
     strategy = mirrored()
-    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2, schedule=schedule)
     gc.collect()
     record = tfdist.DeviceBytes()
-    with pipeline.scope(strategy):
+    with tfdist.host_scope(strategy):
         model = mlp()
     tensor_parallel(model, layout_map=mlp_layout())
     plan = plan_of(model)
+    got = []
     with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's lines are debug
-        got = [
-            tfdist.fit(model, data(), verbose=0, pipeline=pipeline, callbacks=[record])
-            for _ in range(2)
-        ]
-    assert (
-        "each of 2 stages over 4 device(s) (2 a stage, its layers split) in 2 micro-batch(es) "
-        f"of 16 ({schedule}; mirrored); trained as pipeline 2 M=2 x tensor 2 over 4 devices "
-        "in 1 process"
-    ) in caplog.text
+        for schedule in ("1f1b", "gpipe"):
+            pipeline = tfdist.parallel.Pipeline(
+                cut_before=["up1"], micro_batches=2, schedule=schedule
+            )
+            got.append(tfdist.fit(model, data(), verbose=0, pipeline=pipeline,
+                                  callbacks=[record]))  # fmt: skip
+            assert (
+                "each of 2 stages over 4 device(s) (2 a stage, its layers split) in 2 "
+                f"micro-batch(es) of 16 ({schedule}; mirrored); trained as pipeline 2 M=2 x "
+                "tensor 2 over 4 devices in 1 process"
+            ) in caplog.text
     assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
     for v, want, have in weights:
@@ -245,6 +248,48 @@ def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
         assert held == pytest.approx(3 * weights_bytes, rel=0.03), (device, held / weights_bytes)
 
     _saves_as(reference, model, tmp_path)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
+def test_pipeline_x_tensor_x_zero_trains_as_keras_on_one_device_holding_its_share(
+    mlp_reference, tmp_path
+):
+    """All three on 8 devices (a process of its own: tests/workers/layouts_worker.py): 2
+    stages x 2-way tensor x 2 pipelines, each member's parts sliced over the stage's
+    pipelines, zero1 then zero2, and zero3 twice. Keras's weights on one device within
+    1e-5; each device holds its member's share of its stage halved (its slices of the
+    parts and of the weights it holds whole, with Adam's two slots for them), and under
+    zero1 and zero2 its parts whole too."""
+    reference, losses = mlp_reference
+    result = run_module("tests.workers.layouts_worker", str(tmp_path), "one_host", timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    model = mlp()
+    tensor_parallel(model, layout_map=mlp_layout())
+    plan = plan_of(model)
+
+    def member_bytes(prefixes):  # a member's parts and whole weights of a stage
+        held = zip(model.trainable_variables, plan.placements, strict=True)
+        return sum(int(np.prod(v.shape)) * 4 // p.parts for v, p in held
+                   if v.path.split("/")[0].startswith(prefixes))  # fmt: skip
+
+    stage = {0: member_bytes(("up0", "down0")), 1: member_bytes(("up1", "down1", "head"))}
+    for first in ("zero1", "zero3"):
+        written = json.loads((tmp_path / f"{first}.json").read_text())
+        assert written["losses"] == pytest.approx(losses, abs=1e-5)
+        for v, want, have in zip(reference.weights, reference.get_weights(),
+                                 written["weights"], strict=True):  # fmt: skip
+            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (first, v.path)
+        assert any(
+            f"trained as pipeline 2 M=2 x tensor 2 x {first} x data 2 over 8 devices" in line
+            for line in written["layout"]
+        ), written["layout"]
+        # Pipeline p's stage s on CPU:(4p + 2s) and the next (CPU:0 is also the host).
+        for device in range(1, 8):
+            weights_bytes = stage[device % 4 // 2]
+            share = 1.5 * weights_bytes if first == "zero3" else 2.5 * weights_bytes
+            held = written["bytes"][f"CPU:{device}"]
+            assert held == pytest.approx(share, rel=0.03), (first, device, held / share)
 
 
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
@@ -326,8 +371,8 @@ def test_a_zero3_checkpoint_reshards_into_a_pipeline_and_onto_one_device(
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     """Offload, an optimizer whose update reads a whole weight, and, for a model split by
-    a layout map, shard_optimizer and the zero-bubble schedule (not built with
-    tensor-parallel stages), each in one line before anything trains."""
+    a layout map, the zero-bubble schedule (not built with tensor-parallel stages), each in
+    one line before anything trains."""
     strategy = mirrored()
     pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
     with pipeline.scope(strategy):
@@ -343,8 +388,6 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     with tfdist.host_scope(strategy):
         model = mlp()
     tensor_parallel(model, layout_map=mlp_layout())
-    with pytest.raises(FitError, match="not built yet: shard_optimizer='zero3' with a layout"):
-        tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer="zero3")
     with pytest.raises(FitError, match="not built yet: schedule='zero_bubble' with a layout"):
         bubble = tfdist.parallel.Pipeline(cut_before=["up1"], schedule="zero_bubble")
         tfdist.fit(model, data(), verbose=0, pipeline=bubble)

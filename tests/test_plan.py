@@ -246,8 +246,9 @@ def test_hybrid_layouts_keep_each_tensor_group_within_a_host():
     pipeline_tensor = ParallelLayout(data=2, stages=2, micro_batches=2, tensor=2)
     assert pipeline_tensor.built(hosts=1)
     assert not pipeline_tensor.built(hosts=2)  # tensor groups in a job of several hosts
-    three = dataclasses.replace(pipeline_tensor, zero=3)
-    assert not three.built(hosts=1)  # all three: not trained by tfdist yet
+    assert dataclasses.replace(pipeline_tensor, zero=3).built(hosts=1)  # all three
+    interleaved = dataclasses.replace(pipeline_tensor, chunks=2, schedule="interleaved")
+    assert not interleaved.built(hosts=1)  # tensor-parallel stages interleaved: not yet
     assert ParallelLayout(data=2, tensor=2, zero=3).built(hosts=1)
     assert not ParallelLayout(data=2, tensor=2, zero=3).built(hosts=2)
     assert ParallelLayout(data=2, stages=2, micro_batches=2, zero=3).built(hosts=2)
@@ -406,7 +407,7 @@ def test_tfdist_plan_hybrid_marks_the_layouts_tfdist_does_not_train_yet(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert any("tensor 2 x data 4 *" in line for line in out.splitlines()), out
-    assert "* not trained by tfdist yet: pipeline x tensor x ZeRO" in out
+    assert "* not trained by tfdist yet: in a job of several hosts, tensor groups" in out
     assert "Tensor parallelism is planned on one host only" not in out
     # A batch large enough to gain from the 8 devices: the calls that train the best, to paste
     code = plan_main(["--model", "tests.test_plan:tiny", "--batch", str(2**22), "--top", "3",

@@ -53,22 +53,30 @@ class StageReplica:
 
 @dataclasses.dataclass(frozen=True)
 class Cut:
-    """How the copies of a weight that are pieces of it make it up: `count` flat slices of
-    its values (shard_optimizer; `axis` None), or `count` parts along `axis` (a tensor-
-    parallel layout)."""
+    """How the copies of a weight that are pieces of it make it up: `parts` parts along
+    `axis` (a tensor-parallel layout; 1: none), each cut into `slices` flat slices of its
+    values (shard_optimizer over the pipelines; 1: none). A copy is piece (part, slice)."""
 
-    count: int
+    parts: int = 1
     axis: int | None = None
+    slices: int = 1
 
-    def piece(self, value, k: int) -> tf.Tensor:
-        if self.axis is None:
-            return flat_slice(value, self.count, k)
-        return tf.split(value, self.count, axis=self.axis)[k]
+    def piece(self, value, key: tuple[int, int]) -> tf.Tensor:
+        part, k = key
+        if self.parts > 1:
+            value = tf.split(value, self.parts, axis=self.axis)[part]
+        return flat_slice(value, self.slices, k) if self.slices > 1 else value
 
-    def joined(self, pieces: list, shape) -> tf.Tensor:
-        if self.axis is None:
-            return joined(pieces, shape)
-        return tf.concat(pieces, self.axis)
+    def joined(self, pieces: dict, shape) -> tf.Tensor:
+        """The whole, of `shape`, from one copy of each piece ({(part, slice): value})."""
+        part_shape = list(shape)
+        if self.parts > 1:
+            part_shape[self.axis] //= self.parts
+        parts = []
+        for j in range(self.parts):
+            flat = [pieces[j, k] for k in range(self.slices)]
+            parts.append(joined(flat, part_shape) if self.slices > 1 else flat[0])
+        return parts[0] if self.parts == 1 else tf.concat(parts, self.axis)
 
 
 def piece_of(pipeline: int, count: int) -> int:
@@ -139,50 +147,56 @@ class StageStore(shards.Shards):
         the source's first."""
         return [copy for copy, _ in self._held(i, slot)]
 
-    def _held(
-        self, i: int, slot: str | None, *, by_member: bool = False
-    ) -> list[tuple[keras.Variable, int]]:
-        """(copy, the pipeline of the replica holding it; its member, `by_member`), as
-        `copies`."""
+    def _held(self, i: int, slot: str | None) -> list[tuple[keras.Variable, StageReplica]]:
+        """(copy, the replica holding it), as `copies`."""
         out = []
         for r in self._ordered:
             if i not in r.stage.trainable:
                 continue
-            where = r.member if by_member else r.pipeline
             if slot is None:
-                out.append((r.trainable[r.stage.trainable.index(i)], where))
+                out.append((r.trainable[r.stage.trainable.index(i)], r))
             else:  # none where the stage's optimizer keeps no such slot
-                out += [(v, where) for v in r.optimizer.variables if v.name == slot][:1]
+                out += [(v, r) for v in r.optimizer.variables if v.name == slot][:1]
         return out
 
-    def _updated_slices(self, i: int) -> list[tuple[keras.Variable, int]]:
-        """zero1 and zero2: (slice, piece) of weight `i` that this process's replicas update
-        beside the whole copies their passes read (loaded with them)."""
+    def _cut(self, i: int, *, slices: bool) -> Cut:
+        """How pieces of weight `i` (or of a slot of it) make it up: its tensor-parallel
+        parts, and (`slices`) their flat slices over the pipelines."""
+        placement = None if self.placements is None else self.placements[i]
+        split = placement is not None and placement.parts > 1
+        return Cut(
+            placement.parts if split else 1, placement.axis if split else None,
+            self.pipelines if slices else 1,
+        )  # fmt: skip
+
+    def _key(self, i: int, r: StageReplica, cut: Cut) -> tuple[int, int]:
+        """Which piece (part, slice) of weight `i` replica `r` holds under `cut`."""
+        part = self.placements[i].index(r.member) if cut.parts > 1 else 0
+        return part, piece_of(r.pipeline, self.pipelines) if cut.slices > 1 else 0
+
+    def _updated_slices(self, i: int) -> tuple[list[tuple[keras.Variable, tuple]], Cut | None]:
+        """zero1 and zero2: ([(slice, its piece)], how they cut the weight) of weight `i`
+        that this process's replicas update beside the whole copies (or tensor-parallel
+        parts) their passes read (loaded with them)."""
         if i not in self.sliced or self.weights_sliced:
-            return []
+            return [], None
+        cut = self._cut(i, slices=True)
         out = []
         for r in self._ordered:
             if i in r.stage.trainable:
-                out.append(
-                    (r.slices[r.stage.trainable.index(i)], piece_of(r.pipeline, self.pipelines))
-                )
-        return out
+                out.append((r.slices[r.stage.trainable.index(i)], self._key(i, r, cut)))
+        return out, cut
 
-    def _pieces(self, i: int, slot: str | None) -> tuple[list[int], Cut] | None:
+    def _pieces(self, i: int, slot: str | None) -> tuple[list[tuple[int, int]], Cut] | None:
         """(which piece each of `copies(i, slot)` holds, how the pieces make the whole),
-        where they are pieces: slices (piece_of the pipeline; see StageReplica), on every
-        process alike (a process holding none gets []), or a tensor-parallel layout's
-        parts (by member); None where each is whole."""
-        placement = None if self.placements is None else self.placements[i]
-        if placement is not None and placement.parts > 1:
-            members = [r.member for r in self._ordered if i in r.stage.trainable]
-            if slot is not None:
-                members = [m for (_, m) in self._held(i, slot, by_member=True)]
-            return [placement.index(m) for m in members], Cut(placement.parts, placement.axis)
-        if i not in self.sliced or (slot is None and not self.weights_sliced):
+        where they are pieces: a tensor-parallel layout's parts (by member), and their
+        slices over the pipelines (piece_of the pipeline; see StageReplica), on every
+        process alike (a process holding none gets []); None where each is whole."""
+        sliced = i in self.sliced and (slot is not None or self.weights_sliced)
+        cut = self._cut(i, slices=sliced)
+        if cut == Cut():
             return None
-        pieces = [piece_of(pipeline, self.pipelines) for _, pipeline in self._held(i, slot)]
-        return pieces, Cut(self.pipelines)
+        return [self._key(i, r, cut) for _, r in self._held(i, slot)], cut
 
     # --- moving in --------------------------------------------------------------------------
 
@@ -235,8 +249,8 @@ class StageStore(shards.Shards):
         fresh: set[int] = frozenset(),
         *,
         dropped: host.Dropped,
-        pieces: tuple[list[int], Cut] | None = None,
-        updated: list[tuple[keras.Variable, int]] = (),
+        pieces: tuple[list[tuple[int, int]], Cut] | None = None,
+        updated: tuple[list, Cut | None] = ((), None),
     ) -> None:
         old = compat.storage_of(variable)
         if not self.holding(i):
@@ -245,7 +259,7 @@ class StageStore(shards.Shards):
             dropped.add(old)
         staged = StoredInStages(
             self, old, variable.shape, copies, self.source(i), *(pieces or (None, None)),
-            index=i, updated=updated,
+            index=i, updated=updated[0], updated_cut=updated[1],
         )  # fmt: skip
         # A read of a weight held in parts (another layout's stages, host_scope's slices)
         # is a collective: every process makes it.
@@ -292,7 +306,7 @@ class StageStore(shards.Shards):
                 for copy, k in zip(staged.copies, staged.pieces, strict=True):
                     first.setdefault(k, copy)
                 with tf.device(self.replicas[0].device):
-                    pieces = [first[k].value for k in sorted(first)]
+                    pieces = {k: copy.value for k, copy in first.items()}
                     return staged.cut.joined(pieces, staged.shape)
             return tf.identity(staged.copies[0].value)
         context = tf.distribute.get_replica_context()
@@ -318,7 +332,7 @@ class StageStore(shards.Shards):
                 pieces = [tf.zeros([size], staged.dtype) for _ in range(count)]
                 r = self.replicas[0]
                 if staged.copies and r.stage.index == min(self.holding(staged.index)):
-                    pieces[staged.pieces[0]] = tf.identity(staged.copies[0].value)
+                    pieces[staged.pieces[0][1]] = tf.identity(staged.copies[0].value)
                 return tf.concat(pieces, 0)
             if staged.source:
                 return tf.identity(staged.copies[0].value)
@@ -363,7 +377,8 @@ class StoredInStages(updates.WholeStandIn):
         cut: Cut | None = None,
         *,
         index: int,
-        updated: list[tuple[keras.Variable, int]] = (),
+        updated: list[tuple[keras.Variable, tuple[int, int]]] = (),
+        updated_cut: Cut | None = None,
     ):
         dtype = old.dtype  # not `old` itself: the stand-in must not keep the whole copy
         super().__init__(old, lambda: copies[0] if copies else store.placeholder(dtype))
@@ -374,9 +389,9 @@ class StoredInStages(updates.WholeStandIn):
         # layout's (`cut` says which); None: each copy is whole.
         self.pieces, self.cut = pieces, cut
         self.index = index  # the weight's position in model.trainable_variables
-        # zero1, zero2: the slices (and their pieces) the optimizer updates beside the whole
-        # copies, given each value assigned too.
-        self.updated = list(updated)
+        # zero1, zero2: the slices (and their pieces, cut by `updated_cut`) the optimizer
+        # updates beside the whole copies, given each value assigned too.
+        self.updated, self.updated_cut = list(updated), updated_cut
         self.trainable = getattr(old, "trainable", True)
 
     def read(self) -> tf.Tensor:
@@ -388,11 +403,11 @@ class StoredInStages(updates.WholeStandIn):
         if self.pieces is not None:
             for copy, k in zip(self.copies, self.pieces, strict=True):
                 copy.assign(self.cut.piece(value, k))
-            return
-        for copy in self.copies:
-            copy.assign(value)
+        else:
+            for copy in self.copies:
+                copy.assign(value)
         for piece, k in self.updated:
-            piece.assign(flat_slice(value, self.store.pipelines, k))
+            piece.assign(self.updated_cut.piece(value, k))
 
 
 @contextlib.contextmanager

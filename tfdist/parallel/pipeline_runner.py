@@ -159,20 +159,15 @@ class PipelineRunner(SyncRunner):
     def _check_tensor(self) -> None:
         """What a pipeline of tensor-parallel stages does not do yet, refused in one line."""
         options, problem = self.options, None
-        if self.shard is not None:
-            problem = (
-                f"shard_optimizer={self.shard!r} with a layout map and pipeline= (all three "
-                "together)"
-            )
-        elif options.schedule not in ("gpipe", "1f1b"):
+        if options.schedule not in ("gpipe", "1f1b"):
             problem = f"schedule={options.schedule!r} with a layout map"
         elif self.processes > 1:
             problem = f"a layout map across {self.processes} worker processes"
         if problem is not None:
             raise FitError(
                 "A pipeline of tensor-parallel stages (a layout map's model with pipeline=) "
-                "runs on one process's devices with the 'gpipe' or '1f1b' schedule, its "
-                "stages' state whole; not built yet: "
+                "runs on one process's devices with the 'gpipe' or '1f1b' schedule; not "
+                "built yet: "
                 f"{problem}. Drop one of them. Received: {problem}"
             )
 
@@ -319,13 +314,6 @@ class PipelineRunner(SyncRunner):
         non_trainable = self.model.non_trainable_variables
 
         sliced, zero3 = self.sliced, self.shard == "zero3"
-        placements = self.placements
-
-        def shape(i: int, member: int) -> tuple[int, ...] | None:
-            """A tensor-parallel part's shape (None: the weight's own)."""
-            if placements is None or placements[i].parts == 1:
-                return None
-            return placements[i].shape_of(trainable[i])
 
         def make():
             made = []
@@ -338,7 +326,7 @@ class PipelineRunner(SyncRunner):
                         # copy's slots are named as the user's optimizer's for the same
                         # weight (a slice or a part too: its slots are the user's pieces).
                         slices = [
-                            _copy(trainable[i], piece=(pipeline, self.pipelines))
+                            _copy(trainable[i], self.held_shape(i), (pipeline, self.pipelines))
                             if i in sliced
                             else None
                             for i in stage.trainable
@@ -346,10 +334,13 @@ class PipelineRunner(SyncRunner):
                         copies = [
                             piece
                             if zero3 and piece is not None
-                            else _copy(trainable[i], shape=shape(i, member))
+                            else _copy(trainable[i], self.held_shape(i))
                             for i, piece in zip(stage.trainable, slices, strict=True)
                         ]
-                        statistics = [_copy(non_trainable[i]) for i in stage.non_trainable]
+                        statistics = [
+                            _copy(non_trainable[i], non_trainable[i].shape)
+                            for i in stage.non_trainable
+                        ]
                     made.append(
                         StageReplica(
                             stage, pipeline, device, copies, statistics, None, slices, member
@@ -383,6 +374,14 @@ class PipelineRunner(SyncRunner):
 
         updates.outside_strategy(build_optimizers)
         store.take_slots(self.model, fresh={id(v) for v in empty})
+
+    def held_shape(self, i: int) -> tuple[int, ...]:
+        """The shape of what a stage replica holding weight `i` holds of it, unsliced: its
+        tensor-parallel part, or the whole weight."""
+        variable = self.model.trainable_variables[i]
+        if self.placements is None or self.placements[i].parts == 1:
+            return tuple(variable.shape)
+        return self.placements[i].shape_of(variable)
 
     def _make_rings(self) -> dict:
         """Between worker processes: a ring per stage over its pipelines' replicas, and one
@@ -580,12 +579,12 @@ def _buckets(variables: list, limit: int) -> list[list[int]]:
     return [b for b in out if b]
 
 
-def _copy(variable, piece: tuple[int, int] | None = None, shape=None) -> keras.Variable:
-    """A plain variable shaped as `variable` (or as `shape`: a tensor-parallel part), or
-    given `piece` (k, n) as its k-th flat slice of n (see pipeline_home.slice_size); its
-    value is loaded before training."""
-    if shape is None:
-        shape = variable.shape if piece is None else (slice_size(variable.shape, piece[1]),)
+def _copy(variable, shape, piece: tuple[int, int] | None = None) -> keras.Variable:
+    """A plain variable of `shape` (the weight's, or a tensor-parallel part's) for
+    `variable`, or given `piece` (k, n) as the k-th flat slice of n of that shape (see
+    pipeline_home.slice_size); its value is loaded before training."""
+    if piece is not None:
+        shape = (slice_size(shape, piece[1]),)
     return keras.Variable(
         np.zeros(shape, variable.dtype),
         dtype=variable.dtype,

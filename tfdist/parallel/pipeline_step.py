@@ -144,13 +144,9 @@ class PipelineStep:
         return state, times
 
     def _read_shape(self, r: StageReplica, j: int) -> tuple[int, ...]:
-        """The shape of `r`'s j-th weight as the step reads it: the weight's (under zero3
-        the replica holds a slice of it), or a tensor-parallel part's."""
-        i = r.stage.trainable[j]
-        placements = self.runner.placements
-        if placements is not None and placements[i].parts > 1:
-            return tuple(r.trainable[j].shape)
-        return tuple(self.model.trainable_variables[i].shape)
+        """The shape of `r`'s j-th weight as the step reads it: the weight's, or a
+        tensor-parallel part's (under zero3 the replica holds a slice of it)."""
+        return self.runner.held_shape(r.stage.trainable[j])
 
     def _whole(self, r: StageReplica, j: int) -> tf.Tensor:
         """Replica `r`'s j-th weight for this step's passes: under zero3, a sliced weight
@@ -164,7 +160,7 @@ class PipelineStep:
         """Replica `r`'s j-th weight put together from its stage's replicas' slices of it:
         copies between this process's devices, or the stage's ring between processes."""
         runner = self.runner
-        shape = self.model.trainable_variables[r.stage.trainable[j]].shape
+        shape = runner.held_shape(r.stage.trainable[j])
         count = runner.pipelines
         if runner.processes > 1:
             size = slice_size(shape, count)
@@ -172,7 +168,8 @@ class PipelineStep:
             ring = runner._rings[r.stage.index]
             return joined([ring.all_gather(r.slices[j].value, bounds)], shape)
         holder = {piece_of(q, count): q for q in range(count)}
-        pieces = [self.local[holder[k], r.stage.index].slices[j].value for k in range(count)]
+        members = [self.members[holder[k], r.stage.index][r.member] for k in range(count)]
+        pieces = [member.slices[j].value for member in members]
         return joined(pieces, shape)
 
     def _all_passes(self, structure, batch_length: int, keys, args) -> list[tf.Tensor]:
@@ -282,7 +279,7 @@ class PipelineStep:
         if i not in runner.sliced:
             return functools.reduce(updates.added, grads)
         pieces, k = runner.pipelines, piece_of(r.pipeline, runner.pipelines)
-        shape = self.model.trainable_variables[i].shape
+        shape = runner.held_shape(i)
         if runner.shard == "zero1":
             return flat_slice(functools.reduce(updates.added, grads), pieces, k, shape)
         return functools.reduce(updates.added, [flat_slice(g, pieces, k, shape) for g in grads])
@@ -291,7 +288,7 @@ class PipelineStep:
         """zero1 and zero2: each replica's whole weights again, from the updated slices of
         its stage's replicas (the all-gather)."""
         written = []
-        for r in self.local.values():
+        for r in (member for members in self.members.values() for member in members):
             for j, variable in enumerate(r.trainable):
                 if r.slices[j] is not None:
                     with tf.device(r.device):
