@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import gc
 import json
+import re
+import sys
 
 import keras
 import numpy as np
@@ -26,17 +28,18 @@ TOLERANCE = 1e-5
 FEATURES, CLASSES = 16, 4
 
 
-def mlp() -> keras.Model:
-    """Five Dense layers: two widen-then-narrow blocks and a head, each with a bias."""
+def mlp(width: int = 64, learning_rate: float = 0.01) -> keras.Model:
+    """Five Dense layers: two widen-then-narrow blocks (to `width`) and a head, each with a
+    bias; Adam at `learning_rate`."""
     keras.utils.set_random_seed(5)
     inputs = keras.Input((FEATURES,))
     x = inputs
     for block in range(2):
-        x = keras.layers.Dense(64, activation="relu", name=f"up{block}")(x)
+        x = keras.layers.Dense(width, activation="relu", name=f"up{block}")(x)
         x = keras.layers.Dense(FEATURES, name=f"down{block}")(x)
     model = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(x))
     model.compile(
-        keras.optimizers.Adam(0.01),
+        keras.optimizers.Adam(learning_rate),
         keras.losses.SparseCategoricalCrossentropy(from_logits=True),
         metrics=["accuracy"],
     )
@@ -250,6 +253,20 @@ def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
     _saves_as(reference, model, tmp_path)
 
 
+def _member_bytes(width: int = 64) -> dict[int, int]:
+    """By stage of the MLP cut before up1 (0: up0, down0; 1: up1, down1, head): the bytes of
+    its weights a member of a 2-way tensor group holds, its parts and the rest whole."""
+    model = mlp(width)
+    tensor_parallel(model, layout_map=mlp_layout())
+    held = list(zip(model.trainable_variables, plan_of(model).placements, strict=True))
+
+    def of(prefixes):
+        return sum(int(np.prod(v.shape)) * 4 // p.parts for v, p in held
+                   if v.path.split("/")[0].startswith(prefixes))  # fmt: skip
+
+    return {0: of(("up0", "down0")), 1: of(("up1", "down1", "head"))}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
 def test_pipeline_x_tensor_x_zero_trains_as_keras_on_one_device_holding_its_share(
@@ -264,16 +281,7 @@ def test_pipeline_x_tensor_x_zero_trains_as_keras_on_one_device_holding_its_shar
     reference, losses = mlp_reference
     result = run_module("tests.workers.layouts_worker", str(tmp_path), "one_host", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    model = mlp()
-    tensor_parallel(model, layout_map=mlp_layout())
-    plan = plan_of(model)
-
-    def member_bytes(prefixes):  # a member's parts and whole weights of a stage
-        held = zip(model.trainable_variables, plan.placements, strict=True)
-        return sum(int(np.prod(v.shape)) * 4 // p.parts for v, p in held
-                   if v.path.split("/")[0].startswith(prefixes))  # fmt: skip
-
-    stage = {0: member_bytes(("up0", "down0")), 1: member_bytes(("up1", "down1", "head"))}
+    stage = _member_bytes()
     for first in ("zero1", "zero3"):
         written = json.loads((tmp_path / f"{first}.json").read_text())
         assert written["losses"] == pytest.approx(losses, abs=1e-5)
@@ -332,41 +340,137 @@ def test_the_planners_printed_calls_train_the_layout_they_name(layout, mlp_refer
         assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
 
 
-@pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
-def test_a_zero3_checkpoint_reshards_into_a_pipeline_and_onto_one_device(
-    mlp_reference, tmp_path, caplog
-):
-    """Saved under zero3 over 4 replicas after one epoch (slices of each weight's flattened
-    values), resumed for the second as 2 stages x 2 pipelines, and on one device: each
-    reads every weight and Adam slot it holds whole from the slices, by the offsets the
-    checkpoint's metadata gives, and ends at the weights of Keras's two epochs."""
+# --- checkpoints that move between layouts ----------------------------------------------------
+
+# The MLP of the resharding tests: 2.1M weights (8.4 MB; with Adam's slots 25 MB), so that
+# a process reading more than its part (half, for a stage of two) shows past a 4 MiB read.
+# Adam at 1e-3: at 1e-2 so wide a model's loss grows to 37, where the rounding of its sums
+# over replicas moves it 4e-4 from one device's.
+WIDE = 32768
+WIDE_RATE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def resharded(tmp_path_factory):
+    """A checkpoint of the wide MLP written under zero3 by 4 worker processes after an epoch
+    (OUT/zero3), and its second epoch resumed from a copy by 2 worker processes of 4
+    devices each as 2 stages x 2-way tensor x 2 pipelines under zero3 (what each wrote:
+    OUT/resumed_worker_<task>.json); with Keras's own 2 epochs on one device. Returns
+    (OUT, the reference model, its losses)."""
     import shutil
 
-    reference, losses = mlp_reference
-    with tfdist.host_scope(mirrored()):
-        model = mlp()
-    saved = tmp_path / "zero3"
-    tfdist.fit(model, data(), verbose=0, shard_optimizer="zero3",
-               callbacks=[tfdist.StepCheckpoint(str(saved))])  # fmt: skip
+    out = tmp_path_factory.mktemp("resharded")
+    for workers, mode in ((4, "save"), (2, "resume")):
+        if mode == "resume":
+            shutil.copytree(out / "zero3", out / "all_three")
+        result = run_module(
+            "tools.launch", "--workers", str(workers), "--timeout", "400", "--",
+            sys.executable, "-m", "tests.workers.layouts_worker", str(out), mode, str(WIDE),
+        )  # fmt: skip
+        assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    reference = _keras_from(out / "zero3")
+    history = reference.fit(data(), initial_epoch=1, epochs=2, verbose=0, shuffle=False)
+    return out, reference, history.history["loss"]
+
+
+def _keras_from(directory) -> keras.Model:
+    """The wide MLP in plain Keras, its weights, Adam's slots and step count read from the
+    checkpoint in `directory` by TensorFlow's own reader (the shards merged by the chief:
+    each weight and slot flat, by its place among the model's weights): the reference a
+    resume is held to, Keras's own fit on one device from that checkpoint. (Keras's fit
+    from the start lands 1.3e-4 from a 4-process zero3 epoch on the wide first kernel:
+    Adam amplifies the rounding of the processes' sums where the gradients are tiny.)"""
+    from tfdist.training import shards
+
+    merged = sorted(directory.rglob("ckpt-*.shards"))[-1] / "merged"
+    reader = tf.train.load_checkpoint(str(merged))
+    model = mlp(WIDE, WIDE_RATE)
+    weights = model.trainable_variables
+    model.optimizer.build(weights)
+    for i, v in enumerate(weights):
+        v.assign(reader.get_tensor(shards.weight_key(i)).reshape(v.shape))
+    paths = {v.path.replace("/", "_"): i for i, v in enumerate(weights)}
+    for slot in model.optimizer.variables:
+        i = shards.weight_of_slot(slot.name, paths)
+        if i is not None:
+            name = slot.name[len(weights[i].path) + 1 :]  # "momentum", "velocity"
+            saved = reader.get_tensor(shards.slot_key(i, name))
+            slot.assign(saved.reshape(slot.shape))
+    model.optimizer.iterations.assign(len(list(data())))  # the epoch's steps
+    return model
+
+
+def _read(lines: list[str]) -> tuple[float, float]:
+    """(MB of slices, MB read) from a resume's 'Read this process's part' line."""
+    found = [re.search(r": ([\d.]+) MB of slices .* ([\d.]+) MB read", x) for x in lines]
+    found = [m for m in found if m]
+    assert len(found) == 1, lines
+    return float(found[0][1]), float(found[0][2])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("layouts_resharded")
+def test_a_zero3_checkpoint_of_four_processes_resumes_as_all_three_over_two(resharded):
+    """Saved under zero3 by 4 processes, resumed by 2 processes of 4 devices each as 2
+    stages x 2-way tensor x 2 pipelines under zero3 (each process one stage of both
+    pipelines): both end at Keras's weights after 2 epochs on one device (1e-5), each device
+    holds its member's share of its stage halved, and each process asked for its stage's
+    weights and slots (half the checkpoint) only. The reference: Keras's own fit from that
+    checkpoint, on one device. (The bytes read are twice those asked for: TensorFlow's
+    bundle reader reads a tensor saved as slices twice over; see the docs' resharding.)"""
+    out, reference, losses = resharded
+    share = _member_bytes(WIDE)
+    whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
+    for task in (0, 1):
+        written = json.loads((out / f"resumed_worker_{task}.json").read_text())
+        assert written["losses"][-1] == pytest.approx(losses[-1], abs=1e-5)
+        for v, want, have in zip(reference.weights, reference.get_weights(),
+                                 written["weights"], strict=True):  # fmt: skip
+            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (task, v.path)
+        assert task == 1 or any(  # the chief's log names the layout
+            "trained as pipeline 2 M=2 x tensor 2 x zero3 x data 2 over 8 devices in 2 "
+            "processes" in line
+            for line in written["lines"]
+        ), written["lines"]
+        for k in range(4):  # process t holds stage t
+            held = written["bytes"][f"/job:worker/task:{task}/CPU:{k}"]
+            assert held == pytest.approx(1.5 * share[task], rel=0.03), (task, k, held)
+        wanted, _ = _read(written["lines"])
+        assert wanted * 2**20 < 0.6 * whole, (task, wanted)  # its stage, not the model
+
+
+@pytest.mark.xdist_group("layouts_resharded")
+@pytest.mark.parametrize("target", ["pipeline", "pipeline x tensor", "one device"])
+def test_a_zero3_checkpoint_of_four_processes_resumes_in_other_layouts(
+    target, resharded, tmp_path, caplog
+):
+    """The same checkpoint resumed for the second epoch in this process as 2 stages x 2
+    pipelines, as 2 stages x 2-way tensor, and on one device: each reads every weight and
+    Adam slot it holds whole from the saved slices, by the offsets the checkpoint's
+    metadata gives, and ends at the weights Keras's own fit takes from that checkpoint."""
+    import shutil
+
+    out, reference, losses = resharded
+    shutil.copytree(out / "zero3", tmp_path / "resumed")
+    resume = [tfdist.StepCheckpoint(str(tmp_path / "resumed"))]
     caplog.set_level("INFO", logger="tfdist")
-    for target in ("pipeline", "one device"):
-        shutil.copytree(saved, tmp_path / target)
-        resume = [tfdist.StepCheckpoint(str(tmp_path / target))]
-        if target == "pipeline":
-            pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
-            with pipeline.scope(mirrored()):
-                model = mlp()
-            got = tfdist.fit(
-                model, data(), epochs=2, verbose=0, pipeline=pipeline, callbacks=resume
-            )
-        else:
-            model = mlp()
-            got = tfdist.fit(model, data(), epochs=2, verbose=0, callbacks=resume)
-        assert got.history["loss"][-1] == pytest.approx(losses[1], abs=1e-5), target
-        weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
-        for v, want, have in weights:
-            assert np.max(np.abs(want - have)) <= TOLERANCE, (target, v.path)
-    assert caplog.text.count("Read this process's part of ckpt-") == 2
+    if target == "one device":
+        model = mlp(WIDE, WIDE_RATE)
+        got = tfdist.fit(model, data(), epochs=2, verbose=0, callbacks=resume)
+    else:
+        pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
+        with pipeline.scope(mirrored()):
+            model = mlp(WIDE, WIDE_RATE)
+        if target == "pipeline x tensor":
+            tensor_parallel(model, layout_map=mlp_layout())
+        got = tfdist.fit(model, data(), epochs=2, verbose=0, pipeline=pipeline, callbacks=resume)
+    assert got.history["loss"][-1] == pytest.approx(losses[-1], abs=1e-5)
+    weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
+    for v, want, have in weights:
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+    wanted, _ = _read(caplog.messages)
+    whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
+    assert wanted * 2**20 == pytest.approx(whole, rel=0.01)  # every weight and slot, whole
 
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():

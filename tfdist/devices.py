@@ -30,7 +30,9 @@ class DeviceConfigurationError(TfdistError, RuntimeError):
 def configure_cpu_devices(count: int) -> list[str]:
     """Splits the host CPU into `count` logical devices (a side effect on TensorFlow's runtime).
 
-    Calling it again with the same count is a no-op, so notebooks can re-run the cell.
+    Calling it again with the same count is a no-op, so notebooks can re-run the cell. It
+    leaves TensorFlow's runtime uninitialised, so a worker process may split its CPU and
+    then build multi_worker_mirrored (which must come before anything runs).
 
     Args:
       count: how many logical CPU devices to create; 1 leaves the CPU whole.
@@ -47,8 +49,10 @@ def configure_cpu_devices(count: int) -> list[str]:
         raise ValueError(f"count must be a positive integer. Received: count={count!r}")
     cpu = tf.config.list_physical_devices("CPU")[0]
     current = tf.config.get_logical_device_configuration(cpu)
+    # The names TensorFlow gives them, without listing them (which starts its runtime).
+    names = [f"/device:CPU:{k}" for k in range(count)]
     if len(current or [None]) == count:
-        return cpu_device_names()
+        return names
     try:
         tf.config.set_logical_device_configuration(
             cpu, [tf.config.LogicalDeviceConfiguration() for _ in range(count)]
@@ -61,7 +65,6 @@ def configure_cpu_devices(count: int) -> list[str]:
             "at the very start of the program, before building a strategy, model or tensor; "
             f"in a notebook, restart the runtime first. Received: count={count}"
         ) from None
-    names = cpu_device_names()
     log.info("Split the host CPU into %d logical devices: %s", count, ", ".join(names))
     return names
 

@@ -3,11 +3,15 @@
 pipelines by shard_optimizer, on 8 devices (more than a pytest process has).
 
   python -m tests.workers.layouts_worker OUT one_host
+  python -m tools.launch --workers 4 -- python -m tests.workers.layouts_worker OUT save WIDTH
+  python -m tools.launch --workers 2 -- python -m tests.workers.layouts_worker OUT resume WIDTH
 
 `one_host`: 8 logical CPUs of this process; for each of (zero1 then zero2) and (zero3 then
 zero3) a model trained two epochs, an epoch a fit, written to OUT/<first>.json: each fit's
 loss, the weights, the bytes each device holds in the first fit (tfdist.DeviceBytes) and
 fit's layout lines.
+`save` and `resume`: a checkpoint written under zero3 by 4 processes, resumed by 2 processes
+of 4 devices under all three (see each); `resume` writes OUT/resumed_<task>.json.
 tests/test_layouts.py compares them with Keras's fit on one device.
 """
 
@@ -68,6 +72,51 @@ def one_host(out: str) -> None:
             json.dump(written, f)
 
 
+def save(out: str, width: str) -> None:
+    """A worker of a 4-process job (one device each): the MLP `width` wide under zero3 for an
+    epoch, saved by a StepCheckpoint in OUT/zero3 (each process its slices)."""
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    from tests import test_layouts as layouts
+
+    with tfdist.host_scope(strategy):
+        model = layouts.mlp(int(width), layouts.WIDE_RATE)
+    checkpoint = tfdist.StepCheckpoint(os.path.join(out, "zero3"))
+    tfdist.fit(model, layouts.data(), verbose=0, shard_optimizer="zero3", callbacks=[checkpoint])
+
+
+def resume(out: str, width: str) -> None:
+    """A worker of a 2-process job, 4 logical CPUs each: the MLP `width` wide, resumed from
+    the checkpoint in OUT/all_three for its second epoch as 2 stages x 2-way tensor x 2
+    pipelines under zero3. Each process holds one stage of both pipelines, each stage replica
+    over 2 of its devices."""
+    tfdist.configure_cpu_devices(4)
+    strategy = tfdist.build_strategy("multi_worker_mirrored")
+    from tests import test_layouts as layouts
+    from tfdist.parallel import tensor_parallel
+
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    lines = _Lines()
+    logging.getLogger("tfdist").addHandler(lines)
+    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
+    record = tfdist.DeviceBytes()
+    with pipeline.scope(strategy):
+        model = layouts.mlp(int(width), layouts.WIDE_RATE)
+    tensor_parallel(model, layout_map=layouts.mlp_layout())
+    checkpoint = tfdist.StepCheckpoint(os.path.join(out, "all_three"))
+    history = tfdist.fit(
+        model, layouts.data(), epochs=2, verbose=2, pipeline=pipeline, shard_optimizer="zero3",
+        callbacks=[checkpoint, record],
+    )  # fmt: skip
+    written = {
+        "losses": history.history["loss"],
+        "weights": [w.tolist() for w in model.get_weights()],
+        "bytes": dict(record.added),
+        "lines": [line for line in lines.lines if "trained as" in line or "Read this" in line],
+    }
+    with open(os.path.join(out, f"resumed_{task['type']}_{task['index']}.json"), "w") as f:
+        json.dump(written, f)
+
+
 if __name__ == "__main__":
     out, mode = sys.argv[1], sys.argv[2]
-    {"one_host": one_host}[mode](out)
+    {"one_host": one_host, "save": save, "resume": resume}[mode](out, *sys.argv[3:])

@@ -39,6 +39,8 @@ def trained_as(model: keras.Model, runner: Runner, options: Mapping[str, Any]) -
         zero = _stage(options.get("shard_optimizer"))
         name = layout_name(data=runner.placement.replicas // tensor, tensor=tensor, zero=zero)
     devices, processes = runner.placement.replicas, runner.placement.processes
+    if isinstance(runner, PipelineRunner):
+        devices = runner.devices  # a process's logical CPUs, where it was given several
     if devices == 1:
         return None  # nothing to lay out
     return (

@@ -111,6 +111,8 @@ class StageStore(shards.Shards):
         # hold parts of the weights it splits.
         self.placements = runner.placements
         self.tensor_stages = None  # pipeline_tensor.TensorStages, kept for later fits
+        # Each process holds every pipeline's replicas of its stages (see PipelineRunner).
+        self.whole_stages = runner.whole_stages
         # zero3: the weights' copies are slices too, as every sliced weight's slots are.
         self.weights_sliced = runner.shard == "zero3"
         # By pipeline, then stage, then member: pipeline 0's first holder of a weight is its
@@ -139,8 +141,8 @@ class StageStore(shards.Shards):
         pipeline 0's first stage holding it. In one process every stage is here."""
         if self.processes == 1:
             return True
-        r = self.replicas[0]
-        return r.pipeline == 0 and r.stage.index == min(self.holding(i))
+        first = min(self.holding(i))
+        return any(r.pipeline == 0 and r.stage.index == first for r in self.replicas)
 
     def copies(self, i: int, slot: str | None = None) -> list[keras.Variable]:
         """This process's replicas' copies of weight `i` (or of its slot named `slot`),
@@ -301,32 +303,46 @@ class StageStore(shards.Shards):
 
     def read(self, staged: StoredInStages) -> tf.Tensor:
         if self.processes == 1:
-            if staged.pieces is not None:  # its slices put together, in order
-                first = {}
-                for copy, k in zip(staged.copies, staged.pieces, strict=True):
-                    first.setdefault(k, copy)
-                with tf.device(self.replicas[0].device):
-                    pieces = {k: copy.value for k, copy in first.items()}
-                    return staged.cut.joined(pieces, staged.shape)
-            return tf.identity(staged.copies[0].value)
+            return self._here(staged)
         context = tf.distribute.get_replica_context()
         part = self._part(staged)
         if context is not None and context.strategy is self.strategy:
             with tf.device(self.replicas[0].device):
-                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, part)
+                summed = context.all_reduce(tf.distribute.ReduceOp.SUM, self._once(part))
         else:
             with updates.read_together("a pipeline"):
                 summed = self._sent(part)
-        if staged.pieces is None:
+        if staged.pieces is None or self.whole_stages:
             return summed
         return joined([summed], staged.shape)
 
+    def _here(self, staged: StoredInStages) -> tf.Tensor:
+        """The weight from this process's copies: the first, or one of each piece put
+        together (in order)."""
+        if staged.pieces is None:
+            return tf.identity(staged.copies[0].value)
+        first = {}
+        for copy, k in zip(staged.copies, staged.pieces, strict=True):
+            first.setdefault(k, copy)
+        with tf.device(self.replicas[0].device):
+            pieces = {k: copy.value for k, copy in first.items()}
+            return staged.cut.joined(pieces, staged.shape)
+
+    def _once(self, part: tf.Tensor) -> tf.Tensor:
+        """`part` on this process's first replica, zeros on its others: a sum over every
+        replica then counts each process once."""
+        context = tf.distribute.get_replica_context()
+        local = len(self.strategy.extended.worker_devices)
+        first = tf.equal(context.replica_id_in_sync_group % local, 0)
+        return tf.where(first, part, tf.zeros_like(part))
+
     def _part(self, staged: StoredInStages) -> tf.Tensor:
         """What this process adds to a read across processes: the value at its source,
-        zeros elsewhere (so the sum is the value, exactly). Slices: each pipeline's first
-        stage holding the weight adds its slice in place in the flat, padded whole."""
+        zeros elsewhere (so the sum is the value, exactly). Slices held one replica a
+        process: each pipeline's first stage holding the weight adds its slice in place in
+        the flat, padded whole."""
         with tf.device(self.replicas[0].device):
-            if staged.pieces is not None:
+            if staged.pieces is not None and not self.whole_stages:
                 count = self.pipelines
                 size = slice_size(staged.shape, count)
                 pieces = [tf.zeros([size], staged.dtype) for _ in range(count)]
@@ -335,13 +351,13 @@ class StageStore(shards.Shards):
                     pieces[staged.pieces[0][1]] = tf.identity(staged.copies[0].value)
                 return tf.concat(pieces, 0)
             if staged.source:
-                return tf.identity(staged.copies[0].value)
+                return self._here(staged)
             return tf.zeros(staged.shape, staged.dtype)
 
     def _send_part(self, part: tf.Tensor) -> tf.Tensor:
         def replica(part):
             with tf.device(self.replicas[0].device):
-                part = tf.identity(part)
+                part = self._once(tf.identity(part))
                 return tf.distribute.get_replica_context().all_reduce(
                     tf.distribute.ReduceOp.SUM, part, options=updates.read_options()
                 )

@@ -18,6 +18,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.collective.keys import block
 from tfdist.collective.transport import ProcessLinks, ProcessRing
+from tfdist.devices import cpu_device_names
 from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device
@@ -73,12 +74,16 @@ class PipelineRunner(SyncRunner):
         self.replicas: list[StageReplica] = []  # this process's
         self.pipelines = 1
         self.devices_per_pipeline = 1
+        self.devices = 1  # every process's devices the stage replicas take
         # A model split by a layout map: each stage replica is a group of `tensor` devices
         # (pipeline_tensor.py), each weight held as `placements` says.
         plan = plan_of(model)
         self.tensor = 1 if plan is None else plan.degree
         self.placements = None if plan is None else list(plan.placements)
         self.tensor_stages: TensorStages | None = None
+        # Whether each process holds every pipeline's replicas of its stages (one process;
+        # worker processes of several devices): a stage's exchanges stay in the process.
+        self.whole_stages = True
         self._state: list[np.ndarray] = []
         self._programs: dict[int, PipelineStep] = {}
         self._thread: concurrent.futures.ThreadPoolExecutor | None = None
@@ -161,13 +166,10 @@ class PipelineRunner(SyncRunner):
         options, problem = self.options, None
         if options.schedule not in ("gpipe", "1f1b"):
             problem = f"schedule={options.schedule!r} with a layout map"
-        elif self.processes > 1:
-            problem = f"a layout map across {self.processes} worker processes"
         if problem is not None:
             raise FitError(
                 "A pipeline of tensor-parallel stages (a layout map's model with pipeline=) "
-                "runs on one process's devices with the 'gpipe' or '1f1b' schedule; not "
-                "built yet: "
+                "runs with the 'gpipe' or '1f1b' schedule; not built yet: "
                 f"{problem}. Drop one of them. Received: {problem}"
             )
 
@@ -265,16 +267,9 @@ class PipelineRunner(SyncRunner):
         (pipeline p's stage k is rank p * stages + k) and each rank's devices (one, or a
         tensor group's T, consecutive as Megatron-LM keeps a tensor group)."""
         stages, layout = self.stages, self.placement
-        devices = list(layout.devices)
+        devices = self._devices_here()
         processes = layout.processes
-        replicas = layout.replicas
-        if processes > 1 and len(devices) > 1:
-            raise FitError(
-                "A pipeline across worker processes takes one device per process (stage "
-                f"replicas are processes); this job has {processes} processes with "
-                f"{len(devices)} devices each. Run one process per device. "
-                f"Received: {replicas} replicas"
-            )
+        replicas = self.devices = processes * len(devices)
         chunks = self.options.chunks_per_device
         width = devices_for(len(stages), chunks, self.options.micro_batches, holder="a pipeline's")
         if chunks > 1 and processes > 1:
@@ -295,9 +290,12 @@ class PipelineRunner(SyncRunner):
                 f"devices/workers. Received: {len(stages)} stages over {replicas} replicas"
             )
         self.pipelines = replicas // (width * tensor)
-        if processes > 1:
+        if processes > 1 and len(devices) == 1:  # a stage replica a process
+            self.whole_stages = False
             ranks = [layout.process_index]
             return ranks, {ranks[0]: [devices[0]]}
+        if processes > 1:
+            return self._whole_stages(devices)
         # Pipeline p's stage k: its devices are p's (k mod width)-th (interleaved: each
         # device holds the stages k, k + width, ...), a group of `tensor`.
         ranks = list(range(self.pipelines * len(stages)))
@@ -305,6 +303,49 @@ class PipelineRunner(SyncRunner):
             rank: (rank // len(stages)) * width + (rank % len(stages)) % width for rank in ranks
         }
         return ranks, {rank: devices[g * tensor : (g + 1) * tensor] for rank, g in group.items()}
+
+    def _devices_here(self) -> list[str]:
+        """The devices this process's stage replicas take: the strategy's here, or, where
+        a worker process's strategy holds its one CPU (TensorFlow's multi-worker strategy
+        takes one a process on a host without GPUs) and the process was given several
+        logical CPUs (tfdist.configure_cpu_devices), those, as a host of that many
+        devices."""
+        layout = self.placement
+        devices = list(layout.devices)
+        if layout.processes == 1 or len(devices) > 1 or "CPU" not in devices[0].upper():
+            return devices
+        task = devices[0][: devices[0].upper().index("/DEVICE:")]
+        # The job's devices are listed too: this task's are named under it.
+        cpus = [name for name in cpu_device_names() if name.startswith(f"{task}/device:CPU:")]
+        if len(cpus) <= 1:
+            return devices
+        return [f"{task}/device:CPU:{k}" for k in range(len(cpus))]
+
+    def _whole_stages(self, devices: list[str]) -> tuple[list[int], dict[int, list[str]]]:
+        """Worker processes of several devices each: each process holds whole stages (every
+        pipeline's replica of them, each over `tensor` consecutive devices), the stages in
+        order over the processes, as Megatron-LM spreads a pipeline's stages over nodes and
+        keeps tensor and data groups within one. A stage's exchange over its pipelines (and
+        its ZeRO slices) stays in the process; only the activations and their gradients
+        cross between processes."""
+        stages, tensor, pipelines = len(self.stages), self.tensor, self.pipelines
+        local, processes = len(devices), self.placement.processes
+        held = local // tensor  # stage replicas a process holds
+        if local % tensor or held % pipelines or stages % (processes * held // pipelines):
+            raise StageError(
+                f"With several devices a process, each process holds whole stages: its "
+                f"{local} devices must hold {pipelines} pipeline(s)' replicas of its stages, "
+                f"{tensor} device(s) each, and the {stages} stages must share out evenly "
+                f"over the {processes} processes. Use {pipelines * tensor} devices a "
+                f"process per stage it holds, or one device a process. Received: {local} "
+                f"devices in each of {processes} processes"
+            )
+        mine = [(p, s) for s in range(stages) for p in range(pipelines)][
+            self.placement.process_index * held : (self.placement.process_index + 1) * held
+        ]
+        self.whole_stages = True
+        ranks = [p * stages + s for p, s in mine]
+        return ranks, {rank: devices[k * tensor : (k + 1) * tensor] for k, rank in enumerate(ranks)}
 
     def _place(self, ranks: list[int], devices: dict[int, list[str]]) -> None:
         """Makes this process's stage replicas and moves the model's weights and its
@@ -387,7 +428,8 @@ class PipelineRunner(SyncRunner):
         """Between worker processes: a ring per stage over its pipelines' replicas, and one
         per set of stages holding a tied weight."""
         rings: dict[int | tuple[int, ...], ProcessRing] = {}
-        if self.processes == 1:
+        if self.whole_stages:
+            self._check_shared_here()
             return rings
         for r in self.replicas:
             rings[r.stage.index] = ProcessRing(
@@ -408,6 +450,20 @@ class PipelineRunner(SyncRunner):
                         group_key_base=block("pipeline_tied_rings", k, size=1000),
                     )
         return rings
+
+    def _check_shared_here(self) -> None:
+        """Processes that hold whole stages sum a weight several stages hold in one
+        process: its holders must be there (a ring between processes is not built)."""
+        here = {r.stage.index for r in self.replicas}
+        for i, holders in self.tied.items():
+            if not set(holders) <= here and set(holders) & here:
+                raise FitError(
+                    f"{self.model.trainable_variables[i].path} is held by stages "
+                    f"{list(holders)}, which are in different worker processes; with several "
+                    "devices a process their gradients are not summed between processes "
+                    "(not built). Cut so that its stages share a process, or run one device "
+                    f"a process. Received: stages {sorted(here)} here"
+                )
 
     def checkpoint_shards(self) -> shards.Shards:
         return StageStore.of(self.model)
@@ -508,9 +564,12 @@ class PipelineRunner(SyncRunner):
         """Each array summed over every worker process (a collective: all call it)."""
         flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays] or [[]])
         strategy = self.strategy
+        local = len(strategy.extended.worker_devices)  # each process's arrays counted once
         with self.explained():
             values = strategy.experimental_distribute_values_from_function(
-                lambda _: tf.constant(flat)
+                lambda context: tf.constant(
+                    flat if context.replica_id_in_sync_group % local == 0 else np.zeros_like(flat)
+                )
             )
             total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
         out, at = [], 0

@@ -162,7 +162,7 @@ class PipelineStep:
         runner = self.runner
         shape = runner.held_shape(r.stage.trainable[j])
         count = runner.pipelines
-        if runner.processes > 1:
+        if not runner.whole_stages:
             size = slice_size(shape, count)
             bounds = [(k * size, (k + 1) * size) for k in range(count)]
             ring = runner._rings[r.stage.index]
@@ -237,9 +237,9 @@ class PipelineStep:
         done = []
         for ((pipeline, index), member), result in results.items():
             r = self.members[pipeline, index][member]
-            if runner.processes > 1:
+            if not runner.whole_stages:
                 grads = self._summed_between_processes(r, result.grads)
-            else:  # every replica of every stage is on a device here
+            else:  # every replica of the stage is on a device here
                 with tf.device(r.device):
                     grads = [self._summed_here(results, r, i, index) for i in r.stage.trainable]
             if count is not None:
