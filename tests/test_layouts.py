@@ -274,30 +274,29 @@ def test_pipeline_x_tensor_x_zero_trains_as_keras_on_one_device_holding_its_shar
 ):
     """All three on 8 devices (a process of its own: tests/workers/layouts_worker.py): 2
     stages x 2-way tensor x 2 pipelines, each member's parts sliced over the stage's
-    pipelines, zero1 then zero2, and zero3 twice. Keras's weights on one device within
-    1e-5; each device holds its member's share of its stage halved (its slices of the
-    parts and of the weights it holds whole, with Adam's two slots for them), and under
-    zero1 and zero2 its parts whole too."""
+    pipelines, an epoch under zero3 then one under zero1 (Adam's state moves between the
+    shardings). Keras's weights on one device within 1e-5; under zero3 each device holds
+    its member's share of its stage halved: its slices of the parts and of the weights it
+    holds whole, with Adam's two slots for them."""
     reference, losses = mlp_reference
     result = run_module("tests.workers.layouts_worker", str(tmp_path), "one_host", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     stage = _member_bytes()
-    for first in ("zero1", "zero3"):
-        written = json.loads((tmp_path / f"{first}.json").read_text())
-        assert written["losses"] == pytest.approx(losses, abs=1e-5)
-        for v, want, have in zip(reference.weights, reference.get_weights(),
-                                 written["weights"], strict=True):  # fmt: skip
-            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (first, v.path)
+    written = json.loads((tmp_path / "zero3.json").read_text())
+    assert written["losses"] == pytest.approx(losses, abs=1e-5)
+    for v, want, have in zip(reference.weights, reference.get_weights(),
+                             written["weights"], strict=True):  # fmt: skip
+        assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, v.path
+    for shard in ("zero3", "zero1"):
         assert any(
-            f"trained as pipeline 2 M=2 x tensor 2 x {first} x data 2 over 8 devices" in line
+            f"trained as pipeline 2 M=2 x tensor 2 x {shard} x data 2 over 8 devices" in line
             for line in written["layout"]
         ), written["layout"]
-        # Pipeline p's stage s on CPU:(4p + 2s) and the next (CPU:0 is also the host).
-        for device in range(1, 8):
-            weights_bytes = stage[device % 4 // 2]
-            share = 1.5 * weights_bytes if first == "zero3" else 2.5 * weights_bytes
-            held = written["bytes"][f"CPU:{device}"]
-            assert held == pytest.approx(share, rel=0.03), (first, device, held / share)
+    # Pipeline p's stage s on CPU:(4p + 2s) and the next (CPU:0 is also the host).
+    for device in range(1, 8):
+        share = 1.5 * stage[device % 4 // 2]
+        held = written["bytes"][f"CPU:{device}"]
+        assert held == pytest.approx(share, rel=0.03), (device, held / share)
 
 
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
@@ -475,8 +474,8 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_in_other_layouts(
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     """Offload, an optimizer whose update reads a whole weight, and, for a model split by
-    a layout map, the zero-bubble schedule (not built with tensor-parallel stages), each in
-    one line before anything trains."""
+    a layout map, the zero-bubble schedule (not built with tensor-parallel stages) and
+    BatchNormalization in a split stage, each in one line before anything trains."""
     strategy = mirrored()
     pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
     with pipeline.scope(strategy):
@@ -495,6 +494,17 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     with pytest.raises(FitError, match="not built yet: schedule='zero_bubble' with a layout"):
         bubble = tfdist.parallel.Pipeline(cut_before=["up1"], schedule="zero_bubble")
         tfdist.fit(model, data(), verbose=0, pipeline=bubble)
+    # Each member would normalise its own rows: other numbers than the unsplit stage's.
+    with tfdist.host_scope(strategy):
+        inputs = keras.Input((FEATURES,))
+        x = keras.layers.Dense(64, activation="relu", name="up0")(inputs)
+        x = keras.layers.BatchNormalization(name="norm")(keras.layers.Dense(16, name="down0")(x))
+        normalised = keras.Model(inputs, keras.layers.Dense(CLASSES, name="head")(x))
+        normalised.compile("adam", "sparse_categorical_crossentropy")
+    tensor_parallel(normalised, layout_map=mlp_layout())
+    with pytest.raises(FitError, match=r"BatchNormalization \(norm\) in a split stage"):
+        tfdist.fit(normalised, data(), verbose=0,
+                   pipeline=tfdist.parallel.Pipeline(cut_before=["head"]))  # fmt: skip
 
 
 # --- keras-hub's Llama -------------------------------------------------------------------------

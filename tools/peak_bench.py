@@ -29,7 +29,10 @@ writes the .keras file's weights into one in memory), the gRPC transport's buffe
 collectives, the copies NumPy makes.
 
 Layouts: plain data parallelism, zero1 and zero2 (strategy.scope()), zero3 and the pipeline
-(built in tfdist.host_scope, as the README says), one stage per process: over 2 processes
+(built in tfdist.host_scope, as the README says), and all three together (`all_three`: a
+model of blocks, hybrid_model, cut into stages over the processes, each stage split over
+2-way tensor groups and sharded over 2 pipelines, each process given 4 logical CPUs and
+holding one stage of both pipelines); the pipeline one stage per process: over 2 processes
 cut before the fifth of the ten Dense layers (the larger stage holds 0.61 W), over 4 before
 the fourth, sixth and eighth (CUTS). The CPU allocator keeps these statistics only when
 TensorFlow runs its BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=true, set here for
@@ -66,7 +69,13 @@ import tempfile  # noqa: E402
 
 from tools import harness  # noqa: E402
 
-LAYOUTS = ("plain", "zero1", "zero2", "zero3", "pipeline")
+LAYOUTS = ("plain", "zero1", "zero2", "zero3", "pipeline", "all_three")
+# all_three: hybrid_model's stages split over 2-way tensor groups (Megatron's pairs: each
+# block's first layer by its outputs, its second by its inputs) and sharded over 2
+# pipelines (zero3), each process of DEVICES logical CPUs holding one stage of both
+# pipelines. Its processes' figures cover their DEVICES devices (one allocator a process).
+DEVICES, TENSOR = 4, 2
+HYBRID_CUTS = {2: ["b2_up"], 4: ["b1_up", "b2_up", "b3_up"]}
 PHASES = ("construction", "first step", "steps", "epoch end", "save")
 RESUMING = ("checkpoint", "restore")  # with --restore_workers
 INPUTS, WIDTH, HIDDEN, CLASSES = 256, 1024, 8, 10
@@ -85,6 +94,9 @@ def worker(args) -> None:
     import tfdist
     from tfdist.parallel import Pipeline
 
+    hybrid = args.layout == "all_three"
+    if hybrid:  # before the strategy (it starts TensorFlow's runtime)
+        tfdist.configure_cpu_devices(DEVICES)
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     peaks: dict[str, float] = {}
     resident: dict[str, float] = {}
@@ -99,12 +111,24 @@ def worker(args) -> None:
         resident[phase] = harness.resident("VmHWM") - baseline
 
     reset()
-    hosted = args.layout in ("zero3", "pipeline")
+    hosted = args.layout in ("zero3", "pipeline", "all_three")
     scope = tfdist.host_scope(strategy) if hosted else strategy.scope()
     with scope:
         keras.utils.set_random_seed(0)
-        model = blocks_model() if args.blocks else dense_model(args.width)
+        if hybrid:
+            model = hybrid_model(args.width)
+        else:
+            model = blocks_model() if args.blocks else dense_model(args.width)
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
+    if hybrid:
+        devices = [f"cpu:{k}" for k in range(DEVICES)]
+        mesh = keras.distribution.DeviceMesh(
+            (DEVICES // TENSOR, TENSOR), ["batch", "model"], devices
+        )
+        layout = keras.distribution.LayoutMap(mesh)
+        layout["b.*_up/kernel"] = (None, "model")
+        layout["b.*_down/kernel"] = ("model", None)
+        tfdist.parallel.tensor_parallel(model, layout_map=layout)
     if args.recompute:
         tfdist.parallel.recompute_activations(model, units=BLOCKS if args.blocks else None)
     peak("construction")
@@ -141,7 +165,12 @@ def worker(args) -> None:
     y = rng.integers(0, CLASSES, size=(args.batch * STEPS,)).astype("int32")
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
     workers = strategy.num_replicas_in_sync
-    if args.layout == "pipeline":
+    if hybrid:
+        keywords = {
+            "pipeline": Pipeline(cut_before=HYBRID_CUTS[workers], micro_batches=2),
+            "shard_optimizer": "zero3",
+        }
+    elif args.layout == "pipeline":
         keywords = {"pipeline": Pipeline(cut_before=CUTS[workers], micro_batches=2)}
     else:
         keywords = {} if args.layout == "plain" else {"shard_optimizer": args.layout}
@@ -183,6 +212,20 @@ def dense_model(width: int):
     return keras.Sequential(
         [keras.Input((INPUTS,)), *layers, keras.layers.Dense(CLASSES, name="d9")]
     )
+
+
+def hybrid_model(width: int):
+    """256 -> Dense(width) -> 4 x [Dense(width, relu) -> Dense(width)] -> Dense(10): blocks
+    whose pairs tensor parallelism splits (8.7M parameters at 1024, as dense_model's)."""
+    import keras
+
+    layers = [keras.Input((INPUTS,)), keras.layers.Dense(width, name="stem")]
+    for i in range(4):
+        layers += [
+            keras.layers.Dense(width, activation="relu", name=f"b{i}_up"),
+            keras.layers.Dense(width, name=f"b{i}_down"),
+        ]
+    return keras.Sequential([*layers, keras.layers.Dense(CLASSES, name="head")])
 
 
 def blocks_model():
@@ -306,7 +349,7 @@ def main(argv=None) -> int:
     if min(args.workers) < 2:
         parser.error("--workers: 2 or more processes (one device each)")
     pipelines = {n for n in [*args.workers, args.restore_workers or 2]} - set(CUTS)
-    if "pipeline" in args.layouts and pipelines:
+    if {"pipeline", "all_three"} & set(args.layouts) and pipelines:
         parser.error(
             f"the pipeline layout is cut for {sorted(CUTS)} processes (CUTS). Received: "
             f"{sorted(pipelines)}"
@@ -327,6 +370,10 @@ def main(argv=None) -> int:
     width = f"; {runs[next(iter(runs))][0]['weights'] / 1e6:.1f} MB of weights" if runs else ""
     print("allocator peak per process (the largest over the processes), in W = weight bytes"
           + width)  # fmt: skip
+    if "all_three" in args.layouts:
+        print(f"(all_three: 2 stages x {TENSOR}-way tensor x 2 pipelines under zero3, each "
+              f"process {DEVICES} devices holding one stage: a device's figure is about "
+              f"1/{DEVICES} of its process's)")  # fmt: skip
     print("| layout | processes | " + " | ".join(phases) + " | whole run | at rest |")
     print("|---" * (len(phases) + 4) + "|")
     for (layout, workers), records in runs.items():

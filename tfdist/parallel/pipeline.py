@@ -45,16 +45,21 @@ optimizer slots on each replica, 'zero2' also sums only that slice of the gradie
 'zero3' keeps only the slice of the weights too, gathered from the stage's replicas for each
 step. Each replica updates its slice; under zero1 and zero2 the stage's replicas then gather
 the updated slices into their whole weights. Embedding tables stay whole (their gradients
-are sparse rows). On one host's devices for now.
+are sparse rows). Across worker processes of one device each, a ring per stage over its
+pipelines' processes carries the slices; processes of several devices hold whole stages,
+their slices within them.
 
 Tensor-parallel stages: a model split by a layout map (`tensor_parallel(model,
 layout_map=...)`) runs each stage replica over T devices, each holding its parts of the
-stage's split weights (pipeline_tensor.py), on one process's devices, 1F1B or GPipe.
+stage's split weights (pipeline_tensor.py), 1F1B or GPipe, with shard_optimizer too (all
+three). Worker processes of several devices each hold whole stages (every pipeline's
+replica of them): only activations and their gradients cross between processes.
 
 Limits (each refused with a message): models with their own `train_step` (a pipeline runs
 the layer graph, not the step), global_clipnorm (a norm over every stage), loss scaling,
 StepHooks (accumulation is the micro-batches already), offload; with tensor-parallel
-stages, shard_optimizer, the interleaved and zero-bubble schedules, worker processes.
+stages, the interleaved and zero-bubble schedules, penalties and BatchNormalization inside
+a split stage, and a weight several stages hold in different worker processes.
 BatchNormalization normalises each micro-batch by its own statistics, as in GPipe; M = 1
 matches the unsplit model exactly.
 

@@ -164,8 +164,14 @@ class PipelineRunner(SyncRunner):
     def _check_tensor(self) -> None:
         """What a pipeline of tensor-parallel stages does not do yet, refused in one line."""
         options, problem = self.options, None
+        normalised = [layer.name for layer in compat.all_layers(self.model)
+                      if isinstance(layer, keras.layers.BatchNormalization)]  # fmt: skip
         if options.schedule not in ("gpipe", "1f1b"):
             problem = f"schedule={options.schedule!r} with a layout map"
+        elif normalised:
+            # Each member would normalise its own rows of the micro-batch, not the
+            # micro-batch's: other numbers than the unsplit stage's, silently.
+            problem = f"BatchNormalization ({', '.join(normalised[:3])}) in a split stage"
         if problem is not None:
             raise FitError(
                 "A pipeline of tensor-parallel stages (a layout map's model with pipeline=) "
@@ -496,16 +502,18 @@ class PipelineRunner(SyncRunner):
 
     def _split_batch(self, batch) -> int:
         size = int(batch_size(unpack(batch)[0]))
-        parts = self.pipelines * self.options.micro_batches
+        parts = self.pipelines * self.options.micro_batches * self.tensor
         if size % parts:
             raise FitError(
                 f"A batch of {size} examples does not split into {self.pipelines} pipeline(s) "
-                f"x {self.options.micro_batches} micro-batches: make the global batch a "
+                f"x {self.options.micro_batches} micro-batches"
+                + (f" of {self.tensor} tensor-parallel members' rows" if self.tensor > 1 else "")
+                + ": make the global batch a "
                 f"multiple of {parts} (and batch with drop_remainder=True, or give "
                 "steps_per_epoch, so the last batch is full too). "
                 f"Received: micro_batches={self.options.micro_batches}, batch of {size}"
             )
-        return size // parts
+        return size // (self.pipelines * self.options.micro_batches)
 
     # --- training ---------------------------------------------------------------------------------
 

@@ -60,9 +60,7 @@ class TensorStages:
     def __init__(self, model, plan: LayoutPlan, groups: dict[tuple[int, int], Sequence[str]]):
         self.plan, self.degree = plan, plan.degree
         self.calls = SplitCalls(plan, model.trainable_variables, gather=replicas.all_gather)
-        positions = {id(v): i for i, v in enumerate(model.trainable_variables)}
         self._placements = plan.placements
-        self._positions = positions
         self.strategies = {
             key: compat.mirrored_strategy(
                 list(devices),
