@@ -472,6 +472,27 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_in_other_layouts(
     assert wanted * 2**20 == pytest.approx(whole, rel=0.01)  # every weight and slot, whole
 
 
+def test_a_layout_map_that_splits_nothing_is_refused_naming_the_paths():
+    """A Sequential model's weight paths start with the model's name: a map written for
+    the layers' own names matches none of them, and would train nothing split."""
+    from tfdist.parallel import TensorParallelError
+
+    model = keras.Sequential(
+        [keras.Input((FEATURES,)), keras.layers.Dense(64, name="up"),
+         keras.layers.Dense(FEATURES, name="down")],
+        name="blocks",
+    )  # fmt: skip
+    layout = keras.distribution.LayoutMap(mesh())
+    layout["up/kernel"] = (None, "model")
+    with pytest.raises(TensorParallelError, match="splits none of 'blocks'.* 'blocks/up/kernel'"):
+        tensor_parallel(model, layout_map=layout)
+    layout = keras.distribution.LayoutMap(mesh())
+    layout[".*up/kernel"] = (None, "model")
+    layout[".*down/kernel"] = ("model", None)
+    tensor_parallel(model, layout_map=layout)
+    assert [p.parts for p in plan_of(model).placements] == [2, 2, 2, 1]  # up's bias too
+
+
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     """Offload, an optimizer whose update reads a whole weight, and, for a model split by
     a layout map, the zero-bubble schedule (not built with tensor-parallel stages) and

@@ -126,8 +126,8 @@ def worker(args) -> None:
             (DEVICES // TENSOR, TENSOR), ["batch", "model"], devices
         )
         layout = keras.distribution.LayoutMap(mesh)
-        layout["b.*_up/kernel"] = (None, "model")
-        layout["b.*_down/kernel"] = ("model", None)
+        layout[".*_up/kernel"] = (None, "model")  # a Sequential's paths: sequential/b0_up/...
+        layout[".*_down/kernel"] = ("model", None)
         tfdist.parallel.tensor_parallel(model, layout_map=layout)
     if args.recompute:
         tfdist.parallel.recompute_activations(model, units=BLOCKS if args.blocks else None)

@@ -227,6 +227,16 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
             )
         if named:
             axes[id(variable)] = named[0]
+    if not axes:
+        paths = [v.path for v in model.trainable_variables]
+        raise TensorParallelError(
+            f"The layout map splits none of {model.name!r}'s weights over {model_axis!r}: "
+            "its keys are matched from the start of each weight's path (a Sequential "
+            f"model's are like {paths[0]!r}), so nothing would be split. Write keys that "
+            "match those paths (a leading '.*' matches any prefix), or derive one: "
+            f"derive_layout_map(model, mesh). Received: paths {', '.join(paths[:4])}"
+            + (", ..." if len(paths) > 4 else "")
+        )
     return _apply(model, axes, degree, derive_split(model, degree))
 
 
