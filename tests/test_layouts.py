@@ -21,7 +21,7 @@ import tensorflow as tf
 import tfdist
 from tests.conftest import run_module
 from tfdist.errors import FitError
-from tfdist.parallel import tensor_parallel
+from tfdist.parallel import TensorParallelError, tensor_parallel
 from tfdist.parallel.tensor.layout_map import plan_of
 
 TOLERANCE = 1e-5
@@ -300,31 +300,20 @@ def test_pipeline_x_tensor_x_zero_trains_as_keras_on_one_device_holding_its_shar
 
 
 @pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
-@pytest.mark.parametrize(
-    "layout",
-    [
-        dict(data=2, stages=2, micro_batches=2, zero=3),
-        dict(data=1, stages=2, micro_batches=2, tensor=2),
-    ],
-    ids=["pipeline_x_zero3", "pipeline_x_tensor"],
-)
-def test_the_planners_printed_calls_train_the_layout_they_name(layout, mlp_reference, caplog):
+def test_the_planners_printed_calls_train_the_layout_they_name(mlp_reference, caplog):
     """What tfdist-plan prints under its verdict, run as printed (the fit twice): 2 stages
-    x 2 pipelines under zero3, and 2 stages x 2-way tensor (a layout map derived from the
-    MLP's shapes), cut where the planner balances the MLP's FLOPs, train as Keras's fit on
-    one device."""
+    x 2 pipelines under zero3, cut where the planner balances the MLP's FLOPs, trains as
+    Keras's fit on one device. (A tensor split prints derive_layout_map, which finds no
+    block in this MLP's top-level Dense layers to split, and says so: below.)"""
     from tfdist import plan
 
     reference, losses = mlp_reference
-    layout = plan.ParallelLayout(**layout)
+    layout = plan.ParallelLayout(data=2, stages=2, micro_batches=2, zero=3)
     printed = plan.recipe(layout, plan.ModelCost.of(mlp())).splitlines()
     assert "tfdist.host_scope(strategy)" in printed[1]
     with tfdist.host_scope(mirrored()):
         model = mlp()
-    calls = {"tfdist": tfdist, "keras": keras, "model": model, "dataset": data(),
-             "devices": [f"cpu:{i}" for i in range(4)]}  # fmt: skip
-    for line in printed[2:-1]:  # the layout's own calls (a tensor split), once
-        exec(line, calls)  # noqa: S102 - the planner's own lines
+    calls = {"tfdist": tfdist, "model": model, "dataset": data()}
     got = []
     with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's lines are debug
         for _ in range(2):
@@ -337,6 +326,12 @@ def test_the_planners_printed_calls_train_the_layout_they_name(layout, mlp_refer
     weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
     for v, want, have in weights:
         assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+    # The tensor split's printed calls, on an MLP with no block to split: one clear line.
+    tensor = plan.recipe(plan.ParallelLayout(data=2, tensor=2), plan.ModelCost.of(mlp()))
+    calls.update(keras=keras, devices=[f"cpu:{i}" for i in range(4)])
+    exec(tensor.splitlines()[2], calls)  # noqa: S102 - the planner's mesh line
+    with pytest.raises(TensorParallelError, match="derive_layout_map found nothing in"):
+        exec(tensor.splitlines()[3], calls)  # noqa: S102 - its tensor_parallel line
 
 
 # --- checkpoints that move between layouts ----------------------------------------------------
@@ -475,8 +470,6 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_in_other_layouts(
 def test_a_layout_map_that_splits_nothing_is_refused_naming_the_paths():
     """A Sequential model's weight paths start with the model's name: a map written for
     the layers' own names matches none of them, and would train nothing split."""
-    from tfdist.parallel import TensorParallelError
-
     model = keras.Sequential(
         [keras.Input((FEATURES,)), keras.layers.Dense(64, name="up"),
          keras.layers.Dense(FEATURES, name="down")],

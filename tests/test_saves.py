@@ -70,7 +70,8 @@ def saved_after_one_epoch(mode: str, path) -> None:
     if mode == "tensor":  # d3 by its columns, d4 by its rows: Keras's layers, split by a map
         mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], ["cpu:0", "cpu:1"])
         layout = keras.distribution.LayoutMap(mesh)
-        layout["d3/kernel"], layout["d4/kernel"] = (None, "model"), ("model", None)
+        # A Sequential's weight paths start with its name ("sequential/d3/kernel").
+        layout[".*d3/kernel"], layout[".*d4/kernel"] = (None, "model"), ("model", None)
         tensor_parallel(model, layout_map=layout)
     tfdist.fit(model, pipeline_cases.data(), verbose=0, **keywords)
     model.save(path)

@@ -37,6 +37,7 @@ import re
 import keras
 
 from tfdist import compat
+from tfdist.parallel.tensor.mappings import TensorParallelError
 
 # The attributes in which attention layers count their heads (keras-hub's: Gemma's, Llama's
 # and Phi3's public, Mistral's private).
@@ -101,7 +102,17 @@ def derive_layout_map(model: keras.Model, mesh, *, model_axis: str = "model"):
     degree = int(mesh.shape[list(mesh.axis_names).index(model_axis)])
     layout = keras.distribution.LayoutMap(mesh)
     variables = {v.path: v for v in model.trainable_variables}
-    for path, axis in derive_split(model, degree).axes.items():
+    derived = derive_split(model, degree)
+    if not derived.axes:
+        raise TensorParallelError(
+            f"derive_layout_map found nothing in {model.name!r} to split over {degree}: it "
+            "splits attention layers by their heads, MLP blocks (a widening Dense, then a "
+            "narrowing one, inside a layer of their own) and vocabularies. Write a map for "
+            "its layers (keys matched from the start of each weight's path, "
+            f"{model.trainable_variables[0].path!r} here), or split its Dense layers with "
+            f"tensor_parallel(model, degree={degree}). Received: {derived.report()}"
+        )
+    for path, axis in derived.axes.items():
         axes = [None] * len(variables[path].shape)
         axes[axis] = model_axis
         layout[f"^{re.escape(path)}$"] = tuple(axes)

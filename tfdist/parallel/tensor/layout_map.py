@@ -231,8 +231,8 @@ def apply_layout_map(model: keras.Model, layout_map, model_axis: str = "model") 
         paths = [v.path for v in model.trainable_variables]
         raise TensorParallelError(
             f"The layout map splits none of {model.name!r}'s weights over {model_axis!r}: "
-            "its keys are matched from the start of each weight's path (a Sequential "
-            f"model's are like {paths[0]!r}), so nothing would be split. Write keys that "
+            "its keys are matched from the start of each weight's path (this model's are "
+            f"like {paths[0]!r}), so nothing would be split. Write keys that "
             "match those paths (a leading '.*' matches any prefix), or derive one: "
             f"derive_layout_map(model, mesh). Received: paths {', '.join(paths[:4])}"
             + (", ..." if len(paths) > 4 else "")
