@@ -297,6 +297,14 @@ class PipelineRunner(SyncRunner):
             )
         self.pipelines = replicas // (width * tensor)
         if processes > 1 and len(devices) == 1:  # a stage replica a process
+            if tensor > 1:
+                raise StageError(
+                    f"A tensor group of {tensor} devices stays within one process, and each "
+                    f"of these {processes} worker processes has one device. Give each "
+                    f"process a multiple of {tensor} devices (on a CPU host, "
+                    "tfdist.configure_cpu_devices(N) before the strategy), or drop the "
+                    f"layout map. Received: tensor {tensor}, one device a process"
+                )
             self.whole_stages = False
             ranks = [layout.process_index]
             return ranks, {ranks[0]: [devices[0]]}
@@ -337,7 +345,7 @@ class PipelineRunner(SyncRunner):
         stages, tensor, pipelines = len(self.stages), self.tensor, self.pipelines
         local, processes = len(devices), self.placement.processes
         held = local // tensor  # stage replicas a process holds
-        if local % tensor or held % pipelines or stages % (processes * held // pipelines):
+        if local % tensor or held % pipelines:
             raise StageError(
                 f"With several devices a process, each process holds whole stages: its "
                 f"{local} devices must hold {pipelines} pipeline(s)' replicas of its stages, "
@@ -349,7 +357,6 @@ class PipelineRunner(SyncRunner):
         mine = [(p, s) for s in range(stages) for p in range(pipelines)][
             self.placement.process_index * held : (self.placement.process_index + 1) * held
         ]
-        self.whole_stages = True
         ranks = [p * stages + s for p, s in mine]
         return ranks, {rank: devices[k * tensor : (k + 1) * tensor] for k, rank in enumerate(ranks)}
 
