@@ -71,6 +71,18 @@ def mirrored():
     return tfdist.build_strategy("mirrored", cluster=None, devices=[f"/cpu:{i}" for i in range(4)])
 
 
+def _split_mlp() -> tuple[keras.Model, tfdist.DeviceBytes]:
+    """The MLP built in host_scope over 4 devices and split by its layout map, and a record
+    of each device's bytes made before it (the model's own count)."""
+    strategy = mirrored()
+    gc.collect()
+    record = tfdist.DeviceBytes()
+    with tfdist.host_scope(strategy):
+        model = mlp()
+    tensor_parallel(model, layout_map=mlp_layout())
+    return model, record
+
+
 def _saves_as(reference: keras.Model, model: keras.Model, tmp_path) -> None:
     """model.save writes the whole weights and the optimizer's whole slots: loaded by Keras
     alone, they equal the reference's (Keras's own fit on one device)."""
@@ -104,12 +116,7 @@ def test_zero_x_tensor_trains_as_keras_on_one_device_holding_its_share(
     it; under zero1 and zero2 its parts whole too (what its step reads). model.save writes
     the whole weights and Adam's whole slots, put together from the slices."""
     reference, losses = mlp_reference
-    strategy = mirrored()
-    gc.collect()
-    record = tfdist.DeviceBytes()
-    with tfdist.host_scope(strategy):
-        model = mlp()
-    tensor_parallel(model, layout_map=mlp_layout())
+    model, record = _split_mlp()
     plan = plan_of(model)
     with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's lines are debug
         got = [
@@ -212,13 +219,7 @@ def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
     Adam's two slots for them; model.save writes the whole weights and Adam's whole slots,
     put together from the parts."""
     reference, losses = mlp_reference
-    strategy = mirrored()
-    gc.collect()
-    record = tfdist.DeviceBytes()
-    with tfdist.host_scope(strategy):
-        model = mlp()
-    tensor_parallel(model, layout_map=mlp_layout())
-    plan = plan_of(model)
+    model, record = _split_mlp()
     got = []
     with caplog.at_level("DEBUG", logger="tfdist"):  # verbose=0: fit's lines are debug
         for schedule in ("1f1b", "gpipe"):
@@ -239,14 +240,8 @@ def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
 
     # Stage 0 (up0, down0) on CPU:0 and CPU:1, stage 1 (up1, down1, head) on CPU:2 and 3
     # (CPU:0 is also the host). A member: its half of each split weight, the rest whole.
-    def member_bytes(prefixes):
-        held = zip(model.trainable_variables, plan.placements, strict=True)
-        return sum(int(np.prod(v.shape)) * 4 // p.parts for v, p in held
-                   if v.path.split("/")[0].startswith(prefixes))  # fmt: skip
-
-    share = {1: member_bytes(("up0", "down0")), 2: member_bytes(("up1", "down1", "head"))}
-    share[3] = share[2]
-    for device, weights_bytes in share.items():
+    stage = _member_bytes()
+    for device, weights_bytes in ((1, stage[0]), (2, stage[1]), (3, stage[1])):
         held = record.added[f"CPU:{device}"]
         assert held == pytest.approx(3 * weights_bytes, rel=0.03), (device, held / weights_bytes)
 
