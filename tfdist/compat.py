@@ -190,6 +190,38 @@ def coordination_service_configured() -> bool:
     return context.context().coordination_service is not None
 
 
+def announce(key: str, value: str) -> None:
+    """Sets `key` in the coordination service's key-value store, for every task to read.
+
+    Why: the store is reached only through the private eager context.
+    """
+    from tensorflow.python.eager import context
+
+    context.context().set_config_key_value(key, value)
+
+
+def await_key(key: str, timeout_ms: int) -> str:
+    """`key`'s value in the coordination service's store, once some task has set it; raises
+    tf.errors.DeadlineExceededError after `timeout_ms`. A wait that gives up aborts nothing
+    (a collective's timeout aborts every collective of the process).
+
+    Why: the store is reached only through the private eager context.
+    """
+    from tensorflow.python.eager import context
+
+    return context.context().get_config_key_value(key, timeout_in_ms=timeout_ms)
+
+
+def forget_key(key: str) -> None:
+    """Deletes `key` from the coordination service's store.
+
+    Why: the store is reached only through the private eager context.
+    """
+    from tensorflow.python.eager import context
+
+    context.context().delete_config_key_value(key)
+
+
 def configure_coordination_service(
     *,
     leader: str,

@@ -155,7 +155,7 @@ class Slices:
         if self.local:
             flat = tf.concat([tf.reshape(tf.convert_to_tensor(p), [-1]) for p in parts], 0)
         else:
-            with updates.read_together(who):
+            with updates.read_together(who, self.strategy):
                 flat = self._gather(tf.convert_to_tensor(parts[0]))
         return tf.reshape(flat[: int(np.prod(shape, dtype=np.int64))], shape)
 

@@ -310,7 +310,7 @@ class StageStore(shards.Shards):
             with tf.device(self.replicas[0].device):
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, self._once(part))
         else:
-            with updates.read_together("a pipeline"):
+            with updates.read_together("a pipeline", self.strategy):
                 summed = self._sent(part)
         if staged.pieces is None or self.whole_stages:
             return summed

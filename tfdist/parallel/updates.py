@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import keras
@@ -269,10 +270,15 @@ def read_options() -> tf.distribute.experimental.CommunicationOptions:
 
 
 @contextlib.contextmanager
-def read_together(who: str):
-    """Where a whole read across worker processes runs: a peer that never joins it becomes
-    one ReadTogetherError saying what to do."""
+def read_together(who: str, strategy: tf.distribute.Strategy):
+    """Where a whole read across worker processes runs: every process first meets the others
+    in the coordination service's store, and one that waits alone gives up there, before any
+    collective starts (a collective that times out aborts the process's collectives, and
+    TensorFlow's abort has crashed the process); then one ReadTogetherError says what to do.
+    The collective's own timeout stays, for a read that meets but never completes."""
     try:
+        if tf.executing_eagerly() and compat.coordination_service_configured():
+            _meet(strategy)
         yield
     except (tf.errors.DeadlineExceededError, tf.errors.CancelledError,
             tf.errors.UnavailableError) as error:  # fmt: skip
@@ -284,6 +290,34 @@ def read_together(who: str):
             "worker (as tfdist.fit runs callbacks on every worker), not only on the chief. "
             f"Received: {type(error).__name__}"
         ) from None
+
+
+_READS = {"made": 0}  # this process's whole reads across processes, counted in order
+
+
+def _meet(strategy: tf.distribute.Strategy) -> None:
+    """Waits until every worker process has come to this process's next whole read (each
+    sets a key for its n-th read and waits for the others' n-th), at most
+    WHOLE_READ_TIMEOUT_SECONDS. Once all have come to read n, none waits on read n-1's keys
+    any more: this process's is deleted (the store stays small over a long run)."""
+    resolver = strategy.cluster_resolver
+    jobs = resolver.cluster_spec().as_dict()
+    n = _READS["made"]
+    _READS["made"] += 1
+
+    def key(n, job, index):
+        return f"tfdist/whole_read/{n}/{job}/{index}"
+
+    me = (resolver.task_type, resolver.task_id)
+    compat.announce(key(n, *me), "here")
+    deadline = time.monotonic() + WHOLE_READ_TIMEOUT_SECONDS
+    for job in ("chief", "worker"):
+        for index in range(len(jobs.get(job, ()))):
+            if (job, index) != me:
+                left_ms = max(1, int((deadline - time.monotonic()) * 1000))
+                compat.await_key(key(n, job, index), left_ms)
+    if n:
+        compat.forget_key(key(n - 1, *me))
 
 
 _STREAMING = []  # installed once: see _stream_saves_of_parts

@@ -253,7 +253,7 @@ class ShardedParameters(StepHook):
         key = (slot, bucket)
         if key not in self._gatherers:
             self._gatherers[key] = tf.function(lambda: self._gather_all_replicas(slot, bucket))
-        with updates.read_together(NAME):
+        with updates.read_together(NAME, self.strategy):
             flat = self._gatherers[key]()
         total = sum(self.lengths[i] for i in bucket)
         rows = tf.reshape(flat, [self.ranks, total])
