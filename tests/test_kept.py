@@ -70,6 +70,43 @@ def test_a_second_fit_an_evaluate_and_a_predict_trace_nothing_new(strategy):
     assert int(m.optimizer.iterations.numpy()) == 3 * 4  # 3 epochs of 4 steps
 
 
+def split_model(strategy) -> keras.Model:
+    """The model of `model`, its layers named for a pipeline's cut."""
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        inputs = keras.Input((None, 4))
+        hidden = Counting()(keras.layers.Dense(8, activation="relu", name="d1")(inputs))
+        pooled = keras.layers.GlobalAveragePooling1D(name="pool")(hidden)
+        model = keras.Model(inputs, keras.layers.Dense(1, name="d2")(pooled))
+        model.compile(keras.optimizers.Adam(0.01), "mse")
+    return model
+
+
+@pytest.mark.parametrize("layout", ["central_storage", "pipeline"])
+def test_other_layouts_second_fit_and_evaluate_trace_nothing_new(layout, strategy):
+    """central_storage's runner and a pipeline's are kept too: a pipeline given an equal
+    Pipeline again (a new object) goes on with its stages and traced programs; another cut
+    traces again."""
+    keywords = {}
+    if layout == "central_storage":
+        strategy = tfdist.build_strategy("central_storage", cluster=None)
+    m = split_model(strategy)
+
+    def fit(cut="pool"):
+        if layout == "pipeline":
+            keywords["pipeline"] = tfdist.parallel.Pipeline(cut_before=[cut], micro_batches=2)
+        return traces_of(lambda: tfdist.fit(m, data(), verbose=0, **keywords))
+
+    assert fit() > 0
+    assert fit() == 0
+    assert traces_of(lambda: tfdist.evaluate(m, data(), verbose=0)) > 0  # its first trace
+    assert traces_of(lambda: tfdist.evaluate(m, data(), verbose=0)) == 0
+    assert fit() == 0  # evaluate took the fit's runner
+    if layout == "pipeline":
+        assert fit(cut="d2") > 0
+    assert int(m.optimizer.iterations.numpy()) == (4 if layout == "pipeline" else 3) * 4
+
+
 def test_a_recompile_another_batch_shape_and_another_mode_each_trace_again(strategy, caplog):
     m = model(strategy)
     tfdist.fit(m, data(), verbose=0)

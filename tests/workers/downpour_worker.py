@@ -63,9 +63,10 @@ class KeptPipeline(Pipeline):
 
 
 def asked_devices(runner) -> list[str]:
-    """The devices named by the ops of the runner's traced step closures (nested too)."""
+    """The devices named by the ops of the runner's traced step closure (its traces for each
+    count of steps; nested functions too)."""
     devices = set()
-    for closure in runner._closures.values():
+    for closure in [runner._closure()]:
         for concrete in closure._list_all_concrete_functions():
             graph = concrete.graph.as_graph_def()
             nodes = [*graph.node, *(n for f in graph.library.function for n in f.node_def)]

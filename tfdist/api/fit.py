@@ -177,7 +177,7 @@ def fit(
     runner, hooks, _ = kept.runner_for_call(
         model, strategy,
         lambda: runner_for(model, strategy, layout=layout, settings=settings), hooks,
-        user_hooks=user_hooks, layout=layout if layout is None else (layout, repr(settings)),
+        user_hooks=user_hooks, layout=layout if layout is None else (repr(layout), repr(settings)),
     )  # fmt: skip
     with kept.forgotten_on_error(model):
         runner.build(data.sample_batch, hooks)

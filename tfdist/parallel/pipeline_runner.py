@@ -31,6 +31,7 @@ from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.strategies import strategy_kind
 from tfdist.training import shards
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.loop import each_batch
 from tfdist.training.memory import nbytes
 from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state
@@ -52,8 +53,9 @@ class PipelineRunner(SyncRunner):
     synchronous runner's: the model's weights read from the stages (see StageStore).
     """
 
-    # Its schedule and stages are made for each fit's layout.
-    kept_across_calls = False
+    # Kept across calls for the same layout (training/kept.py compares the Pipeline and its
+    # settings by value): a later fit goes on with the stages, rings and traced programs.
+    kept_across_calls = True
 
     builds_optimizer = False  # its slots are the stages' (see StageStore)
 
@@ -99,6 +101,7 @@ class PipelineRunner(SyncRunner):
             group_key_base=LINK_GROUP_KEY_BASE, timeout_seconds=options.timeout_seconds
         )
         self.last_passes: dict[tuple[int, int], list[tuple[str, float, float]]] = {}
+        self._built_store: StageStore | None = None  # the stages this runner was built on
 
     # --- building -------------------------------------------------------------------------------
 
@@ -130,6 +133,11 @@ class PipelineRunner(SyncRunner):
         updates.check_copyable(model.optimizer, who="A pipeline's stages")
         super().build(sample_batch)  # all but the optimizer's slots, which the stages keep
         store = StageStore.of(model)
+        if store is not None and store is self._built_store and store.key == self._store_key():
+            # A later fit with this runner (kept on the model): its stages, rings and traced
+            # step programs go on.
+            self._state = self._zeros()
+            return
         if store is not None and store.key == self._store_key():
             # A later fit on the same layout: its stages go on with their weights and slots.
             self.stages, self.tied, self.replicas = store.stages, store.tied, store.replicas
@@ -160,6 +168,7 @@ class PipelineRunner(SyncRunner):
                 groups = {divmod(rank, len(self.stages)): devices[rank] for rank in ranks}
                 store.tensor_stages = TensorStages(model, plan_of(model), groups)
             self.tensor_stages = store.tensor_stages
+        self._built_store = StageStore.of(model)
 
     def _check_tensor(self) -> None:
         """What a pipeline of tensor-parallel stages does not do yet, refused in one line."""
@@ -532,12 +541,8 @@ class PipelineRunner(SyncRunner):
         with self.explained():
             if not self._loaded:
                 self._load()
-            done = 0
-            while done < n:
-                batch = iterator.get_next_as_optional()
-                if not batch.has_value():
-                    break
-                batch = batch.get_value()
+
+            def step(batch):
                 micro = self._split_batch(batch)
                 program = self._program(micro)
                 # In a thread of its own, outside any strategy's scope (scopes are per
@@ -549,7 +554,8 @@ class PipelineRunner(SyncRunner):
                 state, times = self._thread.submit(program.function, batch).result()
                 self._state = [a + np.asarray(b) for a, b in zip(self._state, state, strict=True)]
                 self.last_passes = program.passes(times)
-                done += 1
+
+            done, _ = each_batch(iterator, n, step)  # a step a call: the program is one step
             return done, (self._read(logs) if logs and done else None)
 
     def _program(self, micro: int) -> PipelineStep:

@@ -58,7 +58,8 @@ def runner_for_call(
       make: makes a new runner (not built).
       layout: the call's runner factory (a Pipeline), or None.
       hooks: the chain this call asks for; None for a call that trains nothing (evaluate),
-        which takes the kept runner whatever its chain.
+        which takes the kept runner whatever its chain and layout (a pipeline's evaluates
+        as a plain runner does, reading the weights from the stages).
       user_hooks: the user's own step_hooks (kept by identity; the modes' by their names).
     """
     facts = _facts(model, strategy, hooks, user_hooks)
@@ -68,7 +69,8 @@ def runner_for_call(
         changed = [
             name
             for name, value in facts.items()
-            if not _same(kept.facts.get(name), value) and not (hooks is None and name == "hooks")
+            if not _same(kept.facts.get(name), value)
+            and not (hooks is None and name in ("hooks", "layout"))
         ]
         if not changed:
             return kept.runner, kept.hooks, True

@@ -40,7 +40,7 @@ def traced(function):
     """`function` traced as Keras traces its train, test and predict functions: a
     tf.function with autograph off, so the user's train_step and layers run as written, as
     under Keras's fit (and nothing of tfdist is converted, which costs a trace seconds).
-    The loops over steps are tf.while_loops (runners/common.py: `repeat`, `until_end`)."""
+    The loops over steps are tf.while_loops (training/loop.py)."""
     return tf.function(tf.autograph.experimental.do_not_convert(function))
 
 

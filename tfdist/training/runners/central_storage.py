@@ -11,15 +11,9 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist import strategy_kinds as kinds
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.loop import NO_LIMIT, StepLoop, call_until_end, each_batch
 from tfdist.training.runner import StepHook
-from tfdist.training.runners.common import (
-    NO_LIMIT,
-    batch_size,
-    call_until_end,
-    each_batch,
-    refuse_staleness_scaling,
-    until_end,
-)
+from tfdist.training.runners.common import batch_size, refuse_staleness_scaling
 from tfdist.training.runners.stateless import StatelessMetricsRunner
 from tfdist.training.step_times import PHASES
 from tfdist.training.steps import traced
@@ -38,6 +32,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
     """
 
     kinds = (kinds.CENTRAL_STORAGE,)
+    kept_across_calls = True
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
@@ -55,32 +50,25 @@ class CentralStorageRunner(StatelessMetricsRunner):
                 batch_size(x) > 0, lambda: self._stateless_test_step(batch, zeros), lambda: zeros
             )
 
-        self._train_fn = traced(lambda it, n: self._timed_steps(it, n, replica_train))
-        self._test_fn = traced(lambda it, n: self._summed_steps(it, n, replica_test))
-
-    def _summed_steps(self, iterator, n, replica_fn):
-        """(steps run, metric state summed over them and the replicas), until the data ends."""
-
-        def step(batch, state):
-            return self._add_replicas(state, self.strategy.run(replica_fn, args=(batch,)))
-
-        return until_end(iterator, n, step, self._zero_tensors())
-
-    def _timed_steps(self, iterator, n, replica_fn):
-        """`_summed_steps` for training steps, which `replica_fn(batch, asked)` times: also
-        returns their [input, compute, exchange] seconds, summed (mean over the replicas)."""
-
-        def step(batch, asked, carried):
+        def train_step(batch, asked, carried):
             state, total = carried
-            per_replica, times = self.strategy.run(replica_fn, args=(batch, asked))
+            per_replica, times = self.strategy.run(replica_train, args=(batch, asked))
             local = self.strategy.experimental_local_results(times)
             return self._add_replicas(state, per_replica), total + tf.add_n(list(local)) / len(
                 local
             )
 
-        start = (self._zero_tensors(), tf.zeros([len(PHASES)], tf.float64))
-        done, (state, total) = until_end(iterator, n, step, start, timed=True)
-        return done, state, total
+        def test_step(batch, state):
+            return self._add_replicas(state, self.strategy.run(replica_test, args=(batch,)))
+
+        # (steps run, metric state summed over them and the replicas, and for training their
+        # [input, compute, exchange] seconds, summed: mean over the replicas), until the data
+        # ends.
+        self._train_steps = StepLoop(
+            train_step,
+            start=lambda: (self._zero_tensors(), tf.zeros([len(PHASES)], tf.float64)),
+        )
+        self._test_steps = StepLoop(test_step, start=self._zero_tensors, timed=False)
 
     def _add_replicas(self, state, per_replica) -> list[tf.Tensor]:
         """`state` plus one step's metric state summed over the replicas."""
@@ -145,7 +133,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
             if done:
                 self._last_outputs = tf.nest.map_structure(np.asarray, outputs)
             return done, (self.logs() if logs and done else None)
-        done, state, times = self._train_fn(iterator, tf.constant(n))
+        done, (state, times), _ = self._train_steps(iterator, n, bounded=False)
         done = int(done)
         self._add_state(state)
         self.times.add(done, np.asarray(times))
@@ -169,7 +157,7 @@ class CentralStorageRunner(StatelessMetricsRunner):
 
         def call(n):
             nonlocal total
-            done, state = self._test_fn(iterator, n)
+            done, state, _ = self._test_steps(iterator, n, bounded=False)
             total = [a + np.asarray(b) for a, b in zip(total, state, strict=True)]
             return int(done)
 

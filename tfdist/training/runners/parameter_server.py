@@ -30,9 +30,9 @@ from tfdist.strategies.replicas import ReplicaPlacement
 from tfdist.training import fit_callbacks
 from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
 from tfdist.training.fit_data import FitData
+from tfdist.training.loop import StepLoop
 from tfdist.training.ps_shards import ShardedTraining
 from tfdist.training.runner import AsyncStep, StepHook
-from tfdist.training.runners.common import repeat
 from tfdist.training.runners.stateless import StatelessMetricsRunner, StepMarks
 from tfdist.training.staleness import (
     STALENESS_STATS,
@@ -91,7 +91,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
         # Results are fetched a few closures behind the newest: the progress stays current
         # without waiting on every step.
         self._lag = 2 * max(1, len(self._cluster().get("worker", [])))
-        self._closures: dict[int, tf.types.experimental.PolymorphicFunction] = {}
+        self._steps: StepLoop | None = None  # the closures' traced steps
         self._eval_step = traced(
             lambda batch, state: (
                 self._user_step(model.test_step, batch, state)
@@ -152,60 +152,58 @@ class ParameterServerRunner(StatelessMetricsRunner):
         step.staleness = self.counter.claim(read, after=[*after, *ready])
         return step.staleness
 
-    def _closure(self, n: int):
-        if n not in self._closures:
+    def _closure(self):
+        """The traced function a closure runs on a worker: `(iterator, n, first)`, or with the
+        model's own step `(iterator, n, first, start)`. It returns (metric state, staleness
+        stats, its steps' summed times, and for the model's own step what its last step
+        returned); a None among these would fail the fetch. `first` is the ticket
+        (AsyncStep) of the closure's first step."""
+        if self._steps is None:
             strategy = self.strategy
 
             def count(stats, tau):  # [sum, max, count] of the closure's staleness
                 return tf.stack([stats[0] + tau, tf.maximum(stats[1], tau), stats[2] + 1.0])
 
-            # A closure returns (metric state, staleness stats, its steps' summed times, and
-            # for the model's own step what its last step returned); a None among these
-            # would fail the fetch.
-            # `first` is the ticket (AsyncStep) of the closure's first step.
-            @traced
-            def steps(iterator, first):
-                def one(carried):
-                    i, state, stats, total = carried
+            def zeros():
+                return tf.zeros([STALENESS_STATS]), tf.zeros([len(PHASES)], tf.float64)
+
+            if not self.custom_train:
+
+                def step(batch, asked, carried):
+                    ticket, state, stats, total = carried
                     state, tau, times = strategy.run(
-                        self._step_with_staleness, args=(*_next(iterator), state, first + i)
+                        self._step_with_staleness, args=(batch, asked, state, ticket)
                     )
-                    return i + 1, state, count(stats, tau), total + times
+                    return ticket + 1, state, count(stats, tau), total + times
 
-                start = (
-                    tf.zeros([], tf.int64), self._zero_tensors(), tf.zeros([STALENESS_STATS]),
-                    tf.zeros([len(PHASES)], tf.float64),
-                )  # fmt: skip
-                _, state, stats, total = repeat(tf.constant(n, tf.int64), one, start)
-                return state, stats, total
-
-            @traced
-            def user_steps(iterator, first, start):
+                self._steps = StepLoop(
+                    step,
+                    start=lambda first: (first, self._zero_tensors(), *zeros()),
+                    finish=lambda done, carried, outputs, first: carried[1:],
+                )
+            else:
                 # The model's own step starts from the epoch's metric state as the
                 # coordinator knew it, so what it returns covers the epoch so far; the
                 # closure hands back only what its own steps added.
-                def one(carried):
-                    i, state, stats, total = carried
-                    _, state, tau, times = strategy.run(
-                        self._user_step_with_staleness,
-                        args=(*_next(iterator), state, first + i),
+                def user_step(batch, asked, carried):
+                    ticket, state, stats, total = carried
+                    outputs, state, tau, times = strategy.run(
+                        self._user_step_with_staleness, args=(batch, asked, state, ticket)
                     )
-                    return i + 1, state, count(stats, tau), total + times
+                    return (ticket + 1, state, count(stats, tau), total + times), outputs
 
-                carried = (
-                    tf.zeros([], tf.int64), list(start), tf.zeros([STALENESS_STATS]),
-                    tf.zeros([len(PHASES)], tf.float64),
-                )  # fmt: skip
-                _, state, stats, total = repeat(tf.constant(n - 1, tf.int64), one, carried)
-                outputs, state, tau, times = strategy.run(
-                    self._user_step_with_staleness,
-                    args=(*_next(iterator), state, first + (n - 1)),
+                def finish(done, carried, outputs, first, start):
+                    _, state, stats, total = carried
+                    added = [end - begin for end, begin in zip(state, start, strict=True)]
+                    return added, stats, total, outputs
+
+                self._steps = StepLoop(
+                    lambda *args: user_step(*args)[0],
+                    start=lambda first, start: (first, list(start), *zeros()),
+                    last=user_step,
+                    finish=finish,
                 )
-                added = [end - begin for end, begin in zip(state, start, strict=True)]
-                return added, count(stats, tau), total + times, outputs
-
-            self._closures[n] = user_steps if self.custom_train else steps
-        return self._closures[n]
+        return self._steps.function(bounded=True)
 
     # --- the runner interface -------------------------------------------------------------------
 
@@ -253,8 +251,8 @@ class ParameterServerRunner(StatelessMetricsRunner):
         with_logs = logs is not None
         with self.explained():
             first = tf.constant(self.scheduled_steps - self._first_step, tf.int64)
-            args = (iterator, first, self._state) if self.custom_train else (iterator, first)
-            self._pending.append((n, self.coordinator.schedule(self._closure(n), args=args)))
+            args = (iterator, n, first, *([self._state] if self.custom_train else []))
+            self._pending.append((n, self.coordinator.schedule(self._closure(), args=args)))
             self.scheduled_steps += n
             while len(self._pending) > self._lag or (with_logs and not self._landed):
                 # Batch logs wait for the epoch's first closure: before it they would be zeros.
@@ -376,10 +374,3 @@ class ParameterServerRunner(StatelessMetricsRunner):
             if explained is None:
                 raise
             raise explained from None
-
-
-def _next(iterator) -> tuple:
-    """(the next batch, when it was asked for): the start of a timed step's input phase."""
-    asked = tf.timestamp()
-    with tf.control_dependencies([asked]):
-        return next(iterator), asked

@@ -28,19 +28,14 @@ from tfdist.peers import lost_peers_explained
 from tfdist.training import loss_normalisation
 from tfdist.training.batch_norm import MovingStatistics
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.loop import NO_LIMIT, StepLoop, call_until_end, each_batch
 from tfdist.training.runner import Runner, StepHook
 from tfdist.training.runners.common import (
-    NO_LIMIT,
     batch_size,
-    call_until_end,
-    each_batch,
     logs_from_state,
     metric_names,
     refuse_asynchronous_hooks,
     refuse_staleness_scaling,
-    repeat,
-    run_until_end,
-    until_end,
     writes,
 )
 from tfdist.training.step_times import PHASES, StepTimes
@@ -77,14 +72,17 @@ class SyncRunner(Runner):
         self.custom = custom_train_step(model)
         self.own_optimizers = list(own_optimizers(model).values())
         self.hooks: list[StepHook] = []
-        self._train_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
-        self._counts: dict[int, tf.Tensor] = {}
-        self._stream_fn = None
+        self._steps = StepLoop(
+            self._timed_step,
+            start=lambda: tf.zeros([len(PHASES)], tf.float64),
+            untimed=self._untimed_step,
+            last=self._last_step,
+        )
         self._one_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self.metric_variables: list[keras.Variable] = []
         self._read_state = traced(lambda: self._metric_state(reduce=True))
         self._read_local_state = traced(lambda: self._metric_state(reduce=False))
-        self._test_fn = None
+        self._test_steps: StepLoop | None = None
         self.moving_statistics: MovingStatistics | None = None
         self._metric_names: list[str] | None = None
         # What the epoch's last step returned (a custom train_step's own logs).
@@ -160,7 +158,7 @@ class SyncRunner(Runner):
         times = tf.stack([arrived - asked, end - arrived - exchange, exchange])
         return outputs, times
 
-    def _untimed_step(self, batch):
+    def _untimed_step(self, batch, times):
         """One step on every replica, with no marks in its graph (a call's steps but its
         last: the marks' control edges cost a small step more than they tell)."""
 
@@ -169,6 +167,7 @@ class SyncRunner(Runner):
                 return hooked_train_step(self.model, self.hooks)(batch)
 
         self.strategy.run(replica, args=(batch,))
+        return times
 
     @contextlib.contextmanager
     def _updates_routed(self, first: Sequence[StepHook] = ()):
@@ -189,62 +188,17 @@ class SyncRunner(Runner):
         local = strategy.experimental_local_results(times)
         return outputs, tf.add_n(list(local)) / len(local)
 
-    def _next(self, iterator, after=()):
-        """The next batch, and when it was asked for (after `after`: the step before)."""
-        with tf.control_dependencies(after):
-            asked = tf.timestamp()
-        with tf.control_dependencies([asked]):
-            return next(iterator), asked
+    def _timed_step(self, batch, asked, total):
+        """A timed step whose times add to `total` (the steps' summed [3] seconds)."""
+        _, times = self._step(batch, asked)
+        return total + times
 
-    def _train_fn(self, n: int):
-        """The traced call that runs `n` steps (its count is an argument: one graph for all).
-
-        Returns (what the last step returned, for a custom step; the summed step times).
+    def _last_step(self, batch, asked, total):
+        """A call's last step: also what the step returned, for a model's own train_step.
         Logs are read by a call of their own: an all-reduce of metric state in the same graph
-        as the gradients' would share the ring all-reduce's transfer keys.
-        """
-        # A single step needs no loop (nor a count), which spares a small model's step on a
-        # CPU the overhead.
-        kind = "single" if n == 1 else "loop"
-        if kind not in self._train_fns:
-            custom = self.custom
-
-            if n == 1:
-
-                def train(iterator):
-                    outputs, times = self._step(*self._next(iterator))
-                    return (outputs if custom else None), times
-
-            else:
-
-                def train(iterator, n):
-                    def untimed(ran):
-                        self._untimed_step(next(iterator))
-                        return ran + 1
-
-                    ran = repeat(n - 1, untimed, tf.constant(0))
-                    # The call's last step is timed: a sample of its steps' phases. Its
-                    # clock starts when the loop has ended (the loop's count says so).
-                    outputs, times = self._step(*self._next(iterator, after=[ran]))
-                    return (outputs if custom else None), times
-
-            self._train_fns[kind] = traced(train)
-        return self._train_fns[kind]
-
-    def _stream(self, iterator, n):
-        """For data of unknown length: each step first asks whether there is a batch."""
-        if self._stream_fn is None:
-
-            def step(batch, asked, total):
-                _, times = self._step(batch, asked)
-                return total + times
-
-            def train(iterator, n):
-                return until_end(iterator, n, step, tf.zeros([len(PHASES)], tf.float64), timed=True)
-
-            self._stream_fn = traced(train)
-        done, times = self._stream_fn(iterator, n)
-        return int(done), times
+        as the gradients' would share the ring all-reduce's transfer keys."""
+        outputs, times = self._step(batch, asked)
+        return total + times, (outputs if self.custom else None)
 
     def _one(self, kind: str, batch):
         """One step of `kind` ('train' or 'test') on a batch; returns what the step returned."""
@@ -260,11 +214,6 @@ class SyncRunner(Runner):
             self._one_fns[kind] = traced(lambda batch: strategy.run(replica, args=(batch,)))
         return self._one_fns[kind](batch)
 
-    def _count(self, n: int) -> tf.Tensor:
-        if n not in self._counts:  # made once: a constant per call costs a small step time
-            self._counts[n] = tf.constant(n)
-        return self._counts[n]
-
     # --- training -----------------------------------------------------------------------------
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
@@ -273,15 +222,11 @@ class SyncRunner(Runner):
                 # The user's step on data of unknown length: a step a call (untimed), its
                 # last return value giving the logs.
                 done, outputs = each_batch(iterator, n, lambda batch: self._one("train", batch))
-            elif bounded:
-                train = self._train_fn(n)
-                outputs, times = train(iterator) if n == 1 else train(iterator, self._count(n))
-                done = n
-                self.times.add(1, np.asarray(times))  # the call's last step
             else:
-                done, times = self._stream(iterator, self._count(n))
-                outputs = None
-                self.times.add(done, np.asarray(times))
+                done, times, outputs = self._steps(iterator, n, bounded=bounded)
+                done = int(done)
+                # Bounded, the call's last step alone is timed: a sample of its steps.
+                self.times.add(1 if bounded else done, np.asarray(times))
             if self.custom and done:
                 self._last_outputs = outputs
             return done, (self._read_logs(logs) if logs and done else None)
@@ -406,7 +351,7 @@ class SyncRunner(Runner):
                 iterator, steps or NO_LIMIT, lambda batch: self._one("test", batch)
             )
             return self._logs_of(outputs) if done else self._metrics()
-        if self._test_fn is None:
+        if self._test_steps is None:
             model, strategy = self.model, self.strategy
             # Weights held in parts across worker processes (zero3, a pipeline) are read by
             # collectives, which the strategy cannot make inside a cond's branch.
@@ -428,13 +373,14 @@ class SyncRunner(Runner):
                 x, _, _ = unpack(batch)
                 tf.cond(batch_size(x) > 0, run, lambda: tf.constant(0))
 
-            def test(iterator, n):
-                return run_until_end(
-                    iterator, n, lambda batch: strategy.run(replica_test, args=(batch,))
-                )
+            def step(batch, ran):  # a count to carry: a cond's branches return something
+                strategy.run(replica_test, args=(batch,))
+                return ran + 1
 
-            self._test_fn = traced(test)
-        call_until_end(lambda n: int(self._test_fn(iterator, n)), self.model, steps)
+            self._test_steps = StepLoop(step, start=lambda: tf.constant(0), timed=False)
+        call_until_end(
+            lambda n: int(self._test_steps(iterator, n, bounded=False)[0]), self.model, steps
+        )
         return self._metrics()
 
     def _metrics(self, *, local: bool = False) -> dict[str, float]:
