@@ -43,6 +43,9 @@ RUNS = [
 # Then the 2 x 2 MLP with each stage's state sharded over its 2 pipelines (shard_optimizer);
 # zero3's run also evaluates and checkpoints, as EVALUATED does (its weights are slices).
 SHARDED = [("mlp", 2, "1f1b", 2, None, shard) for shard in ("zero1", "zero2", "zero3")]
+# Runs fit twice, a call an epoch, as users call it: the second goes on with the stages, rings
+# and traced programs the first left on the model (its runner is kept across calls).
+FITS = {SHARDED[0]: 2}
 
 
 def run_name(model: str, stages: int, schedule: str, micro_batches: int, policy, shard=None) -> str:
@@ -57,13 +60,19 @@ def main(out: str) -> None:
         here = os.path.join(out, run_name(*run))
         os.makedirs(here, exist_ok=True)
         keras.mixed_precision.set_dtype_policy(run[4] or "float32")
-        model, history = train(
-            strategy, *run[:4], here=here, shard=run[5] if len(run) > 5 else None
-        )
+        logs: dict[str, list] = {}
+        model = None
+        for _ in range(FITS.get(run, 1)):
+            model, history = train(
+                strategy, *run[:4], here=here, shard=run[5] if len(run) > 5 else None,
+                model=model,
+            )  # fmt: skip
+            for key, values in history.history.items():
+                logs.setdefault(key, []).extend(values)
         name = f"{task['type']}_{task['index']}"
         np.savez(os.path.join(here, f"{name}.npz"), *model.get_weights())
         with open(os.path.join(here, f"{name}.json"), "w") as f:
-            json.dump(history.history, f)
+            json.dump(logs, f)
 
 
 # The run that also evaluates after each epoch (on every process: the weights are read from
@@ -72,13 +81,17 @@ EVALUATED = ("mlp", 2, "1f1b", 4, None)
 
 
 def train(
-    strategy, model_name: str, stages: int, schedule: str, micro_batches: int, *, here, shard=None
-):
+    strategy, model_name: str, stages: int, schedule: str, micro_batches: int, *, here,
+    shard=None, model=None,
+):  # fmt: skip
+    """One fit of the run (on `model` if given: a second fit goes on from the first)."""
     # 4 stages: built as users of tf.distribute build (mirrored on every worker); 2 stages:
     # in Pipeline.scope, each process's device holding only its stage.
     scope = strategy.scope() if stages == 4 else tfdist.host_scope(strategy)
     with scope:
-        if model_name == "gemma":
+        if model is not None:
+            data, cuts = pipeline_cases.data(), pipeline_cases.CUTS[stages]
+        elif model_name == "gemma":
             model, data = keras_hub_models.gemma_causal_lm(), keras_hub_models.token_data()
             cuts = [f"{model.backbone.name}/decoder_block_1"]
         elif model_name == "mistral":
