@@ -1,4 +1,4 @@
-"""Downpour's model-parallel replicas (tfdist/parallel/downpour.py): under parameter-server
+"""Downpour's model-parallel replicas (tfdist/parallel/pipeline/downpour.py): under parameter-server
 training each worker's replica is cut into stages over that worker's 2 logical devices.
 
 With one worker (and 2 ps) the replica trains as the unsplit model does under Keras's own fit

@@ -209,6 +209,34 @@ def test_tfdist_s_packages_import_one_another_without_circles():
     )
 
 
+def test_the_parallel_modes_packages_import_one_another_without_circles():
+    # Inside tfdist.parallel, its packages (pipeline/, zero/, tensor/) and its modules as
+    # rooms of their own: a feature's package in a circle with another cannot move apart.
+    parallel = ROOT / "parallel"
+
+    def unit(module: str) -> str:
+        parts = module.split(".")
+        if parts[:2] == [PACKAGE, "parallel"] and len(parts) > 3 and (parallel / parts[2]).is_dir():
+            return ".".join(parts[:3])
+        return module
+
+    graph: dict[str, set[str]] = {}
+    for module, imported in import_graph(ROOT, PACKAGE).items():
+        if module.startswith(f"{PACKAGE}.parallel."):
+            graph.setdefault(unit(module), set()).update(
+                unit(m)
+                for m in imported
+                if m.startswith(f"{PACKAGE}.parallel.") and unit(m) != unit(module)
+            )
+    assert {"tfdist.parallel.pipeline", "tfdist.parallel.zero", "tfdist.parallel.tensor"} <= set(
+        graph
+    )
+    found = circles(graph)
+    assert not found, "tfdist.parallel's packages import one another in circles:\n" + "\n".join(
+        " -> ".join(c) for c in found
+    )
+
+
 def absolute_imports(root: Path) -> list[tuple[str, str]]:
     """("file:line", the module named) for each absolute import of every file under root."""
     found = []

@@ -21,8 +21,8 @@ from tests.conftest import run_module
 from tests.workers import pipeline_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Pipeline, StageError, chain, split
-from tfdist.parallel.schedules import schedule
-from tfdist.parallel.stages import tied
+from tfdist.parallel.pipeline.schedules import schedule
+from tfdist.parallel.pipeline.stages import tied
 from tfdist.training.fit_data import make_fit_data
 from tools import keras_hub_models, keras_io_models
 

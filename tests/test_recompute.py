@@ -98,7 +98,9 @@ def recomputed(model) -> set[str]:
     for block in ("block_0", "block_1"):
         for part in ("inner", "outer", "norm"):
             names[id(getattr(model.get_layer(block), part))] = f"{block}.{part}"
-    return {names.get(id(layer), layer.name) for layer in tfdist.parallel.units.recomputed(model)}
+    return {
+        names.get(id(layer), layer.name) for layer in tfdist.parallel.zero.units.recomputed(model)
+    }
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

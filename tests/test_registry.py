@@ -18,7 +18,7 @@ from tfdist.parallel import registry
 from tfdist.parallel.accumulate import Accumulate
 from tfdist.parallel.asynchronous import BoundedStaleness, DelayCompensation
 from tfdist.parallel.local_sgd import LocalSGD
-from tfdist.parallel.zero import ShardedUpdate
+from tfdist.parallel.zero.sharded import ShardedUpdate
 from tfdist.training import chain
 from tfdist.training.runner import StepHook
 

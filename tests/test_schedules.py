@@ -1,4 +1,4 @@
-"""Pipeline schedules (tfdist.parallel.schedules): dependencies, bubble and memory."""
+"""Pipeline schedules (tfdist.parallel.pipeline.schedules): dependencies, bubble and memory."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-from tfdist.parallel import schedules
-from tfdist.parallel.schedules import (
+from tfdist.parallel.pipeline import schedules
+from tfdist.parallel.pipeline.schedules import (
     COMPUTE,
     Action,
     Kind,

@@ -1,4 +1,4 @@
-"""Sharded optimizer state and gradients (tfdist.parallel.zero) and gradient accumulation
+"""Sharded optimizer state and gradients (tfdist.parallel.zero.sharded) and gradient accumulation
 (tfdist.parallel.accumulate), against unsharded training and Keras's own fit.
 
 In one process over 2, 3 and 4 logical CPUs (mirrored), and with real worker processes
@@ -21,7 +21,7 @@ from tests.conftest import run_module, run_python
 from tests.workers import zero_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
-from tfdist.parallel.zero import slot_bytes
+from tfdist.parallel.zero.sharded import slot_bytes
 
 # The worker-process tests share one module fixture (three jobs) and one pytest worker
 # (their xdist_group).

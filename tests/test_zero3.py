@@ -1,4 +1,4 @@
-"""ZeRO stage 3 (tfdist.parallel.zero3): weights, gradients and optimizer state sharded over
+"""ZeRO stage 3 (tfdist.parallel.zero.stage3): weights, gradients and optimizer state sharded over
 the replicas, against Keras's own fit on one device (same data, same order), over 2 and 3
 logical CPUs in this process. Worker processes: tests/test_zero.py's jobs; bytes per
 device: tests/test_memory.py.

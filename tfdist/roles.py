@@ -60,7 +60,7 @@ def serve_if_needed(
         inter_op_parallelism_threads=max(_MIN_INTER_OP_THREADS, os.cpu_count() or 1)
     )
     # The server has devices of its own: a CPU split by tfdist.configure_cpu_devices (the
-    # stage devices of a worker's split replica, tfdist.parallel.downpour) is carried over.
+    # stage devices of a worker's split replica, tfdist.parallel.pipeline.downpour) is carried over.
     cpus = tf.config.get_logical_device_configuration(tf.config.list_physical_devices("CPU")[0])
     if cpus and len(cpus) > 1:
         config.device_count["CPU"] = len(cpus)

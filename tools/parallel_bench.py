@@ -247,7 +247,7 @@ def held_at_most(passes: list[tuple[str, float, float]]) -> int:
 
 
 def bench_pipeline(sizes: Sizes, schedules: list[str]) -> tuple[list[dict], list[dict]]:
-    from tfdist.parallel.schedules import bubble_formula, schedule, simulate
+    from tfdist.parallel.pipeline.schedules import bubble_formula, schedule, simulate
 
     bubble_rows, held_rows = [], []
     dataset = mlp_data(sizes)

@@ -37,7 +37,8 @@ from tfdist import compat, signals
 from tfdist.cluster import cluster_from_environment
 from tfdist.data.pipeline import explain_data_error
 from tfdist.errors import FitError, TfdistError
-from tfdist.parallel import host, layout_line, registry, units
+from tfdist.parallel import host, layout_line, registry
+from tfdist.parallel.zero import units
 from tfdist.strategies import strategy_kind
 from tfdist.training import chain, fit_callbacks, kept
 from tfdist.training.controller import Controller

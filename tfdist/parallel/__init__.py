@@ -1,14 +1,14 @@
-"""Parallel modes, each one file behind tfdist.fit's seam, and the registry that offers them.
+"""Parallel modes behind tfdist.fit's seam (a file each, a package each for ZeRO and the
+pipeline), and the registry that offers them.
 
 - registry.py: one entry per mode (fit's keyword, TrainConfig's field, the binary's flag and
   help, the hook's place in the chain, its checkpoint rules, its builder).
-- zero.py: ShardedUpdate, the optimizer's state (ZeRO stage 1) and the gradients (stage 2)
-  sharded over the replicas of a synchronous strategy.
-- zero3.py: ShardedParameters, ZeRO stage 3: the weights sharded too, each gathered where a
-  layer reads it.
-- host.py: host_scope, where to build a model no device holds whole (ZeRO-3, a pipeline).
-- units.py: the units ZeRO-3 gathers at once, and `recompute_activations`, activation
+- zero/: ZeRO. sharded.py: ShardedUpdate, the optimizer's state (stage 1) and the gradients
+  (stage 2) sharded over the replicas of a synchronous strategy; stage3.py:
+  ShardedParameters, the weights sharded too, each gathered where a layer reads it;
+  units.py: the units stage 3 gathers at once, and `recompute_activations`, activation
   checkpointing under every layout (and Keras's RematScope, run tfdist's way).
+- host.py: host_scope, where to build a model no device holds whole (ZeRO-3, a pipeline).
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
 - asynchronous.py: corrections for parameter-server training's stale updates:
   DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness),
@@ -19,17 +19,15 @@
   a time-varying exponential graph): no all-reduce, no server.
 - admm.py: ADMM, consensus ADMM SGD: local steps on each replica's own loss plus a penalty,
   then a consensus and dual update every k steps.
-- schedules.py: pipeline schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) as typed
-  actions per device, and their simulation: the step's length, the bubble, the activations
-  each stage holds.
-- stages.py: a model cut into stages at named layers (`split`), or stages chained (`chain`).
-- pipeline.py: Pipeline, the stages over the replicas trained in micro-batches (a runner
-  factory: it replaces the runner); pipeline_runner.py its runner, pipeline_home.py where
-  its stages keep the weights, pipeline_step.py one step's program.
-- executor.py: the one executor of every schedule's actions (Pipeline's and Downpour's);
-  stage_links.py the sends and receives between stages.
-- downpour.py: SplitReplicaRunner, a Pipeline under parameter_server: each worker's replica
-  cut into stages over that worker's devices, training asynchronously (Downpour SGD).
+- pipeline/: pipeline parallelism. Its package holds Pipeline, the stages over the replicas
+  trained in micro-batches (a runner factory: it replaces the runner); stages.py, a model
+  cut into stages at named layers (`split`) or stages chained (`chain`); schedules.py, the
+  schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) as typed actions per device and
+  their simulation; executor.py, the one executor of every schedule's actions (Pipeline's
+  and Downpour's), links.py its sends and receives between stages; runner.py the runner,
+  home.py where the stages keep the weights, step.py one step's program, tensor.py stages
+  split over tensor-parallel groups; downpour.py, SplitReplicaRunner, a Pipeline under
+  parameter_server (each worker's replica cut into stages over its devices, Downpour SGD).
 - tensor/: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
   ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model
   (or to split it by a layout map, given or derived from its shapes: `derive_layout_map`),
@@ -56,17 +54,17 @@ _EXPORTS = {
     "DelayCompensation": "tfdist.parallel.asynchronous",
     "MomentumCorrection": "tfdist.parallel.asynchronous",
     "SynchronousWarmup": "tfdist.parallel.asynchronous",
-    "SplitReplicaRunner": "tfdist.parallel.downpour",
+    "SplitReplicaRunner": "tfdist.parallel.pipeline.downpour",
     "Gossip": "tfdist.parallel.gossip",
     "LocalSGD": "tfdist.parallel.local_sgd",
     "LocalUpdateError": "tfdist.parallel.local_sgd",
     "LocalUpdates": "tfdist.parallel.local_sgd",
     "Pipeline": "tfdist.parallel.pipeline",
-    "PipelineRunner": "tfdist.parallel.pipeline_runner",
-    "Stage": "tfdist.parallel.stages",
-    "StageError": "tfdist.parallel.stages",
-    "chain": "tfdist.parallel.stages",
-    "split": "tfdist.parallel.stages",
+    "PipelineRunner": "tfdist.parallel.pipeline.runner",
+    "Stage": "tfdist.parallel.pipeline.stages",
+    "StageError": "tfdist.parallel.pipeline.stages",
+    "chain": "tfdist.parallel.pipeline.stages",
+    "split": "tfdist.parallel.pipeline.stages",
     "ColumnParallelDense": "tfdist.parallel.tensor",
     "ParallelEmbedding": "tfdist.parallel.tensor",
     "ParallelMultiHeadAttention": "tfdist.parallel.tensor",
@@ -77,13 +75,13 @@ _EXPORTS = {
     "derive_layout_map": "tfdist.parallel.tensor",
     "split_layers": "tfdist.parallel.tensor",
     "tensor_parallel": "tfdist.parallel.tensor",
-    "Partition": "tfdist.parallel.zero",
-    "ShardedUpdate": "tfdist.parallel.zero",
-    "ShardedParameters": "tfdist.parallel.zero3",
+    "Partition": "tfdist.parallel.zero.sharded",
+    "ShardedUpdate": "tfdist.parallel.zero.sharded",
+    "ShardedParameters": "tfdist.parallel.zero.stage3",
     "host_scope": "tfdist.parallel.host",
-    "UnitError": "tfdist.parallel.units",
-    "recompute_activations": "tfdist.parallel.units",
-    "ShardingError": "tfdist.parallel.zero",
+    "UnitError": "tfdist.parallel.zero.units",
+    "recompute_activations": "tfdist.parallel.zero.units",
+    "ShardingError": "tfdist.parallel.zero.sharded",
     "MODES": "tfdist.parallel.registry",
     "Mode": "tfdist.parallel.registry",
 }

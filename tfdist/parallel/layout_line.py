@@ -12,7 +12,7 @@ from typing import Any
 import keras
 
 from tfdist.layout_names import layout_name
-from tfdist.parallel.pipeline_runner import PipelineRunner
+from tfdist.parallel.pipeline.runner import PipelineRunner
 from tfdist.parallel.tensor.layers import split_layers
 from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.training.runner import Runner

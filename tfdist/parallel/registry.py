@@ -353,7 +353,7 @@ MODES: tuple[Mode, ...] = (
     Mode(
         keyword="shard_optimizer",
         summary="None, 'zero1' (the optimizer's state sharded over the replicas), 'zero2' "
-        "(the gradients too) or 'zero3' (the weights too); tfdist.parallel.zero, zero3. "
+        "(the gradients too) or 'zero3' (the weights too); tfdist.parallel.zero. "
         "Synchronous strategies",
         help="Synchronous strategies: shard the optimizer's state over the replicas (zero1: "
         "1/N of the slots per replica), with zero2 the gradients too (reduce-scatter, then "
@@ -361,7 +361,7 @@ MODES: tuple[Mode, ...] = (
         "result as unsharded; see docs/guides/zero.md.",
         value=Choice(("zero1", "zero2", "zero3")),
         place=Place.UPDATE,
-        builder="tfdist.parallel.zero3:shard_hook",
+        builder="tfdist.parallel.zero.stage3:shard_hook",
         resume_must_match=True,
         takes=("offload",),
         reads_model=True,
@@ -370,7 +370,7 @@ MODES: tuple[Mode, ...] = (
         keyword="offload",
         summary="'optimizer': with shard_optimizer, each replica's optimizer state (its "
         "slots, and zero1/zero2's float32 slice of the weights) kept in host memory, where "
-        "its update runs (ZeRO-Offload); tfdist.parallel.zero, zero3",
+        "its update runs (ZeRO-Offload); tfdist.parallel.zero",
         help="With --shard_optimizer: keep each replica's optimizer state (its slots, and "
         "zero1/zero2's float32 slice of the weights) in host memory and run its update there "
         "(ZeRO-Offload), so a device holds only the weights (zero3: its slice of them) and "

@@ -14,7 +14,7 @@ grouped as tfdist runs each layout:
   zero1 x D        all-reduce of the gradients, then all-gather of the updated weights
   zero2 x D        reduce-scatter of the gradients, then all-gather of the weights
   zero3 x D        the weights all-gathered forward and again backward, the gradients
-                   reduce-scattered (zero3.py)
+                   reduce-scattered (zero/stage3.py)
   pipeline S x D   M micro-batches per step: each stage's forward and backward, an
                    activation sent forward and its gradient back per cut; the bubble,
                    (S-1)/(M+S-1) of the step; each stage's gradients all-reduced over D

@@ -44,7 +44,7 @@ step, whether the step is Keras's `train_step`, the model's own override, or the
 parameter-server runner's stateless step. A new parallel mode is one new file in
 tfdist/parallel/ and one entry in tfdist/parallel/registry.py:
 
-    class ShardedUpdate(tfdist.StepHook):            # zero.py: ZeRO stages 1 and 2
+    class ShardedUpdate(tfdist.StepHook):            # zero/sharded.py: ZeRO stages 1 and 2
         synchronous_only = True                      # central_storage / ps refuse it
         applies_update = ends_chain = True           # the step's one update, last
         keeps_optimizer_state = True                 # BackupAndRestore cannot save it
@@ -60,7 +60,7 @@ tfdist/parallel/ and one entry in tfdist/parallel/registry.py:
             return {"sharded_optimizer_state": ...}
 
     Mode(keyword="shard_optimizer", value=Choice(("zero1", "zero2")), place=Place.UPDATE,
-         builder="tfdist.parallel.zero:ShardedUpdate", resume_must_match=True, ...)
+         builder="tfdist.parallel.zero.sharded:ShardedUpdate", resume_must_match=True, ...)
 
 From the entry come fit's keyword and its docstring line, the binary's flag and help,
 TrainConfig's field, the hook's place in the chain and its checkpoint rule:

@@ -68,7 +68,7 @@ of the weights, not one unit's (zero3's units are not built here).
 
 Local devices of one mirrored strategy (not across worker processes). With a pipeline
 the stages train the parts themselves, each stage replica a group of T devices
-(parallel/pipeline_tensor.py, which runs the same exchanges: SplitCalls).
+(parallel/pipeline/tensor.py, which runs the same exchanges: SplitCalls).
 """
 
 from __future__ import annotations

@@ -118,7 +118,7 @@ def update_for(
     """The update a model's split layers need in tfdist.fit's chain (None: it has none):
     LayoutParallel for a model tensor_parallel(layout_map=...) marked, its parts sharded
     over their data groups under `shard_optimizer`. Under `pipeline` the stages train a
-    layout's parts themselves (pipeline_tensor.py): none.
+    layout's parts themselves (pipeline/tensor.py): none.
 
     Raises:
       TensorParallelError: `shard_optimizer` with split layers (the rewrite of

@@ -1,13 +1,13 @@
 """ZeRO stage 3: the weights, their gradients and the optimizer's state sharded over the
 replicas; each weight gathered whole only where a layer reads it.
 
-Stages 1 and 2 (zero.py) shard the optimizer's state and the gradients, but every replica
+Stages 1 and 2 (zero/sharded.py) shard the optimizer's state and the gradients, but every replica
 still keeps every weight whole. Under stage 3 (Rajbhandari et al., 2020) each of the N
 replicas keeps 1/N of each weight (a flat, padded slice) and the slots for that slice, on
 its device: 3/N of the weights' bytes under Adam, against 3 for plain data parallelism.
 Each step:
 
-  1. Forward: each unit (tfdist.parallel.units: by default each layer that owns weights)
+  1. Forward: each unit (tfdist.parallel.zero.units: by default each layer that owns weights)
      all-gathers its weights from the replicas' slices once its inputs exist, runs, and
      drops them.
   2. Backward: once the gradients of a unit's outputs arrive, the unit gathers its weights
@@ -63,9 +63,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import host, saved_state, units, updates
+from tfdist.parallel import host, saved_state, updates
 from tfdist.parallel.tensor.layout_map import plan_of
-from tfdist.parallel.zero import (
+from tfdist.parallel.zero import units
+from tfdist.parallel.zero.sharded import (
     ShardedUpdate,
     ShardingError,
     _WholeSlots,

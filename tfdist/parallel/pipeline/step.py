@@ -17,10 +17,10 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist.parallel import updates
-from tfdist.parallel.executor import Executor, StageInput, StepOptions
-from tfdist.parallel.pipeline_home import StageReplica, flat_slice, joined, piece_of, slice_size
-from tfdist.parallel.schedules import schedule
-from tfdist.parallel.stage_links import StageLinks
+from tfdist.parallel.pipeline.executor import Executor, StageInput, StepOptions
+from tfdist.parallel.pipeline.home import StageReplica, flat_slice, joined, piece_of, slice_size
+from tfdist.parallel.pipeline.links import StageLinks
+from tfdist.parallel.pipeline.schedules import schedule
 from tfdist.training import sparse_rows
 
 
@@ -39,7 +39,7 @@ class PipelineStep:
     averaged over the pipelines, one optimizer step per stage. The traced function takes
     the global batch and returns (the step's metric state, each replica's pass times)."""
 
-    # runner: the PipelineRunner (pipeline_runner.py, which imports this module)
+    # runner: the PipelineRunner (pipeline/runner.py, which imports this module)
     def __init__(self, runner: Any, micro: int):
         self.runner, self.micro = runner, micro
         self.model = runner.model

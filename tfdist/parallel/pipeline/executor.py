@@ -40,9 +40,9 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.parallel import updates
-from tfdist.parallel.schedules import Action, Kind, lowered, simulate
-from tfdist.parallel.stage_links import StageLinks
-from tfdist.parallel.stages import Stage, StageError
+from tfdist.parallel.pipeline.links import StageLinks
+from tfdist.parallel.pipeline.schedules import Action, Kind, lowered, simulate
+from tfdist.parallel.pipeline.stages import Stage, StageError
 from tfdist.training import loss_normalisation
 from tfdist.training.fit_data import unpack
 from tfdist.training.runners.common import batch_size
@@ -73,7 +73,7 @@ class StepOptions:
 @dataclasses.dataclass
 class StageInput:
     """One stage replica as the step starts: its device, weights and statistics. A tensor
-    group (pipeline_tensor.py) gives its first member's device, and each member's weights
+    group (pipeline/tensor.py) gives its first member's device, and each member's weights
     and statistics (`weights[k]`, `statistics[k]`), with `group` set."""
 
     device: str
@@ -137,7 +137,7 @@ class _Replica:
     device: str
     weights: list  # a tensor group's: per member
     statistics: list  # after the latest forward pass (a tensor group's: per member)
-    group: bool = False  # a tensor group (pipeline_tensor.py)
+    group: bool = False  # a tensor group (pipeline/tensor.py)
     grads: list | None = None  # the weights' gradients, summed so far (a group's: per member)
     saved: dict[int, _Forward] = dataclasses.field(default_factory=dict)  # by micro-batch
     # Received (RECV_*) and to be sent (SEND_*): by (forward?, micro-batch).
@@ -409,7 +409,7 @@ class Executor:
         return _marker(r)
 
     def _group_backward(self, r: _Replica, m: int):
-        """A tensor group's backward pass: its members' tapes (pipeline_tensor.py), seeded
+        """A tensor group's backward pass: its members' tapes (pipeline/tensor.py), seeded
         by the loss's gradient for the outputs on the last stage, else by what came back."""
         forward = r.saved.pop(m)
         if forward.objective is not None:

@@ -37,7 +37,7 @@ on collective point-to-point transfers). The packed weights travel in buckets (l
 gradient ring's fusion), each exchanged and updated after the last is written back, so the
 update's temporaries are a bucket's worth.
 
-Stage 3, the weights sharded too, is zero3.py (ShardedParameters); `shard_optimizer="zero3"`
+Stage 3, the weights sharded too, is zero/stage3.py (ShardedParameters); `shard_optimizer="zero3"`
 builds it (zero3.shard_hook picks the stage).
 """
 

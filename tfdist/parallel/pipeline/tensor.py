@@ -34,7 +34,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.collective import keys, replicas
-from tfdist.parallel.stages import Stage, StageError
+from tfdist.parallel.pipeline.stages import Stage, StageError
 from tfdist.parallel.tensor.layout_map import LayoutPlan, SplitCalls
 
 

@@ -1,7 +1,7 @@
 """The runner of a pipeline (see pipeline.py): it cuts the model into stages, places their
 replicas on the strategy's devices (or worker processes), moves the model's weights and
-its optimizer's slots into them (pipeline_home.py), and trains a batch a step, each step a
-program of its own (pipeline_step.py) for each micro-batch size.
+its optimizer's slots into them (pipeline/home.py), and trains a batch a step, each step a
+program of its own (pipeline/step.py) for each micro-batch size.
 """
 
 from __future__ import annotations
@@ -22,11 +22,19 @@ from tfdist.devices import cpu_device_names
 from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.parallel.host import host_device
-from tfdist.parallel.pipeline_home import StageReplica, StageStore, empty_variables, slice_size
-from tfdist.parallel.pipeline_step import PipelineStep
-from tfdist.parallel.pipeline_tensor import TensorStages
-from tfdist.parallel.stage_links import LINK_GROUP_KEY_BASE
-from tfdist.parallel.stages import SharedWeight, Stage, StageError, devices_for, shared, split, tied
+from tfdist.parallel.pipeline.home import StageReplica, StageStore, empty_variables, slice_size
+from tfdist.parallel.pipeline.links import LINK_GROUP_KEY_BASE
+from tfdist.parallel.pipeline.stages import (
+    SharedWeight,
+    Stage,
+    StageError,
+    devices_for,
+    shared,
+    split,
+    tied,
+)
+from tfdist.parallel.pipeline.step import PipelineStep
+from tfdist.parallel.pipeline.tensor import TensorStages
 from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.strategies import strategy_kind
 from tfdist.training import shards
@@ -78,7 +86,7 @@ class PipelineRunner(SyncRunner):
         self.devices_per_pipeline = 1
         self.devices = 1  # every process's devices the stage replicas take
         # A model split by a layout map: each stage replica is a group of `tensor` devices
-        # (pipeline_tensor.py), each weight held as `placements` says.
+        # (pipeline/tensor.py), each weight held as `placements` says.
         plan = plan_of(model)
         self.tensor = 1 if plan is None else plan.degree
         self.placements = None if plan is None else list(plan.placements)

@@ -42,10 +42,10 @@ import tensorflow as tf
 
 from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.parallel.executor import Executor, StageInput, StepOptions
-from tfdist.parallel.schedules import schedule
-from tfdist.parallel.stage_links import StageLinks
-from tfdist.parallel.stages import Stage, StageError, devices_for, split, tied
+from tfdist.parallel.pipeline.executor import Executor, StageInput, StepOptions
+from tfdist.parallel.pipeline.links import StageLinks
+from tfdist.parallel.pipeline.schedules import schedule
+from tfdist.parallel.pipeline.stages import Stage, StageError, devices_for, split, tied
 from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import shards_of
 from tfdist.training.runner import StepHook

@@ -20,7 +20,7 @@ import tensorflow as tf
 
 from tfdist.collective.keys import group_key_base
 from tfdist.collective.transport import Transfers
-from tfdist.parallel.stages import Stage
+from tfdist.parallel.pipeline.stages import Stage
 
 # Group keys of the stage-to-stage links (one 2-member group per neighbouring pair);
 # collective/keys.py holds every range.

@@ -51,7 +51,7 @@ their slices within them.
 
 Tensor-parallel stages: a model split by a layout map (`tensor_parallel(model,
 layout_map=...)`) runs each stage replica over T devices, each holding its parts of the
-stage's split weights (pipeline_tensor.py), 1F1B or GPipe, with shard_optimizer too (all
+stage's split weights (pipeline/tensor.py), 1F1B or GPipe, with shard_optimizer too (all
 three). Worker processes of several devices each hold whole stages (every pipeline's
 replica of them): only activations and their gradients cross between processes.
 
@@ -63,12 +63,12 @@ a split stage, and a weight several stages hold in different worker processes.
 BatchNormalization normalises each micro-batch by its own statistics, as in GPipe; M = 1
 matches the unsplit model exactly.
 
-Where the pieces live: this module holds the factory (`Pipeline`); pipeline_runner.py the
-runner (building, placing, the training loop); pipeline_home.py where the weights and slots
-live (StageStore); pipeline_step.py a step's program (the executor's passes, the exchange over the
-pipelines, the stages' updates); pipeline_tensor.py a tensor group's passes; executor.py the
+Where the pieces live: this module holds the factory (`Pipeline`); pipeline/runner.py the
+runner (building, placing, the training loop); pipeline/home.py where the weights and slots
+live (StageStore); pipeline/step.py a step's program (the executor's passes, the exchange over the
+pipelines, the stages' updates); pipeline/tensor.py a tensor group's passes; executor.py the
 one executor of every schedule's actions, shared with Downpour's split replica (downpour.py);
-stage_links.py the sends and receives between stages; schedules.py the schedules as typed
+pipeline/links.py the sends and receives between stages; schedules.py the schedules as typed
 actions.
 """
 
@@ -80,9 +80,9 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import FitError
-from tfdist.parallel import units
 from tfdist.parallel.host import host_scope
-from tfdist.parallel.schedules import SCHEDULES
+from tfdist.parallel.pipeline.schedules import SCHEDULES
+from tfdist.parallel.zero import units
 from tfdist.strategies import needs_coordinator
 
 
@@ -194,9 +194,9 @@ class Pipeline:
                     "parameter_server the variables live on the ps tasks already. Drop "
                     f"shard_optimizer. Received: shard_optimizer={shard_optimizer!r}"
                 )
-            from tfdist.parallel.downpour import SplitReplicaRunner
+            from tfdist.parallel.pipeline.downpour import SplitReplicaRunner
 
             return SplitReplicaRunner(model, strategy, self)
-        from tfdist.parallel.pipeline_runner import PipelineRunner
+        from tfdist.parallel.pipeline.runner import PipelineRunner
 
         return PipelineRunner(model, strategy, self, shard=shard_optimizer)

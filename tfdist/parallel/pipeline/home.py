@@ -15,7 +15,7 @@ from tfdist import compat
 from tfdist.collective.ring import owned_chunk
 from tfdist.errors import FitError
 from tfdist.parallel import host, updates
-from tfdist.parallel.stages import Stage
+from tfdist.parallel.pipeline.stages import Stage
 from tfdist.parallel.updates import flat_slice, joined, slice_size
 from tfdist.training import shards
 
@@ -29,7 +29,7 @@ class StageReplica:
     updates the slices (its slots are slices too); under zero3 the slice is all the replica
     keeps of the weight (`trainable[j]` is the slice), gathered for each step.
 
-    A stage replica that is a tensor group (pipeline_tensor.py) is T of these, `member`
+    A stage replica that is a tensor group (pipeline/tensor.py) is T of these, `member`
     0 to T-1, each on its own device: a member's copy of a weight the layout splits is its
     part (and so are its slots).
     """
@@ -101,7 +101,7 @@ class StageStore(shards.Shards):
     same stage replicas, slots and all.
     """
 
-    # runner: the PipelineRunner (pipeline_runner.py, which imports this module)
+    # runner: the PipelineRunner (pipeline/runner.py, which imports this module)
     def __init__(self, key: tuple, runner: Any, replicas: list[StageReplica]):
         self.key, self.strategy, self.processes = key, runner.strategy, runner.processes
         self.pipelines = runner.pipelines
