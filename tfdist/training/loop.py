@@ -43,17 +43,6 @@ def asked_for(iterator, after=()):
         return next(iterator), asked
 
 
-def repeat(n, step, state):
-    """`state = step(state)`, `n` (a scalar tensor) times, in one tf.while_loop; returns
-    the last state."""
-    _, state = tf.while_loop(
-        lambda i, _: i < n,
-        lambda i, state: (i + 1, step(state)),
-        (tf.zeros([], n.dtype), state),
-    )
-    return state
-
-
 def until_end(iterator, n, step, state, *, timed: bool = False):
     """`state = step(batch, state)` on up to `n` batches, stopping where the data ends
     (every worker's distributed iterator agrees on the end), in one tf.while_loop.
