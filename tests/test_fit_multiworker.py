@@ -190,6 +190,15 @@ def test_parameter_server_trains_a_user_model(parameter_servers):
     assert logs["history"]["loss"][-1] < logs["history"]["loss"][0]
     assert "val_accuracy" in logs["history"]
     assert "parameter_server test accuracy" in output
+    # A second fit traces nothing new and counts on from the first's 4 x 40 updates, as
+    # Keras's does (a schedule would otherwise start again).
+    assert logs["evaluate"]["first_traces"] > 0
+    assert logs["evaluate"]["second_fit_traces"] == 0
+    assert logs["evaluate"]["iterations"] == 5 * 40
+    assert logs["evaluate"]["second_fit_loss"] < logs["history"]["loss"][0]
+    # The default bound (max_staleness=0) holds in it too: its tickets count from 0 again.
+    assert logs["history"]["staleness_max"] == [0] * 4
+    assert logs["evaluate"]["second_fit_staleness_max"] == 0
     assert logs["evaluate"]["zero2"].startswith(
         "shard_optimizer='zero2' works on the steps of a synchronous strategy"
     ), logs["evaluate"]["zero2"]

@@ -133,6 +133,18 @@ def callbacks(out: str, strategy) -> None:
     save(out, "cnn", model, {"history": history.history, "stopped_epoch": stop.stopped_epoch})
 
 
+class CountsTraces(keras.layers.Layer):
+    """Counts the traces that call it: Python runs in a traced function only while tracing
+    (here, on the coordinator, which traces the closures the workers run)."""
+
+    traces = 0
+
+    def call(self, x):
+        if tf.inside_function() and not isinstance(x, keras.KerasTensor):
+            CountsTraces.traces += 1
+        return x
+
+
 def parameter_server(out: str, strategy) -> None:
     from sklearn.datasets import load_digits
 
@@ -145,6 +157,7 @@ def parameter_server(out: str, strategy) -> None:
             [
                 keras.Input((8, 8, 1)),
                 keras.layers.Flatten(),
+                CountsTraces(),
                 keras.layers.Dense(64, activation="relu"),
                 keras.layers.Dense(10),
             ]
@@ -163,6 +176,13 @@ def parameter_server(out: str, strategy) -> None:
     print(f"parameter_server test accuracy {evaluation['accuracy']:.3f}", flush=True)
     logits = tfdist.predict(model, x[1400:], batch_size=64, verbose=0)
     evaluation["predicted_accuracy"] = float(np.mean(np.argmax(logits, axis=1) == y[1400:]))
+    # A second fit goes on with the first's coordinator, counter and traced closures.
+    evaluation["first_traces"] = CountsTraces.traces
+    again = tfdist.fit(model, train, epochs=1, steps_per_epoch=40, verbose=0)
+    evaluation["second_fit_traces"] = CountsTraces.traces - evaluation["first_traces"]
+    evaluation["second_fit_loss"] = again.history["loss"][0]
+    evaluation["second_fit_staleness_max"] = again.history["staleness_max"][0]
+    evaluation["iterations"] = int(model.optimizer.iterations.numpy())
     # Sharded optimizer state means nothing here: the ps hold each variable's state once.
     try:
         tfdist.fit(model, train, steps_per_epoch=1, verbose=0, shard_optimizer="zero2")

@@ -103,6 +103,8 @@ class DelayCompensation(StepHook):
         return "async_correction='dc'"
 
     def build(self, model: keras.Model, runner: Runner) -> None:
+        if self.already_built(model, runner):
+            return  # a later fit of a kept runner: its traced steps hold these variables
         strategy = runner.strategy
         self.mean_squares = {}
         self._variables = [r for v in model.trainable_variables for r in _resources(v)]
@@ -314,6 +316,8 @@ class BoundedStaleness(StepHook):
         return f"max_staleness={self.max_staleness}"
 
     def build(self, model: keras.Model, runner: Runner) -> None:
+        if self.already_built(model, runner):
+            return  # a later fit of a kept runner: its traced steps hold these variables
         with runner.strategy.scope():
             # The steps whose updates are written, in ticket order, and the waits that ended
             # by the timeout.
@@ -325,6 +329,11 @@ class BoundedStaleness(StepHook):
                 0, dtype=tf.int64, trainable=False, name="staleness_timeouts",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
             )  # fmt: skip
+
+    def start(self) -> None:
+        # Each call's tickets count from 0.
+        self.written.assign(0)
+        self.timeouts.assign(0)
 
     def begin_step(self, step: AsyncStep) -> list[tf.Tensor]:
         self._step = step

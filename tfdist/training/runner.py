@@ -173,7 +173,8 @@ class StepHook:
     def start(self) -> None:
         """Where training starts, at every fit, after any checkpoint is restored: a hook
         that keeps its own copy of the weights (ZeRO-3's slices) takes them from the model
-        here. Every lockstep worker calls it at the same point."""
+        here. Every lockstep worker calls it at the same point (parameter_server: the
+        coordinator)."""
 
     def settle(self) -> None:
         """Where the runner settles (each epoch end, before a save): a hook whose replicas'

@@ -37,6 +37,7 @@ from tfdist.training.runners.stateless import StatelessMetricsRunner, StepMarks
 from tfdist.training.staleness import (
     STALENESS_STATS,
     StalenessAwareSchedule,
+    StalenessStats,
     UpdateCounter,
 )
 from tfdist.training.step_times import PHASES
@@ -82,6 +83,9 @@ class ParameterServerRunner(StatelessMetricsRunner):
     kinds = (kinds.PARAMETER_SERVER,)
     mode_defaults = {"max_staleness": PS_MAX_STALENESS}
     train_waits_for_steps = False  # closures are scheduled on the workers
+    # The coordinator, the update counter on a ps and the closures' traced steps serve the
+    # model's next call too; each call starts its own count, data and staleness figures.
+    kept_across_calls = True
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
         super().__init__(model, strategy)
@@ -99,7 +103,9 @@ class ParameterServerRunner(StatelessMetricsRunner):
                 else (None, self._stateless_test_step(batch, state))
             )
         )
-        self._per_worker_iterators: dict[int, object] = {}
+        # (the call's data, its per-worker iterator): a call's data streams on, a new
+        # call's starts afresh on every worker.
+        self._streaming: tuple[FitData, object] | None = None
         with strategy.scope():  # on a ps, beside the variables whose updates it counts
             self.counter = UpdateCounter()
         self.staleness = self.counter.stats
@@ -241,10 +247,9 @@ class ParameterServerRunner(StatelessMetricsRunner):
 
     def iterator(self, data: FitData, *, skip: int = 0):
         del skip  # each worker's copy of the data streams on; nothing to skip
-        key = id(data)
-        if key not in self._per_worker_iterators:
-            self._per_worker_iterators[key] = iter(data.per_worker(self.coordinator))
-        return self._per_worker_iterators[key]
+        if self._streaming is None or self._streaming[0] is not data:
+            self._streaming = data, iter(data.per_worker(self.coordinator))
+        return self._streaming[1]
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
         del bounded  # per-worker data repeats without end
@@ -290,7 +295,17 @@ class ParameterServerRunner(StatelessMetricsRunner):
           checkpoint_status: returns (step, directory) of the newest checkpoint, where a
             restart would resume; None if nothing saves checkpoints.
         """
-        self.scheduled_steps = self._first_step = global_step
+        # A model's next call counts on from its updates so far, as Keras's fit does: its
+        # optimizer's iterations, exact since the last call's settle (or a restore).
+        done = int(self.model.optimizer.iterations.numpy())
+        self.scheduled_steps = self._first_step = max(global_step, done)
+        if self.counter.value() < self.scheduled_steps:
+            # A new counter on a trained model: the updates before it count once, so that
+            # applied minus scheduled still finds those a re-run closure applied twice.
+            self.counter.variable.assign(self.scheduled_steps)
+        self.counter.stats = self.staleness = StalenessStats()  # this call's figures
+        for hook in self.hooks:
+            hook.start()
         self.total_steps = total_steps
         self.checkpoint_status = checkpoint_status
 
