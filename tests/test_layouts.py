@@ -248,6 +248,30 @@ def test_pipeline_x_tensor_trains_as_keras_on_one_device_holding_its_share(
     _saves_as(reference, model, tmp_path)
 
 
+@pytest.mark.xdist_group("layouts_mlp")  # mlp_reference's fit runs once
+def test_pipeline_x_tensor_interleaved_then_zero_bubble_trains_as_keras_on_one_device(
+    mlp_reference,
+):
+    """Tensor-parallel stages under the other schedules, an epoch each: interleaved (4
+    stages, each 2-device group holding stages k and k + 2), then zero-bubble (2 stages,
+    each member's backward in an input pass, then a weights' pass from the same tape).
+    Keras's weights on one device within 1e-5."""
+    reference, losses = mlp_reference
+    model, _ = _split_mlp()
+    pipelines = [
+        tfdist.parallel.Pipeline(
+            cut_before=["down0", "up1", "down1"], micro_batches=2, schedule="interleaved",
+            chunks_per_device=2,
+        ),
+        tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2, schedule="zero_bubble"),
+    ]  # fmt: skip
+    got = [tfdist.fit(model, data(), verbose=0, pipeline=p) for p in pipelines]
+    assert [h.history["loss"][0] for h in got] == pytest.approx(losses, abs=1e-5)
+    weights = zip(reference.weights, reference.get_weights(), model.get_weights(), strict=True)
+    for v, want, have in weights:
+        assert np.max(np.abs(want - have)) <= TOLERANCE, v.path
+
+
 def _member_bytes(width: int = 64) -> dict[int, int]:
     """By stage of the MLP cut before up1 (0: up0, down0; 1: up1, down1, head): the bytes of
     its weights a member of a 2-way tensor group holds, its parts and the rest whole."""
@@ -483,8 +507,8 @@ def test_a_layout_map_that_splits_nothing_is_refused_naming_the_paths():
 
 def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     """Offload, an optimizer whose update reads a whole weight, and, for a model split by
-    a layout map, the zero-bubble schedule (not built with tensor-parallel stages) and
-    BatchNormalization in a split stage, each in one line before anything trains."""
+    a layout map, BatchNormalization in a split stage, each in one line before anything
+    trains."""
     strategy = mirrored()
     pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
     with pipeline.scope(strategy):
@@ -497,12 +521,6 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
         model.compile(keras.optimizers.Lamb(), "sparse_categorical_crossentropy")
     with pytest.raises(FitError, match="Lamb reads a whole variable's gradient"):
         tfdist.fit(model, data(), verbose=0, pipeline=pipeline, shard_optimizer="zero2")
-    with tfdist.host_scope(strategy):
-        model = mlp()
-    tensor_parallel(model, layout_map=mlp_layout())
-    with pytest.raises(FitError, match="not built yet: schedule='zero_bubble' with a layout"):
-        bubble = tfdist.parallel.Pipeline(cut_before=["up1"], schedule="zero_bubble")
-        tfdist.fit(model, data(), verbose=0, pipeline=bubble)
     # Each member would normalise its own rows: other numbers than the unsplit stage's.
     with tfdist.host_scope(strategy):
         inputs = keras.Input((FEATURES,))
@@ -514,6 +532,20 @@ def test_a_pipeline_refuses_what_its_stages_cannot_shard():
     with pytest.raises(FitError, match=r"BatchNormalization \(norm\) in a split stage"):
         tfdist.fit(normalised, data(), verbose=0,
                    pipeline=tfdist.parallel.Pipeline(cut_before=["head"]))  # fmt: skip
+
+
+def test_a_host_scope_model_is_refused_by_the_modes_that_keep_it_whole():
+    """A model built in host_scope holds its weights in slices: plain data parallelism is
+    refused by fit, zero1 in its own words (it keeps every weight whole), each in one line
+    before anything trains."""
+    strategy = mirrored()
+    with tfdist.host_scope(strategy):
+        model = mlp()
+    with pytest.raises(FitError, match=r"was built in tfdist.host_scope.*no such mode"):
+        tfdist.fit(model, data(), verbose=0)
+    with pytest.raises(FitError, match=r"Received: shard_optimizer='zero1' on a host_scope"):
+        tfdist.fit(model, data(), verbose=0, shard_optimizer="zero1")
+    assert int(model.optimizer.iterations.numpy()) == 0
 
 
 # --- keras-hub's Llama -------------------------------------------------------------------------

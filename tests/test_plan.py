@@ -248,7 +248,8 @@ def test_hybrid_layouts_keep_each_tensor_group_within_a_host():
     assert not pipeline_tensor.built(hosts=2)  # tensor groups in a job of several hosts
     assert dataclasses.replace(pipeline_tensor, zero=3).built(hosts=1)  # all three
     interleaved = dataclasses.replace(pipeline_tensor, chunks=2, schedule="interleaved")
-    assert not interleaved.built(hosts=1)  # tensor-parallel stages interleaved: not yet
+    assert interleaved.built(hosts=1)  # tensor-parallel stages interleaved
+    assert not interleaved.built(hosts=2)
     assert ParallelLayout(data=2, tensor=2, zero=3).built(hosts=1)
     assert not ParallelLayout(data=2, tensor=2, zero=3).built(hosts=2)
     assert ParallelLayout(data=2, stages=2, micro_batches=2, zero=3).built(hosts=2)

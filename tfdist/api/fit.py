@@ -169,7 +169,7 @@ def fit(
     settings = registry.factory_settings(options)  # what the layout takes over
     user_hooks = chain.check_hooks(step_hooks)
     hooks = registry.chain(options, user_hooks, model=model)
-    _check_host_scope(model, options, hooks)
+    host.check_trained_by(model, layout, hooks)
     chain.check_chain(hooks)
     if data.global_batch is not None:
         chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
@@ -368,28 +368,6 @@ def _checked_model(model, strategy, function: str) -> tf.distribute.Strategy:
     # TensorFlow graph).
     units.honour_remat_scope(model)
     return strategy
-
-
-def _check_host_scope(model, options, hooks) -> None:
-    """A model built in tfdist.host_scope holds its weights in slices: only the modes made
-    for it train it (zero1 and zero2 refuse it in their own words)."""
-    if options.get("shard_optimizer") in ("zero1", "zero2") or not model.trainable_variables:
-        return
-    # Over several replicas host_scope makes each weight a host.Sliced (over one, a plain
-    # variable, which trains as any other).
-    if not any(isinstance(compat.storage_of(v), host.Sliced) for v in model.trainable_variables):
-        return
-    if options.get("pipeline") is not None:
-        return
-    if any(hook.trains_host_scope_models for hook in hooks):
-        return
-    raise FitError(
-        f"Model {model.name!r} was built in tfdist.host_scope, which holds its weights for "
-        "the modes that share a model out: shard_optimizer='zero3', a Pipeline, or "
-        "tensor_parallel(model, layout_map=...); plain data parallelism keeps every weight "
-        "whole on every replica. Train it with one of those, or build it under "
-        "strategy.scope(). Received: no such mode"
-    )
 
 
 def _refuse_a_model_of_its_own(model) -> None:

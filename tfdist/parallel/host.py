@@ -36,6 +36,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import FitError
 from tfdist.parallel import updates
 from tfdist.strategies import replica_placement
 from tfdist.training.memory import nbytes
@@ -219,6 +220,27 @@ def hosted(model: keras.Model) -> bool:
     return bool(weights) and not isinstance(weights[0].value, tf.distribute.DistributedValues)
 
 
+def check_trained_by(model: keras.Model, layout, hooks) -> None:
+    """Refuses to train a model built in host_scope (its weights held in slices) where
+    neither the runner factory `layout` (a pipeline) nor a hook takes it: plain data
+    parallelism would keep every weight whole on every replica."""
+    if layout is not None or not model.trainable_variables:
+        return
+    # Over several replicas host_scope makes each weight a Sliced (over one, a plain
+    # variable, which trains as any other).
+    if not any(isinstance(compat.storage_of(v), Sliced) for v in model.trainable_variables):
+        return
+    if any(hook.takes_host_scope_models for hook in hooks):
+        return
+    raise FitError(
+        f"Model {model.name!r} was built in tfdist.host_scope, which holds its weights for "
+        "the modes that share a model out: shard_optimizer='zero3', a Pipeline, or "
+        "tensor_parallel(model, layout_map=...); plain data parallelism keeps every weight "
+        "whole on every replica. Train it with one of those, or build it under "
+        "strategy.scope(). Received: no such mode"
+    )
+
+
 def move_to_host(model: keras.Model, strategy: tf.distribute.Strategy) -> int:
     """Moves the trainable weights of a model to this host's memory, whole (tensor
     parallelism keeps them there): from the copies mirrored under `strategy.scope()` (the
@@ -242,4 +264,12 @@ def move_to_host(model: keras.Model, strategy: tf.distribute.Strategy) -> int:
     return moved
 
 
-__all__ = ["Sliced", "Slices", "host_device", "host_scope", "hosted", "move_to_host"]
+__all__ = [
+    "Sliced",
+    "Slices",
+    "check_trained_by",
+    "host_device",
+    "host_scope",
+    "hosted",
+    "move_to_host",
+]

@@ -203,8 +203,7 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
     if any(not e.layout.built(cluster.hosts) for e in shown):
         lines.append(
             "* not trained by tfdist yet: in a job of several hosts, tensor groups or the "
-            "interleaved schedule; tensor-parallel stages interleaved "
-            "(docs/guides/combining-layouts.md)."
+            "interleaved schedule (docs/guides/combining-layouts.md)."
         )
     lines.append(
         "\nBytes per device in GiB; step = compute + exchange + bubble; speedup against one "

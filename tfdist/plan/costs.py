@@ -136,13 +136,10 @@ class ParallelLayout:
 
     def built(self, hosts: int) -> bool:
         """Whether tfdist trains this layout today on `hosts` hosts: every axis alone, and
-        every combination on one host (with tensor-parallel stages, 1F1B); not yet tensor
-        groups, or the interleaved schedule, in a job of several hosts
-        (docs/guides/combining-layouts.md)."""
+        every combination on one host; not yet tensor groups, or the interleaved schedule,
+        in a job of several hosts (docs/guides/combining-layouts.md)."""
         if self.tensor > 1 and hosts > 1:
             return False
-        if self.tensor > 1 and self.stages > 1:
-            return self.chunks == 1
         return self.chunks == 1 or hosts == 1
 
 

@@ -87,9 +87,10 @@ class StepHook:
     # True: the hook does not hand the gradients on (apply_next is never called), so it must
     # be the last of the chain.
     ends_chain: ClassVar[bool] = False
-    # True: the hook trains a model built in tfdist.host_scope (whose weights are held in
-    # slices, not mirrored): ZeRO-3, tensor parallelism from a layout map.
-    trains_host_scope_models: ClassVar[bool] = False
+    # True: the hook takes a model built in tfdist.host_scope (whose weights are held in
+    # slices, not mirrored): it trains it (ZeRO-3, tensor parallelism from a layout map),
+    # or refuses it in its own words (zero1, zero2).
+    takes_host_scope_models: ClassVar[bool] = False
 
     def build(self, model: keras.Model, runner: Runner) -> None:
         """Creates the hook's state (under the strategy's scope), once, before training.

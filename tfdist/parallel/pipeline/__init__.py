@@ -51,15 +51,16 @@ their slices within them.
 
 Tensor-parallel stages: a model split by a layout map (`tensor_parallel(model,
 layout_map=...)`) runs each stage replica over T devices, each holding its parts of the
-stage's split weights (pipeline/tensor.py), 1F1B or GPipe, with shard_optimizer too (all
-three). Worker processes of several devices each hold whole stages (every pipeline's
+stage's split weights (pipeline/tensor.py), under every schedule (zero-bubble's weights'
+pass takes each member's gradients from the tape its input pass kept), with
+shard_optimizer too (all three). Worker processes of several devices each hold whole stages (every pipeline's
 replica of them): only activations and their gradients cross between processes.
 
 Limits (each refused with a message): models with their own `train_step` (a pipeline runs
 the layer graph, not the step), global_clipnorm (a norm over every stage), loss scaling,
 StepHooks (accumulation is the micro-batches already), offload; with tensor-parallel
-stages, the interleaved and zero-bubble schedules, penalties and BatchNormalization inside
-a split stage, and a weight several stages hold in different worker processes.
+stages, penalties and BatchNormalization inside a split stage, and a weight several
+stages hold in different worker processes.
 BatchNormalization normalises each micro-batch by its own statistics, as in GPipe; M = 1
 matches the unsplit model exactly.
 

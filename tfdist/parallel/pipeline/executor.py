@@ -300,6 +300,7 @@ class Executor:
                 outputs, statistics = self.tensor.forward(
                     (r.pipeline, stage.index), stage, r.weights, r.statistics,
                     None if stage.first else inputs, batch, members,
+                    persistent=self.persistent,
                 )  # fmt: skip
                 losses = []
                 tape.watch(tf.nest.flatten(outputs))
@@ -382,7 +383,7 @@ class Executor:
     def _backward(self, r: _Replica, m: int, kind: Kind):
         stage = r.stage
         if r.group:
-            return self._group_backward(r, m)
+            return self._group_backward(r, m, kind)
         if kind == Kind.BACKWARD_WEIGHT:  # after its I: the same targets and seeds
             forward = r.saved.pop(m)
             targets, seeds = forward.targets
@@ -408,10 +409,20 @@ class Executor:
             return r.ready or tf.constant(0.0)
         return _marker(r)
 
-    def _group_backward(self, r: _Replica, m: int):
+    def _group_backward(self, r: _Replica, m: int, kind: Kind):
         """A tensor group's backward pass: its members' tapes (pipeline/tensor.py), seeded
-        by the loss's gradient for the outputs on the last stage, else by what came back."""
-        forward = r.saved.pop(m)
+        by the loss's gradient for the outputs on the last stage, else by what came back;
+        a zero-bubble schedule's input pass (I), then its weights' pass (W), or both (B)."""
+        key = (r.pipeline, r.stage.index)
+        if kind == Kind.BACKWARD_WEIGHT:  # after its I: the members' tapes, seeded as there
+            forward = r.saved.pop(m)
+            self._begin(r, [])
+            grads, _ = self.tensor.backward(
+                key, r.stage, forward.members, None, last=False, part="weights"
+            )
+            self._add_group(r, grads)
+            return _marker(r)
+        forward = r.saved[m] if kind == Kind.BACKWARD_INPUT else r.saved.pop(m)
         if forward.objective is not None:
             self._begin(r, [])
             outputs = tf.nest.flatten(forward.outputs)
@@ -421,21 +432,30 @@ class Executor:
             ]
         else:
             upstream = self._begin(r, r.inbox.pop((False, m)))
+        split = kind == Kind.BACKWARD_INPUT
         grads, sent = self.tensor.backward(
-            (r.pipeline, r.stage.index), r.stage, forward.members, upstream,
-            last=forward.objective is not None,
+            key, r.stage, forward.members, upstream, last=forward.objective is not None,
+            part="input" if split else "both",
         )  # fmt: skip
+        if grads is not None:
+            self._add_group(r, grads)
+        if not r.stage.first:
+            r.outbox[False, m] = sent
+            if sent:
+                return sent
+        if split:  # on stage 0: nothing sent back
+            return r.ready or tf.constant(0.0)
+        return _marker(r)
+
+    @staticmethod
+    def _add_group(r: _Replica, grads: list) -> None:
+        """Adds one micro-batch's weight gradients of each member to its sums."""
         if r.grads is None:
             r.grads = [None] * len(grads)
         r.grads = [
             list(g) if total is None else _summed(total, g)
             for total, g in zip(r.grads, grads, strict=True)
         ]
-        if not r.stage.first:
-            r.outbox[False, m] = sent
-            if sent:
-                return sent
-        return _marker(r)
 
     @staticmethod
     def _add(r: _Replica, grads: list) -> None:

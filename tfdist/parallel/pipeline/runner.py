@@ -180,20 +180,16 @@ class PipelineRunner(SyncRunner):
 
     def _check_tensor(self) -> None:
         """What a pipeline of tensor-parallel stages does not do yet, refused in one line."""
-        options, problem = self.options, None
         normalised = [layer.name for layer in compat.all_layers(self.model)
                       if isinstance(layer, keras.layers.BatchNormalization)]  # fmt: skip
-        if options.schedule not in ("gpipe", "1f1b"):
-            problem = f"schedule={options.schedule!r} with a layout map"
-        elif normalised:
+        if normalised:
             # Each member would normalise its own rows of the micro-batch, not the
             # micro-batch's: other numbers than the unsplit stage's, silently.
             problem = f"BatchNormalization ({', '.join(normalised[:3])}) in a split stage"
-        if problem is not None:
             raise FitError(
                 "A pipeline of tensor-parallel stages (a layout map's model with pipeline=) "
-                "runs with the 'gpipe' or '1f1b' schedule; not built yet: "
-                f"{problem}. Drop one of them. Received: {problem}"
+                f"does not normalise over the micro-batch yet: {problem}. Drop one of them. "
+                f"Received: {problem}"
             )
 
     def _log_shared(self) -> None:

@@ -46,6 +46,9 @@ class _Kept:
     weights: list[tf.Tensor]  # what the tape watched, as the member read its weights
     received: list  # its rows of what crossed the cut (empty on stage 0)
     outputs: Any  # its rows of the stage's outputs
+    # A split backward's (zero-bubble) targets and seeds, from its input pass to its
+    # weights' pass.
+    seeded: tuple | None = None
 
 
 class TensorStages:
@@ -85,13 +88,16 @@ class TensorStages:
 
     # --- the passes ---------------------------------------------------------------------------
 
-    def forward(self, key, stage: Stage, weights, statistics, received, batch, kept: dict):
+    def forward(
+        self, key, stage: Stage, weights, statistics, received, batch, kept: dict,
+        *, persistent: bool = False,
+    ):  # fmt: skip
         """One forward pass of the group `key` (pipeline, stage) on a micro-batch: on stage
         0 `batch` is the micro-batch's inputs (and `received` None), on a later stage
         `received` is what crossed the cut and `batch` the model's inputs flattened;
         `weights[k]` and `statistics[k]` are member k's. Keeps each member's tape in `kept`
-        (by member) and returns (the outputs, every member's rows end to end; each member's
-        statistics)."""
+        (by member; `persistent` where its backward is taken in two passes) and returns
+        (the outputs, every member's rows end to end; each member's statistics)."""
         strategy = self.strategies[key]
         results: dict[int, tuple[Any, list]] = {}
         model = stage.model
@@ -105,7 +111,7 @@ class TensorStages:
             else:
                 given, mask = stage.call_args(mine, [cut(t) for t in batch])
             own = [tf.identity(w) for w in weights[k]]
-            tape = tf.GradientTape()
+            tape = tf.GradientTape(persistent=persistent)
             with tape:  # the row layers' biases scaled on the tape, as every read
                 tape.watch(own)
                 if mine:
@@ -136,29 +142,44 @@ class TensorStages:
         outputs = self._joined([results[k][0] for k in range(self.degree)])
         return outputs, [results[k][1] for k in range(self.degree)]
 
-    def backward(self, key, stage: Stage, kept: dict, upstream, *, last: bool):
+    def backward(self, key, stage: Stage, kept: dict, upstream, *, last: bool, part="both"):
         """One backward pass of the group `key` from its members' `kept` tapes: `upstream`
         is, on the last stage, the gradient of the loss for the stage's outputs (as they
         were put together), else the gradient of each differentiable item the stage sent,
-        as it came back. Returns (each member's weight gradients, the gradient of each
-        watched item the stage received, every member's rows end to end)."""
+        as it came back. `part`: "both" the weights' gradients and the input's; split as
+        zero-bubble schedules do, "input" the input's only (the tapes are kept, with what
+        seeds them) and later "weights" the weights' only (`upstream` unused). Returns
+        (each member's weight gradients, or None for "input"; the gradient of each watched
+        item the stage received, every member's rows end to end)."""
         strategy = self.strategies[key]
         grads: dict[int, list] = {}
         back: dict[int, list] = {}
 
         def member():
             k = _member()
-            own = kept.pop(k)
+            own = kept[k] if part == "input" else kept.pop(k)
+            if part == "weights":
+                targets, seeds = own.seeded
+                got = own.tape.gradient(targets, own.weights, output_gradients=seeds)
+                grads[k] = list(got)
+                return
             mine = [self._rows(g, k) for g in upstream]
             if last:
                 targets, seeds, passed = tf.nest.flatten(own.outputs), mine, {}
             else:
                 targets, seeds, passed = stage.seeds(own.outputs, mine)
             watched = stage.watched(own.received) if own.received else []
-            got = own.tape.gradient(targets, [*own.weights, *watched], output_gradients=seeds)
-            grads[k] = list(got[: len(own.weights)])
+            sources = watched if part == "input" else [*own.weights, *watched]
+            if part == "input":
+                own.seeded = targets, seeds
+                if not watched:  # stage 0: no input to take a gradient for
+                    return
+            got = own.tape.gradient(targets, sources, output_gradients=seeds)
+            if part == "both":
+                grads[k] = list(got[: len(own.weights)])
             if own.received:
-                back[k] = stage.sent_back(got[len(own.weights) :], own.received, passed)
+                back[k] = stage.sent_back(got[len(sources) - len(watched) :], own.received,
+                                          passed)  # fmt: skip
 
         strategy.run(member)
         sent = []
@@ -166,6 +187,8 @@ class TensorStages:
             sent = [
                 tf.concat([back[k][i] for k in range(self.degree)], 0) for i in range(len(back[0]))
             ]
+        if part == "input":
+            return None, sent
         return [grads[k] for k in range(self.degree)], sent
 
     # --- rows ----------------------------------------------------------------------------------

@@ -588,7 +588,7 @@ class LayoutParallel(StepHook):
     (it applies every weight's update). See the module docstring."""
 
     synchronous_only = True
-    trains_host_scope_models = True
+    takes_host_scope_models = True
     applies_update = True
     ends_chain = True
     keeps_optimizer_state = True

@@ -203,6 +203,7 @@ class ShardedUpdate(StepHook):
     keeps_optimizer_state = True
     applies_update = True
     ends_chain = True
+    takes_host_scope_models = True  # to refuse it in its own words (build)
 
     def __init__(
         self,

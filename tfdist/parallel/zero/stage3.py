@@ -115,7 +115,7 @@ class ShardedParameters(StepHook):
     """
 
     synchronous_only = True
-    trains_host_scope_models = True
+    takes_host_scope_models = True
     keeps_optimizer_state = True
     applies_update = True
     ends_chain = True
