@@ -6,6 +6,7 @@ tests/test_pipeline.py write them from real worker processes)."""
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import pytest
@@ -72,8 +73,10 @@ def _save(weights, prefix: str, ranks: int) -> None:
 @pytest.mark.parametrize("saved_by, read_by", [(4, 3), (2, 4), (3, 1)])
 def test_parts_written_by_n_processes_read_back_as_the_slices_of_m(tmp_path, saved_by, read_by):
     rng = np.random.default_rng(0)
+    # One element: its one slice covers it, which TensorFlow's index keeps as a whole tensor.
     weights = {"trainable/0": rng.normal(size=(7, 5)).astype("float32"),
-               "trainable/1": rng.normal(size=(3,)).astype("float32")}  # fmt: skip
+               "trainable/1": rng.normal(size=(3,)).astype("float32"),
+               "trainable/2": rng.normal(size=(1,)).astype("float32")}  # fmt: skip
     prefix = str(tmp_path / "ckpt-4")
     _save(weights, prefix, saved_by)
     assert shards.has_shards(prefix)
@@ -119,20 +122,95 @@ def test_parts_are_written_and_read_in_bounded_buffers(tmp_path, monkeypatch):
     assert len(list((tmp_path / "ckpt-3.shards").glob("merged.data-*-of-00016"))) == 16
     metadata = shards.metadata_of(prefix)
     assert len(metadata["files"]) == 16
+    slices = [whole.reshape(-1)[lo : lo + 300] for whole in [weights["trainable/0"]]
+              for lo in range(0, 1200, 300)]  # fmt: skip
     assert metadata["entries"]["trainable/0"] == {
         "dtype": "float32", "shape": [1200], "weight_shape": [40, 30],
         "slices": [[0, 300], [300, 300], [600, 300], [900, 300]],
+        # Each slice's bytes' CRC-32, a run of SUM_BYTES at a time (one run here).
+        "sums": [[zlib.crc32(s.tobytes())] for s in slices],
     }  # fmt: skip
+    assert metadata["sum_bytes"] == shards.SUM_BYTES
     assert shards.incomplete(prefix) is None
     part = _Slices(weights, 1, 2)
     done = shards.read(part, prefix)
     assert done.reads == 4 and done.wanted_bytes == 4 * 600 * 4
-    # Each read opens the merged index again (about 1 KB here).
+    # The metadata and the merged index (about 3 KB here), and the slices' bytes.
     assert done.read_bytes is None or (
-        done.wanted_bytes <= done.read_bytes <= done.wanted_bytes + done.reads * 4096
+        done.wanted_bytes <= done.read_bytes <= done.wanted_bytes + 8192
     )
     for key, whole in weights.items():
         np.testing.assert_array_equal(part.read_back[key], whole.reshape(-1)[600:])
+
+
+def _read_bytes() -> int | None:
+    return shards._bytes_read()
+
+
+def test_small_slices_come_back_as_their_bytes_where_tensorflows_reader_reads_megabytes(
+    tmp_path,
+):
+    """4 ranks each save a slice of a 64-float weight beside 2 MiB of another: a process of
+    2 reads its 128 floats of the first as 512 bytes (and the index), where TensorFlow's
+    reader fills a 1 MiB buffer from each data file it touches. Its checks read the runs
+    of SUM_BYTES a partial slice overlaps (4 -> 3: no slice lines up), no more."""
+    rng = np.random.default_rng(2)
+    weights = {"trainable/0": rng.normal(size=(64,)).astype("float32"),
+               "trainable/1": rng.normal(size=(2**21,)).astype("float32")}  # fmt: skip
+    prefix = str(tmp_path / "ckpt-5")
+    _save(weights, prefix, 4)
+    small = {"trainable/0": weights["trainable/0"]}
+    merged = tmp_path / "ckpt-5.shards"
+    # What a read takes besides the slices: the metadata and the index.
+    read_first = sum((merged / f"merged.{x}").stat().st_size for x in ("json", "index"))
+    for read_by in (2, 3):
+        for rank in range(read_by):
+            part = _Slices(small, rank, read_by)
+            done = shards.read(part, prefix)
+            k = math.ceil(64 / read_by)
+            np.testing.assert_array_equal(
+                part.read_back["trainable/0"][: min(k, 64 - rank * k)],
+                weights["trainable/0"][rank * k : (rank + 1) * k],
+            )
+            if done.read_bytes is not None:
+                # The saved slices it overlaps are 64 bytes each: at most 2 whole.
+                assert done.read_bytes <= read_first + 2 * 64 + done.wanted_bytes, (read_by, rank)
+    # The 8 MiB weight's 3 slices cut its 4 saved ones: a cut reads the run it falls in.
+    large = {"trainable/1": weights["trainable/1"]}
+    for rank in range(3):
+        part = _Slices(large, rank, 3)
+        done = shards.read(part, prefix)
+        k = math.ceil(2**21 / 3)
+        np.testing.assert_array_equal(
+            part.read_back["trainable/1"][: min(k, 2**21 - rank * k)],
+            weights["trainable/1"][rank * k : (rank + 1) * k],
+        )
+        if done.read_bytes is not None:
+            assert done.read_bytes <= read_first + 2 * shards.SUM_BYTES + done.wanted_bytes
+    before = _read_bytes()
+    tf.raw_ops.RestoreV2(prefix=shards.merged(prefix), tensor_names=["trainable/0"],
+                         shape_and_slices=["64 0,32"], dtypes=[tf.float32])  # fmt: skip
+    if before is not None:  # TensorFlow's reader: a buffer from each of 2 data files
+        assert _read_bytes() - before > 2**20
+
+
+def test_a_damaged_byte_fails_its_checksum_where_a_process_reads_it(tmp_path):
+    """A flipped byte inside a slice a process reads fails the check of its run, as
+    TensorFlow's own reader would fail its checksum (DataLossError); a process whose
+    slices lie elsewhere reads its own."""
+    weights = {"trainable/0": np.arange(4096, dtype="float32")}
+    prefix = str(tmp_path / "ckpt-6")
+    _save(weights, prefix, 2)
+    data = sorted((tmp_path / "ckpt-6.shards").glob("merged.data-*"))
+    assert len(data) == 2
+    damaged = bytearray(data[1].read_bytes())
+    damaged[100] ^= 0xFF  # in rank 1's slice: elements 2048 and on
+    data[1].write_bytes(bytes(damaged))
+    with pytest.raises(tf.errors.DataLossError, match="checksum .* does not match"):
+        shards.read(_Slices(weights, 1, 2), prefix)
+    first = _Slices(weights, 0, 2)
+    shards.read(first, prefix)
+    np.testing.assert_array_equal(first.read_back["trainable/0"], np.arange(2048))
 
 
 class _Without(_Slices):

@@ -13,7 +13,7 @@ Each entry is keyed by the weight's place among the model's trainable weights
 (`trainable/<i>`; a slot: `trainable/<i>/.slot/<name>`). A ZeRO-3 slice is
 saved as a slice of the weight's flattened values (TensorFlow's partitioned-variable
 format, `"<size> <offset>,<length>"`), so a process of another layout reads exactly its own
-new slice: TensorFlow's bundle reader assembles it from whichever saved slices overlap it.
+new slice, put together from whichever saved slices overlap it.
 A pipeline's stage writes each weight it is the source of whole, and a process of another
 cut reads the weights its stages hold. So a job saved by 4 processes resumes on 2 or 3, and
 no process ever reads or writes the whole model.
@@ -22,13 +22,16 @@ Both ways go in bounded buffers, as PyTorch's Distributed Checkpoint plans its r
 writes: a process writes its part as bundles of at most WRITE_BUCKET_BYTES each (an entry
 larger than that alone), each entry's tensor made only when its bundle is written, and reads
 its slices back in reads of at most BUCKET_BYTES, each read's values assigned before the
-next read is made. Beside
-the merged bundle the chief writes `merged.json`, the checkpoint's metadata: every entry's
-dtype, saved shape and the slices saved of it. A resume checks from it that its slices are
-all there without reading a tensor (reading every tensor of the merged bundle to check it
-once made every process of a 4 -> 2 resume read 5.9 times the weights' bytes); a damaged
-file shows as its checksum fails where a process reads it, and every process then passes
-the checkpoint over together.
+next read is made. Beside the merged bundle the chief writes `merged.json`, the
+checkpoint's metadata: every entry's dtype, saved shape, the slices saved of it and a
+CRC-32 of each SUM_BYTES of each slice. A resume checks from it that its slices are all
+there without reading a tensor (reading every tensor of the merged bundle to check it once
+made every process of a 4 -> 2 resume read 5.9 times the weights' bytes). It then reads
+its slices' bytes where the merged index says they lie (bundle_index.py): the runs of
+SUM_BYTES they overlap, no more (TensorFlow's reader, kept for shards an earlier tfdist
+wrote, fills a 1 MiB buffer from each data file it touches). A damaged file shows as a
+run's checksum fails where a process reads it, and every process then passes the
+checkpoint over together.
 """
 
 from __future__ import annotations
@@ -38,12 +41,15 @@ import dataclasses
 import json
 import os
 import threading
+import zlib
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
 from tfdist.storage import write_atomically
+from tfdist.training.bundle_index import BundleIndex
 
 SHARDS_SUFFIX = ".shards"
 MERGED = "merged"
@@ -54,6 +60,9 @@ METADATA_SUFFIX = ".json"
 # part is 25 files.
 BUCKET_BYTES = 4 * 2**20
 WRITE_BUCKET_BYTES = 64 * 2**20
+# Each saved tensor's checksums, one for each run of this many bytes: a read of part of a
+# tensor reads the runs it overlaps and checks them (bundle_index.py reads exact bytes).
+SUM_BYTES = 64 * 2**10
 
 _saving = threading.local()
 
@@ -199,20 +208,22 @@ def write(shards: Shards, prefix: str, *, rank: int, ranks: int,
         entries = shards.entries() or [  # a bundle all the same: the merge takes every rank's
             Entry(f".empty/{rank}", tf.zeros([0]))
         ]
-        bundles = []
+        bundles, described = [], []
         sizes = [e.nbytes() for e in entries]
         for b, bucket in enumerate(_buckets(entries, sizes, WRITE_BUCKET_BYTES)):
             bundles.append(f"{part}-{b:05d}")
+            tensors = [e.made() for e in bucket]
             tf.raw_ops.SaveV2(
                 prefix=bundles[-1],
                 tensor_names=[e.key for e in bucket],
                 shape_and_slices=[e.spec for e in bucket],
-                tensors=[e.made() for e in bucket],
+                tensors=tensors,
             )
+            described += [_described(e, _sums(t)) for e, t in zip(bucket, tensors, strict=True)]
+            del tensors
         # What this part holds (the merge's metadata), written last: a part whose list is
         # there is whole.
-        listed = {"bundles": [os.path.basename(b) for b in bundles],
-                  "entries": [_described(e) for e in entries]}  # fmt: skip
+        listed = {"bundles": [os.path.basename(b) for b in bundles], "entries": described}
         write_atomically(part + METADATA_SUFFIX, json.dumps(listed))
     except Exception as e:  # noqa: BLE001 - raised after the barrier every process passes
         error = e
@@ -244,18 +255,21 @@ def _merge(prefix: str, ranks: int) -> None:
     )
     metadata: dict[str, dict] = {}
     for listed in lists:
-        for key, dtype, shape, extent, *weight_shape in listed["entries"]:
-            held = metadata.setdefault(key, {"dtype": dtype, "shape": shape, "slices": []})
+        for key, dtype, shape, extent, weight_shape, sums in listed["entries"]:
+            held = metadata.setdefault(
+                key, {"dtype": dtype, "shape": shape, "slices": [], "sums": []}
+            )
             if extent is not None:
                 held["slices"].append(extent)
-            if weight_shape and weight_shape[0] is not None:
-                held["weight_shape"] = weight_shape[0]
+            held["sums"].append(sums)  # by slice, in the slices' order (a whole tensor: one)
+            if weight_shape is not None:
+                held["weight_shape"] = weight_shape
     # The merged data files and their sizes: a file gone or cut short shows without a read.
     files = {
         os.path.basename(path): tf.io.gfile.stat(path).length
         for path in sorted(tf.io.gfile.glob(merged(prefix) + ".data-*"))
     }
-    described = {"entries": metadata, "files": files}
+    described = {"entries": metadata, "files": files, "sum_bytes": SUM_BYTES}
     write_atomically(merged(prefix) + METADATA_SUFFIX, json.dumps(described, sort_keys=True))
     for b in bundles:  # the merge moved their data files; their indexes are left
         _remove(b + ".index")
@@ -263,16 +277,25 @@ def _merge(prefix: str, ranks: int) -> None:
         _remove(f"{where}/part-{r:05d}-of-{ranks:05d}{METADATA_SUFFIX}")
 
 
-def _described(entry: Entry) -> list:
-    """[key, dtype, saved shape, [offset, length] or None, the weight's shape or None] of an
-    entry, for the metadata."""
+def _described(entry: Entry, sums: list[int] | None) -> list:
+    """[key, dtype, saved shape, [offset, length] or None, the weight's shape or None, the
+    checksums of its bytes (None for a tensor not of numbers)] of an entry, for the
+    metadata."""
     dtype, shape = entry.facts()
     extent = _parsed(entry.spec)
     weight = None if entry.weight_shape is None else list(entry.weight_shape)
     if extent is None:
-        return [entry.key, dtype.name, list(shape), None, weight]
+        return [entry.key, dtype.name, list(shape), None, weight, sums]
     size, offset, length = extent
-    return [entry.key, dtype.name, [size], [offset, length], weight]
+    return [entry.key, dtype.name, [size], [offset, length], weight, sums]
+
+
+def _sums(tensor: tf.Tensor) -> list[int] | None:
+    """The CRC-32 of each SUM_BYTES of the tensor's bytes, as a data file holds them."""
+    if tensor.dtype == tf.string or tensor.dtype.is_quantized:
+        return None
+    raw = memoryview(np.ascontiguousarray(tensor.numpy()).reshape(-1).view(np.uint8))
+    return [zlib.crc32(raw[at : at + SUM_BYTES]) for at in range(0, len(raw), SUM_BYTES)]
 
 
 def _buckets(items: Sequence, sizes: Sequence[int | None], most: int) -> Iterator[list]:
@@ -312,8 +335,8 @@ def read(shards: Shards, prefix: str) -> ReadBack | None:
     wanted = shards.wanted()
     if not wanted:
         return None
-    metadata = metadata_of(prefix)
-    metadata = None if metadata is None else metadata["entries"]
+    described = metadata_of(prefix)
+    metadata = None if described is None else described["entries"]
     reshaped = [] if metadata is None else _reshaped(metadata, wanted)
     if reshaped:
         raise KeyError(
@@ -343,17 +366,21 @@ def read(shards: Shards, prefix: str) -> ReadBack | None:
     sizes = [_wanted_bytes(w, metadata) for w in wanted]
     before = _bytes_read()
     reads = 0
-    for bucket in _buckets(wanted, sizes, BUCKET_BYTES):
-        values = tf.raw_ops.RestoreV2(
-            prefix=merged(prefix),
-            tensor_names=[w.key for w in bucket],
-            shape_and_slices=[w.spec for w in bucket],
-            dtypes=[w.dtype for w in bucket],
-        )
-        for w, value in zip(bucket, values, strict=True):
-            w.assign(value)
-        del values
-        reads += 1
+    with _ExactReads.of(prefix, described) as exact:
+        for bucket in _buckets(wanted, sizes, BUCKET_BYTES):
+            if exact is not None:
+                values = [tf.convert_to_tensor(exact.read(w)) for w in bucket]
+            else:  # shards an earlier tfdist wrote: TensorFlow's reader
+                values = tf.raw_ops.RestoreV2(
+                    prefix=merged(prefix),
+                    tensor_names=[w.key for w in bucket],
+                    shape_and_slices=[w.spec for w in bucket],
+                    dtypes=[w.dtype for w in bucket],
+                )
+            for w, value in zip(bucket, values, strict=True):
+                w.assign(value)
+            del values
+            reads += 1
     after = _bytes_read()
     read_bytes = None if before is None or after is None else after - before
     return ReadBack(sum(s or 0 for s in sizes), read_bytes, reads)
@@ -516,6 +543,112 @@ def weight_of_slot(slot: str, paths: dict[str, int]) -> int | None:
 
 def _whole(key: str, variable) -> Wanted:
     return Wanted(key, tf.as_dtype(variable.dtype), variable.assign, shape=tuple(variable.shape))
+
+
+class _ExactReads:
+    """Reads a wanted tensor, or slice of one, from the merged bundle where its index says
+    its bytes are: only the runs of SUM_BYTES of each saved slice it overlaps (TensorFlow's
+    reader would fill a 1 MiB buffer from each data file it touches), each run checked
+    against the checksum the metadata holds for it."""
+
+    def __init__(self, prefix: str, described: dict):
+        self.index = BundleIndex(merged(prefix))
+        self.entries, self.run = described["entries"], int(described["sum_bytes"])
+        self._files: dict[int, Any] = {}
+
+    @classmethod
+    @contextlib.contextmanager
+    def of(cls, prefix: str, described: dict | None) -> Iterator[_ExactReads | None]:
+        """The exact reads of checkpoint `prefix`, or None where its metadata holds no
+        checksums (shards an earlier tfdist wrote) or its index is of an unknown form."""
+        reads = None
+        if described is not None and "sum_bytes" in described:
+            sums = [s for held in described["entries"].values() for s in held.get("sums", [None])]
+            if all(s is not None for s in sums):
+                try:
+                    reads = cls(prefix, described)
+                except ValueError:
+                    reads = None
+        try:
+            yield reads
+        finally:
+            if reads is not None:
+                reads.close()
+
+    def read(self, w: Wanted) -> np.ndarray:
+        held = self.entries[w.key]
+        dtype = tf.as_dtype(held["dtype"])
+        item, extent = dtype.size, _parsed(w.spec)
+        if len(held["sums"]) != max(1, len(held["slices"])):
+            raise tf.errors.DataLossError(None, None, f"the metadata of {w.key} is malformed")
+        if held["slices"]:
+            (size,) = held["shape"]
+            saved = sorted(zip((tuple(s) for s in held["slices"]), held["sums"], strict=True))
+        else:
+            size = int(np.prod(held["shape"], dtype=np.int64))
+            saved = [((0, size), held["sums"][0])]
+        # TensorFlow keeps one slice that covers its whole tensor as a whole tensor.
+        located = self.index.slices.get(w.key) or (
+            [self.index.whole[w.key]] if w.key in self.index.whole else []
+        )
+        if len(located) != len(saved):
+            raise tf.errors.DataLossError(
+                None, None, f"the index lists {len(located)} slice(s) of {w.key}, the "
+                f"metadata {len(saved)}",
+            )  # fmt: skip
+        lo, hi = (0, size) if extent is None else (extent[1], extent[1] + extent[2])
+        out = np.empty(hi - lo, dtype.as_numpy_dtype)
+        raw = out.reshape(-1).view(np.uint8)
+        for ((start, length), sums), where in zip(saved, located, strict=True):
+            a, b = max(lo, start), min(hi, start + length)
+            if a >= b:
+                continue
+            first, last = (a - start) * item, (b - start) * item  # bytes in the saved slice
+            begin = first // self.run * self.run
+            end = min(-(-last // self.run) * self.run, length * item)
+            data = self._pread(where, begin, end - begin)
+            for at in range(begin, end, self.run):
+                if zlib.crc32(data[at - begin : at - begin + self.run]) != sums[at // self.run]:
+                    raise tf.errors.DataLossError(
+                        None, None, f"{w.key}: a checksum of the bytes at {where.offset + at} "
+                        f"of {self.index.data_file(where.shard)} does not match",
+                    )  # fmt: skip
+            raw[(a - lo) * item : (b - lo) * item] = np.frombuffer(
+                data, np.uint8, last - first, first - begin
+            )
+        if extent is None and not held["slices"]:
+            return out.reshape(held["shape"])
+        return out
+
+    def _pread(self, where, offset: int, length: int) -> bytes:
+        path = self.index.data_file(where.shard)
+        if where.shard not in self._files:
+            if "://" in path:
+                self._files[where.shard] = tf.io.gfile.GFile(path, "rb")
+            else:
+                try:
+                    self._files[where.shard] = os.open(path, os.O_RDONLY)
+                except FileNotFoundError as e:
+                    raise tf.errors.NotFoundError(None, None, f"{path}: {e}") from e
+        f = self._files[where.shard]
+        if isinstance(f, int):
+            data = os.pread(f, length, where.offset + offset)
+        else:
+            f.seek(where.offset + offset)
+            data = f.read(length)
+        if len(data) != length:
+            raise tf.errors.DataLossError(
+                None, None, f"{path} ends before the {length} bytes at {where.offset + offset}"
+            )
+        return data
+
+    def close(self) -> None:
+        for f in self._files.values():
+            if isinstance(f, int):
+                os.close(f)
+            else:
+                f.close()
+        self._files.clear()
 
 
 def _wanted_bytes(w: Wanted, metadata: dict | None) -> int | None:
