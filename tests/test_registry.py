@@ -175,3 +175,45 @@ def test_each_mode_s_builder_takes_every_value_at_its_entry_s_bounds():
             m.build(value, model=None, settings=settings)
             built += 1
     assert built >= len(registry.MODES) - 3
+
+
+def test_a_mode_is_one_file_and_one_registry_entry(monkeypatch, caplog):
+    """tests/toy_mode.py's hook and one entry added to MODES: fit takes its keyword, checks
+    its value, puts its hook in the chain and names it, and the step scales its gradients.
+    Under SGD, gradients times 0.5 train as a rate times 0.5: Keras's own fit on one device
+    at half the rate, the same batch."""
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    toy = registry.Mode(
+        keyword="gradient_scale",
+        summary="multiply each step's gradients by this (tests/toy_mode.py)",
+        value=registry.Number(minimum=0.0),
+        default=1.0,
+        place=registry.Place.USER,
+        builder="tests.toy_mode:GradientScale",
+    )
+    monkeypatch.setattr(registry, "MODES", (*registry.MODES, toy))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.normal(size=(16, 1)).astype("float32")
+
+    def model(strategy, rate):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            made = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="relu"),
+                                     keras.layers.Dense(1)])  # fmt: skip
+            made.compile(keras.optimizers.SGD(rate), "mse")
+        return made
+
+    reference = model(tf.distribute.get_strategy(), 0.05)
+    reference.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    strategy = tfdist.build_strategy("mirrored", cluster=None, devices=["/cpu:0", "/cpu:1"])
+    trained = model(strategy, 0.1)
+    with pytest.raises(FitError, match=r"gradient_scale must be a number >= 0"):
+        tfdist.fit(trained, x, y, batch_size=16, gradient_scale=-1.0, verbose=0)
+    with caplog.at_level("DEBUG", logger="tfdist"):
+        tfdist.fit(trained, x, y, batch_size=16, gradient_scale=0.5, shuffle=False, verbose=0)
+    assert "Between each step's gradients and its update: gradient_scale=0.5" in caplog.text
+    for want, have in zip(reference.get_weights(), trained.get_weights(), strict=True):
+        np.testing.assert_allclose(have, want, atol=1e-6)
