@@ -604,18 +604,19 @@ class _ExactReads:
             if a >= b:
                 continue
             first, last = (a - start) * item, (b - start) * item  # bytes in the saved slice
-            begin = first // self.run * self.run
-            end = min(-(-last // self.run) * self.run, length * item)
-            data = self._pread(where, begin, end - begin)
-            for at in range(begin, end, self.run):
-                if zlib.crc32(data[at - begin : at - begin + self.run]) != sums[at // self.run]:
+            into = (a - lo) * item - first  # where the saved slice's byte 0 lands in `raw`
+            # A run at a time (what the read holds besides `out`), each checked as it comes.
+            for at in range(first // self.run * self.run, last, self.run):
+                data = self._pread(where, at, min(self.run, length * item - at))
+                if zlib.crc32(data) != sums[at // self.run]:
                     raise tf.errors.DataLossError(
                         None, None, f"{w.key}: a checksum of the bytes at {where.offset + at} "
                         f"of {self.index.data_file(where.shard)} does not match",
                     )  # fmt: skip
-            raw[(a - lo) * item : (b - lo) * item] = np.frombuffer(
-                data, np.uint8, last - first, first - begin
-            )
+                lo_byte, hi_byte = max(at, first), min(at + len(data), last)
+                raw[into + lo_byte : into + hi_byte] = np.frombuffer(
+                    data, np.uint8, hi_byte - lo_byte, lo_byte - at
+                )
         if extent is None and not held["slices"]:
             return out.reshape(held["shape"])
         return out
