@@ -425,7 +425,7 @@ def _read(lines: list[str]) -> tuple[float, float]:
 @pytest.mark.xdist_group("layouts_resharded")
 def test_a_zero3_checkpoint_of_four_processes_resumes_as_all_three_over_two(resharded):
     """Saved under zero3 by 4 processes, resumed by 2 processes of 4 devices each as 2
-    stages x 2-way tensor x 2 pipelines under zero3 (each process one stage of both
+    stages x 2-way tensor x 2 pipelines under zero3, zero-bubble (each process one stage of both
     pipelines): both end at Keras's weights after 2 epochs on one device (1e-5), each device
     holds its member's share of its stage halved, and each process asked for its stage's
     weights and slots (half the checkpoint) only. The reference: Keras's own fit from that

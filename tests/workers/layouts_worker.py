@@ -87,7 +87,8 @@ def save(out: str, width: str) -> None:
 def resume(out: str, width: str) -> None:
     """A worker of a 2-process job, 4 logical CPUs each: the MLP `width` wide, resumed from
     the checkpoint in OUT/all_three for its second epoch as 2 stages x 2-way tensor x 2
-    pipelines under zero3. Each process holds one stage of both pipelines, each stage replica
+    pipelines under zero3, on the zero-bubble schedule (each tensor group's backward an
+    input pass, then a weights' pass). Each process holds one stage of both pipelines, each stage replica
     over 2 of its devices."""
     tfdist.configure_cpu_devices(4)
     strategy = tfdist.build_strategy("multi_worker_mirrored")
@@ -97,7 +98,7 @@ def resume(out: str, width: str) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     lines = _Lines()
     logging.getLogger("tfdist").addHandler(lines)
-    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2)
+    pipeline = tfdist.parallel.Pipeline(cut_before=["up1"], micro_batches=2, schedule="zero_bubble")
     record = tfdist.DeviceBytes()
     with pipeline.scope(strategy):
         model = layouts.mlp(int(width), layouts.WIDE_RATE)
