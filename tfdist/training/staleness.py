@@ -44,8 +44,6 @@ class UpdateCounter:
             # One replica per worker in parameter-server training: its assignment is the update.
             aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        # What the coordinator learnt of the updates' staleness, per epoch and per run.
-        self.stats = StalenessStats()
 
     def read(self) -> tf.Tensor:
         """The count of updates applied so far (the version of the parameters about to be read)."""

@@ -108,7 +108,8 @@ class ParameterServerRunner(StatelessMetricsRunner):
         self._streaming: tuple[FitData, object] | None = None
         with strategy.scope():  # on a ps, beside the variables whose updates it counts
             self.counter = UpdateCounter()
-        self.staleness = self.counter.stats
+        # What the coordinator learnt of the updates' staleness, per epoch and per call.
+        self.staleness = StalenessStats()
         self.scheduled_steps = self._first_step = 0
         self._landed = 0
         self.total_steps: int | None = None
@@ -303,7 +304,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
             # A new counter on a trained model: the updates before it count once, so that
             # applied minus scheduled still finds those a re-run closure applied twice.
             self.counter.variable.assign(self.scheduled_steps)
-        self.counter.stats = self.staleness = StalenessStats()  # this call's figures
+        self.staleness = StalenessStats()  # this call's figures
         for hook in self.hooks:
             hook.start()
         self.total_steps = total_steps
