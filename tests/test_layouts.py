@@ -366,16 +366,18 @@ WIDE_RATE = 1e-3
 @pytest.fixture(scope="module")
 def resharded(tmp_path_factory):
     """A checkpoint of the wide MLP written under zero3 by 4 worker processes after an epoch
-    (OUT/zero3), and its second epoch resumed from a copy by 2 worker processes of 4
+    (OUT/zero3), and its second epoch resumed from copies by 2 worker processes of 4
     devices each as 2 stages x 2-way tensor x 2 pipelines under zero3 (what each wrote:
-    OUT/resumed_worker_<task>.json); with Keras's own 2 epochs on one device. Returns
-    (OUT, the reference model, its losses)."""
+    OUT/all_three_worker_<task>.json), and by 2 of 2 devices each as 2-way tensor x zero3
+    (OUT/zero3_tensor_worker_<task>.json); with Keras's own 2 epochs on one device from
+    that checkpoint. Returns (OUT, the reference model, its losses)."""
     import shutil
 
     out = tmp_path_factory.mktemp("resharded")
-    for workers, mode in ((4, "save"), (2, "resume")):
-        if mode == "resume":
-            shutil.copytree(out / "zero3", out / "all_three")
+    for workers, mode, copy in ((4, "save", None), (2, "resume", "all_three"),
+                                (2, "resume_tensor", "zero3_tensor")):  # fmt: skip
+        if copy:
+            shutil.copytree(out / "zero3", out / copy)
         result = run_module(
             "tools.launch", "--workers", str(workers), "--timeout", "400", "--",
             sys.executable, "-m", "tests.workers.layouts_worker", str(out), mode, str(WIDE),
@@ -435,7 +437,7 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_as_all_three_over_two(resh
     share = _member_bytes(WIDE)
     whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
     for task in (0, 1):
-        written = json.loads((out / f"resumed_worker_{task}.json").read_text())
+        written = json.loads((out / f"all_three_worker_{task}.json").read_text())
         assert written["losses"][-1] == pytest.approx(losses[-1], abs=1e-5)
         for v, want, have in zip(reference.weights, reference.get_weights(),
                                  written["weights"], strict=True):  # fmt: skip
@@ -450,6 +452,37 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_as_all_three_over_two(resh
             assert held == pytest.approx(1.5 * share[task], rel=0.03), (task, k, held)
         wanted, read = _read(written["lines"])
         assert wanted * 2**20 < 0.6 * whole, (task, wanted)  # its stage, not the model
+        assert read <= wanted + 4, (task, wanted, read)  # MB
+
+
+@pytest.mark.multiprocess
+@pytest.mark.xdist_group("layouts_resharded")
+def test_a_zero3_checkpoint_of_four_processes_resumes_as_zero3_x_tensor_over_two(resharded):
+    """The same checkpoint resumed by 2 processes of 2 devices each, the model split by its
+    layout map and trained with shard_optimizer='zero3' (FSDP x TP: each process a 2-way
+    tensor group, each part sliced over the 2 processes): both end at Keras's weights on
+    one device (1e-5); each device holds its part's half, weights and Adam's slots; each
+    process asked for its slices (half the checkpoint: a process's slices of the parts of
+    a column layer are the same rows of every part, read once) and read no more, within
+    one 4 MiB buffer."""
+    out, reference, losses = resharded
+    share = _member_bytes(WIDE)
+    whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
+    for task in (0, 1):
+        written = json.loads((out / f"zero3_tensor_worker_{task}.json").read_text())
+        assert written["losses"][-1] == pytest.approx(losses[-1], abs=1e-5)
+        for v, want, have in zip(reference.weights, reference.get_weights(),
+                                 written["weights"], strict=True):  # fmt: skip
+            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (task, v.path)
+        assert task == 1 or any(
+            "trained as tensor 2 x zero3 x data 2 over 4 devices in 2 processes" in line
+            for line in written["lines"]
+        ), written["lines"]
+        for k in range(2):  # a member holds half its parts (the model's, both stages)
+            held = written["bytes"][f"/job:worker/task:{task}/CPU:{k}"]
+            assert held == pytest.approx(1.5 * (share[0] + share[1]), rel=0.03), (task, k, held)
+        wanted, read = _read(written["lines"])
+        assert wanted * 2**20 == pytest.approx(whole / 2, rel=0.02), (task, wanted)
         assert read <= wanted + 4, (task, wanted, read)  # MB
 
 

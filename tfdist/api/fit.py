@@ -165,6 +165,7 @@ def fit(
     if validation_data is not None:
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
+    options = registry.with_model_layout(options, model=model, strategy=strategy)
     layout = registry.runner_factory_of(options)
     settings = registry.factory_settings(options)  # what the layout takes over
     user_hooks = chain.check_hooks(step_hooks)

@@ -14,6 +14,7 @@ once, and the next step starts as soon as its chunk has arrived.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import logging
 import re
@@ -60,13 +61,23 @@ class _PointToPoint:
     compiled once per signature, with instance keys that every rank assigns alike."""
 
     def __init__(
-        self, *, rank: int, ranks: int, timeout_seconds: float | None, group_key_base: int
+        self,
+        *,
+        rank: int,
+        ranks: int,
+        timeout_seconds: float | None,
+        group_key_base: int,
+        device: str | None = None,
     ):
         if not 0 <= rank < ranks:
             raise ValueError(f"rank must be in [0, {ranks}). Received: rank={rank}")
         self.rank, self.ranks = rank, ranks
         self._timeout = float(timeout_seconds or 0)
         self._group_base = group_key_base
+        # Where the transfers run (None: where the caller places them). A collective group
+        # takes one device a process, so the rings of a process's several devices (a
+        # tensor group's members) each name theirs.
+        self.device = device
         self._programs: dict[tuple, tf.types.experimental.ConcreteFunction] = {}
         self._next_program = _PROGRAMS_BUILT.setdefault(group_key_base, itertools.count())
         # Graph being traced -> how many calls of each signature it already holds.
@@ -98,9 +109,12 @@ class _PointToPoint:
                 timeout_seconds=self._timeout,
                 dtype=spec.dtype,
             )
-            self._programs[key] = tf.compat.v1.wrap_function(
-                lambda tensor: transfers.after_sends(build(tensor, transfers)), [spec]
-            )
+
+            def program(tensor):
+                with tf.device(self.device) if self.device else contextlib.nullcontext():
+                    return transfers.after_sends(build(tensor, transfers))
+
+            self._programs[key] = tf.compat.v1.wrap_function(program, [spec])
         return self._programs[key]
 
 
@@ -194,6 +208,9 @@ class ProcessRing(_PointToPointAllReduce):
       max_pieces: a large buffer is cut into up to this many slices, each reduced by its own
         ring at the same time, so one slice's transfer overlaps another's additions.
       min_piece_bytes: no slice is smaller than this.
+      device: where its transfers run (None: where the caller places them); a process's
+        rings on several of its devices each name theirs (a collective group takes one
+        device a process).
     """
 
     def __init__(
@@ -205,10 +222,12 @@ class ProcessRing(_PointToPointAllReduce):
         group_key_base: int = GROUP_KEY_BASE,
         max_pieces: int = 4,
         min_piece_bytes: int = 1 << 20,
+        device: str | None = None,
     ):
         super().__init__(
-            rank=rank, ranks=ranks, timeout_seconds=timeout_seconds, group_key_base=group_key_base
-        )
+            rank=rank, ranks=ranks, timeout_seconds=timeout_seconds,
+            group_key_base=group_key_base, device=device,
+        )  # fmt: skip
         self.max_pieces, self.min_piece_bytes = max_pieces, min_piece_bytes
 
     def _build(self, flat, reduction, transfers):

@@ -232,6 +232,10 @@ class Mode:
       reads_model: the builder also gets `model=` (the model, or None where there is none):
         a mode another hook may take over for some models (a tensor-parallel layout shards
         its own parts under shard_optimizer).
+      runner_factory: for a mode the model asks for, "module:attribute" of a callable
+        (model, strategy) -> the runner factory it trains under where fit names none
+        (None: its hook will do): a layout map's model across worker processes trains as
+        a pipeline of one stage.
     """
 
     keyword: str | None
@@ -248,6 +252,7 @@ class Mode:
     takes: tuple[str, ...] = ()
     needs: tuple[str, str] | None = None
     reads_model: bool = False
+    runner_factory: str | None = None
 
     @property
     def name(self) -> str:
@@ -258,10 +263,7 @@ class Mode:
         values of the keywords it `takes`."""
         if self.builder is None:
             return None
-        module, _, attribute = self.builder.partition(":")
-        target: Any = importlib.import_module(module)
-        for part in attribute.split("."):
-            target = getattr(target, part)
+        target = _imported(self.builder)
         if isinstance(self.value, Options):
             value = self.value.filled(value)
         settings = dict(settings or {})
@@ -273,6 +275,15 @@ class Mode:
 
     def is_on(self, value: Any) -> bool:
         return self.keyword is None or value != self.default
+
+
+def _imported(path: str) -> Any:
+    """The object "module:attribute" names."""
+    module, _, attribute = path.partition(":")
+    target: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        target = getattr(target, part)
+    return target
 
 
 MODES: tuple[Mode, ...] = (
@@ -349,6 +360,7 @@ MODES: tuple[Mode, ...] = (
         builder="tfdist.parallel.tensor:update_for",
         flag=False,
         takes=("shard_optimizer", "offload", "pipeline"),
+        runner_factory="tfdist.parallel.tensor:runner_factory_for",
     ),
     Mode(
         keyword="shard_optimizer",
@@ -470,6 +482,22 @@ def problems(options: Mapping[str, Any]) -> list[str]:
             if not mode(needed).is_on(options.get(needed, mode(needed).default)):
                 found.append(f"{why}. Received: {keyword}={value!r}, {needed}=None")
     return found
+
+
+def with_model_layout(options: Mapping[str, Any], *, model, strategy) -> dict[str, Any]:
+    """`options`, with the runner factory a mode the model asks for trains it under where
+    `options` name none (Mode.runner_factory), under the keyword of the factory's mode."""
+    options = dict(options)
+    if _factory_mode(options) is not None:
+        return options
+    for m in MODES:
+        if m.keyword is None and m.runner_factory:
+            factory = _imported(m.runner_factory)(model, strategy)
+            if factory is not None:
+                keyword = next(k.keyword for k in MODES if isinstance(k.value, RunnerFactoryValue))
+                options[keyword] = factory
+                return options
+    return options
 
 
 def runner_factory_of(options: Mapping[str, Any]) -> Any:
@@ -611,6 +639,7 @@ __all__ = [
     "flagged",
     "keywords",
     "runner_factory_of",
+    "with_model_layout",
     "mode",
     "resolve_auto",
     "problems",

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
@@ -67,11 +69,22 @@ class Cut:
             value = tf.split(value, self.parts, axis=self.axis)[part]
         return flat_slice(value, self.slices, k) if self.slices > 1 else value
 
-    def joined(self, pieces: dict, shape) -> tf.Tensor:
-        """The whole, of `shape`, from one copy of each piece ({(part, slice): value})."""
+    def part_shape(self, shape) -> list[int]:
+        """The shape of a part of a whole of `shape`."""
         part_shape = list(shape)
         if self.parts > 1:
             part_shape[self.axis] //= self.parts
+        return part_shape
+
+    def piece_size(self, shape) -> int:
+        """The elements of each piece of a whole of `shape`: a part's padded flat slice,
+        or a part."""
+        part_shape = self.part_shape(shape)
+        return slice_size(part_shape, self.slices) if self.slices > 1 else int(np.prod(part_shape))
+
+    def joined(self, pieces: dict, shape) -> tf.Tensor:
+        """The whole, of `shape`, from one copy of each piece ({(part, slice): value})."""
+        part_shape = self.part_shape(shape)
         parts = []
         for j in range(self.parts):
             flat = [pieces[j, k] for k in range(self.slices)]
@@ -292,12 +305,21 @@ class StageStore(shards.Shards):
         return out
 
     def wanted(self) -> list[shards.Wanted]:
-        """What this process's stages read back: each weight and slot they hold, whole."""
-        return [
-            shards.Wanted(key, staged.dtype, staged.assign, shape=tuple(staged.shape))
-            for key, staged in self.staged
-            if staged.copies
-        ]
+        """What this process's stages read back: each weight and slot they hold, whole,
+        or where a process holds slices of it that other processes' replicas complete (a
+        stage's pipelines across processes), the runs of its flattened values that hold
+        those slices (piece_reads)."""
+        out = []
+        for key, staged in self.staged:
+            if not staged.copies:
+                continue
+            if staged.pieces is not None and staged.cut.slices > 1 and not self.whole_stages:
+                out += piece_reads(key, staged)
+            else:
+                out.append(
+                    shards.Wanted(key, staged.dtype, staged.assign, shape=tuple(staged.shape))
+                )
+        return out
 
     # --- reading --------------------------------------------------------------------------
 
@@ -314,7 +336,7 @@ class StageStore(shards.Shards):
                 summed = self._sent(part)
         if staged.pieces is None or self.whole_stages:
             return summed
-        return joined([summed], staged.shape)
+        return staged.cut.joined(self._unflattened(staged, summed), staged.shape)
 
     def _here(self, staged: StoredInStages) -> tf.Tensor:
         """The weight from this process's copies: the first, or one of each piece put
@@ -338,21 +360,40 @@ class StageStore(shards.Shards):
 
     def _part(self, staged: StoredInStages) -> tf.Tensor:
         """What this process adds to a read across processes: the value at its source,
-        zeros elsewhere (so the sum is the value, exactly). Slices held one replica a
-        process: each pipeline's first stage holding the weight adds its slice in place in
-        the flat, padded whole."""
+        zeros elsewhere (so the sum is the value, exactly). Pieces held a stage replica a
+        process (slices over the pipelines, a tensor group's parts): each piece in its
+        place, flat and padded, from the first stage holding the weight (a slice from every
+        pipeline's replica of it, a part unsliced from the source's)."""
         with tf.device(self.replicas[0].device):
             if staged.pieces is not None and not self.whole_stages:
-                count = self.pipelines
-                size = slice_size(staged.shape, count)
-                pieces = [tf.zeros([size], staged.dtype) for _ in range(count)]
-                r = self.replicas[0]
-                if staged.copies and r.stage.index == min(self.holding(staged.index)):
-                    pieces[staged.pieces[0][1]] = tf.identity(staged.copies[0].value)
-                return tf.concat(pieces, 0)
+                cut = staged.cut
+                size = cut.piece_size(staged.shape)
+                r, held = self.replicas[0], {}
+                first = r.stage.index == min(self.holding(staged.index))
+                if staged.copies and first and (cut.slices > 1 or staged.source):
+                    for copy, key in zip(staged.copies, staged.pieces, strict=True):
+                        held.setdefault(key, copy)
+                flat = [
+                    tf.reshape(held[j, k].value, [-1]) if (j, k) in held
+                    else tf.zeros([size], staged.dtype)
+                    for j in range(cut.parts) for k in range(cut.slices)
+                ]  # fmt: skip
+                return tf.concat(flat, 0)
             if staged.source:
                 return self._here(staged)
             return tf.zeros(staged.shape, staged.dtype)
+
+    def _unflattened(self, staged: StoredInStages, flat: tf.Tensor) -> dict:
+        """The pieces {(part, slice): value} of a read's sum (`_part`'s order)."""
+        cut = staged.cut
+        size, shape = cut.piece_size(staged.shape), cut.part_shape(staged.shape)
+        pieces, at = {}, 0
+        for j in range(cut.parts):
+            for k in range(cut.slices):
+                value = flat[at : at + size]
+                pieces[j, k] = value if cut.slices > 1 else tf.reshape(value, shape)
+                at += size
+        return pieces
 
     def _send_part(self, part: tf.Tensor) -> tf.Tensor:
         def replica(part):
@@ -424,6 +465,55 @@ class StoredInStages(updates.WholeStandIn):
                 copy.assign(value)
         for piece, k in self.updated:
             piece.assign(self.updated_cut.piece(value, k))
+
+
+def piece_reads(key: str, staged: StoredInStages) -> list[shards.Wanted]:
+    """Reads of the pieces this process's copies of `staged` hold (each a flat slice of a
+    tensor-parallel part, or of the whole): for each piece the run of the whole's flattened
+    values from its first element to its last (a column part's rows lie apart in the
+    whole: its run spans the other parts' columns between them), the runs of all the
+    pieces here merged, so that a process holding every part's slice of the same rows reads
+    those rows once. Each run read is handed to the copies whose pieces it holds."""
+    cut, shape = staged.cut, [int(d) for d in staged.shape]
+    size, n = cut.piece_size(shape), int(np.prod(shape))
+    part_shape = cut.part_shape(shape)
+    part_n = int(np.prod(part_shape))
+    positions: dict[tuple[int, int], np.ndarray] = {}  # piece -> its elements in the whole
+    for j, k in dict.fromkeys(staged.pieces):
+        inside = np.arange(k * size, min((k + 1) * size, part_n), dtype=np.int64)
+        where = list(np.unravel_index(inside, part_shape))
+        if cut.parts > 1:
+            where[cut.axis] = where[cut.axis] + j * part_shape[cut.axis]
+        positions[j, k] = np.ravel_multi_index(where, shape) if inside.size else inside
+    runs: list[list] = []  # [lo, hi, pieces], merged where they meet
+    for piece, at in sorted(positions.items(), key=lambda item: item[1][:1].tolist()):
+        if not at.size:
+            continue
+        lo, hi = int(at[0]), int(at[-1]) + 1
+        if runs and lo <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], hi)
+            runs[-1][2].append(piece)
+        else:
+            runs.append([lo, hi, [piece]])
+    empty = [piece for piece, at in positions.items() if not at.size]  # past the end
+
+    def handed(lo: int, pieces: list) -> Callable[[tf.Tensor], None]:
+        def assign(value) -> None:
+            flat = tf.reshape(tf.convert_to_tensor(value, staged.dtype), [-1])
+            for copy, piece in zip(staged.copies, staged.pieces, strict=True):
+                if piece in pieces:
+                    mine = tf.gather(flat, positions[piece] - lo)
+                    copy.assign(shards.padded(mine, size))
+                elif piece in empty and lo == runs[0][0]:
+                    copy.assign(tf.zeros([size], staged.dtype))
+
+        return assign
+
+    return [
+        shards.Wanted(key, staged.dtype, handed(lo, pieces), shards.flat_slice(n, lo, hi),
+                      weight_shape=tuple(shape))
+        for lo, hi, pieces in runs
+    ]  # fmt: skip
 
 
 @contextlib.contextmanager

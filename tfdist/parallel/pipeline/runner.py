@@ -101,7 +101,7 @@ class PipelineRunner(SyncRunner):
         self.tied: dict[int, tuple[int, ...]] = {}  # weight -> the stages holding it
         self.shared: dict[int, SharedWeight] = {}  # weight -> who holds it and who reads it
         # By stage (its pipelines' replicas) and by a tied weight's holders (theirs).
-        self._rings: dict[int | tuple[int, ...], ProcessRing] = {}
+        self._rings: dict[tuple, ProcessRing] = {}  # see ring_of
         # Between worker processes: activations forward, their gradients back. TensorFlow's
         # collective runtime remembers each instance key's shape for the life of the
         # process, so each step program (one per micro-batch size) takes keys of its own.
@@ -221,12 +221,19 @@ class PipelineRunner(SyncRunner):
         per = global_batch // self.pipelines
         devices = self.devices_per_pipeline * self.tensor
         tensor = f" ({self.tensor} a stage, its layers split)" if self.tensor > 1 else ""
+        kind = strategy_kind(self.strategy)
+        if stages == 1:  # no cut: each replica a tensor group, the replicas data-parallel
+            split = ", its layers split" if self.tensor > 1 else ""
+            shard = f", {self.shard}" if self.shard else ""
+            return (
+                f"Global batch {global_batch} = {self.pipelines} data x {per}, each replica "
+                f"over {devices} device(s){split} (one stage{shard}; {kind})"
+            )
         return (
             f"Global batch {global_batch} = {self.pipelines} pipeline(s) x {per} per pipeline, "
             f"each of {stages} stages over {devices} device(s){tensor} in "
             f"{options.micro_batches} micro-batch(es) of {per // options.micro_batches} "
-            f"({options.schedule}{', ' + self.shard if self.shard else ''}; "
-            f"{strategy_kind(self.strategy)})"
+            f"({options.schedule}{', ' + self.shard if self.shard else ''}; {kind})"
         )
 
     def _store_key(self) -> tuple:
@@ -270,12 +277,13 @@ class PipelineRunner(SyncRunner):
         sliced = {i for i, v in enumerate(weights)
                   if id(v) not in tables and (v.shape.num_elements() or 0) > 0}  # fmt: skip
         kept = [weights[i].path for i in range(len(weights)) if i not in sliced]
+        one = len(self.stages) == 1  # no cut: the pipelines are the data replicas
         log.info(
-            "shard_optimizer=%r: each stage's %s sharded over its %d pipelines%s.",
-            self.shard,
+            "shard_optimizer=%r: %s %s sharded over %s %d %s%s.",
+            self.shard, "the model's" if one else "each stage's",
             "weights, gradients and optimizer state" if self.shard == "zero3"
             else "optimizer state" + (" and gradients" if self.shard == "zero2" else ""),
-            self.pipelines,
+            "the" if one else "its", self.pipelines, "data replicas" if one else "pipelines",
             f"; kept whole (embedding tables, their gradients sparse rows): {', '.join(kept)}"
             if kept else "",
         )  # fmt: skip
@@ -309,18 +317,22 @@ class PipelineRunner(SyncRunner):
                 f"devices/workers. Received: {len(stages)} stages over {replicas} replicas"
             )
         self.pipelines = replicas // (width * tensor)
-        if processes > 1 and len(devices) == 1:  # a stage replica a process
-            if tensor > 1:
-                raise StageError(
-                    f"A tensor group of {tensor} devices stays within one process, and each "
-                    f"of these {processes} worker processes has one device. Give each "
-                    f"process a multiple of {tensor} devices (on a CPU host, "
-                    "tfdist.configure_cpu_devices(N) before the strategy), or drop the "
-                    f"layout map. Received: tensor {tensor}, one device a process"
-                )
+        if processes > 1 and len(devices) < tensor:
+            raise StageError(
+                f"A tensor group of {tensor} devices stays within one process, and each "
+                f"of these {processes} worker processes has {len(devices)}. Give each "
+                f"process a multiple of {tensor} devices (on a CPU host, "
+                "tfdist.configure_cpu_devices(N) before the strategy), or drop the "
+                f"layout map. Received: tensor {tensor}, {len(devices)} device(s) a process"
+            )
+        # A stage replica a process (one device, or one tensor group): a stage's pipelines
+        # span the processes, its exchanges over them are rings between processes (one
+        # per tensor group member). A tensor group a process holding one pipeline's
+        # stages whole is _whole_stages's.
+        if processes > 1 and len(devices) == tensor and (tensor == 1 or self.pipelines > 1):
             self.whole_stages = False
             ranks = [layout.process_index]
-            return ranks, {ranks[0]: [devices[0]]}
+            return ranks, {ranks[0]: devices}
         if processes > 1:
             return self._whole_stages(devices)
         # Pipeline p's stage k: its devices are p's (k mod width)-th (interleaved: each
@@ -452,30 +464,42 @@ class PipelineRunner(SyncRunner):
 
     def _make_rings(self) -> dict:
         """Between worker processes: a ring per stage over its pipelines' replicas, and one
-        per set of stages holding a tied weight."""
-        rings: dict[int | tuple[int, ...], ProcessRing] = {}
+        per set of stages holding a tied weight; each a ring per tensor group member (member
+        k of each replica holds the same parts). Keyed as ring_of finds them."""
+        rings: dict[tuple, ProcessRing] = {}
         if self.whole_stages:
             self._check_shared_here()
             return rings
+        tensor = self.tensor
         for r in self.replicas:
-            rings[r.stage.index] = ProcessRing(
+            rings[r.stage.index, r.member] = ProcessRing(
                 rank=r.pipeline,
                 ranks=self.pipelines,
                 timeout_seconds=self.options.timeout_seconds,
-                group_key_base=block("pipeline_stage_rings", r.stage.index, size=1000),
+                group_key_base=block(
+                    "pipeline_stage_rings", r.stage.index * tensor + r.member, size=1000
+                ),
+                device=r.device if tensor > 1 else None,
             )
         # A tied weight's gradient is summed over every replica of the stages holding it:
         # one ring per set of holders, over the pipelines x holders processes.
         for k, holders in enumerate(sorted(set(self.tied.values()))):
             for r in self.replicas:
                 if r.stage.index in holders:
-                    rings[holders] = ProcessRing(
+                    rings[holders, r.member] = ProcessRing(
                         rank=r.pipeline * len(holders) + holders.index(r.stage.index),
                         ranks=self.pipelines * len(holders),
                         timeout_seconds=self.options.timeout_seconds,
-                        group_key_base=block("pipeline_tied_rings", k, size=1000),
-                    )
+                        group_key_base=block("pipeline_tied_rings", k * tensor + r.member,
+                                             size=1000),
+                        device=r.device if tensor > 1 else None,
+                    )  # fmt: skip
         return rings
+
+    def ring_of(self, r: StageReplica, holders: tuple[int, ...] = ()) -> ProcessRing:
+        """The ring between processes that replica `r` sums over: its stage's (or, for a
+        weight the stages `holders` share, theirs), of its tensor group member."""
+        return self._rings[holders or r.stage.index, r.member]
 
     def _check_shared_here(self) -> None:
         """Processes that hold whole stages sum a weight several stages hold in one

@@ -198,8 +198,6 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
             )
         cut_before = names[1:]
     cut_before = list(cut_before)
-    if not cut_before:
-        raise StageError("A pipeline needs at least one cut (two stages). Received: cut_before=[]")
     for name in cut_before:
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)

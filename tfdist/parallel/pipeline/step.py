@@ -165,7 +165,7 @@ class PipelineStep:
         if not runner.whole_stages:
             size = slice_size(shape, count)
             bounds = [(k * size, (k + 1) * size) for k in range(count)]
-            ring = runner._rings[r.stage.index]
+            ring = runner.ring_of(r)
             return joined([ring.all_gather(r.slices[j].value, bounds)], shape)
         holder = {piece_of(q, count): q for q in range(count)}
         members = [self.members[holder[k], r.stage.index][r.member] for k in range(count)]
@@ -238,7 +238,8 @@ class PipelineStep:
         for ((pipeline, index), member), result in results.items():
             r = self.members[pipeline, index][member]
             if not runner.whole_stages:
-                grads = self._summed_between_processes(r, result.grads)
+                grads = self._summed_members(results, r, index)
+                grads = self._summed_between_processes(r, grads)
             else:  # every replica of the stage is on a device here
                 with tf.device(r.device):
                     grads = [self._summed_here(results, r, i, index) for i in r.stage.trainable]
@@ -284,6 +285,24 @@ class PipelineStep:
             return flat_slice(functools.reduce(updates.added, grads), pieces, k, shape)
         return functools.reduce(updates.added, [flat_slice(g, pieces, k, shape) for g in grads])
 
+    def _summed_members(self, results, r: StageReplica, index: int) -> list:
+        """Replica `r`'s gradients (of stage `index`), each summed over the members of its
+        tensor group that hold the same part (every member, for a weight held whole: each
+        member's gradient counts its own rows): what its ring then sums over the
+        pipelines."""
+        runner = self.runner
+        own = results[(r.pipeline, index), r.member].grads
+        if runner.placements is None:
+            return list(own)
+        out = []
+        for j, i in enumerate(r.stage.trainable):
+            placement = runner.placements[i]
+            part = placement.index(r.member)
+            members = [k for k in range(runner.tensor) if placement.index(k) == part]
+            grads = [results[(r.pipeline, index), k].grads[j] for k in members]
+            out.append(functools.reduce(updates.added, grads))
+        return out
+
     def _gathered_back(self) -> list:
         """zero1 and zero2: each replica's whole weights again, from the updated slices of
         its stage's replicas (the all-gather)."""
@@ -321,7 +340,7 @@ class PipelineStep:
         for holders, positions in groups.items():
             if not holders and runner.pipelines == 1:
                 continue
-            ring = runner._rings[holders or r.stage.index]
+            ring = runner.ring_of(r, holders)
             rows = [j for j in positions if self._as_rows(r.stage.trainable[j], grads[j])]
             dense = [j for j in positions if j not in rows and j not in scatter]
             if dense:
@@ -331,7 +350,7 @@ class PipelineStep:
             for j in rows:
                 out[j] = ring.all_gather_rows(_as_slices(grads[j]))
             for j in sorted(scatter.intersection(positions) - set(rows)):
-                shape = self.model.trainable_variables[r.stage.trainable[j]].shape
+                shape = runner.held_shape(r.stage.trainable[j])
                 size = slice_size(shape, count)
                 flat = tf.reshape(tf.convert_to_tensor(grads[j]), [-1])
                 flat = tf.pad(flat, [[0, size * count - int(np.prod(shape))]])
@@ -341,7 +360,7 @@ class PipelineStep:
                 scattered.add(j)
         for j, i in enumerate(r.stage.trainable):
             if i in runner.sliced and j not in scattered:
-                shape = self.model.trainable_variables[i].shape
+                shape = runner.held_shape(i)
                 out[j] = flat_slice(out[j], count, piece, shape)
         return out
 
