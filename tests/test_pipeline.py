@@ -609,12 +609,19 @@ def fit_with(pipeline, *, devices: int = 4, build=pipeline_cases.mlp, data=None,
         (["d44"], r"no layer of that name \(did you mean 'd4'\?\)"),
         (["d3", "d2"], "in the order the data reaches them"),
         (["d2", "d2"], "named twice"),
-        ([], "at least one cut"),
     ],
 )
 def test_a_bad_cut_is_refused_before_training(cuts, message):
     with pytest.raises(StageError, match=message):
         split(pipeline_cases.mlp(), cuts)
+
+
+def test_no_cut_is_one_stage_holding_every_weight():
+    """cut_before=[]: the model whole, one stage (what a layout map's model trains as across
+    worker processes: each replica a tensor group, test_layouts.py)."""
+    model = pipeline_cases.mlp()
+    (stage,) = split(model, [])
+    assert tuple(stage.trainable) == tuple(range(len(model.trainable_variables)))
 
 
 def nested_mlp() -> keras.Model:

@@ -94,8 +94,10 @@ class Pipeline:
     Args:
       cut_before: names of the layers where stages 1, 2, ... begin (stage 0 starts at the
         inputs), in the order the data reaches them; None for a model made by
-        `tfdist.parallel.chain` (cut between its stage models). The strategy's replicas must
-        be a multiple of the stages: the multiple is the number of data-parallel pipelines.
+        `tfdist.parallel.chain` (cut between its stage models); [] for one stage, the model
+        whole (what a layout map's model trains as across worker processes). The
+        strategy's replicas must be a multiple of the stages: the multiple is the number
+        of data-parallel pipelines.
       micro_batches: M, the micro-batches each pipeline's share of a batch is cut into
         (it must divide that share). More shrinks the bubble, (S-1)/(M+S-1).
       schedule: 'gpipe' (every forward, then every backward: M micro-batches' activations
