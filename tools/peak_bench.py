@@ -29,10 +29,12 @@ writes the .keras file's weights into one in memory), the gRPC transport's buffe
 collectives, the copies NumPy makes.
 
 Layouts: plain data parallelism, zero1 and zero2 (strategy.scope()), zero3 and the pipeline
-(built in tfdist.host_scope, as the README says), and all three together (`all_three`: a
-model of blocks, hybrid_model, cut into stages over the processes, each stage split over
-2-way tensor groups and sharded over 2 pipelines, each process given 4 logical CPUs and
-holding one stage of both pipelines); the pipeline one stage per process: over 2 processes
+(built in tfdist.host_scope, as the README says), zero3 x tensor (`zero3_tensor`: a model
+of blocks, hybrid_model, split by a layout map over 2-way tensor groups, one a process of
+2 logical CPUs, each part sliced over the processes) and all three together (`all_three`:
+hybrid_model cut into stages over the processes, each stage split over 2-way tensor groups
+and sharded over 2 pipelines, each process given 4 logical CPUs and holding one stage of
+both pipelines); the pipeline one stage per process: over 2 processes
 cut before the fifth of the ten Dense layers (the larger stage holds 0.61 W), over 4 before
 the fourth, sixth and eighth (CUTS). The CPU allocator keeps these statistics only when
 TensorFlow runs its BFC allocator on the CPU (TF_CPU_ALLOCATOR_USE_BFC=true, set here for
@@ -69,12 +71,16 @@ import tempfile  # noqa: E402
 
 from tools import harness  # noqa: E402
 
-LAYOUTS = ("plain", "zero1", "zero2", "zero3", "pipeline", "all_three")
+LAYOUTS = ("plain", "zero1", "zero2", "zero3", "pipeline", "zero3_tensor", "all_three")
 # all_three: hybrid_model's stages split over 2-way tensor groups (Megatron's pairs: each
 # block's first layer by its outputs, its second by its inputs) and sharded over 2
 # pipelines (zero3), each process of DEVICES logical CPUs holding one stage of both
 # pipelines. Its processes' figures cover their DEVICES devices (one allocator a process).
+# zero3_tensor: hybrid_model split so over TENSOR logical CPUs a process (a tensor group),
+# each part sliced over the processes by zero3 (FSDP x TP); a process's figure covers its
+# TENSOR devices.
 DEVICES, TENSOR = 4, 2
+SPLIT = ("zero3_tensor", "all_three")  # the layouts of hybrid_model, split by a layout map
 HYBRID_CUTS = {2: ["b2_up"], 4: ["b1_up", "b2_up", "b3_up"]}
 PHASES = ("construction", "first step", "steps", "epoch end", "save")
 RESUMING = ("checkpoint", "restore")  # with --restore_workers
@@ -94,9 +100,9 @@ def worker(args) -> None:
     import tfdist
     from tfdist.parallel import Pipeline
 
-    hybrid = args.layout == "all_three"
+    hybrid = args.layout in SPLIT
     if hybrid:  # before the strategy (it starts TensorFlow's runtime)
-        tfdist.configure_cpu_devices(DEVICES)
+        tfdist.configure_cpu_devices(DEVICES if args.layout == "all_three" else TENSOR)
     strategy = tfdist.build_strategy("multi_worker_mirrored")
     peaks: dict[str, float] = {}
     resident: dict[str, float] = {}
@@ -111,7 +117,7 @@ def worker(args) -> None:
         resident[phase] = harness.resident("VmHWM") - baseline
 
     reset()
-    hosted = args.layout in ("zero3", "pipeline", "all_three")
+    hosted = args.layout in ("zero3", "pipeline", *SPLIT)
     scope = tfdist.host_scope(strategy) if hosted else strategy.scope()
     with scope:
         keras.utils.set_random_seed(0)
@@ -121,10 +127,9 @@ def worker(args) -> None:
             model = blocks_model() if args.blocks else dense_model(args.width)
         model.compile(keras.optimizers.Adam(1e-4), keras.losses.SparseCategoricalCrossentropy(True))
     if hybrid:
-        devices = [f"cpu:{k}" for k in range(DEVICES)]
-        mesh = keras.distribution.DeviceMesh(
-            (DEVICES // TENSOR, TENSOR), ["batch", "model"], devices
-        )
+        count = DEVICES if args.layout == "all_three" else TENSOR * strategy.num_replicas_in_sync
+        devices = [f"cpu:{k}" for k in range(count)]  # the mesh's names: its model axis counts
+        mesh = keras.distribution.DeviceMesh((count // TENSOR, TENSOR), ["batch", "model"], devices)
         layout = keras.distribution.LayoutMap(mesh)
         layout[".*_up/kernel"] = (None, "model")  # a Sequential's paths: sequential/b0_up/...
         layout[".*_down/kernel"] = ("model", None)
@@ -165,11 +170,13 @@ def worker(args) -> None:
     y = rng.integers(0, CLASSES, size=(args.batch * STEPS,)).astype("int32")
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(args.batch)
     workers = strategy.num_replicas_in_sync
-    if hybrid:
+    if args.layout == "all_three":
         keywords = {
             "pipeline": Pipeline(cut_before=HYBRID_CUTS[workers], micro_batches=2),
             "shard_optimizer": "zero3",
         }
+    elif args.layout == "zero3_tensor":  # tfdist.fit makes it a pipeline of one stage
+        keywords = {"shard_optimizer": "zero3"}
     elif args.layout == "pipeline":
         keywords = {"pipeline": Pipeline(cut_before=CUTS[workers], micro_batches=2)}
     else:
@@ -374,6 +381,10 @@ def main(argv=None) -> int:
         print(f"(all_three: 2 stages x {TENSOR}-way tensor x 2 pipelines under zero3, each "
               f"process {DEVICES} devices holding one stage: a device's figure is about "
               f"1/{DEVICES} of its process's)")  # fmt: skip
+    if "zero3_tensor" in args.layouts:
+        print(f"(zero3_tensor: {TENSOR}-way tensor x zero3 over the processes, each process "
+              f"{TENSOR} devices, one tensor group: a device's figure is about 1/{TENSOR} of "
+              "its process's)")  # fmt: skip
     print("| layout | processes | " + " | ".join(phases) + " | whole run | at rest |")
     print("|---" * (len(phases) + 4) + "|")
     for (layout, workers), records in runs.items():

@@ -210,8 +210,8 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         f"device training the whole batch (efficiency: speedup / {n}). Layouts that do not fit "
         "are listed last, unranked."
         + (
-            " Tensor parallelism is planned on one host only: tfdist's split layers run "
-            "over one process's devices."
+            " Over several hosts a tensor group stays within one: each host one tensor "
+            "group (of a model not cut) or whole stages."
             if cluster.hosts > 1 and all(e.layout.built(cluster.hosts) for e in estimates)
             else ""
         )

@@ -135,18 +135,30 @@ class ParallelLayout:
         return (self.stages > 1) + (self.tensor > 1) + (self.zero > 0) > 1
 
     def built(self, hosts: int) -> bool:
-        """Whether tfdist trains this layout today on `hosts` hosts: every axis alone, and
-        every combination on one host; not yet tensor groups, or the interleaved schedule,
-        in a job of several hosts (docs/guides/combining-layouts.md)."""
-        if self.tensor > 1 and hosts > 1:
+        """Whether tfdist trains this layout today on `hosts` hosts (a worker process a
+        host): every axis alone, and every combination on one host. Over several hosts a
+        tensor group stays within a host: it is built where each host holds one tensor
+        group of a model not cut (zero x tensor, data x tensor), or whole stages, every
+        pipeline's replica of them (pipeline x tensor, all three); the interleaved
+        schedule is not (docs/guides/combining-layouts.md)."""
+        if hosts == 1:
+            return True
+        if self.chunks > 1:
             return False
-        return self.chunks == 1 or hosts == 1
+        if self.tensor == 1:
+            return True
+        per_host, rest = divmod(self.devices, hosts)
+        if rest or per_host % self.tensor:
+            return False
+        if self.stages == 1:
+            return per_host == self.tensor
+        return (per_host // self.tensor) % self.data == 0
 
 
 def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list[ParallelLayout]:
     """Every layout tfdist runs on `devices` devices (over `hosts` hosts) for a global batch
     of `batch` and a model of `units` layers a pipeline may cut between. Tensor parallelism
-    runs over one host's devices only (tfdist's split layers live in one process)."""
+    runs within a host: over several, a tensor group a host (ParallelLayout.built)."""
     found = []
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
     if batch % devices == 0:
@@ -162,10 +174,10 @@ def layouts_for(devices: int, batch: int, units: int, *, hosts: int = 1) -> list
             if per_pipeline and per_pipeline % m == 0:
                 found.append(ParallelLayout(data=data, stages=stages, micro_batches=m))
                 break
-    for tensor in divisors[1:] if hosts == 1 else ():
-        data = devices // tensor
-        if batch % devices == 0:
-            found.append(ParallelLayout(data=data, tensor=tensor))
+    for tensor in divisors[1:]:
+        layout = ParallelLayout(data=devices // tensor, tensor=tensor)
+        if batch % devices == 0 and layout.built(hosts):
+            found.append(layout)
     return found
 
 

@@ -286,35 +286,46 @@ class StageStore(shards.Shards):
     # --- sharded checkpoints --------------------------------------------------------------
 
     def entries(self) -> list[shards.Entry]:
-        """This process's part of a sharded checkpoint: each weight and slot it is the
-        source of, whole (each is written by one process), saved flat as one slice of its
-        flattened values, as zero3 saves its slices: any layout reads any part of it."""
+        """This process's part of a sharded checkpoint, each tensor saved flat as slices of
+        its flattened values, as zero3 saves its slices: any layout reads any part of it.
+        Each is made when its bundle is written, from this process's copies alone:
+        - a weight or slot held whole, or in pieces a process holds all of (one process;
+          whole stages), by its source, whole;
+        - one held in pieces over the processes (a stage replica a process), by each
+          process holding the first stage that holds it: the runs its pieces make
+          (PieceRuns), where they leave no gap; where they would (not in a layout tfdist
+          builds today), put together by a read every process makes, written whole."""
         out = []
         for key, staged in self.staged:
             n = staged.shape.num_elements()
             spec = shards.flat_slice(n, 0, n)
-            if staged.pieces is not None:  # slices: put together (across processes by all)
+            spread = staged.pieces is not None and not self.whole_stages and self.processes > 1
+            if spread and PieceRuns.every_slice_complete(staged.cut, staged.shape):
+                first = self.replicas[0].stage.index == min(self.holding(staged.index))
+                if staged.copies and first:
+                    runs = PieceRuns(staged.cut, staged.shape, staged.pieces)
+                    out += runs.writes(key, staged)
+            elif spread:  # put together across processes, by all
                 whole = staged.read()
                 if staged.source and staged.copies:
                     flat = tf.reshape(whole, [-1])
                     out.append(shards.Entry(key, flat, spec, weight_shape=tuple(staged.shape)))
             elif staged.source and staged.copies:
-                copy = staged.copies[0]  # read as its bundle is written
-                value = lambda copy=copy: tf.reshape(copy.value, [-1])  # noqa: E731
-                out.append(shards.Entry(key, value, spec, copy.dtype, (n,), tuple(staged.shape)))
+                made = lambda staged=staged: tf.reshape(self._here(staged), [-1])  # noqa: E731
+                out.append(shards.Entry(key, made, spec, staged.dtype, (n,), tuple(staged.shape)))
         return out
 
     def wanted(self) -> list[shards.Wanted]:
         """What this process's stages read back: each weight and slot they hold, whole,
         or where a process holds slices of it that other processes' replicas complete (a
         stage's pipelines across processes), the runs of its flattened values that hold
-        those slices (piece_reads)."""
+        those slices (PieceRuns)."""
         out = []
         for key, staged in self.staged:
             if not staged.copies:
                 continue
             if staged.pieces is not None and staged.cut.slices > 1 and not self.whole_stages:
-                out += piece_reads(key, staged)
+                out += PieceRuns(staged.cut, staged.shape, staged.pieces).reads(key, staged)
             else:
                 out.append(
                     shards.Wanted(key, staged.dtype, staged.assign, shape=tuple(staged.shape))
@@ -467,53 +478,103 @@ class StoredInStages(updates.WholeStandIn):
             piece.assign(self.updated_cut.piece(value, k))
 
 
-def piece_reads(key: str, staged: StoredInStages) -> list[shards.Wanted]:
-    """Reads of the pieces this process's copies of `staged` hold (each a flat slice of a
-    tensor-parallel part, or of the whole): for each piece the run of the whole's flattened
-    values from its first element to its last (a column part's rows lie apart in the
-    whole: its run spans the other parts' columns between them), the runs of all the
-    pieces here merged, so that a process holding every part's slice of the same rows reads
-    those rows once. Each run read is handed to the copies whose pieces it holds."""
-    cut, shape = staged.cut, [int(d) for d in staged.shape]
-    size, n = cut.piece_size(shape), int(np.prod(shape))
-    part_shape = cut.part_shape(shape)
-    part_n = int(np.prod(part_shape))
-    positions: dict[tuple[int, int], np.ndarray] = {}  # piece -> its elements in the whole
-    for j, k in dict.fromkeys(staged.pieces):
-        inside = np.arange(k * size, min((k + 1) * size, part_n), dtype=np.int64)
-        where = list(np.unravel_index(inside, part_shape))
-        if cut.parts > 1:
-            where[cut.axis] = where[cut.axis] + j * part_shape[cut.axis]
-        positions[j, k] = np.ravel_multi_index(where, shape) if inside.size else inside
-    runs: list[list] = []  # [lo, hi, pieces], merged where they meet
-    for piece, at in sorted(positions.items(), key=lambda item: item[1][:1].tolist()):
-        if not at.size:
-            continue
-        lo, hi = int(at[0]), int(at[-1]) + 1
-        if runs and lo <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], hi)
-            runs[-1][2].append(piece)
-        else:
-            runs.append([lo, hi, [piece]])
-    empty = [piece for piece, at in positions.items() if not at.size]  # past the end
+class PieceRuns:
+    """Where pieces of a weight lie in its flattened values: each piece (part j, flat slice
+    k of the part) as the positions of its elements in the whole, and the runs of the whole
+    from a piece's first element to its last, merged where they meet. A column part's rows
+    lie apart in the whole, so its run spans the other parts' columns between them; a
+    process holding every part's slice k holds the same rows of every part, one run with
+    no gap (`complete`).
 
-    def handed(lo: int, pieces: list) -> Callable[[tf.Tensor], None]:
-        def assign(value) -> None:
-            flat = tf.reshape(tf.convert_to_tensor(value, staged.dtype), [-1])
-            for copy, piece in zip(staged.copies, staged.pieces, strict=True):
-                if piece in pieces:
-                    mine = tf.gather(flat, positions[piece] - lo)
-                    copy.assign(shards.padded(mine, size))
-                elif piece in empty and lo == runs[0][0]:
-                    copy.assign(tf.zeros([size], staged.dtype))
+    Args:
+      cut: how the pieces make up the weight.
+      shape: the weight's shape.
+      pieces: the pieces (part, slice) wanted, in any order, repeats ignored.
+    """
 
-        return assign
+    def __init__(self, cut: Cut, shape, pieces):
+        self.cut, self.shape = cut, [int(d) for d in shape]
+        self.size, self.n = cut.piece_size(self.shape), int(np.prod(self.shape))
+        part_shape = cut.part_shape(self.shape)
+        part_n = int(np.prod(part_shape))
+        self.positions: dict[tuple[int, int], np.ndarray] = {}
+        for j, k in dict.fromkeys(pieces):
+            inside = np.arange(k * self.size, min((k + 1) * self.size, part_n), dtype=np.int64)
+            where = list(np.unravel_index(inside, part_shape))
+            if cut.parts > 1:
+                where[cut.axis] = where[cut.axis] + j * part_shape[cut.axis]
+            self.positions[j, k] = (
+                np.ravel_multi_index(where, self.shape) if inside.size else inside
+            )
+        self.runs: list[list] = []  # [lo, hi, pieces]
+        for piece, at in sorted(self.positions.items(), key=lambda item: item[1][:1].tolist()):
+            if not at.size:
+                continue
+            lo, hi = int(at[0]), int(at[-1]) + 1
+            if self.runs and lo <= self.runs[-1][1]:
+                self.runs[-1][1] = max(self.runs[-1][1], hi)
+                self.runs[-1][2].append(piece)
+            else:
+                self.runs.append([lo, hi, [piece]])
+        # Pieces past the weight's end (a slice of padding only).
+        self.empty = [piece for piece, at in self.positions.items() if not at.size]
 
-    return [
-        shards.Wanted(key, staged.dtype, handed(lo, pieces), shards.flat_slice(n, lo, hi),
-                      weight_shape=tuple(shape))
-        for lo, hi, pieces in runs
-    ]  # fmt: skip
+    @property
+    def complete(self) -> bool:
+        """Whether each run holds nothing but these pieces' elements."""
+        return all(
+            hi - lo == sum(self.positions[p].size for p in pieces) for lo, hi, pieces in self.runs
+        )
+
+    @classmethod
+    def every_slice_complete(cls, cut: Cut, shape) -> bool:
+        """Whether, for every slice k, all parts' slice k make runs with no gap: then a
+        process holding a stage replica whole (every part) writes its runs alone."""
+        return all(
+            cls(cut, shape, [(j, k) for j in range(cut.parts)]).complete for k in range(cut.slices)
+        )
+
+    def reads(self, key: str, staged: StoredInStages) -> list[shards.Wanted]:
+        """A read of each run, handed to the copies of `staged` whose pieces it holds."""
+
+        def handed(lo: int, pieces: list) -> Callable[[tf.Tensor], None]:
+            def assign(value) -> None:
+                flat = tf.reshape(tf.convert_to_tensor(value, staged.dtype), [-1])
+                for copy, piece in zip(staged.copies, staged.pieces, strict=True):
+                    if piece in pieces:
+                        mine = tf.gather(flat, self.positions[piece] - lo)
+                        copy.assign(shards.padded(mine, self.size))
+                    elif piece in self.empty and lo == self.runs[0][0]:
+                        copy.assign(tf.zeros([self.size], staged.dtype))
+
+            return assign
+
+        return [
+            shards.Wanted(key, staged.dtype, handed(lo, pieces),
+                          shards.flat_slice(self.n, lo, hi), weight_shape=tuple(self.shape))
+            for lo, hi, pieces in self.runs
+        ]  # fmt: skip
+
+    def writes(self, key: str, staged: StoredInStages) -> list[shards.Entry]:
+        """Each run (complete) as a slice of the flattened weight, put together from the
+        copies of `staged` when its bundle is written."""
+        first = {}
+        for copy, piece in zip(staged.copies, staged.pieces, strict=True):
+            first.setdefault(piece, copy)
+
+        def made(lo: int, hi: int, pieces: list) -> Callable[[], tf.Tensor]:
+            def value() -> tf.Tensor:
+                where = np.concatenate([self.positions[p] - lo for p in pieces])[:, None]
+                held = [first[p].value[: self.positions[p].size] for p in pieces]
+                return tf.scatter_nd(where, tf.concat(held, 0), [hi - lo])
+
+            return value
+
+        return [
+            shards.Entry(key, made(lo, hi, pieces), shards.flat_slice(self.n, lo, hi),
+                         staged.dtype, (hi - lo,), tuple(self.shape))
+            for lo, hi, pieces in self.runs
+        ]  # fmt: skip
 
 
 @contextlib.contextmanager

@@ -621,9 +621,11 @@ class LayoutParallel(StepHook):
         layout = runner.placement
         if layout.processes > 1 or layout.single_program:
             raise TensorParallelError(
-                "tensor_parallel(layout_map=...) splits weights over the local devices of "
-                "one mirrored strategy; across worker processes or TPU cores it is not "
-                f"built. Received: {layout.processes} processes"
+                "LayoutParallel splits weights over the local devices of one mirrored "
+                "strategy (across worker processes tfdist.fit trains a layout map's model "
+                "as a pipeline of one stage, a tensor group a process); over TPU cores it "
+                f"is not built. Received: {layout.processes} processes, "
+                f"single program: {layout.single_program}"
             )
         degree, replicas = self.plan.degree, layout.replicas
         if replicas % degree:
