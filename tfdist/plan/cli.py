@@ -202,8 +202,9 @@ def report(training, cluster: Cluster, estimates, *, top: int = 0) -> str:
         )
     if any(not e.layout.built(cluster.hosts) for e in shown):
         lines.append(
-            "* not trained by tfdist yet: in a job of several hosts, tensor groups or the "
-            "interleaved schedule (docs/guides/combining-layouts.md)."
+            "* not trained by tfdist yet: in a job of several hosts, the interleaved "
+            "schedule, or tensor groups other than one a host (of a model not cut) or whole "
+            "stages a host (docs/guides/combining-layouts.md)."
         )
     lines.append(
         "\nBytes per device in GiB; step = compute + exchange + bubble; speedup against one "
