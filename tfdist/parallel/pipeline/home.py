@@ -64,10 +64,15 @@ class Cut:
     slices: int = 1
 
     def piece(self, value, key: tuple[int, int]) -> tf.Tensor:
+        """Piece `key` of `value`, in a buffer of its own: TensorFlow's slice (or split) of
+        a tensor's leading rows shares the tensor's buffer, and a variable assigned it may
+        keep that buffer, so the piece kept would keep the whole alive."""
         part, k = key
         if self.parts > 1:
             value = tf.split(value, self.parts, axis=self.axis)[part]
-        return flat_slice(value, self.slices, k) if self.slices > 1 else value
+        if self.slices > 1:
+            value = flat_slice(value, self.slices, k)
+        return tf.raw_ops.DeepCopy(x=tf.convert_to_tensor(value))
 
     def part_shape(self, shape) -> list[int]:
         """The shape of a part of a whole of `shape`."""

@@ -43,6 +43,7 @@ class PipelineStep:
     def __init__(self, runner: Any, micro: int):
         self.runner, self.micro = runner, micro
         self.model = runner.model
+        self._last_gather = None  # while a step is traced: the last ring gather made
         options = runner.options
         # (pipeline, stage) -> its replica's members (one, or a tensor group's T), and the
         # first, which stands for the replica where one device does (sends, receives).
@@ -96,6 +97,7 @@ class PipelineStep:
         flat = tf.nest.flatten(batch)
         keys = sorted(self.local)
         values = []
+        self._last_gather = None
         for key in keys:
             for r in self.members[key]:
                 with tf.device(r.device):
@@ -166,7 +168,15 @@ class PipelineStep:
             size = slice_size(shape, count)
             bounds = [(k * size, (k + 1) * size) for k in range(count)]
             ring = runner.ring_of(r)
-            return joined([ring.all_gather(r.slices[j].value, bounds)], shape)
+            # One gather at a time: each holds its chunks and the part they make at once,
+            # so gathers all in flight would hold every part twice (FSDP limits its
+            # gathers in flight too).
+            after = [] if self._last_gather is None else [self._last_gather]
+            with tf.control_dependencies(after):
+                mine = tf.identity(r.slices[j].value)
+            whole = ring.all_gather(mine, bounds)
+            self._last_gather = whole
+            return joined([whole], shape)
         holder = {piece_of(q, count): q for q in range(count)}
         members = [self.members[holder[k], r.stage.index][r.member] for k in range(count)]
         pieces = [member.slices[j].value for member in members]
@@ -331,6 +341,7 @@ class PipelineStep:
             if i in runner.sliced and runner.shard != "zero1" and i not in runner.tied
         }  # fmt: skip
         scattered: set[int] = set()  # came back from the ring as this replica's slice
+        last = None  # the last reduce-scatter made
         # holders -> positions in `grads`, in the model's order of the weights: every member
         # of a ring passes the same weights in the same order (stages may list shared weights
         # in orders of their own)
@@ -353,8 +364,14 @@ class PipelineStep:
                 shape = runner.held_shape(r.stage.trainable[j])
                 size = slice_size(shape, count)
                 flat = tf.reshape(tf.convert_to_tensor(grads[j]), [-1])
-                flat = tf.pad(flat, [[0, size * count - int(np.prod(shape))]])
-                out[j] = ring.reduce_scatter(
+                padding = size * count - int(np.prod(shape))
+                if padding:
+                    flat = tf.pad(flat, [[0, padding]])
+                # One at a time, as the gathers (_gathered): each holds its chunks' sums.
+                after = [] if last is None else [last]
+                with tf.control_dependencies(after):
+                    flat = tf.identity(flat)
+                out[j] = last = ring.reduce_scatter(
                     flat, [(k * size, (k + 1) * size) for k in range(count)]
                 )
                 scattered.add(j)
