@@ -65,6 +65,28 @@ def test_a_pipelines_peak_per_process_is_its_stages_from_construction_to_save():
     assert max(peaks) >= 3 * 0.61, peaks
 
 
+def test_zero3_x_tensor_over_two_processes_peaks_within_its_share():
+    """A layout map's model under zero3 over 2 processes of 2 devices (a tensor group a
+    process; peak_bench's zero3_tensor, one allocator a process). Each member holds half
+    its parts and half of each weight the map leaves whole, with two Adam slots; a step
+    adds the gathered parts and their gradients. Within 15% of that at rest and at every
+    phase's peak (a piece of a weight once kept the whole weight's buffer alive: at rest
+    2.3 W against 1.55)."""
+    model = peak_bench.hybrid_model(peak_bench.WIDTH)
+    split = sum(
+        int(v.shape.num_elements()) for v in model.trainable_variables
+        if v.path.split("/")[-2].endswith("_up") or v.path.endswith("_down/kernel")
+    )  # fmt: skip
+    whole = sum(int(v.shape.num_elements()) for v in model.trainable_variables)
+    kept = split / 2 + (whole - split)  # a process's: its members' halves
+    at_rest = 3 * kept / whole
+    steps = at_rest + 2 * (split + 2 * (whole - split)) / whole
+    for r in records("zero3_tensor", 2):
+        assert r["rest"] / r["weights"] <= 1.15 * at_rest, (r["rest"] / r["weights"], at_rest)
+        assert whole_run(r) <= 1.15 * steps, (whole_run(r), steps)
+        assert whole_run(r) >= at_rest  # not vacuous: the share was seen
+
+
 def test_plain_data_parallelism_peaks_at_its_weights_slots_and_whole_gradients():
     """The reference the ZeRO-3 limits are measured against (and the allocator's figures
     checked by): weights, two slots and whole gradients, about 5 W, on every process."""
