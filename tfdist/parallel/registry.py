@@ -360,7 +360,7 @@ MODES: tuple[Mode, ...] = (
         builder="tfdist.parallel.tensor:update_for",
         flag=False,
         takes=("shard_optimizer", "offload", "pipeline"),
-        runner_factory="tfdist.parallel.tensor:runner_factory_for",
+        runner_factory="tfdist.parallel.pipeline:for_layout_map",
     ),
     Mode(
         keyword="shard_optimizer",

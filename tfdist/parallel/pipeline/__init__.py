@@ -80,9 +80,11 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.parallel.host import host_scope
 from tfdist.parallel.pipeline.schedules import SCHEDULES
+from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.parallel.zero import units
 from tfdist.strategies import needs_coordinator
 
@@ -203,3 +205,15 @@ class Pipeline:
         from tfdist.parallel.pipeline.runner import PipelineRunner
 
         return PipelineRunner(model, strategy, self, shard=shard_optimizer)
+
+
+def for_layout_map(model: keras.Model, strategy: tf.distribute.Strategy) -> Pipeline | None:
+    """What tfdist.fit trains a model tensor_parallel(layout_map=...) marked under across
+    worker processes (the registry's runner_factory of the split layers' mode): a pipeline
+    of one stage (cut_before=[]), each process's replica a tensor group over its devices,
+    its parts sliced over the processes' replicas under shard_optimizer (FSDP x tensor
+    parallelism, each tensor group within a process as Megatron-LM keeps it in a node).
+    None in one process, where LayoutParallel trains it."""
+    if plan_of(model) is None or compat.sync_worker_count(strategy) < 2:
+        return None
+    return Pipeline(cut_before=())

@@ -77,7 +77,7 @@ from tfdist.parallel.tensor.layers import (
     split_layers,
 )
 from tfdist.parallel.tensor.mappings import TensorParallelError
-from tfdist.parallel.tensor.update import TensorParallelUpdate, runner_factory_for, update_for
+from tfdist.parallel.tensor.update import TensorParallelUpdate, update_for
 
 __all__ = [
     "SPLIT_LAYERS",
@@ -92,6 +92,5 @@ __all__ = [
     "derive_layout_map",
     "split_layers",
     "tensor_parallel",
-    "runner_factory_for",
     "update_for",
 ]

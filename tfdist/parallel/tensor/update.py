@@ -13,7 +13,6 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfdist import compat
 from tfdist.parallel import updates
 from tfdist.parallel.tensor.layers import split_layers
 from tfdist.parallel.tensor.layout_map import LayoutParallel, plan_of
@@ -149,17 +148,4 @@ def update_for(
     return TensorParallelUpdate()
 
 
-def runner_factory_for(model: keras.Model, strategy: tf.distribute.Strategy):
-    """What a model tensor_parallel(layout_map=...) marked trains under across worker
-    processes: a pipeline of one stage (pipeline/runner.py), each process's replica a
-    tensor group over its devices, its parts sharded under shard_optimizer over the
-    processes' replicas (FSDP x tensor parallelism, the tensor groups within a process as
-    Megatron-LM keeps them in a node). None in one process: LayoutParallel trains it."""
-    if plan_of(model) is None or compat.sync_worker_count(strategy) < 2:
-        return None
-    from tfdist.parallel.pipeline import Pipeline
-
-    return Pipeline(cut_before=())
-
-
-__all__ = ["TensorParallelUpdate", "runner_factory_for", "update_for"]
+__all__ = ["TensorParallelUpdate", "update_for"]
