@@ -325,11 +325,12 @@ class PipelineRunner(SyncRunner):
                 "tfdist.configure_cpu_devices(N) before the strategy), or drop the "
                 f"layout map. Received: tensor {tensor}, {len(devices)} device(s) a process"
             )
-        # A stage replica a process (one device, or one tensor group): a stage's pipelines
-        # span the processes, its exchanges over them are rings between processes (one
-        # per tensor group member). A tensor group a process holding one pipeline's
-        # stages whole is _whole_stages's.
-        if processes > 1 and len(devices) == tensor and (tensor == 1 or self.pipelines > 1):
+        # A stage replica a process (one device; or one tensor group of a model not cut,
+        # FSDP x TP): a stage's pipelines span the processes, its exchanges over them are
+        # rings between processes (one per tensor group member). Tensor groups of several
+        # stages are _whole_stages's (a stage's pipelines in one process).
+        one_group = tensor > 1 and len(stages) == 1 and self.pipelines > 1
+        if processes > 1 and len(devices) == tensor and (tensor == 1 or one_group):
             self.whole_stages = False
             ranks = [layout.process_index]
             return ranks, {ranks[0]: devices}
