@@ -371,6 +371,15 @@ class PipelineRunner(SyncRunner):
         stages, tensor, pipelines = len(self.stages), self.tensor, self.pipelines
         local, processes = len(devices), self.placement.processes
         held = local // tensor  # stage replicas a process holds
+        if stages == 1 and tensor > 1 and held != 1:  # a layout map's model, not cut
+            raise StageError(
+                f"Across worker processes a model split by a layout map trains with one "
+                f"tensor group a process (the layout's model axis, {tensor}, is each "
+                f"process's devices), its parts sharded over the processes; these processes "
+                f"have {local} devices each. Set the mesh's model axis to {local}, or give "
+                f"each process {tensor} devices. Received: model axis {tensor}, {local} "
+                f"devices in each of {processes} processes"
+            )
         if local % tensor or held % pipelines:
             raise StageError(
                 f"With several devices a process, each process holds whole stages: its "
