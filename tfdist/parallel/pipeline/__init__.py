@@ -213,7 +213,10 @@ def for_layout_map(model: keras.Model, strategy: tf.distribute.Strategy) -> Pipe
     of one stage (cut_before=[]), each process's replica a tensor group over its devices,
     its parts sliced over the processes' replicas under shard_optimizer (FSDP x tensor
     parallelism, each tensor group within a process as Megatron-LM keeps it in a node).
-    None in one process, where LayoutParallel trains it."""
-    if plan_of(model) is None or compat.sync_worker_count(strategy) < 2:
+    None in one process, where LayoutParallel trains it, and under parameter_server, whose
+    workers step apart (LayoutParallel refuses it there in one line)."""
+    if plan_of(model) is None or needs_coordinator(strategy):
+        return None
+    if compat.sync_worker_count(strategy) < 2:
         return None
     return Pipeline(cut_before=())
