@@ -119,6 +119,15 @@ class PipelineRunner(SyncRunner):
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         model, options = self.model, self.options
+        layout_map_across = self.placements is not None and self.processes > 1
+        if step_hooks and options.cut_before == () and layout_map_across:
+            raise FitError(
+                "Across worker processes a model split by a layout map trains as one stage "
+                "of tfdist's pipeline (a tensor group a process), which takes no step hooks: "
+                "drop accumulate_steps (or raise the batch), the user's step_hooks and other "
+                "update modes; shard_optimizer works. Received: "
+                f"{', '.join(h.name for h in step_hooks)}"
+            )
         if step_hooks:
             raise FitError(
                 "A pipeline takes no step hooks: its micro-batches already accumulate "
