@@ -482,7 +482,6 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_as_zero3_x_tensor_over_two
         for k in range(2):
             held = written["bytes"][f"/job:worker/task:{task}/CPU:{k}"]
             assert held == pytest.approx(member, rel=0.03), (task, k, held)
-
         wanted, read = _read(written["lines"])
         assert wanted * 2**20 == pytest.approx(whole / 2, rel=0.02), (task, wanted)
         assert read <= wanted + 4, (task, wanted, read)  # MB
