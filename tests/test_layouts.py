@@ -423,6 +423,24 @@ def _read(lines: list[str]) -> tuple[float, float]:
     return float(found[0][1]), float(found[0][2])
 
 
+def _resumed_as_keras(resharded, name: str, layout: str):
+    """Yields (task, what it wrote, the checkpoint's bytes) for each process of the 2-process
+    resume `name`, once its loss and weights are Keras's from that checkpoint on one device
+    (1e-5) and the chief's log names `layout`."""
+    out, reference, losses = resharded
+    whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
+    for task in (0, 1):
+        written = json.loads((out / f"{name}_worker_{task}.json").read_text())
+        assert written["losses"][-1] == pytest.approx(losses[-1], abs=1e-5)
+        for v, want, have in zip(reference.weights, reference.get_weights(),
+                                 written["weights"], strict=True):  # fmt: skip
+            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (task, v.path)
+        assert task == 1 or any(f"trained as {layout}" in line for line in written["lines"]), (
+            written["lines"]
+        )
+        yield task, written, whole
+
+
 @pytest.mark.multiprocess
 @pytest.mark.xdist_group("layouts_resharded")
 def test_a_zero3_checkpoint_of_four_processes_resumes_as_all_three_over_two(resharded):
@@ -433,20 +451,9 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_as_all_three_over_two(resh
     weights and slots (half the checkpoint) only. The reference: Keras's own fit from that
     checkpoint, on one device. What each process read from storage is what it asked for,
     plus the metadata and index, within one 4 MiB buffer."""
-    out, reference, losses = resharded
     share = _member_bytes(WIDE)
-    whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
-    for task in (0, 1):
-        written = json.loads((out / f"all_three_worker_{task}.json").read_text())
-        assert written["losses"][-1] == pytest.approx(losses[-1], abs=1e-5)
-        for v, want, have in zip(reference.weights, reference.get_weights(),
-                                 written["weights"], strict=True):  # fmt: skip
-            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (task, v.path)
-        assert task == 1 or any(  # the chief's log names the layout
-            "trained as pipeline 2 M=2 x tensor 2 x zero3 x data 2 over 8 devices in 2 "
-            "processes" in line
-            for line in written["lines"]
-        ), written["lines"]
+    layout = "pipeline 2 M=2 x tensor 2 x zero3 x data 2 over 8 devices in 2 processes"
+    for task, written, whole in _resumed_as_keras(resharded, "all_three", layout):
         for k in range(4):  # process t holds stage t
             held = written["bytes"][f"/job:worker/task:{task}/CPU:{k}"]
             assert held == pytest.approx(1.5 * share[task], rel=0.03), (task, k, held)
@@ -465,19 +472,9 @@ def test_a_zero3_checkpoint_of_four_processes_resumes_as_zero3_x_tensor_over_two
     process asked for its slices (half the checkpoint: a process's slices of the parts of
     a column layer are the same rows of every part, read once) and read no more, within
     one 4 MiB buffer."""
-    out, reference, losses = resharded
     share = _member_bytes(WIDE)
-    whole = 3 * sum(int(np.prod(v.shape)) * 4 for v in reference.trainable_variables)
-    for task in (0, 1):
-        written = json.loads((out / f"zero3_tensor_worker_{task}.json").read_text())
-        assert written["losses"][-1] == pytest.approx(losses[-1], abs=1e-5)
-        for v, want, have in zip(reference.weights, reference.get_weights(),
-                                 written["weights"], strict=True):  # fmt: skip
-            assert np.max(np.abs(want - np.asarray(have))) <= TOLERANCE, (task, v.path)
-        assert task == 1 or any(
-            "trained as tensor 2 x zero3 x data 2 over 4 devices in 2 processes" in line
-            for line in written["lines"]
-        ), written["lines"]
+    layout = "tensor 2 x zero3 x data 2 over 4 devices in 2 processes"
+    for task, written, whole in _resumed_as_keras(resharded, "zero3_tensor", layout):
         member = 1.5 * (share[0] + share[1])  # half its parts, and their two Adam slots
         for k in range(2):
             held = written["bytes"][f"/job:worker/task:{task}/CPU:{k}"]
