@@ -24,7 +24,7 @@ from tfdist.parallel import (
     SynchronousWarmup,
     registry,
 )
-from tfdist.training.runner import AsyncStep
+from tfdist.training.hooks import AsyncStep
 from tfdist.training.runners import mode_defaults, runner_for
 
 TOLERANCE = 1e-5

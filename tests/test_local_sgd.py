@@ -166,13 +166,13 @@ def test_gossip_mixes_by_its_topology():
     for hook in (ring, exponential):
         hook.build(model, runner_for(model, strategy))
 
-    mixed = [t.numpy() for t in ring._mix(tf.constant(0, tf.int64), flats)]
+    mixed = [t.numpy() for t in ring.mix(tf.constant(0, tf.int64), flats)]
     for r in range(4):
         expected = (flats[r] + flats[(r - 1) % 4] + flats[(r + 1) % 4]).numpy() / 3
         np.testing.assert_allclose(mixed[r], expected, rtol=1e-6)
-    once = exponential._mix(tf.constant(0, tf.int64), flats)
+    once = exponential.mix(tf.constant(0, tf.int64), flats)
     np.testing.assert_allclose(once[1].numpy(), (flats[1] + flats[0]).numpy() / 2)
-    twice = [t.numpy() for t in exponential._mix(tf.constant(1, tf.int64), once)]
+    twice = [t.numpy() for t in exponential.mix(tf.constant(1, tf.int64), once)]
     for r in range(4):
         np.testing.assert_allclose(twice[r], [1.5, 15.0], rtol=1e-6)
 

@@ -172,7 +172,7 @@ def test_the_pipeline_runs_each_stage_s_passes_in_its_schedule_s_order(chunks):
     data = make_fit_data(pipeline_cases.data(), strategy=strategy, for_training=True)
     runner.build(data.sample_batch)
     runner.begin(0)
-    runner.train(runner.iterator(data), 1, bounded=True, logs=None)
+    runner.train(runner.job.iterator(data), 1, bounded=True, logs=None)
     width = 4 // chunks
     plan = schedule(name, width, 4, chunks=chunks)
     on_device: dict[tuple[int, int], list[tuple[float, float]]] = {}

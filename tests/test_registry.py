@@ -20,7 +20,7 @@ from tfdist.parallel.asynchronous import BoundedStaleness, DelayCompensation
 from tfdist.parallel.local_sgd import LocalSGD
 from tfdist.parallel.zero.sharded import ShardedUpdate
 from tfdist.training import chain
-from tfdist.training.runner import StepHook
+from tfdist.training.hooks import StepHook
 
 pytestmark = pytest.mark.fast
 

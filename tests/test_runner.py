@@ -1,4 +1,4 @@
-"""The engine's seam (tfdist/training/runner.py, runners/, controller.py): StepHooks sit
+"""The engine's seam (tfdist/training/engine.py, job.py, hooks.py, runners/, controller.py): StepHooks sit
 between a step's gradients and the update under every runner, the registry covers every
 strategy kind, and the step-time breakdown is measured and written where users look."""
 

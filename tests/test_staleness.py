@@ -90,10 +90,10 @@ def test_staleness_aware_lr_wraps_the_optimizer_s_rate_once():
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(0.3), "mse")
     hook = StalenessAwareRate(True)
-    hook.build(model, runner=None)
+    hook.build(model, job=None)
     rate = compat.learning_rate_schedule(model.optimizer)
     assert isinstance(rate, StalenessAwareSchedule) and float(rate(0)) == pytest.approx(0.3)
-    hook.build(model, runner=None)  # a second fit: already wrapped
+    hook.build(model, job=None)  # a second fit: already wrapped
     assert compat.learning_rate_schedule(model.optimizer) is rate
     restored = StalenessAwareSchedule.from_config(rate.get_config())
     assert float(restored(5)) == pytest.approx(0.3)

@@ -59,7 +59,7 @@ _EXPORTS = {
     "evaluate": "tfdist.api.fit",
     "fit": "tfdist.api.fit",
     "patch_keras": "tfdist.api.keras_patch",
-    "StepHook": "tfdist.training.runner",
+    "StepHook": "tfdist.training.hooks",
     "predict": "tfdist.api.predict",
     "LearningRateWarmup": "tfdist.training.callbacks",
     "DeviceBytes": "tfdist.training.memory",

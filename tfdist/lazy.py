@@ -4,7 +4,7 @@
 
 Importing a package that lists its names this way runs none of the modules behind them:
 tools that only read TF_CONFIG start without TensorFlow, and importing one module of a layer
-(tfdist.training.runner) does not pull in the rest of it.
+(tfdist.training.hooks) does not pull in the rest of it.
 """
 
 from __future__ import annotations

@@ -193,7 +193,7 @@ def drive_pipeline(
     data = make_fit_data(dataset, strategy=strategy, for_training=True)
     runner.build(data.sample_batch)
     runner.begin(0)
-    iterator = runner.iterator(data)
+    iterator = runner.job.iterator(data)
     timed = []
     for step in range(WARMUP + steps):
         runner.train(iterator, 1, bounded=True, logs=None)

@@ -44,7 +44,7 @@ from tfdist.training import chain, fit_callbacks, kept
 from tfdist.training.controller import Controller
 from tfdist.training.data_checks import check_batch
 from tfdist.training.fit_data import FitData, make_fit_data, split_arrays, unpack
-from tfdist.training.runner import StepHook
+from tfdist.training.hooks import StepHook
 from tfdist.training.runners import mode_defaults, runner_for
 
 log = logging.getLogger(__name__)
@@ -184,16 +184,16 @@ def fit(
     with kept.forgotten_on_error(model):
         runner.build(data.sample_batch, hooks)
     say = log.debug if verbose == 0 else log.info  # verbose=0 is quiet, as Keras's fit is
-    if runner.is_chief:
+    if runner.job.is_chief:
         if data.global_batch is not None:
-            line = runner.describe_batch(data.global_batch)
+            line = layout_line.batch_line(runner, data.global_batch)
             trained = layout_line.trained_as(model, runner, options)
             say("%s", line if trained is None else f"{line}; {trained}")
         named = [hook.name for hook in hooks]
         if named:
             say("Between each step's gradients and its update: %s", ", ".join(named))
     steps = steps_per_epoch or data.num_batches
-    if runner.needs_epoch_length and steps is None:
+    if runner.job.streams and steps is None:
         raise FitError(
             f"{strategy_kind(strategy)} training streams each worker's data without end, so "
             "an epoch needs a length: pass steps_per_epoch (e.g. examples // global batch). "
@@ -264,7 +264,7 @@ def evaluate(
         with kept.forgotten_on_error(model):
             runner.build(data.sample_batch)
     callback_list = fit_callbacks.callback_list(
-        callbacks, add_progbar=verbose != 0 and runner.is_chief, verbose=verbose, epochs=1,
+        callbacks, add_progbar=verbose != 0 and runner.job.is_chief, verbose=verbose, epochs=1,
         steps=steps or data.num_batches, model=model,
     )  # fmt: skip
     callback_list.on_test_begin()
@@ -282,7 +282,7 @@ def _explained(runner) -> Iterator[None]:
     """The runner's failures (a lost peer, a dead ps) and a tfdist pipeline's data errors (a
     truncated TFRecord) as tfdist's one-line errors."""
     try:
-        with runner.explained():
+        with runner.job.explained():
             yield
     except tf.errors.InvalidArgumentError as e:
         explained = explain_data_error(e)

@@ -34,7 +34,8 @@ import tensorflow as tf
 
 from tfdist.errors import FitError
 from tfdist.training import loss_normalisation, sparse_rows
-from tfdist.training.runner import Runner, StepHook
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 
 
 class Accumulate(StepHook):
@@ -58,8 +59,8 @@ class Accumulate(StepHook):
     def name(self) -> str:
         return f"accumulate_steps={self.steps}"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        del runner
+    def build(self, model: keras.Model, job: Job) -> None:
+        del job
         optimizer = model.optimizer
         if optimizer is not None and optimizer.gradient_accumulation_steps:
             raise FitError(

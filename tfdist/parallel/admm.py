@@ -64,8 +64,8 @@ class ADMM(LocalUpdates):
     def name(self) -> str:
         return f"admm(rho={self.rho:g}, every={self.every})"
 
-    def build(self, model, runner) -> None:
-        super().build(model, runner)
+    def build(self, model, job) -> None:
+        super().build(model, job)
         if self.consensus:
             return  # a later fit: z and the duals go on
         start = np.concatenate([np.reshape(v.numpy(), [-1]) for v in self.variables])
@@ -81,7 +81,7 @@ class ADMM(LocalUpdates):
 
         updates.outside_strategy(make)
 
-    def _before_update(self, step, grads, present):
+    def local_gradients(self, step, grads, present):
         """Each replica's gradient of its augmented loss: g_k + rho (x_k - z + u_k)."""
         del step
         out = []
@@ -100,7 +100,7 @@ class ADMM(LocalUpdates):
                 )
         return out
 
-    def _mix(self, step, flats):
+    def mix(self, step, flats):
         """Every `every`-th step: z <- mean(x + u), u <- u + x - z. The weights stay each
         replica's own."""
 

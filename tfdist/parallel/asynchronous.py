@@ -4,7 +4,7 @@ In parameter-server training each worker reads the weights, computes a gradient 
 it while the others do the same: by the time a gradient reaches the weights, other updates
 have moved them (its staleness, tau; tfdist/training/staleness.py counts it). Three remedies
 from the literature, each a StepHook the parameter_server runner calls at the points of its
-step (tfdist.training.runner.AsyncStep):
+step (tfdist.training.hooks.AsyncStep):
 
 - DelayCompensation (`async_correction="dc"`; Zheng et al., 2017, "Asynchronous stochastic
   gradient descent with delay compensation"): a stale gradient g, computed at the weights
@@ -48,7 +48,8 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
-from tfdist.training.runner import AsyncStep, Runner, StepHook
+from tfdist.training.hooks import AsyncStep, StepHook
+from tfdist.training.job import Job
 from tfdist.training.staleness import StalenessAwareSchedule
 
 log = logging.getLogger(__name__)
@@ -102,10 +103,10 @@ class DelayCompensation(StepHook):
     def name(self) -> str:
         return "async_correction='dc'"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        if self.already_built(model, runner):
-            return  # a later fit of a kept runner: its traced steps hold these variables
-        strategy = runner.strategy
+    def build(self, model: keras.Model, job: Job) -> None:
+        if self.already_built(model, job):
+            return  # a later fit of a kept engine: its traced steps hold these variables
+        strategy = job.strategy
         self.mean_squares = {}
         self._variables = [r for v in model.trainable_variables for r in _resources(v)]
         if not self.adaptive:
@@ -190,7 +191,7 @@ class MomentumCorrection(StepHook):
     def name(self) -> str:
         return "async_correction='momentum'"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
+    def build(self, model: keras.Model, job: Job) -> None:
         optimizer = model.optimizer
         if not isinstance(optimizer, keras.optimizers.SGD) or not optimizer.momentum:
             raise AsyncCorrectionError(
@@ -206,9 +207,9 @@ class MomentumCorrection(StepHook):
                 "Nesterov's update also reads with the full momentum. Use nesterov=False. "
                 "Received: nesterov=True"
             )
-        self.optimizer, self.is_chief = optimizer, runner.is_chief
+        self.optimizer, self.is_chief = optimizer, job.is_chief
         self.momentum = float(optimizer.momentum)
-        with runner.strategy.scope():
+        with job.strategy.scope():
             self.mean_staleness = tf.Variable(
                 0.0, trainable=False, name="mean_staleness",
                 aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
@@ -273,7 +274,7 @@ class StalenessAwareRate(StepHook):
     def name(self) -> str:
         return "staleness_aware_lr"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
+    def build(self, model: keras.Model, job: Job) -> None:
         optimizer = model.optimizer
         rate = compat.learning_rate_schedule(optimizer)
         if isinstance(rate, StalenessAwareSchedule):
@@ -315,10 +316,10 @@ class BoundedStaleness(StepHook):
     def name(self) -> str:
         return f"max_staleness={self.max_staleness}"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        if self.already_built(model, runner):
-            return  # a later fit of a kept runner: its traced steps hold these variables
-        with runner.strategy.scope():
+    def build(self, model: keras.Model, job: Job) -> None:
+        if self.already_built(model, job):
+            return  # a later fit of a kept engine: its traced steps hold these variables
+        with job.strategy.scope():
             # The steps whose updates are written, in ticket order, and the waits that ended
             # by the timeout.
             self.written = tf.Variable(

@@ -61,8 +61,8 @@ class Gossip(LocalUpdates):
     def name(self) -> str:
         return f"gossip={self.topology!r}"
 
-    def _connect(self) -> None:
-        super()._connect()
+    def connect(self) -> None:
+        super().connect()
         self.peers = None
         if self.processes:
             self.peers = ProcessNeighbours(
@@ -73,7 +73,7 @@ class Gossip(LocalUpdates):
         """The exponential graph's peer offsets, one per step in turn: 1, 2, 4, ... < N."""
         return [2**j for j in range(max(1, math.ceil(math.log2(self.ranks))))]
 
-    def _mix(self, step, flats):
+    def mix(self, step, flats):
         if self.ranks == 1:
             return flats
         if self.topology == "ring":

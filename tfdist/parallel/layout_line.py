@@ -15,15 +15,23 @@ from tfdist.layout_names import layout_name
 from tfdist.parallel.pipeline.runner import PipelineRunner
 from tfdist.parallel.tensor.layers import split_layers
 from tfdist.parallel.tensor.layout_map import plan_of
-from tfdist.training.runner import Runner
+from tfdist.training.engine import Engine
 from tfdist.training.runners.sync import SyncRunner
 
 
-def trained_as(model: keras.Model, runner: Runner, options: Mapping[str, Any]) -> str | None:
+def batch_line(runner: Engine, global_batch: int) -> str:
+    """How a global batch splits over what trains it (logged once): a pipeline's stages and
+    micro-batches, or the strategy's replicas."""
+    if isinstance(runner, PipelineRunner):
+        return runner.describe_batch(global_batch)
+    return runner.job.describe_batch(global_batch)
+
+
+def trained_as(model: keras.Model, runner: Engine, options: Mapping[str, Any]) -> str | None:
     """The layout `runner` trains `model` in, and over how many devices and processes; None
     on one device, and for the runners that keep the variables apart from the replicas
     (parameter-server and central-storage training: their log line says so)."""
-    if not isinstance(runner, SyncRunner):
+    if not isinstance(runner, (SyncRunner, PipelineRunner)):
         return None
     if isinstance(runner, PipelineRunner):
         pipeline = runner.options
@@ -37,8 +45,8 @@ def trained_as(model: keras.Model, runner: Runner, options: Mapping[str, Any]) -
     else:
         tensor = tensor_degree(model)
         zero = _stage(options.get("shard_optimizer"))
-        name = layout_name(data=runner.placement.replicas // tensor, tensor=tensor, zero=zero)
-    devices, processes = runner.placement.replicas, runner.placement.processes
+        name = layout_name(data=runner.job.placement.replicas // tensor, tensor=tensor, zero=zero)
+    devices, processes = runner.job.placement.replicas, runner.job.placement.processes
     if isinstance(runner, PipelineRunner):
         devices = runner.devices  # a process's logical CPUs, where it was given several
     if devices == 1:

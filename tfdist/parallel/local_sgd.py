@@ -21,7 +21,7 @@ The replicas' weights differ between averages, so every settle (each epoch end, 
 before a checkpoint is saved) averages them: what is evaluated and saved is one model.
 
 The base class here, LocalUpdates, is what gossip (gossip.py) shares: a replica applies its
-own gradients to its own weights, then a `_mix` combines the replicas' weights.
+own gradients to its own weights, then a `mix` combines the replicas' weights.
 
 Example:
 
@@ -49,7 +49,8 @@ from tfdist.collective.ring import local_ring_all_reduce
 from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
 from tfdist.parallel import updates
-from tfdist.training.runner import Runner, StepHook
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ class LocalUpdateError(FitError):
 
 
 class LocalUpdates(StepHook):
-    """Each replica applies its own gradients to its own weights; `_mix` then combines them.
+    """Each replica applies its own gradients to its own weights; `mix` then combines them.
 
     It ends the update chain (it applies the gradients itself). Subclasses say how the
-    replicas' weights are combined after each step (`_mix`) and what that sends.
+    replicas' weights are combined after each step (`mix`) and what that sends.
 
     Args:
       average_optimizer_state: average the optimizer's slots where the weights are averaged.
@@ -90,14 +91,14 @@ class LocalUpdates(StepHook):
 
     # --- building -------------------------------------------------------------------------------
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        self.model, self.strategy, self.is_chief = model, runner.strategy, runner.is_chief
-        if self.already_built(model, runner):
+    def build(self, model: keras.Model, job: Job) -> None:
+        self.model, self.strategy, self.is_chief = model, job.strategy, job.is_chief
+        if self.already_built(model, job):
             return  # a later fit: each replica keeps its optimizer's state
         optimizer = model.optimizer
         updates.check_copyable(optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError)
         layout = updates.one_replica_per_process(
-            runner.placement, who=self.name, error=LocalUpdateError
+            job.placement, who=self.name, error=LocalUpdateError
         )
         devices = list(layout.devices)
         self.variables = list(model.trainable_variables)
@@ -125,9 +126,9 @@ class LocalUpdates(StepHook):
         self.sent = updates.outside_strategy(
             lambda: tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
         )
-        self._connect()
+        self.connect()
 
-    def _connect(self) -> None:
+    def connect(self) -> None:
         """Sets up the transport between worker processes (when there are several)."""
         self.ring = None
         if self.processes:
@@ -155,7 +156,7 @@ class LocalUpdates(StepHook):
         step = tf.identity(optimizer.iterations)  # the step being taken (from 0)
         local = [strategy.experimental_local_results(g) for g in given]
         per_replica = [[g[d] for g in local] for d in range(len(self.devices))]
-        per_replica = self._before_update(step, per_replica, present)
+        per_replica = self.local_gradients(step, per_replica, present)
         flats = []
         for d, replica in enumerate(self.replicas):
             with tf.device(replica.device):
@@ -171,7 +172,7 @@ class LocalUpdates(StepHook):
                         with_slots=self.average_optimizer_state,
                     )
                 )
-        mixed = self._mix(step, flats)
+        mixed = self.mix(step, flats)
         writes = self._write_all(strategy, mixed)
         with tf.control_dependencies(writes):
             optimizer.iterations.assign_add(1)
@@ -195,12 +196,12 @@ class LocalUpdates(StepHook):
     def _components(self, strategy, d: int) -> list:
         return [strategy.experimental_local_results(v.value)[d] for v in self.variables]
 
-    def _before_update(self, step, grads: list[list], present: list[bool]) -> list[list]:
+    def local_gradients(self, step, grads: list[list], present: list[bool]) -> list[list]:
         """Each local replica's gradients as its update takes them (as they came: local)."""
         del step, present
         return grads
 
-    def _mix(self, step: tf.Tensor, flats: list[tf.Tensor]) -> list[tf.Tensor]:
+    def mix(self, step: tf.Tensor, flats: list[tf.Tensor]) -> list[tf.Tensor]:
         """Each local replica's packed weights (and slots) after step `step`'s exchange."""
         raise NotImplementedError
 
@@ -323,7 +324,7 @@ class LocalSGD(LocalUpdates):
     def name(self) -> str:
         return f"average_every={self.every}"
 
-    def _before_update(self, step, grads, present):
+    def local_gradients(self, step, grads, present):
         if not self.sync_steps or self.ranks == 1:
             return grads
         shapes = [tuple(v.shape) for v, p in zip(self.variables, present, strict=True) if p]
@@ -347,7 +348,7 @@ class LocalSGD(LocalUpdates):
                 )
         return out
 
-    def _mix(self, step, flats):
+    def mix(self, step, flats):
         if self.ranks == 1:
             return flats
         # The weights agree through the synchronous phase (its gradients were averaged);

@@ -220,7 +220,7 @@ class Mode:
       help: the flag's help (default: the summary); "{auto}" is replaced by what 'auto'
         means under each runner.
       flag: offered by the binary (a flag and a TrainConfig field).
-      auto: the flag takes 'auto', resolved by the runner's mode_defaults.
+      auto: the flag takes 'auto', resolved by the strategy kind's mode_defaults (tfdist.training.runners).
       auto_off_with: keywords whose mode, when on, makes this one's 'auto' mean off (a
         staleness bound's 'auto' under an asynchronous warm-up: the warm-up is the bound).
       resume_must_match: a checkpoint written under another value cannot be resumed (the
@@ -585,7 +585,7 @@ AUTO = "auto"
 
 def resolve_auto(options: Mapping[str, Any], defaults: Mapping[str, Any]) -> dict[str, Any]:
     """`options` with each mode that takes 'auto' and was left out (or given 'auto') set to
-    `defaults`' value for it (the runner's mode_defaults; a keyword not there: off). So
+    `defaults`' value for it (the strategy kind's mode_defaults; a keyword not there: off). So
     tfdist.fit and the binary start from the same value."""
     resolved = dict(options)
     for m in MODES:

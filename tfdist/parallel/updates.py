@@ -12,6 +12,7 @@ given (plain variables on one device). Its step goes through `update_step` direc
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import threading
 import time
@@ -201,7 +202,7 @@ class TraceSpan:
                     self._leave()
 
 
-class StandIn:
+class StandIn(abc.ABC):
     """A Keras weight's storage while a step is traced (compat.replace_storage): its value
     is what `read` gives on this replica, and its handle is `own()`, this replica's own
     variable, so the tape's gradient for the weight is that variable's."""
@@ -211,8 +212,9 @@ class StandIn:
         self.dtype, self.shape, self.name = whole.dtype, whole.shape, whole.name
         self._shared_name = whole._shared_name
 
+    @abc.abstractmethod
     def read(self) -> tf.Tensor:
-        raise NotImplementedError
+        """The weight's value on this replica."""
 
     @property
     def handle(self):
@@ -350,8 +352,9 @@ class WholeStandIn(StandIn):
         super().__init__(whole, own)
         _stream_saves_of_parts()
 
+    @abc.abstractmethod
     def assign(self, value, use_locking=None, name=None, read_value=True):
-        raise NotImplementedError
+        """Writes a whole value into what holds the weight."""
 
     def numpy(self):
         return self.read().numpy()

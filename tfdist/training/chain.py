@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import keras
 
 from tfdist.errors import FitError
-from tfdist.training.runner import StepHook
+from tfdist.training.hooks import StepHook
 
 
 def check_hooks(hooks: Sequence[object]) -> list[StepHook]:

@@ -110,12 +110,12 @@ def check_resume_settings(
             )
 
 
-def record_settings(model_dir: str, settings: dict, runner) -> None:
+def record_settings(model_dir: str, settings: dict, job) -> None:
     """The chief writes `settings` to model_dir/run.json for the next resume to compare; a
     storage fault there stops every task with one line (each calls this at the same point)."""
     path = os.path.join(model_dir, SETTINGS_FILE)
     local = None
-    if runner.is_chief:
+    if job.is_chief:
         try:
             write_atomically(path, strict_json(settings, what=SETTINGS_FILE, indent=2))
         except (tf.errors.OpError, OSError) as error:
@@ -127,7 +127,7 @@ def record_settings(model_dir: str, settings: dict, runner) -> None:
         return fault(cause, what="settings file", path=path, resume=_FROM_LAST,
                      where="on the chief")  # fmt: skip
 
-    agree_on_fault(runner.tally, local, peer_fault)
+    agree_on_fault(job.tally, local, peer_fault)
 
 
 _FROM_LAST = "from the last checkpoint"
@@ -484,8 +484,9 @@ class StepCheckpoint(keras.callbacks.Callback):
                 "it to tfdist.fit(..., callbacks=[...]). With keras.Model.fit, use "
                 "keras.callbacks.BackupAndRestore."
             )
+        job, state = runner.job, runner.state()
         if self._step_variable is None:  # the first fit of this callback
-            with runner.strategy.scope():
+            with job.strategy.scope():
                 # The loop counts steps in Python; this variable carries the count in the
                 # checkpoint (assigned at every save).
                 self._step_variable = tf.Variable(
@@ -494,19 +495,19 @@ class StepCheckpoint(keras.callbacks.Callback):
                 )  # fmt: skip
         checkpoint = tf.train.Checkpoint(
             model=self.model, optimizer=self.model.optimizer, step=self._step_variable,
-            **runner.checkpoint_state(),
+            **state.variables,
         )  # fmt: skip
         if self.model_dir and not self._holds_lock:
-            model_dir_lock.agree_to_hold(self.model_dir, runner)
+            model_dir_lock.agree_to_hold(self.model_dir, job)
             self._holds_lock = True
         if self.model_dir and self.settings is not None:
-            record_settings(self.model_dir, self.settings, runner)
-        processes = runner.placement.processes
+            record_settings(self.model_dir, self.settings, job)
+        processes = job.placement.processes
         self._checkpoints = Checkpoints(
-            checkpoint, model_dir=self.model_dir, is_chief=runner.is_chief,
-            max_to_keep=self.max_to_keep, shards=runner.checkpoint_shards(),
-            rank=runner.placement.process_index, ranks=processes,
-            barrier=shard_files.barrier(runner.strategy, processes),
+            checkpoint, model_dir=self.model_dir, is_chief=job.is_chief,
+            max_to_keep=self.max_to_keep, shards=state.shards,
+            rank=job.placement.process_index, ranks=processes,
+            barrier=shard_files.barrier(job.strategy, processes),
         )  # fmt: skip
         self._checkpoints.restore_latest()
         self.restored_step = self.step = int(self._step_variable.numpy())
@@ -558,7 +559,7 @@ class StepCheckpoint(keras.callbacks.Callback):
         self._last_saved = self.step
         self._runner.settle()  # every scheduled step applied, the replicas one model
         self._step_variable.assign(self.step)
-        self._checkpoints.save(self.step, tally=self._runner.tally)
+        self._checkpoints.save(self.step, tally=self._runner.job.tally)
         if self.directory:
             self._saved_step = self.step
 

@@ -1,8 +1,9 @@
 """The loop of `tfdist.fit`: epochs, callbacks, resuming, preemption and agreement.
 
-It is Keras's fit loop (TensorFlowTrainer.fit) written against a Runner (runner.py): it
-never asks which strategy it runs under. What differs between strategies (iterators, the
-chief, lockstep workers, votes, failures) is the runner's.
+It is Keras's fit loop (TensorFlowTrainer.fit) written against an Engine (engine.py) and its
+Job (job.py): it never asks which strategy it runs under. What differs between strategies
+is the engine's (its steps) and the job's (iterators, the chief, lockstep workers, votes,
+failures).
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import tensorflow as tf
 
 from tfdist import compat, signals
 from tfdist.training import auto_steps_per_execution, fit_callbacks
+from tfdist.training.engine import Engine
 from tfdist.training.fit_data import FitData
 from tfdist.training.preemption import Preempted, PreemptionWatcher
-from tfdist.training.runner import Runner
 from tfdist.training.step_times import PHASES, describe
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ class Controller:
 
     Args:
       model: the compiled, built model.
-      runner: its runner (built).
+      runner: its engine (built).
       data: the training data.
       validation: the validation data, or None.
       steps: steps per epoch (None: one pass over the data, its length found by the first).
@@ -48,7 +49,7 @@ class Controller:
         self,
         *,
         model: keras.Model,
-        runner: Runner,
+        runner: Engine,
         data: FitData,
         validation: FitData | None,
         steps: int | None,
@@ -57,6 +58,7 @@ class Controller:
         options: dict,
     ):
         self.model, self.runner, self.data, self.validation = model, runner, data, validation
+        self.job = job = runner.job
         self.steps, self.user_steps = steps, user_steps
         self.callbacks = callbacks
         self.epochs = options["epochs"]
@@ -74,19 +76,19 @@ class Controller:
         if per_call == auto_steps_per_execution.AUTO:
             per_call = 1
             needing = auto_steps_per_execution.every_step_needed(callbacks)
-            if not runner.train_waits_for_steps:
+            if not job.waits_for_steps:
                 self.say(
                     "steps_per_execution='auto': one step a closure, as a closure's time is "
                     "hidden by its asynchronous dispatch; give a number to run more"
                 )
-            elif needing and runner.is_chief:
+            elif needing and job.is_chief:
                 self.say(
                     "steps_per_execution='auto': one step a call, as %s hook every batch",
                     ", ".join(needing),
                 )
             elif not needing:
                 self.auto = auto_steps_per_execution.AutoStepsPerExecution(
-                    runner.tally, runner.is_chief, self.say
+                    job.tally, job.is_chief, self.say
                 )
         self.per_call = max(1, int(per_call or model.steps_per_execution))
         self.iterator = None
@@ -95,12 +97,12 @@ class Controller:
         # streaming data never ends, and a known number of batches per epoch bounds each pass
         # (asking costs a collective per step across workers).
         self.bounded = (
-            runner.iterator_is_shared
+            job.streams
             or data.infinite
             or (
                 user_steps is None
                 and data.num_batches is not None
-                and (data.form == "dataset" or runner.lockstep_workers == 1)
+                and (data.form == "dataset" or job.lockstep_workers == 1)
             )
         )
         self._summary_writers: dict[str, tf.summary.SummaryWriter] = {}
@@ -108,15 +110,15 @@ class Controller:
     # --- the whole call ---------------------------------------------------------------------------
 
     def fit(self) -> keras.callbacks.History:
-        runner, model = self.runner, self.model
-        runner.check_callbacks(self.callbacks)
-        is_chief = runner.is_chief
+        runner, job, model = self.runner, self.job, self.model
+        job.check_callbacks(self.callbacks)
+        is_chief = job.is_chief
         progress_bar = self.verbose != 0 and is_chief
         # Reading logs over every worker is a collective, so the workers do it all or none:
         # a callback only some workers were given counts for all. A progress bar alone reads
         # its own process's replicas, which costs no collective.
         wanted = any(fit_callbacks.reads_batch_logs(c) for c in self.callbacks)
-        self.global_logs = runner.agree(wanted)
+        self.global_logs = job.agree(wanted)
         # verbose=2's bar prints each epoch's end only: it needs no batch's logs.
         bar_reads_batches = progress_bar and self.verbose != 2
         self.batch_logs = "global" if self.global_logs else ("local" if bar_reads_batches else None)
@@ -128,7 +130,7 @@ class Controller:
                 f"training in tfdist.fit (epochs {self.initial_epoch + 1}-{self.epochs})"
             ),
             fit_callbacks.writes_redirected(self.callbacks, is_chief=is_chief) as redirect,
-            PreemptionWatcher(runner.agree, saves=self._saves_on_stop()) as self.watcher,
+            PreemptionWatcher(job.agree, saves=self._saves_on_stop()) as self.watcher,
             fit_callbacks.released(self.callbacks),
         ):
             self.redirect = redirect
@@ -142,12 +144,14 @@ class Controller:
             redirect.after_restore()
             start_epoch, start_step = self._resume_point()
             steps = self.steps
+            job.begin(
+                total_steps=self.epochs * steps if steps else None,
+                checkpoint_status=self._checkpoint_status(),
+            )
             runner.begin(
                 start_epoch * steps + start_step
                 if steps
-                else int(model.optimizer.iterations.numpy()),
-                total_steps=self.epochs * steps if steps else None,
-                checkpoint_status=self._checkpoint_status(),
+                else int(model.optimizer.iterations.numpy())
             )
             training_logs = None
             try:
@@ -177,10 +181,10 @@ class Controller:
     # --- one epoch --------------------------------------------------------------------------------
 
     def _iterator_for(self, epoch: int, skip: int):
-        if self.runner.iterator_is_shared:
-            return self.runner.iterator(self.data)
+        if self.job.streams:
+            return self.job.iterator(self.data)
         if self.user_steps is None:  # each epoch is one pass over the data (Keras's rule)
-            return self.runner.iterator(self.data, skip=skip)
+            return self.job.iterator(self.data, skip=skip)
         # With steps_per_epoch the data is one stream across epochs, as in Keras: a pass
         # that runs out ends its epoch early, and the next epoch starts a new pass.
         if self.iterator is None:
@@ -188,7 +192,7 @@ class Controller:
             if self.data.num_batches:
                 position %= self.data.num_batches
             self.pass_position = position
-            self.iterator = self.runner.iterator(self.data, skip=position)
+            self.iterator = self.job.iterator(self.data, skip=position)
         return self.iterator
 
     def _epoch(self, epoch: int, start_step: int) -> dict[str, float]:
@@ -209,7 +213,7 @@ class Controller:
                 callbacks.on_train_batch_end(step - 1, logs)
                 last = self.steps is not None and step >= self.steps
                 if (
-                    runner.lockstep_workers == 1
+                    self.job.lockstep_workers == 1
                     or last
                     or step // vote_every != previous // vote_every
                 ) and self.watcher.agreed():
@@ -252,7 +256,7 @@ class Controller:
     def _agreed_stop(self) -> bool:
         # Callbacks decide on the same reduced logs everywhere; the agreement also covers a
         # decision only one worker took, which would otherwise leave the others waiting.
-        stop = self.runner.agree(bool(self.model.stop_training))
+        stop = self.job.agree(bool(self.model.stop_training))
         self.model.stop_training = stop
         return stop
 
@@ -332,8 +336,8 @@ class Controller:
     # --- the step-time breakdown ------------------------------------------------------------------
 
     def _report_step_times(self, epoch: int) -> None:
-        times = self.runner.step_times()
-        if times is None or not self.runner.is_chief:
+        times = self.runner.report().step_times
+        if times is None or not self.job.is_chief:
             return
         self.say("Epoch %d: %s", epoch + 1, describe(times))
         for callback in self.callbacks:

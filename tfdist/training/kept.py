@@ -23,7 +23,7 @@ import keras
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.training.runner import Runner
+from tfdist.training.engine import Engine
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +33,7 @@ class _Kept:
     # What the runner's traced functions close over, by name: the objects themselves (held,
     # so that another object cannot take a freed one's id), compared by identity.
     facts: dict[str, Any]
-    runner: Runner
+    runner: Engine
     hooks: list
 
 
@@ -46,12 +46,12 @@ _ATTRIBUTE = "_tfdist_kept_runner"
 def runner_for_call(
     model: keras.Model,
     strategy: tf.distribute.Strategy,
-    make: Callable[[], Runner],
+    make: Callable[[], Engine],
     hooks: Sequence[Any] | None,
     *,
     user_hooks: Sequence[Any] = (),
     layout: Any = None,
-) -> tuple[Runner, list, bool]:
+) -> tuple[Engine, list, bool]:
     """(the runner, the hooks to build it with, whether it is the kept one, built).
 
     Args:
@@ -65,7 +65,7 @@ def runner_for_call(
     facts = _facts(model, strategy, hooks, user_hooks)
     facts["layout"] = layout
     kept = vars(model).get(_ATTRIBUTE)
-    if kept is not None and kept.runner.kept_across_calls:
+    if kept is not None:
         changed = [
             name
             for name, value in facts.items()

@@ -259,16 +259,16 @@ def _release_all() -> None:
     _HELD.clear()
 
 
-def agree_to_hold(model_dir: str, runner) -> None:
+def agree_to_hold(model_dir: str, job) -> None:
     """Every lockstep worker calls this at the same point: the chief takes the lock, and if
     it cannot (another job holds it, or a storage fault), every worker stops with its line.
 
     Args:
-      runner: the fit's runner (`is_chief`, `tally`).
+      job: the fit's job (`is_chief`, `tally`; tfdist.training.job).
     """
     path = os.path.join(model_dir, LOCK_FILE)
     refusal = None
-    if runner.is_chief:
+    if job.is_chief:
         try:
             hold(model_dir)
         except ModelDirInUseError as error:
@@ -286,7 +286,7 @@ def agree_to_hold(model_dir: str, runner) -> None:
             )
         return fault(cause, what="lock", path=path, resume=_RESUME, where="on the chief")
 
-    agree_on_fault(runner.tally, refusal, peer_fault)
+    agree_on_fault(job.tally, refusal, peer_fault)
 
 
 _RESUME = "from the last checkpoint"

@@ -225,7 +225,7 @@ class RunRecord(keras.callbacks.Callback):
 
     @property
     def _chief(self) -> bool:
-        return self._runner is None or self._runner.is_chief
+        return self._runner is None or self._runner.job.is_chief
 
     @property
     def trained(self) -> bool:
@@ -241,7 +241,7 @@ class RunRecord(keras.callbacks.Callback):
         self._resumed_from_step: int | None = None
         self._step = 0
         if self.model_dir and self._runner is not None and not self._holds_lock:
-            model_dir_lock.agree_to_hold(self.model_dir, self._runner)
+            model_dir_lock.agree_to_hold(self.model_dir, self._runner.job)
             self._holds_lock = True
         if self.model_dir and self._chief and self._writer is None:
             self._writer = tf.summary.create_file_writer(os.path.join(self.model_dir, LOG_SUBDIR))
@@ -347,7 +347,7 @@ class RunRecord(keras.callbacks.Callback):
                 if (cause := cause_of(error)) is None:
                     raise
                 local = fault(cause, what=what, path=path, resume=_RESUME)
-        tally = self._runner.tally if self._runner is not None else list
+        tally = self._runner.job.tally if self._runner is not None else list
 
         def peer_fault(cause):
             return fault(cause, what=what, path=path, resume=_RESUME, where="on the chief")
@@ -396,9 +396,9 @@ class RunRecord(keras.callbacks.Callback):
             if eval_logs is not None
             else {k: v for k, v in last.items() if k.startswith("eval_")}
         )
-        strategy = self._runner.strategy if self._runner else tf.distribute.get_strategy()
+        strategy = self._runner.job.strategy if self._runner else tf.distribute.get_strategy()
         replicas = strategy.num_replicas_in_sync
-        figures = dict(self._runner.summary()) if self._runner else {}
+        figures = dict(self._runner.report().figures) if self._runner else {}
         staleness = {key: figures.pop(key) for key in _STALENESS_FIELDS if key in figures}
         resumed = self._resumed_from_step
         if resumed is None:  # nothing trained now: the run stands where it was restored

@@ -36,6 +36,7 @@ checkpoint over together.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import dataclasses
 import json
@@ -116,20 +117,20 @@ class Wanted:
     weight_shape: tuple[int, ...] | None = None
 
 
-class Shards:
+class Shards(abc.ABC):
     """What a mode that holds the model in parts gives a checkpoint (see the module)."""
 
     # Whether this part must take every entry the checkpoint holds (a job holding the whole
     # model: an entry it has no place for, another mode's state, would be lost).
     takes_everything = False
 
+    @abc.abstractmethod
     def entries(self) -> list[Entry]:
         """This process's part, to write."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def wanted(self) -> list[Wanted]:
         """What this process reads back at a resume, and where each goes."""
-        raise NotImplementedError
 
 
 def flat_slice(size: int, lo: int, hi: int) -> str:

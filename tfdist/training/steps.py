@@ -29,7 +29,7 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.training import sparse_rows
-from tfdist.training.runner import StepHook
+from tfdist.training.hooks import StepHook
 
 # Keras's own steps on TensorFlow; a model whose class replaces either has a custom step.
 _KERAS_TRAIN_STEP = compat.keras_train_step()
@@ -248,9 +248,17 @@ class StepClock(StepHook):
     phases as they ran (not estimated): compute (forward and backward) ends when the last
     gradient exists; the exchange (the all-reduce, then the optimizer's update) ends when
     every weight has its new value.
+
+    `away`: the weights live away from the replica (on the CPU, on a ps). Reading each
+    updated weight back costs nothing on the replica's own device, but from there it would
+    copy every weight to the replica each step (under parameter_server, every shard of a
+    split table); such a clock waits instead on a check that each variable is initialized,
+    which runs where the variable lives, after its update (ops on one resource run in
+    program order), and sends back a bool.
     """
 
-    def __init__(self):
+    def __init__(self, *, away: bool = False):
+        self.away = away
         # Each update's (gradients ready, weights updated); a custom step may apply several
         # optimizers (a GAN's two), each an exchange of its own.
         self.spans: list[tuple[tf.Tensor, tf.Tensor]] = []
@@ -282,6 +290,8 @@ class StepClock(StepHook):
         """A tensor that exists once `variable` has its new value: reading it, which is
         ordered after its update (same resource). A weight whose storage is a stand-in
         (ZeRO-3's gathered slices) says itself what to read: `read_after_update()`."""
+        if self.away:
+            return tf.raw_ops.VarIsInitializedOp(resource=variable.handle)
         storage = variable.value
         read = getattr(storage, "read_after_update", None)
         return read() if read is not None else tf.identity(storage)

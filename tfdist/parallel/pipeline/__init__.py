@@ -199,9 +199,10 @@ class Pipeline:
                     "parameter_server the variables live on the ps tasks already. Drop "
                     f"shard_optimizer. Received: shard_optimizer={shard_optimizer!r}"
                 )
-            from tfdist.parallel.pipeline.downpour import SplitReplicaRunner
+            from tfdist.parallel.pipeline.downpour import SplitReplica
+            from tfdist.training.runners.parameter_server import ParameterServerRunner
 
-            return SplitReplicaRunner(model, strategy, self)
+            return ParameterServerRunner(model, strategy, replica=SplitReplica(model, self))
         from tfdist.parallel.pipeline.runner import PipelineRunner
 
         return PipelineRunner(model, strategy, self, shard=shard_optimizer)

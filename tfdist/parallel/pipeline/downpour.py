@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Sequence
 
 import keras
 import tensorflow as tf
@@ -48,9 +47,7 @@ from tfdist.parallel.pipeline.schedules import schedule
 from tfdist.parallel.pipeline.stages import Stage, StageError, devices_for, split, tied
 from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import shards_of
-from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size
-from tfdist.training.runners.parameter_server import ParameterServerRunner
 from tfdist.training.steps import custom_train_step
 
 log = logging.getLogger(__name__)
@@ -59,19 +56,13 @@ log = logging.getLogger(__name__)
 _KINDS = ("GPU", "TPU", "CPU")
 
 
-class SplitReplicaRunner(ParameterServerRunner):
-    """parameter_server, each worker's replica cut into stages over its devices (see the
-    module). Made by `Pipeline.runner` under a ParameterServerStrategy."""
+class SplitReplica:
+    """A parameter-server worker's replica cut into stages over its devices (see the
+    module): the gradients the parameter-server engine applies, stage by stage. Made by
+    `Pipeline.runner` under a ParameterServerStrategy, which trains with
+    `ParameterServerRunner(model, strategy, replica=SplitReplica(model, options))`."""
 
-    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, options):
-        super().__init__(model, strategy)
-        self.options = options
-        self.stages: list[Stage] = []
-        self.devices: list[str] = []  # a worker's stage devices, without job and task
-        self.tied: dict[int, tuple[int, ...]] = {}
-
-    def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
-        model, options = self.model, self.options
+    def __init__(self, model: keras.Model, options):
         if custom_train_step(model):
             raise FitError(
                 f"Model {model.name!r} has its own train_step, which runs the whole model at "
@@ -79,7 +70,14 @@ class SplitReplicaRunner(ParameterServerRunner):
                 "and metrics. Move the step's logic into compile()'s loss and metrics, or "
                 "train without pipeline=. Received: a model with train_step overridden"
             )
-        super().build(sample_batch, step_hooks)
+        self.model, self.options = model, options
+        self.stages: list[Stage] = []
+        self.devices: list[str] = []  # a worker's stage devices, without job and task
+        self.tied: dict[int, tuple[int, ...]] = {}
+        self.metric_variables: list = []
+
+    def build(self, engine, sample_batch) -> None:
+        model, options = self.model, self.options
         if any(shards_of(v) for v in model.trainable_variables):
             raise FitError(
                 "A worker's split replica reads each stage's variables whole, and this model "
@@ -87,6 +85,7 @@ class SplitReplicaRunner(ParameterServerRunner):
                 "without a variable_partitioner (ps_min_shard_bytes=None): its variables are "
                 "still spread over the ps tasks, whole. Received: a partitioned model"
             )
+        self.metric_variables = engine.metric_variables
         self.stages = split(model, options.cut_before)
         chunks = options.chunks_per_device
         width = devices_for(len(self.stages), chunks, options.micro_batches, holder="the replica's")
@@ -96,7 +95,7 @@ class SplitReplicaRunner(ParameterServerRunner):
                 f"micro_batches={options.micro_batches} must divide each step's batch of "
                 f"{per_worker}. Received: micro_batches={options.micro_batches}"
             )
-        self.devices = worker_devices(self._cluster(), width)
+        self.devices = worker_devices(engine.job.cluster(), width)
         self.tied = tied(self.stages)
         self.plan = schedule(options.schedule, width, options.micro_batches, chunks)
         log.info(
@@ -105,7 +104,7 @@ class SplitReplicaRunner(ParameterServerRunner):
             len(self.stages), ", ".join(self.devices), options.schedule, options.micro_batches,
         )  # fmt: skip
 
-    def _stateless_gradients(self, batch, state):
+    def gradients(self, batch, state):
         """The step's (gradient, variable) pairs and metric state, stage by stage."""
         return _ReplicaStep(self).run(batch, state)
 
@@ -114,7 +113,7 @@ class _ReplicaStep:
     """One step's program over a worker's stage devices (built once, while tracing): the
     pipeline's executor (executor.py) over one pipeline whose stages are all here."""
 
-    def __init__(self, runner: SplitReplicaRunner):
+    def __init__(self, runner: SplitReplica):
         self.runner, self.model = runner, runner.model
         width = len(runner.devices)
         self.devices = {stage.index: runner.devices[stage.index % width] for stage in runner.stages}

@@ -37,11 +37,13 @@ from tfdist.parallel.pipeline.step import PipelineStep
 from tfdist.parallel.pipeline.tensor import TensorStages
 from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.strategies import strategy_kind
-from tfdist.training import shards
+from tfdist.strategies.replicas import ReplicaPlacement
+from tfdist.training.engine import Engine, EngineState
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import GLOBAL_BATCHES, LockstepJob
 from tfdist.training.loop import each_batch
 from tfdist.training.memory import nbytes
-from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size, logs_from_state
 from tfdist.training.runners.sync import SyncRunner
 from tfdist.training.steps import custom_train_step
@@ -54,18 +56,15 @@ log = logging.getLogger(__name__)
 SETTLE_BUCKET_BYTES = 4 * 2**20
 
 
-class PipelineRunner(SyncRunner):
+class PipelineRunner(Engine):
     """Trains a model cut into pipeline stages (see the module docstring).
 
-    Evaluation, the chief, agreement between workers and failure messages are the
-    synchronous runner's: the model's weights read from the stages (see StageStore).
+    Its job is a synchronous one fed the global batches (the chief, agreement between
+    workers, failure messages). The model's build and its evaluation are a synchronous
+    engine's (`whole`), with the model's weights read from the stages (see StageStore).
+    Kept across calls for the same layout (training/kept.py compares the Pipeline and its
+    settings by value): a later fit goes on with the stages, rings and traced programs.
     """
-
-    # Kept across calls for the same layout (training/kept.py compares the Pipeline and its
-    # settings by value): a later fit goes on with the stages, rings and traced programs.
-    kept_across_calls = True
-
-    builds_optimizer = False  # its slots are the stages' (see StageStore)
 
     def __init__(
         self,
@@ -74,8 +73,12 @@ class PipelineRunner(SyncRunner):
         options: Any,  # a tfdist.parallel.Pipeline (pipeline.py makes this runner)
         shard: str | None = None,
     ):
-        super().__init__(model, strategy)
-        self.options = options
+        self.model, self.strategy, self.options = model, strategy, options
+        self.job = LockstepJob(strategy, feed=GLOBAL_BATCHES, callback_checks=[_backups_per_epoch])
+        # Builds the model (all but the optimizer's slots, which the stages keep) and
+        # evaluates it.
+        self.whole = SyncRunner(model, strategy, job=self.job, builds_optimizer=False)
+        self.metric_variables: list[keras.Variable] = []
         # fit's shard_optimizer: each stage's optimizer state ('zero1'; 'zero2': its summed
         # gradients too) or its weights too ('zero3') in flat slices over its pipelines.
         self.shard = shard
@@ -114,6 +117,10 @@ class PipelineRunner(SyncRunner):
     # --- building -------------------------------------------------------------------------------
 
     @property
+    def placement(self) -> ReplicaPlacement:
+        return self.job.placement
+
+    @property
     def processes(self) -> int:
         return self.placement.processes
 
@@ -148,7 +155,8 @@ class PipelineRunner(SyncRunner):
                 "without pipeline=. Received: a model with train_step overridden"
             )
         updates.check_copyable(model.optimizer, who="A pipeline's stages")
-        super().build(sample_batch)  # all but the optimizer's slots, which the stages keep
+        self.whole.build(sample_batch)
+        self.metric_variables = self.whole.metric_variables
         store = StageStore.of(model)
         if store is not None and store is self._built_store and store.key == self._store_key():
             # A later fit with this runner (kept on the model): its stages, rings and traced
@@ -534,34 +542,10 @@ class PipelineRunner(SyncRunner):
                     f"a process. Received: stages {sorted(here)} here"
                 )
 
-    def checkpoint_shards(self) -> shards.Shards:
-        return StageStore.of(self.model)
-
-    def check_callbacks(self, callbacks) -> None:
-        super().check_callbacks(callbacks)
-        for callback in callbacks:
-            if isinstance(callback, keras.callbacks.BackupAndRestore) and isinstance(
-                callback.save_freq, int
-            ):
-                raise FitError(
-                    "Under a pipeline the stages keep the statistics (BatchNormalization's) "
-                    "while an epoch trains and write them into the model at its end; "
-                    "BackupAndRestore with save_freq=<steps> would back up stale ones. Use "
-                    "save_freq='epoch', or tfdist.StepCheckpoint, which settles the stages "
-                    f"before it saves. Received: save_freq={callback.save_freq}"
-                )
+    def state(self) -> EngineState:
+        return EngineState(shards=StageStore.of(self.model))
 
     # --- data -------------------------------------------------------------------------------------
-
-    def iterator(self, data: FitData, *, skip: int = 0):
-        if data.dataset is None:
-            raise FitError(
-                "A pipeline feeds each stage from the global batches, so it takes a dataset "
-                "batched with the global batch (or arrays with batch_size), not a dataset_fn. "
-                "Received: a dataset_fn"
-            )
-        dataset = data.dataset.skip(skip) if skip else data.dataset
-        return iter(dataset)
 
     def _split_batch(self, batch) -> int:
         size = int(batch_size(unpack(batch)[0]))
@@ -580,12 +564,12 @@ class PipelineRunner(SyncRunner):
 
     # --- training ---------------------------------------------------------------------------------
 
-    def begin(self, global_step: int, *, total_steps=None, checkpoint_status=None) -> None:
-        super().begin(global_step, total_steps=total_steps, checkpoint_status=checkpoint_status)
+    def begin(self, global_step: int) -> None:
+        self.whole.begin(global_step)
         self._loaded = False  # callbacks may have restored the model: load it into the stages
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
-        with self.explained():
+        with self.job.explained():
             if not self._loaded:
                 self._load()
 
@@ -614,7 +598,7 @@ class PipelineRunner(SyncRunner):
         return [np.zeros(v.shape, v.dtype) for v in self.metric_variables]
 
     def reset(self) -> None:
-        super().reset()
+        self.whole.reset()
         self._state = self._zeros()
 
     def _read(self, scope: str) -> dict[str, float]:
@@ -633,7 +617,7 @@ class PipelineRunner(SyncRunner):
         flat = np.concatenate([np.asarray(a, np.float64).ravel() for a in arrays] or [[]])
         strategy = self.strategy
         local = len(strategy.extended.worker_devices)  # each process's arrays counted once
-        with self.explained():
+        with self.job.explained():
             values = strategy.experimental_distribute_values_from_function(
                 lambda context: tf.constant(
                     flat if context.replica_id_in_sync_group % local == 0 else np.zeros_like(flat)
@@ -647,8 +631,8 @@ class PipelineRunner(SyncRunner):
             at += size
         return out
 
-    def step_times(self) -> dict[str, float] | None:
-        return None
+    def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
+        return self.whole.evaluate(data, steps)
 
     # --- the whole model and the stages -----------------------------------------------------------
 
@@ -691,6 +675,21 @@ class PipelineRunner(SyncRunner):
             for k, total, count in zip(bucket, sums, copies, strict=True):
                 targets[k].assign((total / max(count, 1.0)).astype(targets[k].dtype))
             del sums
+
+
+def _backups_per_epoch(callbacks) -> None:
+    """Refuses a BackupAndRestore that saves every few steps."""
+    for callback in callbacks:
+        if isinstance(callback, keras.callbacks.BackupAndRestore) and isinstance(
+            callback.save_freq, int
+        ):
+            raise FitError(
+                "Under a pipeline the stages keep the statistics (BatchNormalization's) "
+                "while an epoch trains and write them into the model at its end; "
+                "BackupAndRestore with save_freq=<steps> would back up stale ones. Use "
+                "save_freq='epoch', or tfdist.StepCheckpoint, which settles the stages "
+                f"before it saves. Received: save_freq={callback.save_freq}"
+            )
 
 
 def _buckets(variables: list, limit: int) -> list[list[int]]:

@@ -105,7 +105,8 @@ from tfdist.parallel.tensor.mappings import (
     summed_over,
 )
 from tfdist.strategies import keras_guard
-from tfdist.training.runner import Runner, StepHook
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -607,8 +608,8 @@ class LayoutParallel(StepHook):
         sharded = f" x shard_optimizer={self.shard!r}" if self.shard else ""
         return f"tensor_parallel(layout_map=...){sharded}"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        if self.already_built(model, runner):
+    def build(self, model: keras.Model, job: Job) -> None:
+        if self.already_built(model, job):
             return  # a later fit: the parts keep their optimizer state
         optimizer, who = model.optimizer, "Tensor-parallel parts"
         updates.check_copyable(optimizer, who=who, error=TensorParallelError)
@@ -618,7 +619,7 @@ class LayoutParallel(StepHook):
                 "(clipnorm) is not known where a part is updated. Use clipvalue, or no "
                 f"clipping. Received: clipnorm={optimizer.clipnorm}"
             )
-        layout = runner.placement
+        layout = job.placement
         if layout.processes > 1 or layout.single_program:
             raise TensorParallelError(
                 "LayoutParallel splits weights over the local devices of one mirrored "
@@ -635,7 +636,7 @@ class LayoutParallel(StepHook):
                 f"axis that divides {replicas}. Received: model axis {degree}"
             )
         self.model, self.replicas, self.devices = model, replicas, list(layout.devices)
-        host.move_to_host(model, runner.strategy)
+        host.move_to_host(model, job.strategy)
         self.variables = list(model.trainable_variables)
         if len(self.variables) != len(self.plan.placements):
             raise TensorParallelError(

@@ -17,7 +17,8 @@ from tfdist.parallel import updates
 from tfdist.parallel.tensor.layers import split_layers
 from tfdist.parallel.tensor.layout_map import LayoutParallel, plan_of
 from tfdist.parallel.tensor.mappings import TensorParallelError, summed_over
-from tfdist.training.runner import Runner, StepHook
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 
 
 class TensorParallelUpdate(StepHook):
@@ -40,8 +41,8 @@ class TensorParallelUpdate(StepHook):
     def name(self) -> str:
         return "the tensor-parallel layers' update"
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        if self.already_built(model, runner):
+    def build(self, model: keras.Model, job: Job) -> None:
+        if self.already_built(model, job):
             return  # a later fit: each part's optimizer keeps its state
         optimizer = model.optimizer
         who = "Tensor-parallel layers' parts"
@@ -53,7 +54,7 @@ class TensorParallelUpdate(StepHook):
                 f"clipping. Received: clipnorm={optimizer.clipnorm}"
             )
         layers = split_layers(model)
-        replicas = runner.placement.replicas
+        replicas = job.placement.replicas
         self.degree = {layer.tensor_parallel for layer in layers}
         if len(self.degree) != 1:
             raise TensorParallelError(

@@ -64,7 +64,8 @@ from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
 from tfdist.parallel import host, saved_state, updates
 from tfdist.training import sparse_rows, steps
-from tfdist.training.runner import Runner, StepHook
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 
 log = logging.getLogger(__name__)
 
@@ -248,9 +249,9 @@ class ShardedUpdate(StepHook):
 
     # --- building -------------------------------------------------------------------------------
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        self.model, self.strategy = model, runner.strategy
-        if self.already_built(model, runner):
+    def build(self, model: keras.Model, job: Job) -> None:
+        self.model, self.strategy = model, job.strategy
+        if self.already_built(model, job):
             return  # a later fit: the slices keep the optimizer's state
         if host.hosted(model):
             raise ShardingError(
@@ -261,20 +262,20 @@ class ShardedUpdate(StepHook):
                 f"Received: {self.name} on a host_scope model"
             )
         own = self._own_optimizers(model)  # checked before anything is built
-        self._build_for(model, runner, model.optimizer, list(model.trainable_variables))
+        self._build_for(model, job, model.optimizer, list(model.trainable_variables))
         for k, (attribute, optimizer, variables) in enumerate(own, start=1):
             sibling = ShardedUpdate(
                 stage=self.stage, partition=self.partition_choice,
                 bucket_bytes=self.bucket_bytes, offload=self.offload,
                 timeout_seconds=self.timeout_seconds,
             )  # fmt: skip
-            sibling.model, sibling.strategy, sibling.ring_index = model, runner.strategy, k
+            sibling.model, sibling.strategy, sibling.ring_index = model, job.strategy, k
             # The model's optimizer of that name becomes a copy that keeps no slots (its
             # class, config and step count): the slices hold them, as for compile's.
             slotless = updates.optimizer_copy(optimizer, [])
             slotless.iterations.assign(optimizer.iterations)
             setattr(model, attribute, slotless)
-            sibling._build_for(model, runner, slotless, variables, saves=False)
+            sibling._build_for(model, job, slotless, variables, saves=False)
             self.own[id(slotless)] = sibling
         if own:
             log.info(
@@ -307,15 +308,13 @@ class ShardedUpdate(StepHook):
         return [sibling] if sibling is not None else []
 
     def _build_for(
-        self, model: keras.Model, runner: Runner, optimizer, variables: list, *, saves=True
+        self, model: keras.Model, job: Job, optimizer, variables: list, *, saves=True
     ) -> None:
         """Shards `optimizer`'s state over `variables` (the ones its apply is given, in that
         order); `saves`: model.save writes it whole (Keras saves compile's optimizer only)."""
         optimizer, self.scaling = _split_optimizer(optimizer, self.name)
         self.optimizer, self.variables = optimizer, variables
-        layout = updates.one_replica_per_process(
-            runner.placement, who=self.name, error=ShardingError
-        )
+        layout = updates.one_replica_per_process(job.placement, who=self.name, error=ShardingError)
         devices = list(layout.devices)
         ranks = layout.replicas
         if ranks < 2:

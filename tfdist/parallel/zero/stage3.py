@@ -74,7 +74,8 @@ from tfdist.parallel.zero.sharded import (
 )
 from tfdist.training import shards as shard_files
 from tfdist.training import sparse_rows
-from tfdist.training.runner import Runner, StepHook
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 
 NAME = "shard_optimizer='zero3'"
 # A checkpoint's slots are made whole in gathers of about this many bytes, not all at
@@ -130,14 +131,14 @@ class ShardedParameters(StepHook):
 
     # --- building -------------------------------------------------------------------------------
 
-    def build(self, model: keras.Model, runner: Runner) -> None:
-        self.model, self.strategy = model, runner.strategy
-        if self.already_built(model, runner):
+    def build(self, model: keras.Model, job: Job) -> None:
+        self.model, self.strategy = model, job.strategy
+        if self.already_built(model, job):
             return  # a later fit: the slices keep the optimizer's state
         refuse_own_optimizers(model, NAME)
         optimizer = model.optimizer
         _check_optimizer(optimizer)
-        layout = updates.one_replica_per_process(runner.placement, who=NAME, error=ShardingError)
+        layout = updates.one_replica_per_process(job.placement, who=NAME, error=ShardingError)
         if layout.replicas < 2:
             raise ShardingError(
                 f"{NAME} shards the weights over the replicas, and this strategy has 1. Use 2 "

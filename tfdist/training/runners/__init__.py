@@ -1,10 +1,10 @@
-"""The runners behind tfdist.fit, one per kind of strategy, in a registry keyed by kind.
+"""The engines behind tfdist.fit, one per kind of strategy, in a table keyed by kind.
 
 runner = runner_for(model, strategy)   # by tfdist.strategy_kind(strategy)
 runner = runner_for(model, strategy, layout=tfdist.parallel.Pipeline(...))  # a RunnerFactory
 
-What 'auto' means for a parallel mode's keyword is the runner's to say (`mode_defaults`):
-parameter-server training bounds its staleness, the synchronous runners have nothing stale.
+What 'auto' means for a parallel mode's keyword is said here too, by kind (`MODE_DEFAULTS`):
+parameter-server training bounds its staleness, the synchronous engines have nothing stale.
 """
 
 from __future__ import annotations
@@ -14,21 +14,27 @@ from typing import Any
 import keras
 import tensorflow as tf
 
+from tfdist import strategy_kinds as kinds
 from tfdist.errors import FitError
 from tfdist.strategies import strategy_kind
-from tfdist.training.runner import Runner, RunnerFactory
+from tfdist.training.engine import Engine, RunnerFactory
 from tfdist.training.runners.central_storage import CentralStorageRunner
-from tfdist.training.runners.parameter_server import ParameterServerRunner
+from tfdist.training.runners.parameter_server import PS_MAX_STALENESS, ParameterServerRunner
 from tfdist.training.runners.sync import SyncRunner
 
-RUNNERS: dict[str, type[Runner]] = {
+RUNNERS: dict[str, type[Engine]] = {
     kind: runner
     for runner in (SyncRunner, CentralStorageRunner, ParameterServerRunner)
     for kind in runner.kinds
 }
+# What 'auto' means for a mode's keyword under each kind (registry keyword -> value); a kind
+# or keyword not listed means off.
+MODE_DEFAULTS: dict[str, dict[str, Any]] = {
+    kinds.PARAMETER_SERVER: {"max_staleness": PS_MAX_STALENESS},
+}
 
 
-def runner_class(strategy: tf.distribute.Strategy | str) -> type[Runner]:
+def runner_class(strategy: tf.distribute.Strategy | str) -> type[Engine]:
     """The runner class for `strategy` (or its kind, e.g. 'parameter_server')."""
     kind = strategy if isinstance(strategy, str) else strategy_kind(strategy)
     if kind not in RUNNERS:
@@ -45,7 +51,7 @@ def runner_for(
     *,
     layout: RunnerFactory | None = None,
     settings: dict[str, Any] | None = None,
-) -> Runner:
+) -> Engine:
     """The runner that trains `model` under `strategy` (not yet built).
 
     Args:
@@ -67,20 +73,25 @@ def runner_for(
 def mode_defaults(strategy: tf.distribute.Strategy | str) -> dict[str, Any]:
     """What 'auto' means for each parallel mode's keyword under `strategy`'s runner
     (a keyword not listed: off)."""
-    return dict(runner_class(strategy).mode_defaults)
+    kind = strategy if isinstance(strategy, str) else strategy_kind(strategy)
+    runner_class(kind)  # refuses a kind nothing trains under
+    return dict(MODE_DEFAULTS.get(kind, {}))
 
 
 def describe_mode_default(keyword: str) -> str:
     """'auto' of `keyword` in words, runner by runner ("0 under parameter_server; none
     elsewhere"), for a binary's help."""
-    kinds = sorted(kind for kind, r in RUNNERS.items() if keyword in r.mode_defaults)
-    said = [f"{RUNNERS[kind].mode_defaults[keyword]} under {kind}" for kind in kinds]
+    said = [
+        f"{defaults[keyword]} under {kind}"
+        for kind, defaults in sorted(MODE_DEFAULTS.items())
+        if keyword in defaults
+    ]
     return "; ".join([*said, "none elsewhere"])
 
 
 __all__ = [
+    "MODE_DEFAULTS",
     "RUNNERS",
-    "Runner",
     "describe_mode_default",
     "mode_defaults",
     "runner_class",

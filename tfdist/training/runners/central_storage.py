@@ -11,8 +11,9 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist import strategy_kinds as kinds
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 from tfdist.training.loop import NO_LIMIT, StepLoop, call_until_end, each_batch
-from tfdist.training.runner import StepHook
 from tfdist.training.runners.common import batch_size, refuse_staleness_scaling
 from tfdist.training.runners.stateless import StatelessMetricsRunner
 from tfdist.training.step_times import PHASES
@@ -32,10 +33,9 @@ class CentralStorageRunner(StatelessMetricsRunner):
     """
 
     kinds = (kinds.CENTRAL_STORAGE,)
-    kept_across_calls = True
 
     def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
-        super().__init__(model, strategy)
+        super().__init__(model, strategy, Job(strategy))
         self._custom_fns: dict[str, tf.types.experimental.PolymorphicFunction] = {}
         self._stacked: list[tf.Tensor] = []
 
@@ -121,9 +121,6 @@ class CentralStorageRunner(StatelessMetricsRunner):
             compat.symbolic_build(self.model, sample_batch, build_optimizer=False)
         self._prepare(None, step_hooks)
         self._stacked = self._replica_zeros()
-
-    def iterator(self, data: FitData, *, skip: int = 0):
-        return iter(data.distribute(self.strategy, skip=skip))
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
         # One process: its logs are the job's ("local" and "global" alike).

@@ -31,13 +31,6 @@ def batch_size(x) -> tf.Tensor:
     return tf.shape(leaf)[0]
 
 
-def writes(strategy: tf.distribute.Strategy) -> bool:
-    """Whether this process is the job's chief, the one that writes files and reports:
-    TensorFlow's should_checkpoint (the chief, else worker 0; under parameter_server the
-    coordinator)."""
-    return bool(strategy.extended.should_checkpoint)
-
-
 def refuse_staleness_scaling(model: keras.Model, strategy: tf.distribute.Strategy) -> None:
     """A synchronous runner's refusal of a staleness-aware learning rate, which means nothing
     where every update is applied to the parameters it was computed from."""

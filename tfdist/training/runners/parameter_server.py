@@ -18,6 +18,7 @@ import collections
 import contextlib
 import logging
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import keras
 import numpy as np
@@ -25,14 +26,13 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist import strategy_kinds as kinds
-from tfdist.strategies import task_name_in_tf_config
-from tfdist.strategies.replicas import ReplicaPlacement
-from tfdist.training import fit_callbacks
-from tfdist.training.faults import CLUSTER_ERRORS, explain_cluster_error, lost_worker
+from tfdist.training.engine import EngineState, Report
+from tfdist.training.faults import CLUSTER_ERRORS, lost_worker
 from tfdist.training.fit_data import FitData
+from tfdist.training.hooks import AsyncStep, StepHook
+from tfdist.training.job import CoordinatedJob
 from tfdist.training.loop import StepLoop
 from tfdist.training.ps_shards import ShardedTraining
-from tfdist.training.runner import AsyncStep, StepHook
 from tfdist.training.runners.stateless import StatelessMetricsRunner, StepMarks
 from tfdist.training.staleness import (
     STALENESS_STATS,
@@ -49,6 +49,17 @@ log = logging.getLogger(__name__)
 # option that learned best in tools/exchange_bench.py, for Adam and for SGD with momentum
 # (README "Which exchange for which cluster"; the figures are in --max_staleness's help).
 PS_MAX_STALENESS = 0
+
+
+class SplitReplica(Protocol):
+    """A worker's replica that computes its gradients its own way (Downpour's, split over the
+    worker's devices: tfdist.parallel.pipeline.downpour)."""
+
+    def build(self, engine: ParameterServerRunner, sample_batch: Any) -> None:
+        """Once the engine has built the model and its hooks: checks and plans the split."""
+
+    def gradients(self, batch: Any, state: list) -> tuple[list, list]:
+        """One step's (gradient, variable) pairs and metric state (while traced)."""
 
 
 class ClaimUpdate(StepHook):
@@ -81,20 +92,29 @@ class ParameterServerRunner(StatelessMetricsRunner):
     """parameter_server: closures of `n` steps scheduled on any free worker; see the module."""
 
     kinds = (kinds.PARAMETER_SERVER,)
-    mode_defaults = {"max_staleness": PS_MAX_STALENESS}
-    train_waits_for_steps = False  # closures are scheduled on the workers
-    # The coordinator, the update counter on a ps and the closures' traced steps serve the
-    # model's next call too; each call starts its own count, data and staleness figures.
-    kept_across_calls = True
 
-    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
-        super().__init__(model, strategy)
-        self.coordinator = tf.distribute.experimental.coordinator.ClusterCoordinator(strategy)
+    def __init__(
+        self,
+        model: keras.Model,
+        strategy: tf.distribute.Strategy,
+        *,
+        replica: SplitReplica | None = None,
+    ):
+        """`replica`: a worker's replica computes its gradients its own way (Downpour's
+        split over the worker's devices: tfdist.parallel.pipeline.downpour); None: the
+        model's layers in one program.
+
+        The coordinator, the update counter on a ps and the closures' traced steps serve
+        the model's next call too; each call starts its own count, data and staleness
+        figures."""
+        super().__init__(model, strategy, CoordinatedJob(strategy, scheduled=self._scheduled))
+        self.coordinator = self.job.coordinator
+        self.replica = replica
         # (steps, the closure's RemoteValue) of the closures whose results are not added yet.
         self._pending: collections.deque = collections.deque()
         # Results are fetched a few closures behind the newest: the progress stays current
         # without waiting on every step.
-        self._lag = 2 * max(1, len(self._cluster().get("worker", [])))
+        self._lag = 2 * max(1, len(self.job.cluster().get("worker", [])))
         self._steps: StepLoop | None = None  # the closures' traced steps
         self._eval_step = traced(
             lambda batch, state: (
@@ -103,17 +123,16 @@ class ParameterServerRunner(StatelessMetricsRunner):
                 else (None, self._stateless_test_step(batch, state))
             )
         )
-        # (the call's data, its per-worker iterator): a call's data streams on, a new
-        # call's starts afresh on every worker.
-        self._streaming: tuple[FitData, object] | None = None
         with strategy.scope():  # on a ps, beside the variables whose updates it counts
             self.counter = UpdateCounter()
         # What the coordinator learnt of the updates' staleness, per epoch and per call.
         self.staleness = StalenessStats()
         self.scheduled_steps = self._first_step = 0
         self._landed = 0
-        self.total_steps: int | None = None
-        self.checkpoint_status = None
+        self._told_twice = 0  # updates applied twice that a report has warned of
+
+    def _scheduled(self) -> int:
+        return self.scheduled_steps
 
     def _step_with_staleness(self, batch, asked, state, ticket):
         marks = StepMarks(asked, batch)
@@ -124,7 +143,11 @@ class ParameterServerRunner(StatelessMetricsRunner):
         # was read.
         read = self._read(step)
         with tf.control_dependencies([read]):
-            gradients, state = self._stateless_gradients(batch, state)
+            gradients, state = (
+                self._stateless_gradients(batch, state)
+                if self.replica is None
+                else self.replica.gradients(batch, state)
+            )
         chain = [marks.clock, ClaimUpdate(self, step, read), *self.hooks]
         with updates_through(self.model.optimizer, chain):
             self.model.optimizer.apply_gradients(gradients)
@@ -212,26 +235,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
                 )
         return self._steps.function(bounded=True)
 
-    # --- the runner interface -------------------------------------------------------------------
-
-    @property
-    def placement(self) -> ReplicaPlacement:
-        # The steps run on the workers, one closure at a time each: none on this process.
-        return ReplicaPlacement(devices=(), replicas=self.strategy.num_replicas_in_sync)
-
-    @property
-    def needs_epoch_length(self) -> bool:
-        return True  # each worker streams its own copy of the data, without end
-
-    def check_callbacks(self, callbacks) -> None:
-        hooked = [type(c).__name__ for c in callbacks if fit_callbacks.reads_batch_logs(c)]
-        if hooked:
-            log.warning(
-                "Under parameter_server, batch-level callbacks (%s) run on the coordinator as "
-                "steps are scheduled, not as workers finish them; the logs they get are the "
-                "metrics of the steps finished so far. Epoch-level hooks see every step.",
-                ", ".join(hooked),
-            )
+    # --- the engine ------------------------------------------------------------------------------
 
     def build(self, sample_batch, step_hooks: Sequence[StepHook] = ()) -> None:
         # A partitioner may have split variables across the ps tasks: the optimizer is then
@@ -241,21 +245,13 @@ class ParameterServerRunner(StatelessMetricsRunner):
             step_hooks,
             asynchronous=True,
         )
-
-    @property
-    def iterator_is_shared(self) -> bool:
-        return True
-
-    def iterator(self, data: FitData, *, skip: int = 0):
-        del skip  # each worker's copy of the data streams on; nothing to skip
-        if self._streaming is None or self._streaming[0] is not data:
-            self._streaming = data, iter(data.per_worker(self.coordinator))
-        return self._streaming[1]
+        if self.replica is not None:
+            self.replica.build(self, sample_batch)
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
         del bounded  # per-worker data repeats without end
         with_logs = logs is not None
-        with self.explained():
+        with self.job.explained():
             first = tf.constant(self.scheduled_steps - self._first_step, tf.int64)
             args = (iterator, n, first, *([self._state] if self.custom_train else []))
             self._pending.append((n, self.coordinator.schedule(self._closure(), args=args)))
@@ -270,10 +266,10 @@ class ParameterServerRunner(StatelessMetricsRunner):
         try:
             values = remote.fetch()
         except CLUSTER_ERRORS as e:
-            worker = lost_worker(e, cluster=self._cluster())
+            worker = lost_worker(e, cluster=self.job.cluster())
             if worker is None:
                 raise
-            worker = task_name_in_tf_config(self.strategy, worker)
+            worker = self.job.task_name(worker)
             # The steps ran and their updates reached the ps; their metrics died with it.
             log.warning("The metrics of steps that ran on %s were lost with it", worker)
             return
@@ -285,17 +281,8 @@ class ParameterServerRunner(StatelessMetricsRunner):
             self._last_outputs = tf.nest.map_structure(np.asarray, outputs[0])
         self.staleness.add(*np.asarray(stats).tolist())
 
-    def begin(
-        self, global_step: int, *, total_steps: int | None = None, checkpoint_status=None
-    ) -> None:
-        """Starts counting at `global_step` (a resumed run counts on from its checkpoint).
-
-        Args:
-          global_step: the step training starts from.
-          total_steps: the steps the run is to reach (for the message if a ps dies).
-          checkpoint_status: returns (step, directory) of the newest checkpoint, where a
-            restart would resume; None if nothing saves checkpoints.
-        """
+    def begin(self, global_step: int) -> None:
+        """Starts counting at `global_step` (a resumed run counts on from its checkpoint)."""
         # A model's next call counts on from its updates so far, as Keras's fit does: its
         # optimizer's iterations, exact since the last call's settle (or a restore).
         done = int(self.model.optimizer.iterations.numpy())
@@ -307,8 +294,6 @@ class ParameterServerRunner(StatelessMetricsRunner):
         self.staleness = StalenessStats()  # this call's figures
         for hook in self.hooks:
             hook.start()
-        self.total_steps = total_steps
-        self.checkpoint_status = checkpoint_status
 
     def logs(self) -> dict[str, float]:
         # Staleness is part of what asynchronous training did: logged beside the metrics.
@@ -321,7 +306,7 @@ class ParameterServerRunner(StatelessMetricsRunner):
         super().reset()
 
     def settle(self) -> None:
-        with self.explained():
+        with self.job.explained():
             self.coordinator.join()  # the epoch ends when every scheduled step has run
             while self._pending:
                 self._add(*self._pending.popleft())
@@ -331,24 +316,24 @@ class ParameterServerRunner(StatelessMetricsRunner):
             # coordinator's count is exact, and drives the learning-rate schedule.
             self.model.optimizer.iterations.assign(self.scheduled_steps)
 
-    def checkpoint_state(self) -> dict[str, tf.Variable]:
+    def state(self) -> EngineState:
         # Saved so that updates applied minus steps counts the updates a dead worker's re-run
         # closures applied twice, across restarts too.
-        return {"applied_updates": self.counter.variable}
+        return EngineState({"applied_updates": self.counter.variable})
 
-    def summary(self) -> dict[str, float | int | None]:
+    def report(self) -> Report:
         mean, largest = self.staleness.run_summary()
         applied, steps = self.counter.value(), self.scheduled_steps
-        if applied > steps:
+        if applied - steps > self._told_twice:  # said once, where the report is first read
+            self._told_twice = applied - steps
             log.warning(
                 "%d update(s) reached the parameters twice: a worker died after applying them "
                 "and the coordinator ran its closure again elsewhere (%d updates for %d steps)",
                 applied - steps, applied, steps,
             )  # fmt: skip
         figures = {"staleness_mean": mean, "staleness_max": largest, "applied_updates": applied}
-        for hook in self.hooks:
-            figures.update(hook.summary())
-        return figures
+        hooks = super().report()
+        return Report(step_times=hooks.step_times, figures={**figures, **hooks.figures})
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
         # On the coordinator, reading the variables from the ps tasks: every example once.
@@ -356,37 +341,9 @@ class ParameterServerRunner(StatelessMetricsRunner):
         dataset = data.local()
         if steps is not None:
             dataset = dataset.take(steps)
-        with self.explained():
+        with self.job.explained():
             for batch in dataset:
                 outputs, state = self._eval_step(batch, state)
         if outputs is None:
             return self._logs_of(state)
         return self._step_logs(tf.nest.map_structure(np.asarray, outputs), state)
-
-    # --- failures -------------------------------------------------------------------------------
-
-    def _cluster(self) -> dict[str, list[str]]:
-        resolver = compat.strategy_cluster_resolver(self.strategy)
-        return resolver.cluster_spec().as_dict() if resolver is not None else {}
-
-    @contextlib.contextmanager
-    def explained(self):
-        # Every call that waits on the ps tasks goes through here: a dead ps ends training
-        # with one ClusterTaskFailed message instead of TensorFlow's traceback.
-        try:
-            yield
-        except CLUSTER_ERRORS as e:
-            saved_step, directory = (
-                self.checkpoint_status() if self.checkpoint_status else (None, None)
-            )
-            explained = explain_cluster_error(
-                e,
-                cluster=self._cluster(),
-                step=self.scheduled_steps,
-                total_steps=self.total_steps or self.scheduled_steps,
-                checkpoint_step=saved_step,
-                checkpoint_dir=directory,
-            )
-            if explained is None:
-                raise
-            raise explained from None

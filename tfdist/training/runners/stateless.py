@@ -8,7 +8,7 @@ stateless metric API); states add up, as a SUM-aggregated read of replicas would
 
 Their training steps are timed as the synchronous runner's are (step_times.py), with marks in
 the step's graph (StepMarks); the update's end is marked without reading the weights back,
-which here live away from the replica (UpdateClock).
+which here live away from the replica (StepClock(away=True)).
 """
 
 from __future__ import annotations
@@ -22,15 +22,16 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.errors import FitError
 from tfdist.strategies import strategy_kind
+from tfdist.training.engine import Engine, Report
 from tfdist.training.fit_data import unpack
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job
 from tfdist.training.ps_shards import ShardedTraining
-from tfdist.training.runner import Runner, StepHook
 from tfdist.training.runners.common import (
     batch_size,
     logs_from_state,
     metric_names,
     refuse_asynchronous_hooks,
-    writes,
 )
 from tfdist.training.step_times import StepTimes
 from tfdist.training.steps import (
@@ -41,20 +42,6 @@ from tfdist.training.steps import (
     step_logs,
     updates_through,
 )
-
-
-class UpdateClock(StepClock):
-    """A StepClock for weights that live away from the replica (on the CPU, on a ps).
-
-    StepClock marks the update's end by reading every updated weight back, which costs
-    nothing on the replica's own device; here it would copy every weight to the replica each
-    step (under parameter_server, every shard of a split table). This clock waits instead on
-    a check that each variable is initialized: it runs where the variable lives, after its
-    update (ops on one resource run in program order), and sends back a bool.
-    """
-
-    def updated(self, variable) -> tf.Tensor:
-        return tf.raw_ops.VarIsInitializedOp(resource=variable.handle)
 
 
 class StepMarks:
@@ -73,7 +60,7 @@ class StepMarks:
         self.asked = asked
         with tf.control_dependencies(_tensors(batch)):
             self.arrived = tf.timestamp()
-        self.clock = UpdateClock()  # the first link of the step's update chain
+        self.clock = StepClock(away=True)  # the first link of the step's update chain
 
     def end(self, *, after) -> tf.Tensor:
         """The step's [input, compute, exchange] seconds, once `after` (what it returns) exists."""
@@ -91,7 +78,7 @@ def _tensors(structure) -> list[tf.Tensor]:
     return [t for t in tf.nest.flatten(structure) if isinstance(t, tf.Tensor)]
 
 
-class StatelessMetricsRunner(Runner):
+class StatelessMetricsRunner(Engine):
     """Metric state carried in tensors instead of the metric variables (Keras's stateless API).
 
     For strategies whose metric variables cannot take concurrent updates: parameter_server
@@ -101,8 +88,8 @@ class StatelessMetricsRunner(Runner):
     of replicas would.
     """
 
-    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
-        super().__init__(model, strategy)
+    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy, job: Job):
+        self.model, self.strategy, self.job = model, strategy, job
         self.hooks: list[StepHook] = []
         self.metric_variables: list[keras.Variable] = []
         self._state: list[np.ndarray] = []
@@ -110,10 +97,6 @@ class StatelessMetricsRunner(Runner):
         self._last_outputs = None
         self._names: list[str] | None = None
         self.times = StepTimes()  # the epoch's timed steps
-
-    @property
-    def is_chief(self) -> bool:
-        return writes(self.strategy)
 
     def _prepare(
         self,
@@ -142,7 +125,7 @@ class StatelessMetricsRunner(Runner):
                 )
         with strategy.scope():
             for hook in step_hooks:
-                hook.build(model, self)
+                hook.build(model, self.job)
             if model.optimizer is not None and not model.optimizer.built:
                 model.optimizer.build(model.trainable_variables)  # no hook built it
         self.hooks = list(step_hooks)
@@ -265,5 +248,8 @@ class StatelessMetricsRunner(Runner):
         self._last_outputs = None
         self.times = StepTimes()
 
-    def step_times(self) -> dict[str, float] | None:
-        return self.times.per_step()
+    def report(self) -> Report:
+        figures: dict[str, float | int | None] = {}
+        for hook in self.hooks:
+            figures.update(hook.summary())
+        return Report(step_times=self.times.per_step(), figures=figures)

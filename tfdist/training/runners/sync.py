@@ -14,7 +14,6 @@ whose first link, a StepClock, times the step's phases in the graph.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Sequence
 
 import keras
@@ -23,20 +22,19 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist import strategy_kinds as kinds
-from tfdist.cluster import cluster_from_environment
-from tfdist.peers import lost_peers_explained
 from tfdist.training import loss_normalisation
 from tfdist.training.batch_norm import MovingStatistics
+from tfdist.training.engine import Engine, EngineState, Report
 from tfdist.training.fit_data import FitData, unpack
+from tfdist.training.hooks import StepHook
+from tfdist.training.job import Job, LockstepJob
 from tfdist.training.loop import NO_LIMIT, StepLoop, call_until_end, each_batch
-from tfdist.training.runner import Runner, StepHook
 from tfdist.training.runners.common import (
     batch_size,
     logs_from_state,
     metric_names,
     refuse_asynchronous_hooks,
     refuse_staleness_scaling,
-    writes,
 )
 from tfdist.training.step_times import PHASES, StepTimes
 from tfdist.training.steps import (
@@ -52,8 +50,16 @@ from tfdist.training.steps import (
 )
 
 
-class SyncRunner(Runner):
-    """Synchronous strategies; see the module docstring."""
+class SyncRunner(Engine):
+    """Synchronous strategies; see the module docstring.
+
+    Args:
+      model: the compiled model.
+      strategy: its strategy.
+      job: the job it trains in (default: a LockstepJob of `strategy`).
+      builds_optimizer: whether `build` builds the user's optimizer where it is not built
+        (an engine that keeps its slots elsewhere, a pipeline's stages, builds it itself).
+    """
 
     kinds = (
         kinds.DEFAULT,
@@ -62,13 +68,18 @@ class SyncRunner(Runner):
         kinds.MULTI_WORKER_MIRRORED,
         kinds.TPU,
     )
-    # Whether `build` builds the user's optimizer where it is not built (a runner that keeps
-    # its slots elsewhere, a pipeline's stages, builds it itself).
-    builds_optimizer = True
-    kept_across_calls = True
 
-    def __init__(self, model: keras.Model, strategy: tf.distribute.Strategy):
-        super().__init__(model, strategy)
+    def __init__(
+        self,
+        model: keras.Model,
+        strategy: tf.distribute.Strategy,
+        *,
+        job: Job | None = None,
+        builds_optimizer: bool = True,
+    ):
+        self.model, self.strategy = model, strategy
+        self.job = job or LockstepJob(strategy)
+        self.builds_optimizer = builds_optimizer
         self.custom = custom_train_step(model)
         self.own_optimizers = list(own_optimizers(model).values())
         self.hooks: list[StepHook] = []
@@ -88,30 +99,6 @@ class SyncRunner(Runner):
         # What the epoch's last step returned (a custom train_step's own logs).
         self._last_outputs = None
         self.times = StepTimes()
-        self._checkpoint_status = None
-
-    # --- facts about the job ----------------------------------------------------------------
-
-    @property
-    def is_chief(self) -> bool:
-        return writes(self.strategy)
-
-    @property
-    def lockstep_workers(self) -> int:
-        return compat.sync_worker_count(self.strategy)
-
-    def tally(self, counts: Sequence[int]) -> list[int]:
-        if self.lockstep_workers <= 1:
-            return list(counts)
-        strategy = self.strategy
-        with self.explained():
-            values = strategy.experimental_distribute_values_from_function(
-                lambda _: tf.constant(list(counts), tf.int32)
-            )
-            total = strategy.reduce(tf.distribute.ReduceOp.SUM, values, axis=None).numpy()
-        # Each of a worker's replicas gave its counts: a worker counts once.
-        per_worker = strategy.num_replicas_in_sync // self.lockstep_workers
-        return (total // per_worker).tolist()
 
     # --- building and data --------------------------------------------------------------------
 
@@ -124,17 +111,16 @@ class SyncRunner(Runner):
             # optimizer for its slice): hooks build first, the optimizer after if none did.
             compat.symbolic_build(self.model, sample_batch, build_optimizer=False)
             for hook in step_hooks:
-                hook.build(self.model, self)
+                hook.build(self.model, self.job)
             if optimizer is not None and not optimizer.built and self.builds_optimizer:
                 optimizer.build(self.model.trainable_variables)
         self.hooks = list(step_hooks)
         # A hook may have put its own stand-in for an optimizer the step applies itself.
         self.own_optimizers = list(own_optimizers(self.model).values())
         self.metric_variables = list(self.model.metrics_variables)
-        self.moving_statistics = MovingStatistics(self.model, self.strategy, is_chief=self.is_chief)
-
-    def iterator(self, data: FitData, *, skip: int = 0):
-        return iter(data.distribute(self.strategy, skip=skip))
+        self.moving_statistics = MovingStatistics(
+            self.model, self.strategy, is_chief=self.job.is_chief
+        )
 
     # --- one step -----------------------------------------------------------------------------
 
@@ -217,7 +203,7 @@ class SyncRunner(Runner):
     # --- training -----------------------------------------------------------------------------
 
     def train(self, iterator, n: int, *, bounded: bool, logs: str | None):
-        with self.explained():
+        with self.job.explained():
             if self.custom and not bounded:
                 # The user's step on data of unknown length: a step a call (untimed), its
                 # last return value giving the logs.
@@ -293,7 +279,7 @@ class SyncRunner(Runner):
     def logs(self) -> dict[str, float]:
         """The epoch's logs: the metrics over every replica, or, for a custom train_step
         whose logs are its own (Keras's rule), what its last step returned."""
-        with self.explained():
+        with self.job.explained():
             if self._last_outputs is not None:
                 return self._logs_of(self._last_outputs)
             return self._metrics()
@@ -303,41 +289,35 @@ class SyncRunner(Runner):
         self.times = StepTimes()
         self.model.reset_metrics()
 
-    def begin(self, global_step: int, *, total_steps=None, checkpoint_status=None) -> None:
-        del global_step, total_steps  # synchronous updates count themselves
-        self._checkpoint_status = checkpoint_status
+    def begin(self, global_step: int) -> None:
+        del global_step  # synchronous updates count themselves
         for hook in self.hooks:
             hook.start()
 
     def settle(self) -> None:
         # Before validation and the callbacks that save: one model, not one per replica.
-        with self.explained():
+        with self.job.explained():
             self.moving_statistics.average()
             for hook in self.hooks:
                 hook.settle()
 
-    def summary(self) -> dict[str, float | int | None]:
+    def report(self) -> Report:
         figures: dict[str, float | int | None] = {}
         for hook in self.hooks:
             figures.update(hook.summary())
-        return figures
+        return Report(step_times=self.times.per_step(), figures=figures)
 
-    def step_times(self) -> dict[str, float] | None:
-        return self.times.per_step()
-
-    def checkpoint_state(self):
-        state = {}
+    def state(self) -> EngineState:
+        variables = {}
         for hook in self.hooks:
-            state.update(hook.checkpoint_state())
-        return state
-
-    def checkpoint_shards(self):
-        return next((s for s in (h.checkpoint_shards() for h in self.hooks) if s), None)
+            variables.update(hook.checkpoint_state())
+        shards = next((s for s in (h.checkpoint_shards() for h in self.hooks) if s), None)
+        return EngineState(variables, shards)
 
     # --- evaluation ---------------------------------------------------------------------------
 
     def evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
-        with self.explained():
+        with self.job.explained():
             return self._evaluate(data, steps)
 
     def _evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
@@ -355,7 +335,7 @@ class SyncRunner(Runner):
             model, strategy = self.model, self.strategy
             # Weights held in parts across worker processes (zero3, a pipeline) are read by
             # collectives, which the strategy cannot make inside a cond's branch.
-            together = self.placement.processes > 1 and any(
+            together = self.job.placement.processes > 1 and any(
                 getattr(compat.storage_of(v), "read_by_collectives", False)
                 for v in model.trainable_variables
             )
@@ -388,30 +368,6 @@ class SyncRunner(Runner):
             return python_logs(self.model.get_metrics_result())
         state = self._read_local_state() if local else self._read_state()
         return logs_from_state(self.model, self.metric_variables, state)
-
-    # --- failures -------------------------------------------------------------------------------
-
-    def explained(self):
-        # A peer that died mid-step surfaces here as whatever the collective it was waited
-        # for raised; the job's cluster names the task.
-        return lost_peers_explained(
-            self._cluster, when="during training", resume_hint=self._resume_hint
-        )
-
-    @functools.cached_property
-    def _cluster(self):
-        return cluster_from_environment() if self.lockstep_workers > 1 else None
-
-    def _resume_hint(self) -> str:
-        step, directory = self._checkpoint_status() if self._checkpoint_status else (None, None)
-        if directory is None:
-            return "Nothing was saved, so a restart starts over. "
-        latest = tf.train.latest_checkpoint(directory)  # tfdist's checkpoints
-        if latest is not None:
-            return f"A restart resumes from {latest}, the newest checkpoint. "
-        if step is None:  # a BackupAndRestore directory
-            return f"A restart resumes from the newest backup in {directory}. "
-        return f"No checkpoint was saved yet in {directory}: a restart starts over. "
 
 
 def _tensors(structure) -> list[tf.Tensor]:
