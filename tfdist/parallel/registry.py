@@ -445,7 +445,6 @@ MODES: tuple[Mode, ...] = (
 
 # The attribute of a model that holds {(mode, value): the hook keeping optimizer state for
 # it}: on the model (not in a table here), so it lives and goes with the model it serves.
-_KEPT_ATTRIBUTE = "_tfdist_kept_hooks"
 
 
 def keywords() -> tuple[str, ...]:
@@ -525,15 +524,16 @@ def _factory_mode(options: Mapping[str, Any]) -> Mode | None:
 
 def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> list[Any]:
     """The step's chain of hooks: each mode `options` turn on (and the model asks for,
-    unless `model` is None), and the user's own hooks, in the order of their places."""
-    placed: list[tuple[int, int, Any]] = [
-        (Place.USER, order, hook) for order, hook in enumerate(user_hooks)
+    unless `model` is None), and the user's own hooks, in the order of their places. A hook
+    that keeps optimizer state is the one an earlier fit of the model made with the same
+    options (tfdist.training.chain.kept_across_fits)."""
+    from tfdist.training.chain import kept_across_fits  # TensorFlow, once a chain is built
+
+    placed: list[tuple[int, int, tuple | None, Any]] = [
+        (Place.USER, order, None, hook) for order, hook in enumerate(user_hooks)
     ]
-    kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {}) if model is not None else {}
-    optimizer = id(getattr(model, "optimizer", None))  # a recompiled model starts afresh
-    used, made = set(), {}  # made: kept only once this fit's chain is allowed
     factory = _factory_mode(options)
-    taken = set(factory.takes) if factory is not None else set()  # the runner's own
+    taken = set(factory.takes) if factory is not None else set()  # the engine's own
     for order, m in enumerate(MODES):
         if m.place is None or (m.keyword is None and model is None) or m.keyword in taken:
             continue
@@ -542,42 +542,36 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
             continue
         settings = {k: options.get(k, mode(k).default) for k in m.takes}
         hook = m.build(value, model=model, settings=settings)
-        if hook is not None and model is not None and hook.keeps_optimizer_state:
-            # The same hook for every fit of this model with these options: its optimizer
-            # state goes on, as Keras's optimizer's slots do between fit calls.
-            key = (optimizer, m.keyword, repr(value), repr(settings))
-            hook = kept[key] if key in kept else made.setdefault(key, hook)
-            used.add(key)
         if hook is not None:
-            placed.append((m.place, order, hook))
-    _refuse_state_left_behind(kept, used, optimizer, options)
-    kept.update(made)  # on the model, not tracked by Keras
-    return [hook for _, _, hook in sorted(placed, key=lambda p: (p[0], p[1]))]
+            placed.append((m.place, order, (m.keyword, repr(value), repr(settings)), hook))
+    placed.sort(key=lambda p: (p[0], p[1]))
+    return kept_across_fits(
+        model,
+        [(key, hook) for _, _, key, hook in placed],
+        left_behind=lambda key: _state_left_behind(key, options),
+    )
 
 
-def _refuse_state_left_behind(kept: dict, used: set, optimizer: int, options) -> None:
+def _state_left_behind(key: tuple, options: Mapping[str, Any]) -> FitError:
     """An earlier fit's mode holds this optimizer's state (zero1/2/3's shards, local SGD's
     replicas' slots): a fit without that mode would not continue it (Keras's own optimizer
     was never built on the model's weights, or would start again from zero)."""
-    for key in kept:
-        owner, keyword, value = key[:3]
-        if owner != optimizer or key in used:
-            continue
-        if keyword is None:  # a hook the model asked for, built with other settings
-            raise FitError(
-                "This model's optimizer state is held by its tensor-parallel update from an "
-                f"earlier tfdist.fit with {key[3]}, which this fit would not continue. Fit it "
-                "again with the same shard_optimizer and offload, or compile the model again "
-                "(a new optimizer) to train it another way. Received: "
-                + repr({k: options.get(k) for k in ("shard_optimizer", "offload")})
-            )
-        now = options.get(keyword, mode(keyword).default)
-        raise FitError(
-            f"This model's optimizer state is held by {keyword}={value} from an earlier "
-            f"tfdist.fit, which this fit ({keyword}={now!r}) would not continue. Fit it "
-            f"again with {keyword}={value}, or compile the model again (a new optimizer) "
-            f"to train it another way. Received: {keyword}={now!r} after {keyword}={value}"
+    keyword, value = key[:2]
+    if keyword is None:  # a hook the model asked for, built with other settings
+        return FitError(
+            "This model's optimizer state is held by its tensor-parallel update from an "
+            f"earlier tfdist.fit with {key[2]}, which this fit would not continue. Fit it "
+            "again with the same shard_optimizer and offload, or compile the model again "
+            "(a new optimizer) to train it another way. Received: "
+            + repr({k: options.get(k) for k in ("shard_optimizer", "offload")})
         )
+    now = options.get(keyword, mode(keyword).default)
+    return FitError(
+        f"This model's optimizer state is held by {keyword}={value} from an earlier "
+        f"tfdist.fit, which this fit ({keyword}={now!r}) would not continue. Fit it "
+        f"again with {keyword}={value}, or compile the model again (a new optimizer) "
+        f"to train it another way. Received: {keyword}={now!r} after {keyword}={value}"
+    )
 
 
 AUTO = "auto"

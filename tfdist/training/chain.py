@@ -9,11 +9,15 @@ A chain is built by tfdist.fit from its keywords (tfdist.parallel.registry) and 
 - a hook that keeps optimizer state of its own cannot be backed up by Keras's
   BackupAndRestore, which saves the model and its optimizer only;
 - every hook takes the per-replica batch it will see.
+
+And the life of the hooks that keep optimizer state across fits (`kept_across_fits`): kept
+on the model they serve, handed to its next fit under the same options, and a fit that
+would drop one refused.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import keras
 
@@ -77,3 +81,43 @@ def check_batch(hooks: Sequence[StepHook], per_replica_batch: int) -> None:
 
 
 __all__ = ["check_batch", "check_callbacks", "check_chain", "check_hooks"]
+
+
+# Where a model keeps the hooks that hold its optimizer's state between fits (an attribute
+# Keras does not track), by (its optimizer, the hook's key).
+_KEPT_ATTRIBUTE = "_tfdist_kept_hooks"
+
+
+def kept_across_fits(
+    model: keras.Model | None,
+    made: Sequence[tuple[tuple | None, StepHook]],
+    *,
+    left_behind: Callable[[tuple], FitError],
+) -> list[StepHook]:
+    """The chain to train with: `made`'s hooks, each that keeps optimizer state replaced by
+    the one an earlier fit of `model` made under the same key (its state goes on, as Keras's
+    optimizer's slots do between fit calls; a recompiled model, a new optimizer, starts
+    afresh). A hook an earlier fit kept for this optimizer that this chain does not take
+    raises `left_behind(its key)`: this fit would not continue its state.
+
+    Args:
+      model: the model the chain trains (None: nothing is kept).
+      made: (key, hook) in the chain's order; the key of a hook that may keep state says
+        what made it (its mode and settings), None for the user's own hooks.
+    """
+    if model is None:
+        return [hook for _, hook in made]
+    kept = vars(model).setdefault(_KEPT_ATTRIBUTE, {})
+    optimizer = id(getattr(model, "optimizer", None))
+    used, new, chain = set(), {}, []
+    for key, hook in made:
+        if key is not None and hook.keeps_optimizer_state:
+            key = (optimizer, *key)
+            hook = kept[key] if key in kept else new.setdefault(key, hook)
+            used.add(key)
+        chain.append(hook)
+    for key in kept:
+        if key[0] == optimizer and key not in used:
+            raise left_behind(key[1:])
+    kept.update(new)  # only once this fit's chain is allowed
+    return chain
