@@ -140,9 +140,9 @@ def alone(out: str, strategy) -> None:
     make, as a chief-only save would): it writes the error it gets to OUT/alone.txt."""
     import time
 
-    from tfdist.parallel import updates
+    from tfdist.parallel import stand_in
 
-    updates.WHOLE_READ_TIMEOUT_SECONDS = 5.0
+    stand_in.WHOLE_READ_TIMEOUT_SECONDS = 5.0
     x, y = zero_cases.data()
     with tfdist.host_scope(strategy):
         model = zero_cases.mlp("adam")
@@ -160,7 +160,7 @@ def alone(out: str, strategy) -> None:
     try:
         model.get_weights()
         message = "no error"
-    except updates.ReadTogetherError as error:
+    except stand_in.ReadTogetherError as error:
         message = str(error)
     with open(written + ".tmp", "w") as f:
         json.dump({"message": message, "seconds": time.monotonic() - started}, f)

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import numpy as np
 import tensorflow as tf
 
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
 from tfdist.parallel.local_sgd import LocalUpdateError, LocalUpdates
 
 
@@ -79,7 +79,7 @@ class ADMM(LocalUpdates):
                         tf.Variable(np.zeros_like(start), trainable=False, name=f"admm_u{d}")
                     )
 
-        updates.outside_strategy(make)
+        optimizer_copies.outside_strategy(make)
 
     def local_gradients(self, step, grads, present):
         """Each replica's gradient of its augmented loss: g_k + rho (x_k - z + u_k)."""

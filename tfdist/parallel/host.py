@@ -37,7 +37,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel import stand_in
 from tfdist.strategies import replica_placement
 from tfdist.training.memory import nbytes
 
@@ -156,7 +156,7 @@ class Slices:
         if self.local:
             flat = tf.concat([tf.reshape(tf.convert_to_tensor(p), [-1]) for p in parts], 0)
         else:
-            with updates.read_together(who, self.strategy):
+            with stand_in.read_together(who, self.strategy):
                 flat = self._gather(tf.convert_to_tensor(parts[0]))
         return tf.reshape(flat[: int(np.prod(shape, dtype=np.int64))], shape)
 
@@ -165,14 +165,14 @@ class Slices:
             with tf.device(self.devices[0]):  # the strategy gathers where its input lives
                 part = tf.identity(part)
                 return tf.distribute.get_replica_context().all_gather(
-                    part, axis=0, options=updates.read_options()
+                    part, axis=0, options=stand_in.read_options()
                 )
 
         gathered = self.strategy.run(replica, args=(part,))
         return self.strategy.experimental_local_results(gathered)[0]
 
 
-class Sliced(updates.WholeStandIn):
+class Sliced(stand_in.WholeStandIn):
     """A trainable weight made in host_scope over several replicas: its storage is only
     this process's replicas' slices (`parts`, plain variables on their devices), read whole
     on demand and assigned slice by slice. See the module docstring."""

@@ -11,7 +11,7 @@ trains synchronously for the first `sync_steps` steps, when early large gradient
 every exchange count, then locally. PyTorch's PostLocalSGDOptimizer and
 PeriodicModelAverager are the same idea.
 
-Each replica keeps its own copy of the user's optimizer (updates.py: same class and config,
+Each replica keeps its own copy of the user's optimizer (optimizer_copies.py: same class and config,
 its slots on the replica's device), which counts the user's optimizer's steps and takes its
 learning rate, so schedules and callbacks that change the rate work as usual.
 `average_optimizer_state=True` averages the slots with the weights (one larger all-reduce;
@@ -48,7 +48,8 @@ from tfdist.collective.keys import group_key_base
 from tfdist.collective.ring import local_ring_all_reduce
 from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
+from tfdist.strategies import replicas
 from tfdist.training.hooks import StepHook
 from tfdist.training.job import Job
 
@@ -96,8 +97,10 @@ class LocalUpdates(StepHook):
         if self.already_built(model, job):
             return  # a later fit: each replica keeps its optimizer's state
         optimizer = model.optimizer
-        updates.check_copyable(optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError)
-        layout = updates.one_replica_per_process(
+        optimizer_copies.check_copyable(
+            optimizer, who=f"{self.name}'s replicas", error=LocalUpdateError
+        )
+        layout = replicas.one_replica_per_process(
             job.placement, who=self.name, error=LocalUpdateError
         )
         devices = list(layout.devices)
@@ -118,12 +121,12 @@ class LocalUpdates(StepHook):
         self.loss_scale = float(layout.replicas)
         if not optimizer.built:
             optimizer.build([])  # it keeps the step count and the learning rate; no slots
-        self.replicas = updates.outside_strategy(
+        self.replicas = optimizer_copies.outside_strategy(
             lambda: [_Replica(optimizer, self.variables, device) for device in devices]
         )
         self.sizes = [int(np.prod(v.shape)) for v in self.variables]
         self.processes = layout.processes > 1
-        self.sent = updates.outside_strategy(
+        self.sent = optimizer_copies.outside_strategy(
             lambda: tf.Variable(0, dtype=tf.int64, trainable=False, name="bytes_sent")
         )
         self.connect()
@@ -369,7 +372,7 @@ class _Replica:
                 keras.Variable(np.zeros(v.shape, v.dtype), dtype=v.dtype, name=f"local_w{i}")
                 for i, v in enumerate(variables)
             ]
-            self.optimizer = updates.optimizer_copy(optimizer, self.weights)
+            self.optimizer = optimizer_copies.optimizer_copy(optimizer, self.weights)
         self.constraints = [v.constraint for v in variables]
         self.decays = [
             bool(optimizer.weight_decay) and compat.uses_weight_decay(optimizer, v)
@@ -400,7 +403,7 @@ class _Replica:
         for weight, decay in zip(chosen, decays, strict=True):
             if decay:  # decoupled weight decay first, as Keras's apply makes it
                 weight.assign(weight - weight * tf.cast(weight_decay, weight.dtype) * lr)
-        updates.update_step(
+        optimizer_copies.update_step(
             self.optimizer, list(grads), chosen, learning_rate=learning_rate, weight_decay=0.0
         )
         values = []

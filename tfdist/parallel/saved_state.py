@@ -28,7 +28,7 @@ from collections.abc import Callable
 import keras
 import numpy as np
 
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
 
 _STAND_IN = "tfdist_saved_v"
 _SLOT = re.compile(_STAND_IN + r"(\d+)_(\w+)$")
@@ -99,10 +99,10 @@ def saved_values(optimizer, model: keras.Model, read: Callable[[int, str], np.nd
             keras.Variable(np.zeros([1], v.dtype), dtype=v.dtype, name=f"{_STAND_IN}{i}")
             for i, v in enumerate(trainable)
         ]
-        return updates.optimizer_copy(optimizer, stand_ins).variables
+        return optimizer_copies.optimizer_copy(optimizer, stand_ins).variables
 
     own = {_own_name(v): v for v in optimizer.variables}
-    for variable in updates.outside_strategy(layout):
+    for variable in optimizer_copies.outside_strategy(layout):
         found = _SLOT.search(variable.path)
         if found:
             yield read(int(found.group(1)), found.group(2))

@@ -12,6 +12,7 @@ import dataclasses
 import tensorflow as tf
 
 from tfdist import compat
+from tfdist.errors import FitError
 from tfdist.strategies.multi_worker import worker_rank
 from tfdist.strategies.tpu import runs_on_tpu
 
@@ -62,3 +63,25 @@ def replica_placement(strategy: tf.distribute.Strategy) -> ReplicaPlacement:
 
 
 __all__ = ["ReplicaPlacement", "replica_placement"]
+
+
+def one_replica_per_process(
+    layout: ReplicaPlacement, *, who: str, error: type[FitError] = FitError
+) -> ReplicaPlacement:
+    """`layout` (a runner's), if a mode that exchanges its own buffers can run on it: not one
+    compiled program (TPU cores), and across processes one device each. Raises `error`,
+    naming `who`, otherwise."""
+    if layout.single_program:
+        raise error(
+            f"{who} is not built for TPUs (their replicas are one XLA program). "
+            "Drop the option on TPU. Received: a TPU strategy"
+        )
+    devices, workers = len(layout.devices), layout.processes
+    if workers > 1 and devices > 1:
+        raise error(
+            f"{who} across worker processes runs one replica per process; this job has "
+            f"{devices} devices in each of {workers} processes. Start one process per "
+            "device (tfdist-launch --workers N), or use mirrored in one process. "
+            f"Received: {workers} workers x {devices} devices"
+        )
+    return layout

@@ -40,7 +40,7 @@ import keras
 import tensorflow as tf
 
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel.pipeline import sums
 from tfdist.parallel.pipeline.executor import Executor, StageInput, StepOptions
 from tfdist.parallel.pipeline.links import StageLinks
 from tfdist.parallel.pipeline.schedules import schedule
@@ -149,7 +149,7 @@ class _ReplicaStep:
                 statistics[i].assign(value)
             for i, g in zip(stage.trainable, own.grads, strict=True):
                 if g is not None:  # a tied weight's: summed over the stages holding it
-                    grads[i] = g if i not in grads else updates.added(grads[i], g)
+                    grads[i] = g if i not in grads else sums.added(grads[i], g)
         if step.count is not None:  # the gradients of the sums: over the step's count
             grads = {i: _divided(g, step.count) for i, g in grads.items()}
         pairs = [(grads.get(i), v) for i, v in enumerate(trainable)]

@@ -39,7 +39,7 @@ from typing import Any
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import updates
+from tfdist.parallel.pipeline import sums
 from tfdist.parallel.pipeline.links import StageLinks
 from tfdist.parallel.pipeline.schedules import Action, Kind, lowered, simulate
 from tfdist.parallel.pipeline.stages import Stage, StageError
@@ -213,7 +213,7 @@ class Executor:
             # The logged loss: the step's sum over its count, as one device logs its batch's.
             size = tf.add_n([n for _, n in self._sums])
             mean = tf.add_n([total for total, _ in self._sums]) / count
-            state = updates.added_to_loss(self.model, self.metric_variables, state, mean * size)
+            state = sums.added_to_loss(self.model, self.metric_variables, state, mean * size)
         outputs = {
             key: StageOutput(
                 r.grads if r.grads is not None else [None] * len(r.weights),
@@ -336,12 +336,12 @@ class Executor:
             if counts:  # the step's mean is logged at its end (run), from the sums
                 self._sums.append((objective, size))
                 logged = tf.zeros_like(loss)
-            state = updates.metric_state(
+            state = sums.metric_state(
                 model, self.metric_variables, state, y_m, outputs, w_m, logged, size
             )
         if regularization is not None:  # the logged loss counts each stage's penalty too
             amount = regularization * micro_batches * size
-            state = updates.added_to_loss(model, self.metric_variables, state, amount)
+            state = sums.added_to_loss(model, self.metric_variables, state, amount)
         r.saved[m] = _Forward(tape, inputs, members, outputs, regularization, scaled)
         if not last:
             r.outbox[True, m] = stage.passed_on(outputs, [] if stage.first else inputs)
@@ -478,7 +478,7 @@ def _gradient(tape: tf.GradientTape, targets: list, sources: list, seeds, after:
 def _summed(total: list, grads: list) -> list:
     """Weight gradients added to their sums so far (None: unused)."""
     return [
-        a if b is None else b if a is None else updates.added(a, b)
+        a if b is None else b if a is None else sums.added(a, b)
         for a, b in zip(total, grads, strict=True)
     ]
 
@@ -486,5 +486,5 @@ def _summed(total: list, grads: list) -> list:
 def _marker(r: _Replica):
     """A tensor that exists once the stage's latest weight gradient does."""
     grads = [g for member in r.grads or [] for g in member] if r.group else r.grads or []
-    made = [updates.dense_part(g) for g in grads if g is not None]
+    made = [sums.dense_part(g) for g in grads if g is not None]
     return made[0] if made else tf.constant(0.0)

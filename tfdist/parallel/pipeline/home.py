@@ -16,9 +16,9 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.collective.ring import owned_chunk
 from tfdist.errors import FitError
-from tfdist.parallel import host, updates
+from tfdist.parallel import host, optimizer_copies, stand_in
+from tfdist.parallel.flat_slices import flat_slice, joined, slice_size
 from tfdist.parallel.pipeline.stages import Stage
-from tfdist.parallel.updates import flat_slice, joined, slice_size
 from tfdist.training import shards
 
 
@@ -348,7 +348,7 @@ class StageStore(shards.Shards):
             with tf.device(self.replicas[0].device):
                 summed = context.all_reduce(tf.distribute.ReduceOp.SUM, self._once(part))
         else:
-            with updates.read_together("a pipeline", self.strategy):
+            with stand_in.read_together("a pipeline", self.strategy):
                 summed = self._sent(part)
         if staged.pieces is None or self.whole_stages:
             return summed
@@ -416,7 +416,7 @@ class StageStore(shards.Shards):
             with tf.device(self.replicas[0].device):
                 part = self._once(tf.identity(part))
                 return tf.distribute.get_replica_context().all_reduce(
-                    tf.distribute.ReduceOp.SUM, part, options=updates.read_options()
+                    tf.distribute.ReduceOp.SUM, part, options=stand_in.read_options()
                 )
 
         sent = self.strategy.run(replica, args=(part,))
@@ -432,11 +432,11 @@ class StageStore(shards.Shards):
                 with tf.device(device):
                     return tf.Variable(tf.zeros([0], dtype), trainable=False)
 
-            self._placeholders[dtype] = updates.outside_strategy(make)
+            self._placeholders[dtype] = optimizer_copies.outside_strategy(make)
         return self._placeholders[dtype]
 
 
-class StoredInStages(updates.WholeStandIn):
+class StoredInStages(stand_in.WholeStandIn):
     """A weight's (or a slot's) storage under a pipeline: see StageStore."""
 
     def __init__(

@@ -20,7 +20,7 @@ from tfdist.collective.keys import block
 from tfdist.collective.transport import ProcessLinks, ProcessRing
 from tfdist.devices import cpu_device_names
 from tfdist.errors import FitError
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
 from tfdist.parallel.host import host_device
 from tfdist.parallel.pipeline.home import StageReplica, StageStore, empty_variables, slice_size
 from tfdist.parallel.pipeline.links import LINK_GROUP_KEY_BASE
@@ -154,7 +154,7 @@ class PipelineRunner(Engine):
                 "metrics. Move the step's logic into compile()'s loss and metrics, or train "
                 "without pipeline=. Received: a model with train_step overridden"
             )
-        updates.check_copyable(model.optimizer, who="A pipeline's stages")
+        optimizer_copies.check_copyable(model.optimizer, who="A pipeline's stages")
         self.whole.build(sample_batch)
         self.metric_variables = self.whole.metric_variables
         store = StageStore.of(model)
@@ -268,7 +268,7 @@ class PipelineRunner(Engine):
         if self.shard is None:
             return set()
         optimizer, model = self.model.optimizer, self.model
-        if not isinstance(optimizer, updates.ELEMENTWISE):
+        if not isinstance(optimizer, optimizer_copies.ELEMENTWISE):
             raise FitError(
                 f"{type(optimizer).__name__} reads a whole variable's gradient in its update "
                 "(LAMB's trust ratio, Adafactor's factored moments), so a stage's slice of a "
@@ -454,7 +454,7 @@ class PipelineRunner(Engine):
                     )
             return made
 
-        self.replicas = updates.outside_strategy(make)
+        self.replicas = optimizer_copies.outside_strategy(make)
         store = StageStore(self._store_key(), self, self.replicas)
         user = self.model.optimizer
         empty: list[tf.Variable] = []  # the slots made without a value, if it builds now
@@ -466,7 +466,7 @@ class PipelineRunner(Engine):
                         build()
                     empty.extend(made)
 
-                return updates.outside_strategy(run)
+                return optimizer_copies.outside_strategy(run)
 
             compat.build_optimizer_plainly(user, trainable, host_device(self.strategy), outside)
         # The weights move into the stages first, each whole copy dropped as it goes, then
@@ -476,9 +476,9 @@ class PipelineRunner(Engine):
         def build_optimizers():
             for r in self.replicas:
                 with tf.device(r.device):
-                    r.optimizer = updates.optimizer_copy(user, r.updated)
+                    r.optimizer = optimizer_copies.optimizer_copy(user, r.updated)
 
-        updates.outside_strategy(build_optimizers)
+        optimizer_copies.outside_strategy(build_optimizers)
         store.take_slots(self.model, fresh={id(v) for v in empty})
 
     def held_shape(self, i: int) -> tuple[int, ...]:

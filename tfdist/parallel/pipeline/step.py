@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
+from tfdist.parallel.pipeline import sums
 from tfdist.parallel.pipeline.executor import Executor, StageInput, StepOptions
 from tfdist.parallel.pipeline.home import StageReplica, flat_slice, joined, piece_of, slice_size
 from tfdist.parallel.pipeline.links import StageLinks
@@ -243,7 +244,7 @@ class PipelineStep:
         # The user's optimizer counts the steps (callbacks read its iterations) and gives
         # each step's rate: a callback may have changed it since the last step.
         step = tf.identity(user.iterations.value)
-        learning_rate = updates.learning_rate_at(user, step)
+        learning_rate = optimizer_copies.learning_rate_at(user, step)
         done = []
         for ((pipeline, index), member), result in results.items():
             r = self.members[pipeline, index][member]
@@ -288,12 +289,12 @@ class PipelineStep:
             for k in members
         ]
         if i not in runner.sliced:
-            return functools.reduce(updates.added, grads)
+            return functools.reduce(sums.added, grads)
         pieces, k = runner.pipelines, piece_of(r.pipeline, runner.pipelines)
         shape = runner.held_shape(i)
         if runner.shard == "zero1":
-            return flat_slice(functools.reduce(updates.added, grads), pieces, k, shape)
-        return functools.reduce(updates.added, [flat_slice(g, pieces, k, shape) for g in grads])
+            return flat_slice(functools.reduce(sums.added, grads), pieces, k, shape)
+        return functools.reduce(sums.added, [flat_slice(g, pieces, k, shape) for g in grads])
 
     def _summed_members(self, results, r: StageReplica, index: int) -> list:
         """Replica `r`'s gradients (of stage `index`), each summed over the members of its
@@ -310,7 +311,7 @@ class PipelineStep:
             part = placement.index(r.member)
             members = [k for k in range(runner.tensor) if placement.index(k) == part]
             grads = [results[(r.pipeline, index), k].grads[j] for k in members]
-            out.append(functools.reduce(updates.added, grads))
+            out.append(functools.reduce(sums.added, grads))
         return out
 
     def _gathered_back(self) -> list:
@@ -426,7 +427,7 @@ def _apply(optimizer, grads, variables, step, learning_rate) -> tf.Tensor:
     """One step of a stage's optimizer copy: the user's `step` (Adam's bias correction reads
     it) at the user's `learning_rate`."""
     optimizer.iterations.assign(tf.cast(step, optimizer.iterations.dtype))
-    updates.update_step(
+    optimizer_copies.update_step(
         optimizer, grads, variables, learning_rate=learning_rate,
         weight_decay=optimizer.weight_decay or 0.0,
     )  # fmt: skip

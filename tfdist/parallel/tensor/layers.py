@@ -16,7 +16,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
 from tfdist.parallel.tensor.mappings import (
     TensorParallelError,
     gather_from_group,
@@ -99,7 +99,7 @@ class _Split(keras.layers.Layer):
                     )
             return made
 
-        self._parts[name] = updates.outside_strategy(make)
+        self._parts[name] = optimizer_copies.outside_strategy(make)
         self._axes[name] = axis
         if regularizer is not None:
             for replica, variable in enumerate(self._parts[name]):

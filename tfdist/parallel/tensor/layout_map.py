@@ -87,7 +87,7 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.collective import replicas
-from tfdist.parallel import host, saved_state, updates
+from tfdist.parallel import flat_slices, host, optimizer_copies, saved_state, stand_in
 from tfdist.parallel.tensor.derive import (
     HEAD_COUNTS,
     DerivedSplit,
@@ -155,7 +155,7 @@ def _size(shape) -> int:
 
 def _slice_of(part: np.ndarray, count: int, k: int) -> np.ndarray:
     """Slice `k` of `count` of `part`, flattened and padded with zeros."""
-    size = updates.slice_size(part.shape, count)
+    size = flat_slices.slice_size(part.shape, count)
     flat = np.zeros(size * count, part.dtype)
     flat[: part.size] = np.ravel(part)
     return flat[k * size : (k + 1) * size]
@@ -601,7 +601,7 @@ class LayoutParallel(StepHook):
         self.shard = {3: "zero3", 1: "zero1", 2: "zero2"}.get(shard, shard)
         # While a replica's step is traced: each weight reads as the replica's part, the
         # split layers run inside their exchanges, attention layers count its heads.
-        self._traced = updates.TraceSpan(self._enter, self._exit)
+        self._traced = stand_in.TraceSpan(self._enter, self._exit)
 
     @property
     def name(self) -> str:
@@ -612,7 +612,7 @@ class LayoutParallel(StepHook):
         if self.already_built(model, job):
             return  # a later fit: the parts keep their optimizer state
         optimizer, who = model.optimizer, "Tensor-parallel parts"
-        updates.check_copyable(optimizer, who=who, error=TensorParallelError)
+        optimizer_copies.check_copyable(optimizer, who=who, error=TensorParallelError)
         if optimizer.clipnorm is not None or getattr(optimizer, "global_clipnorm", None):
             raise TensorParallelError(
                 f"{who} are updated one replica at a time, so the norm of a whole weight "
@@ -645,7 +645,7 @@ class LayoutParallel(StepHook):
             )
         self.hosts = [compat.storage_of(v) for v in self.variables]
         self.calls = SplitCalls(self.plan, self.variables)
-        self.decays = updates.decoupled_decays(optimizer, self.variables)
+        self.decays = optimizer_copies.decoupled_decays(optimizer, self.variables)
         self.optimizer = optimizer
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the parts keep the slots
@@ -686,7 +686,7 @@ class LayoutParallel(StepHook):
                         if self.sliced[i]:
                             group = self.groups[i][p.index(r)]
                             piece = keras.Variable(
-                                np.zeros(updates.slice_size(p.shape_of(v), len(group)), v.dtype),
+                                np.zeros(flat_slices.slice_size(p.shape_of(v), len(group)), v.dtype),
                                 dtype=v.dtype, name=f"{name}_slice{group.index(r)}",
                                 autocast=False,
                             )  # fmt: skip
@@ -695,13 +695,13 @@ class LayoutParallel(StepHook):
                         updated.append(piece if piece is not None else whole)
                     parts.append(mine)
                     slices.append(cut)
-                    copies.append(updates.optimizer_copy(optimizer, updated))
+                    copies.append(optimizer_copies.optimizer_copy(optimizer, updated))
             return parts, slices, copies
 
         # parts[r][i]: what replica r's step reads weight i through (its part, or under
         # zero3 its slice of the part, gathered when read); slices[r][i]: its slice of the
         # part (None where not sliced), which its optimizer copy updates.
-        self.parts, self.slices, self.copies = updates.outside_strategy(make)
+        self.parts, self.slices, self.copies = optimizer_copies.outside_strategy(make)
         self._stand_ins = [_Part(self, i) for i in range(len(self.variables))]
         saved_state.keep_in_saves(optimizer, model, self.slot_reader)
 
@@ -747,8 +747,8 @@ class LayoutParallel(StepHook):
             return train_step(batch)
 
     def _enter(self) -> None:
-        for variable, stand_in in zip(self.variables, self._stand_ins, strict=True):
-            compat.replace_storage(variable, stand_in)
+        for variable, storage in zip(self.variables, self._stand_ins, strict=True):
+            compat.replace_storage(variable, storage)
         self.calls.install()
 
     def _exit(self) -> None:
@@ -805,10 +805,10 @@ class LayoutParallel(StepHook):
         for i in rest:  # zero1 / zero2: this replica's slice of the summed gradient
             if self.sliced[i]:
                 group = self.groups[i][self.plan.placements[i].index(replica)]
-                summed[i] = updates.flat_slice(summed[i], len(group), group.index(replica))
+                summed[i] = flat_slices.flat_slice(summed[i], len(group), group.index(replica))
         held = [self.slices[replica][i] if self.sliced[i] else self.parts[replica][i]
                 for i in present]  # fmt: skip
-        updates.apply_with_copy(
+        optimizer_copies.apply_with_copy(
             self.optimizer, self.copies[replica], [summed[i] for i in present], held,
             [self.decays[i] for i in present], self.devices[replica],
         )  # fmt: skip
@@ -850,7 +850,7 @@ class LayoutParallel(StepHook):
 _PART_SLOT = re.compile(r"tp_v(\d+)_part\d+(?:_slice\d+)?_(\w+)$")
 
 
-class _Part(updates.StandIn):
+class _Part(stand_in.StandIn):
     """A weight's storage while a step is traced: it reads as this replica's part (a row
     layer's bias as 1/T of it), and its handle is the part's, so the tape's gradient for
     the weight is the part's."""

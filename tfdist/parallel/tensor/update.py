@@ -13,7 +13,7 @@ from __future__ import annotations
 import keras
 import tensorflow as tf
 
-from tfdist.parallel import updates
+from tfdist.parallel import optimizer_copies
 from tfdist.parallel.tensor.layers import split_layers
 from tfdist.parallel.tensor.layout_map import LayoutParallel, plan_of
 from tfdist.parallel.tensor.mappings import TensorParallelError, summed_over
@@ -46,7 +46,7 @@ class TensorParallelUpdate(StepHook):
             return  # a later fit: each part's optimizer keeps its state
         optimizer = model.optimizer
         who = "Tensor-parallel layers' parts"
-        updates.check_copyable(optimizer, who=who, error=TensorParallelError)
+        optimizer_copies.check_copyable(optimizer, who=who, error=TensorParallelError)
         if optimizer.clipnorm is not None:
             raise TensorParallelError(
                 f"{who} are updated one replica at a time, so the norm of a whole weight "
@@ -75,10 +75,10 @@ class TensorParallelUpdate(StepHook):
             copies = []
             for parts in self.parts:
                 with tf.device(parts[0].value.device if parts else None):
-                    copies.append(updates.optimizer_copy(optimizer, parts))
+                    copies.append(optimizer_copies.optimizer_copy(optimizer, parts))
             return copies
 
-        self.optimizers = updates.outside_strategy(make)
+        self.optimizers = optimizer_copies.outside_strategy(make)
         self.user = optimizer
         optimizer.build(rest)  # the user's optimizer keeps the replicated weights' state
 
@@ -98,7 +98,7 @@ class TensorParallelUpdate(StepHook):
             # The user's optimizer counts the step after this hook (Adam's bias correction
             # reads iterations + 1); the copy reads the same count.
             copy.iterations.assign(tf.cast(user.iterations, copy.iterations.dtype))
-            updates.update_step(
+            optimizer_copies.update_step(
                 copy, summed, parts, learning_rate=user.learning_rate,
                 weight_decay=user.weight_decay or 0.0,
             )  # fmt: skip

@@ -62,7 +62,9 @@ from tfdist.collective.ring import (
 )
 from tfdist.collective.transport import ProcessRing
 from tfdist.errors import FitError
-from tfdist.parallel import host, saved_state, updates
+from tfdist.parallel import host, optimizer_copies, saved_state
+from tfdist.parallel.zero.offload import Offload
+from tfdist.strategies import replicas
 from tfdist.training import sparse_rows, steps
 from tfdist.training.hooks import StepHook
 from tfdist.training.job import Job
@@ -213,7 +215,7 @@ class ShardedUpdate(StepHook):
         partition: str = "auto",
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         timeout_seconds=None,
-        offload: str | None = None,
+        offload: str | Offload | None = None,
     ):
         stage = {f"zero{n}": n for n in STAGES}.get(stage, stage)
         if stage not in STAGES:
@@ -227,9 +229,7 @@ class ShardedUpdate(StepHook):
             )
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ShardingError(f"bucket_bytes must be >= 1. Received: {bucket_bytes!r}")
-        self.offload = updates.checked_offload(
-            offload, who=self.name_for(stage), error=ShardingError
-        )
+        self.offload = Offload.of(offload, who=self.name_for(stage), error=ShardingError)
         self.stage, self.partition_choice = stage, partition
         self.bucket_bytes, self.timeout_seconds = bucket_bytes, timeout_seconds
         self.partitions: list[Partition] = []
@@ -272,7 +272,7 @@ class ShardedUpdate(StepHook):
             sibling.model, sibling.strategy, sibling.ring_index = model, job.strategy, k
             # The model's optimizer of that name becomes a copy that keeps no slots (its
             # class, config and step count): the slices hold them, as for compile's.
-            slotless = updates.optimizer_copy(optimizer, [])
+            slotless = optimizer_copies.optimizer_copy(optimizer, [])
             slotless.iterations.assign(optimizer.iterations)
             setattr(model, attribute, slotless)
             sibling._build_for(model, job, slotless, variables, saves=False)
@@ -314,7 +314,7 @@ class ShardedUpdate(StepHook):
         order); `saves`: model.save writes it whole (Keras saves compile's optimizer only)."""
         optimizer, self.scaling = _split_optimizer(optimizer, self.name)
         self.optimizer, self.variables = optimizer, variables
-        layout = updates.one_replica_per_process(job.placement, who=self.name, error=ShardingError)
+        layout = replicas.one_replica_per_process(job.placement, who=self.name, error=ShardingError)
         devices = list(layout.devices)
         ranks = layout.replicas
         if ranks < 2:
@@ -343,8 +343,8 @@ class ShardedUpdate(StepHook):
             for v in variables
         ]
         # Offloaded, each replica's slices and slots, and its update, are the host's.
-        state_device = host.host_device(self.strategy) if self.offload else None
-        self.replicas = updates.outside_strategy(
+        state_device = self.offload.state_device(self.strategy, None)
+        self.replicas = optimizer_copies.outside_strategy(
             lambda: [
                 _LocalReplica(
                     optimizer,
@@ -371,7 +371,7 @@ class ShardedUpdate(StepHook):
             )
 
     def _partitions(self, optimizer, shapes, ranks: int) -> list[Partition]:
-        elementwise = isinstance(optimizer, updates.ELEMENTWISE)
+        elementwise = isinstance(optimizer, optimizer_copies.ELEMENTWISE)
         choice = self.partition_choice
         if choice == "flat" and not elementwise:
             raise ShardingError(
@@ -662,7 +662,9 @@ class _LocalReplica:
             }
             # The same class and config: only its update_step and slots are used (the hook
             # clips, decays and counts through the user's optimizer).
-            self.optimizer = updates.optimizer_copy(optimizer, list(self.variables.values()))
+            self.optimizer = optimizer_copies.optimizer_copy(
+                optimizer, list(self.variables.values())
+            )
         # Each piece's slots by name (Keras names a slot "<reference>_<slot>").
         self.slots: dict[tuple[int, str], keras.Variable] = {}
         for slot in self.optimizer.variables:

@@ -63,15 +63,17 @@ import numpy as np
 import tensorflow as tf
 
 from tfdist import compat
-from tfdist.parallel import host, saved_state, updates
+from tfdist.parallel import host, optimizer_copies, saved_state, stand_in
 from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.parallel.zero import units
+from tfdist.parallel.zero.offload import Offload
 from tfdist.parallel.zero.sharded import (
     ShardedUpdate,
     ShardingError,
     _WholeSlots,
     refuse_own_optimizers,
 )
+from tfdist.strategies import replicas
 from tfdist.training import shards as shard_files
 from tfdist.training import sparse_rows
 from tfdist.training.hooks import StepHook
@@ -83,7 +85,7 @@ NAME = "shard_optimizer='zero3'"
 GATHER_BUCKET_BYTES = 4 * 2**20
 
 
-def shard_hook(stage, offload: str | None = None, *, model=None) -> StepHook | None:
+def shard_hook(stage, offload: str | Offload | None = None, *, model=None) -> StepHook | None:
     """The hook fit's `shard_optimizer` asks for: zero1 and zero2 shard the optimizer's
     state (and the gradients) of whole weights; zero3 the weights too. `offload`
     ('optimizer') keeps the optimizer's state in host memory. None for a model split by a
@@ -121,8 +123,8 @@ class ShardedParameters(StepHook):
     applies_update = True
     ends_chain = True
 
-    def __init__(self, *, offload: str | None = None):
-        self.offload = updates.checked_offload(offload, who=NAME, error=ShardingError)
+    def __init__(self, *, offload: str | Offload | None = None):
+        self.offload = Offload.of(offload, who=NAME, error=ShardingError)
         self.shards: list[list[keras.Variable]] = []
 
     @property
@@ -138,7 +140,7 @@ class ShardedParameters(StepHook):
         refuse_own_optimizers(model, NAME)
         optimizer = model.optimizer
         _check_optimizer(optimizer)
-        layout = updates.one_replica_per_process(job.placement, who=NAME, error=ShardingError)
+        layout = replicas.one_replica_per_process(job.placement, who=NAME, error=ShardingError)
         if layout.replicas < 2:
             raise ShardingError(
                 f"{NAME} shards the weights over the replicas, and this strategy has 1. Use 2 "
@@ -154,7 +156,7 @@ class ShardedParameters(StepHook):
         self.variables = list(model.trainable_variables)
         self.sizes = [int(np.prod(v.shape, dtype=np.int64)) for v in self.variables]
         self.lengths = [self.cut.length(n) for n in self.sizes]
-        self.decays = updates.decoupled_decays(optimizer, self.variables)
+        self.decays = optimizer_copies.decoupled_decays(optimizer, self.variables)
         self.optimizer = optimizer
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the slices keep the slots
@@ -172,13 +174,13 @@ class ShardedParameters(StepHook):
                     ])  # fmt: skip
             return out
 
-        self.shards = updates.outside_strategy(slices)
+        self.shards = optimizer_copies.outside_strategy(slices)
         # Offloaded: the optimizer's copies update host copies of the slices (their slots
         # made beside them), each copied to its device after the update.
-        self.state_device = host.host_device(self.strategy) if self.offload else None
+        self.state_device = self.offload.state_device(self.strategy, None)
         self.updated = self.shards
         if self.offload:
-            self.updated = updates.outside_strategy(
+            self.updated = optimizer_copies.outside_strategy(
                 lambda: slices([self.state_device] * len(self.devices))
             )
         # Each weight's slices adopted as host_scope made them, or taken from its whole
@@ -198,10 +200,11 @@ class ShardedParameters(StepHook):
         compat.forget_traced_functions(model)  # they read the whole copies
         dropped.free()  # a copy a traced function captured sits in a cycle: freed now
         units.recompute(self.units)
-        self.copies = updates.outside_strategy(
+        self.copies = optimizer_copies.outside_strategy(
             lambda: [
                 _on(
-                    self.state_device or device, lambda s=held: updates.optimizer_copy(optimizer, s)
+                    self.state_device or device,
+                    lambda s=held: optimizer_copies.optimizer_copy(optimizer, s),
                 )
                 for device, held in zip(self.devices, self.updated, strict=True)
             ]  # fmt: skip
@@ -255,7 +258,7 @@ class ShardedParameters(StepHook):
         key = (slot, bucket)
         if key not in self._gatherers:
             self._gatherers[key] = tf.function(lambda: self._gather_all_replicas(slot, bucket))
-        with updates.read_together(NAME, self.strategy):
+        with stand_in.read_together(NAME, self.strategy):
             flat = self._gatherers[key]()
         total = sum(self.lengths[i] for i in bucket)
         rows = tf.reshape(flat, [self.ranks, total])
@@ -275,7 +278,7 @@ class ShardedParameters(StepHook):
                 parts = [tf.reshape(self.slots[d][i, slot].value, [-1]) for i in bucket]
                 flat = tf.concat(parts, 0)
                 return tf.distribute.get_replica_context().all_gather(
-                    flat, axis=0, options=updates.read_options()
+                    flat, axis=0, options=stand_in.read_options()
                 )
 
         gathered = self.strategy.run(replica)
@@ -361,7 +364,7 @@ class ShardedParameters(StepHook):
             with tf.device(self.state_device):
                 for i in present:
                     updated[i].assign(shards[i].value)
-        updates.apply_with_copy(
+        optimizer_copies.apply_with_copy(
             self.optimizer, self.copies[d], [slices[i] for i in present],
             [updated[i] for i in present], [self.decays[i] for i in present],
             self.state_device or self.devices[d],
@@ -450,7 +453,7 @@ class ShardedParameters(StepHook):
         }
 
 
-class _Sharded(updates.WholeStandIn):
+class _Sharded(stand_in.WholeStandIn):
     """A weight's storage under zero3 (compat.replace_storage), from the first fit on: its
     value is gathered from the replicas' slices where it is read (in a replica's step,
     ShardedParameters.gathered; elsewhere ShardedParameters.whole), assigning it assigns
@@ -585,8 +588,8 @@ def _check_unchanged(grad, mine: list, i: int, hook: ShardedParameters) -> None:
 
 
 def _check_optimizer(optimizer) -> None:
-    updates.check_copyable(optimizer, who=f"{NAME}'s slices", error=ShardingError)
-    if not isinstance(optimizer, updates.ELEMENTWISE):
+    optimizer_copies.check_copyable(optimizer, who=f"{NAME}'s slices", error=ShardingError)
+    if not isinstance(optimizer, optimizer_copies.ELEMENTWISE):
         raise ShardingError(
             f"{NAME} cuts each weight into N equal flat slices, so its optimizer must update "
             "each element from its own gradient and slots; "
