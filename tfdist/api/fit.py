@@ -137,21 +137,10 @@ def fit(
     options = registry.resolve_auto(options, mode_defaults(strategy))
     for problem in registry.problems(options):
         raise FitError(problem)
-    if steps_per_execution not in (None, "auto") and not (
-        isinstance(steps_per_execution, int) and steps_per_execution >= 1
-    ):
-        raise FitError(
-            "steps_per_execution must be a whole number >= 1 or 'auto'. Received: "
-            f"steps_per_execution={steps_per_execution!r}"
-        )
-    _check_count("epochs", epochs, minimum=0)
-    _check_count("initial_epoch", initial_epoch, minimum=0)
-    for name, value in (
-        ("steps_per_epoch", steps_per_epoch),
-        ("validation_steps", validation_steps),
-    ):
-        if value is not None:
-            _check_count(name, value, minimum=1)
+    _check_counts(
+        steps_per_execution=steps_per_execution, epochs=epochs, initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+    )  # fmt: skip
     if validation_split and validation_data is None:
         # Keras's rule: the last examples, before shuffling; validation_data overrides it.
         (x, y, sample_weight), validation_data = split_arrays(x, y, sample_weight, validation_split)
@@ -166,32 +155,7 @@ def fit(
         val = _validation(validation_data, validation_batch_size or batch_size, strategy)
     _check_labels(model, data, "x")
     options = registry.with_model_layout(options, model=model, strategy=strategy)
-    layout = registry.runner_factory_of(options)
-    settings = registry.factory_settings(options)  # what the layout takes over
-    user_hooks = chain.check_hooks(step_hooks)
-    hooks = registry.chain(options, user_hooks, model=model)
-    host.check_trained_by(model, layout, hooks)
-    chain.check_chain(hooks)
-    if data.global_batch is not None:
-        chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
-    chain.check_callbacks(hooks, callbacks)
-    # The last call's runner where nothing its traced step closes over changed (kept.py).
-    runner, hooks, _ = kept.runner_for_call(
-        model, strategy,
-        lambda: runner_for(model, strategy, layout=layout, settings=settings), hooks,
-        user_hooks=user_hooks, layout=layout if layout is None else (repr(layout), repr(settings)),
-    )  # fmt: skip
-    with kept.forgotten_on_error(model):
-        runner.build(data.sample_batch, hooks)
-    say = log.debug if verbose == 0 else log.info  # verbose=0 is quiet, as Keras's fit is
-    if runner.job.is_chief:
-        if data.global_batch is not None:
-            line = layout_line.batch_line(runner, data.global_batch)
-            trained = layout_line.trained_as(model, runner, options)
-            say("%s", line if trained is None else f"{line}; {trained}")
-        named = [hook.name for hook in hooks]
-        if named:
-            say("Between each step's gradients and its update: %s", ", ".join(named))
+    runner = _built_engine(model, strategy, data, options, step_hooks, callbacks, verbose)
     steps = steps_per_epoch or data.num_batches
     if runner.job.streams and steps is None:
         raise FitError(
@@ -210,6 +174,60 @@ def fit(
     )  # fmt: skip
     with kept.forgotten_on_error(model), _explained(runner):
         return controller.fit()
+
+
+def _check_counts(
+    *, steps_per_execution, epochs, initial_epoch, steps_per_epoch, validation_steps
+) -> None:
+    """fit's counts, each refused in one line where it cannot be one."""
+    if steps_per_execution not in (None, "auto") and not (
+        isinstance(steps_per_execution, int) and steps_per_execution >= 1
+    ):
+        raise FitError(
+            "steps_per_execution must be a whole number >= 1 or 'auto'. Received: "
+            f"steps_per_execution={steps_per_execution!r}"
+        )
+    _check_count("epochs", epochs, minimum=0)
+    _check_count("initial_epoch", initial_epoch, minimum=0)
+    for name, value in (
+        ("steps_per_epoch", steps_per_epoch),
+        ("validation_steps", validation_steps),
+    ):
+        if value is not None:
+            _check_count(name, value, minimum=1)
+
+
+def _built_engine(model, strategy, data, options, step_hooks, callbacks, verbose):
+    """The engine that trains this call, built: the chain of hooks `options` and the user's
+    `step_hooks` make, checked; the engine the last call kept where nothing its traced step
+    closes over changed (kept.py), else a new one; and the chief's lines saying how the
+    batch splits and what sits between the gradients and the update."""
+    layout = registry.runner_factory_of(options)
+    settings = registry.factory_settings(options)  # what the layout takes over
+    user_hooks = chain.check_hooks(step_hooks)
+    hooks = registry.chain(options, user_hooks, model=model)
+    host.check_trained_by(model, layout, hooks)
+    chain.check_chain(hooks)
+    if data.global_batch is not None:
+        chain.check_batch(hooks, data.global_batch // strategy.num_replicas_in_sync)
+    chain.check_callbacks(hooks, callbacks)
+    runner, hooks, _ = kept.runner_for_call(
+        model, strategy,
+        lambda: runner_for(model, strategy, layout=layout, settings=settings), hooks,
+        user_hooks=user_hooks, layout=layout if layout is None else (repr(layout), repr(settings)),
+    )  # fmt: skip
+    with kept.forgotten_on_error(model):
+        runner.build(data.sample_batch, hooks)
+    say = log.debug if verbose == 0 else log.info  # verbose=0 is quiet, as Keras's fit is
+    if runner.job.is_chief:
+        if data.global_batch is not None:
+            line = layout_line.batch_line(runner, data.global_batch)
+            trained = layout_line.trained_as(model, runner, options)
+            say("%s", line if trained is None else f"{line}; {trained}")
+        named = [hook.name for hook in hooks]
+        if named:
+            say("Between each step's gradients and its update: %s", ", ".join(named))
+    return runner
 
 
 fit.__doc__ = registry.fill_docstring(fit.__doc__)

@@ -134,7 +134,13 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False,  # an abbreviation could silently take a flag meant for COMMAND
     )
-    add = parser.add_argument
+    for flags in (_task_flags, _host_flags, _failure_flags, _run_flags):
+        flags(parser.add_argument)
+    return parser
+
+
+def _task_flags(add) -> None:
+    """The job's tasks."""
     add("--workers", type=int, default=1, metavar="N", help="number of worker tasks (default: 1)")
     add("--chief", action="store_true", help="add a chief task; required with --ps")
     add(
@@ -145,6 +151,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="number of parameter-server tasks (default: 0)",
     )
     add("--evaluator", action="store_true", help="add an evaluator task (side-car evaluation)")
+
+
+def _host_flags(add) -> None:
+    """Where the tasks listen, and the hosts of a job of several."""
     add(
         "--host",
         default=None,
@@ -173,6 +183,10 @@ def _build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="with --nnodes: how long a node waits for the others to join (default: 600)",
     )
+
+
+def _failure_flags(add) -> None:
+    """How long the job may run, and what a failed or stopped task does to it."""
     add(
         "--timeout",
         type=float,
@@ -217,6 +231,10 @@ def _build_parser() -> argparse.ArgumentParser:
         help="with --on_worker_failure restart: how many times one worker is restarted in "
         f"place (default: {WORKER_RESTARTS})",
     )
+
+
+def _run_flags(add) -> None:
+    """How the tasks are run: slowed for benchmarks, forked, isolated, or only printed."""
     add(
         "--slow",
         action="append",
@@ -254,7 +272,6 @@ def _build_parser() -> argparse.ArgumentParser:
         help="print each task's TF_CONFIG and command line, to run by hand or on other hosts, "
         "and start nothing",
     )
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

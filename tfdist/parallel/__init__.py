@@ -75,7 +75,7 @@ _EXPORTS = {
     "derive_layout_map": "tfdist.parallel.tensor",
     "split_layers": "tfdist.parallel.tensor",
     "tensor_parallel": "tfdist.parallel.tensor",
-    "Partition": "tfdist.parallel.zero.sharded",
+    "Partition": "tfdist.parallel.zero.partition",
     "ShardedUpdate": "tfdist.parallel.zero.sharded",
     "ShardedParameters": "tfdist.parallel.zero.stage3",
     "host_scope": "tfdist.parallel.host",

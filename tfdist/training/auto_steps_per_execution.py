@@ -3,11 +3,13 @@
 A call of `tfdist.fit` runs k steps in one traced loop, then returns to Python for the
 callbacks, the logs and a preemption vote. That return costs about the same whatever k is;
 for a small model it can cost as much as a step. `AutoStepsPerExecution` measures both on the run's
-first calls, which train as usual: calls of `PROBE` and `PROBE // 2` steps in turn (the first
+first calls, which train as usual: calls of `PROBE` and `LONG` steps in turn (the first
 traces the loop and is not counted; an epoch's end or a checkpoint may cut a call shorter,
-and it still counts). A line through the fastest call of each length, t(n) = c + n s, gives
-the fixed cost c and a step's time s; the chosen k makes c at most `TARGET_OVERHEAD` of a
-call (a fixed cost too small to measure takes `PROBE`):
+and it still counts). A call is timed from its start to the next one's, so that whatever
+the loop does between calls (callbacks, votes, the logs) is in its fixed cost. A line
+through the fastest call of each length, t(n) = c + n s, gives the fixed cost c and a
+step's time s; the chosen k makes c at most `TARGET_OVERHEAD` of a call (a fixed cost too
+small to measure takes `PROBE`):
 
     k = ceil(c / (TARGET_OVERHEAD * s)), between 1 and `LIMIT`
 
@@ -28,8 +30,14 @@ log = logging.getLogger(__name__)
 
 AUTO = "auto"
 PROBE = 16
+# The other probe, longer: a call's time grows less than linearly with its steps where
+# workers step in lockstep (2 processes on this machine: 5.8 ms a step between 2 and 8
+# steps, 4.2 between 8 and 16, 3.9 beyond), so the line is drawn where the chosen count
+# will run, not below it: probing 8 and 16, the fixed cost read 1-10 ms where 13 ms holds,
+# and the count chosen ran at 0.85 of a compiled loop's 16 (tools/train_bench.py).
+LONG = 2 * PROBE
 # The probing calls' lengths, in turn; the first traces the loop and is not counted.
-SCHEDULE = (PROBE, *(PROBE // 2, PROBE) * 4)
+SCHEDULE = (PROBE, *(LONG, PROBE) * 4)
 TARGET_OVERHEAD = 0.05
 LIMIT = 512
 

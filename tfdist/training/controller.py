@@ -202,9 +202,13 @@ class Controller:
         iterator = self._iterator_for(epoch, start_step)
         step = start_step
         vote_every = max(1, (self.steps or 10 * _VOTES_PER_EPOCH) // _VOTES_PER_EPOCH)
+        last_call = None  # (its steps, when it started): 'auto' times a call to the next
         while self.steps is None or step < self.steps:
             n = self._steps_this_call(step)
             started = time.perf_counter()
+            if last_call is not None:
+                self.auto.observe(last_call[0], started - last_call[1])
+                last_call = None
             callbacks.on_train_batch_begin(step)
             done, logs = runner.train(iterator, n, bounded=self.bounded, logs=self.batch_logs)
             if done:
@@ -219,7 +223,7 @@ class Controller:
                 ) and self.watcher.agreed():
                     self._preempted(epoch, step)
                 if self.auto is not None:
-                    self.auto.observe(done, time.perf_counter() - started)
+                    last_call = (done, started)
             if done < n:  # the data ran out
                 if self.user_steps is not None:
                     self.iterator = None

@@ -18,17 +18,15 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.collective.keys import block
 from tfdist.collective.transport import ProcessLinks, ProcessRing
-from tfdist.devices import cpu_device_names
 from tfdist.errors import FitError
 from tfdist.parallel import optimizer_copies
 from tfdist.parallel.host import host_device
+from tfdist.parallel.pipeline.grid import stage_grid
 from tfdist.parallel.pipeline.home import StageReplica, StageStore, empty_variables, slice_size
 from tfdist.parallel.pipeline.links import LINK_GROUP_KEY_BASE
 from tfdist.parallel.pipeline.stages import (
     SharedWeight,
     Stage,
-    StageError,
-    devices_for,
     shared,
     split,
     tied,
@@ -307,110 +305,12 @@ class PipelineRunner(Engine):
         return sliced
 
     def _grid(self) -> tuple[list[int], dict[int, list[str]]]:
-        """Sets the pipelines and the devices each takes; returns this process's ranks
-        (pipeline p's stage k is rank p * stages + k) and each rank's devices (one, or a
-        tensor group's T, consecutive as Megatron-LM keeps a tensor group)."""
-        stages, layout = self.stages, self.placement
-        devices = self._devices_here()
-        processes = layout.processes
-        replicas = self.devices = processes * len(devices)
-        chunks = self.options.chunks_per_device
-        width = devices_for(len(stages), chunks, self.options.micro_batches, holder="a pipeline's")
-        if chunks > 1 and processes > 1:
-            raise FitError(
-                "The interleaved schedule runs over one process's devices (each device holds "
-                f"{chunks} stages); this job has {processes} worker processes. Use "
-                "schedule='1f1b' across processes. Received: chunks_per_device="
-                f"{chunks}"
-            )
-        self.devices_per_pipeline = width
-        tensor = self.tensor
-        if replicas % (width * tensor):
-            split = f" x {tensor} tensor-parallel" if tensor > 1 else ""
-            raise StageError(
-                f"{len(stages)} stages need a multiple of {width * tensor} replicas (D "
-                f"pipelines x {width} devices{split}); the strategy has {replicas}. Cut the "
-                "model into a number of stages that divides the replicas, or change the "
-                f"devices/workers. Received: {len(stages)} stages over {replicas} replicas"
-            )
-        self.pipelines = replicas // (width * tensor)
-        if processes > 1 and len(devices) < tensor:
-            raise StageError(
-                f"A tensor group of {tensor} devices stays within one process, and each "
-                f"of these {processes} worker processes has {len(devices)}. Give each "
-                f"process a multiple of {tensor} devices (on a CPU host, "
-                "tfdist.configure_cpu_devices(N) before the strategy), or drop the "
-                f"layout map. Received: tensor {tensor}, {len(devices)} device(s) a process"
-            )
-        # A stage replica a process (one device; or one tensor group of a model not cut,
-        # FSDP x TP): a stage's pipelines span the processes, its exchanges over them are
-        # rings between processes (one per tensor group member). Tensor groups of several
-        # stages are _whole_stages's (a stage's pipelines in one process).
-        one_group = tensor > 1 and len(stages) == 1 and self.pipelines > 1
-        if processes > 1 and len(devices) == tensor and (tensor == 1 or one_group):
-            self.whole_stages = False
-            ranks = [layout.process_index]
-            return ranks, {ranks[0]: devices}
-        if processes > 1:
-            return self._whole_stages(devices)
-        # Pipeline p's stage k: its devices are p's (k mod width)-th (interleaved: each
-        # device holds the stages k, k + width, ...), a group of `tensor`.
-        ranks = list(range(self.pipelines * len(stages)))
-        group = {
-            rank: (rank // len(stages)) * width + (rank % len(stages)) % width for rank in ranks
-        }
-        return ranks, {rank: devices[g * tensor : (g + 1) * tensor] for rank, g in group.items()}
-
-    def _devices_here(self) -> list[str]:
-        """The devices this process's stage replicas take: the strategy's here, or, where
-        a worker process's strategy holds its one CPU (TensorFlow's multi-worker strategy
-        takes one a process on a host without GPUs) and the process was given several
-        logical CPUs (tfdist.configure_cpu_devices), those, as a host of that many
-        devices."""
-        layout = self.placement
-        devices = list(layout.devices)
-        if layout.processes == 1 or len(devices) > 1 or "CPU" not in devices[0].upper():
-            return devices
-        task = devices[0][: devices[0].upper().index("/DEVICE:")]
-        # The job's devices are listed too: this task's are named under it.
-        cpus = [name for name in cpu_device_names() if name.startswith(f"{task}/device:CPU:")]
-        if len(cpus) <= 1:
-            return devices
-        return [f"{task}/device:CPU:{k}" for k in range(len(cpus))]
-
-    def _whole_stages(self, devices: list[str]) -> tuple[list[int], dict[int, list[str]]]:
-        """Worker processes of several devices each: each process holds whole stages (every
-        pipeline's replica of them, each over `tensor` consecutive devices), the stages in
-        order over the processes, as Megatron-LM spreads a pipeline's stages over nodes and
-        keeps tensor and data groups within one. A stage's exchange over its pipelines (and
-        its ZeRO slices) stays in the process; only the activations and their gradients
-        cross between processes."""
-        stages, tensor, pipelines = len(self.stages), self.tensor, self.pipelines
-        local, processes = len(devices), self.placement.processes
-        held = local // tensor  # stage replicas a process holds
-        if stages == 1 and tensor > 1 and held != 1:  # a layout map's model, not cut
-            raise StageError(
-                f"Across worker processes a model split by a layout map trains with one "
-                f"tensor group a process (the layout's model axis, {tensor}, is each "
-                f"process's devices), its parts sharded over the processes; these processes "
-                f"have {local} devices each. Set the mesh's model axis to {local}, or give "
-                f"each process {tensor} devices. Received: model axis {tensor}, {local} "
-                f"devices in each of {processes} processes"
-            )
-        if local % tensor or held % pipelines:
-            raise StageError(
-                f"With several devices a process, each process holds whole stages: its "
-                f"{local} devices must hold {pipelines} pipeline(s)' replicas of its stages, "
-                f"{tensor} device(s) each, and the {stages} stages must share out evenly "
-                f"over the {processes} processes. Use {pipelines * tensor} devices a "
-                f"process per stage it holds, or one device a process. Received: {local} "
-                f"devices in each of {processes} processes"
-            )
-        mine = [(p, s) for s in range(stages) for p in range(pipelines)][
-            self.placement.process_index * held : (self.placement.process_index + 1) * held
-        ]
-        ranks = [p * stages + s for p, s in mine]
-        return ranks, {rank: devices[k * tensor : (k + 1) * tensor] for k, rank in enumerate(ranks)}
+        """Takes the grid of stage replicas (grid.py): the pipelines and the devices each
+        takes; returns this process's ranks and each rank's devices."""
+        grid = stage_grid(len(self.stages), self.placement, self.options, self.tensor)
+        self.devices, self.devices_per_pipeline = grid.devices, grid.devices_per_pipeline
+        self.pipelines, self.whole_stages = grid.pipelines, grid.whole_stages
+        return grid.ranks, grid.rank_devices
 
     def _place(self, ranks: list[int], devices: dict[int, list[str]]) -> None:
         """Makes this process's stage replicas and moves the model's weights and its

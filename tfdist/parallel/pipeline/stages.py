@@ -187,6 +187,32 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
     if cut_before is not None and any("/" in name for name in cut_before):
         model, cut_before = _flattened(model, list(cut_before))
         graph = compat.layer_graph(model)
+    cut_before, names = _checked_cuts(model, cut_before)
+    nodes = _in_order(graph)
+    position = {id(node): k for k, node in enumerate(nodes)}
+    cuts = [position[id(_only_call(model.get_layer(name), nodes))] for name in cut_before]
+    if cuts != sorted(cuts):
+        raise StageError(
+            "cut_before must name the layers in the order the data reaches them "
+            f"({', '.join(n for n in names if n in cut_before)}). Received: {cut_before!r}"
+        )
+    stage_of = [bisect.bisect_right(cuts, k) for k in range(len(nodes))]
+    crossings = _crossings(model, nodes, stage_of, cut_before)
+    ran_in: dict[int, set[int]] = {}  # layer -> the stages its calls fall in
+    for node, index in zip(nodes, stage_of, strict=True):
+        ran_in.setdefault(id(node.operation), set()).add(index)
+    stages, reads, gives = [], [], []
+    for index in range(len(cuts) + 1):
+        sub, read, give = _stage(model, graph, index, crossings, cut_before, ran_in)
+        stages.append(sub)
+        reads.append(read)
+        gives.append(give)
+    return _indexed(owner, stages, reads, crossings, gives)
+
+
+def _checked_cuts(model: keras.Model, cut_before) -> tuple[list[str], list[str]]:
+    """(the cut layers' names, the model's layers' names), each cut refused in one line
+    where it names no layer or a layer twice; None: the model's stage models, cut at each."""
     layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
     names = [layer.name for layer in layers]
     if cut_before is None:
@@ -209,74 +235,62 @@ def split(model: keras.Model, cut_before: Sequence[str] | None = None) -> list[S
             )
     if len(set(cut_before)) != len(cut_before):
         raise StageError(f"A layer is named twice in cut_before. Received: {cut_before!r}")
-    nodes = _in_order(graph)
-    position = {id(node): k for k, node in enumerate(nodes)}
-    cuts = [position[id(_only_call(model.get_layer(name), nodes))] for name in cut_before]
-    if cuts != sorted(cuts):
-        raise StageError(
-            "cut_before must name the layers in the order the data reaches them "
-            f"({', '.join(n for n in names if n in cut_before)}). Received: {cut_before!r}"
-        )
-    stage_of = [bisect.bisect_right(cuts, k) for k in range(len(nodes))]
-    crossings = _crossings(model, nodes, stage_of, cut_before)
-    ran_in: dict[int, set[int]] = {}  # layer -> the stages its calls fall in
-    for node, index in zip(nodes, stage_of, strict=True):
-        ran_in.setdefault(id(node.operation), set()).add(index)
+    return cut_before, names
+
+
+def _stage(model, graph, index: int, crossings, cut_before, ran_in) -> tuple:
+    """Stage `index`'s model, the model's inputs it reads (by position), and what it gives
+    the next crossing (see _indexed); refused in one line where it cannot be built."""
     model_inputs = list(model.inputs)
-    stages, reads, gives = [], [], []
-    for index in range(len(cuts) + 1):
-        before = crossings[index - 1] if index else None
-        outputs, give = list(model.outputs), ()
-        if index < len(cuts):  # what it makes of the next crossing; the rest it passes on
-            received = {id(t): k for k, t in enumerate(before.items)} if before else {}
-            outputs, give = [], []
-            for item in crossings[index].items:
-                if id(item) in received:
-                    give.append(~received[id(item)])
-                else:
-                    give.append(len(outputs))
-                    outputs.append(item)
-        activations = list(before.items[: before.activations]) if before else []
-        name = f"{model.name}_stage_{index}"
-        where = f"before {cut_before[index - 1]!r}" if index else "at the model's inputs"
-        try:
-            if not outputs:
-                raise ValueError("it makes nothing the stages after it use")
-            if index:  # the model's inputs it reads: only those its layers take
-                sub = _model([*activations, *model_inputs], outputs, name)
-                taken = compat.tensors_taken(compat.layer_graph(sub))
-                read = tuple(k for k, t in enumerate(model_inputs) if id(t) in taken)
-                sub = _model([*activations, *(model_inputs[k] for k in read)], outputs, name)
-            else:  # stage 0 takes the inputs as the model does (a dict, say)
-                sub = _model(compat.inputs_like(graph, model_inputs), outputs, name)
-                read = ()
-        except ValueError as e:
-            crossing = before or crossings[index]
-            raise StageError(
-                f"Stage {index} of {model.name!r} (starting {where}) cannot be built from what "
-                f"crosses its cuts. The cut {'before' if before else 'after'} it passes "
-                f"{crossing.describe()}. Keras said: {str(e).splitlines()[0]}. Cut elsewhere: "
-                "where fewer tensors, and no Keras mask made of another cut's mask, cross. "
-                f"Received: cut_before={cut_before!r}"
-            ) from None
-        again = [
-            layer.name
-            for layer in sub.layers
-            if not isinstance(layer, keras.layers.InputLayer)
-            and index not in ran_in.get(id(layer), {index})
-        ]
-        if again:  # Keras would make it again from the model's inputs (a mask's source)
-            raise StageError(
-                f"Stage {index} of {model.name!r} (starting {where}) would run layer "
-                f"{again[0]!r} of an earlier stage again: a Keras mask a layer after the cut "
-                f"makes is computed from it. The cut before it passes {before.describe()}. "
-                "Cut before the layer that makes the mask, or after the one that uses it up. "
-                f"Received: cut_before={cut_before!r}"
-            )
-        stages.append(sub)
-        reads.append(read)
-        gives.append(tuple(give))
-    return _indexed(owner, stages, reads, crossings, gives)
+    before = crossings[index - 1] if index else None
+    outputs, give = list(model.outputs), ()
+    if index < len(crossings):  # what it makes of the next crossing; the rest it passes on
+        received = {id(t): k for k, t in enumerate(before.items)} if before else {}
+        outputs, give = [], []
+        for item in crossings[index].items:
+            if id(item) in received:
+                give.append(~received[id(item)])
+            else:
+                give.append(len(outputs))
+                outputs.append(item)
+    activations = list(before.items[: before.activations]) if before else []
+    name = f"{model.name}_stage_{index}"
+    where = f"before {cut_before[index - 1]!r}" if index else "at the model's inputs"
+    try:
+        if not outputs:
+            raise ValueError("it makes nothing the stages after it use")
+        if index:  # the model's inputs it reads: only those its layers take
+            sub = _model([*activations, *model_inputs], outputs, name)
+            taken = compat.tensors_taken(compat.layer_graph(sub))
+            read = tuple(k for k, t in enumerate(model_inputs) if id(t) in taken)
+            sub = _model([*activations, *(model_inputs[k] for k in read)], outputs, name)
+        else:  # stage 0 takes the inputs as the model does (a dict, say)
+            sub = _model(compat.inputs_like(graph, model_inputs), outputs, name)
+            read = ()
+    except ValueError as e:
+        crossing = before or crossings[index]
+        raise StageError(
+            f"Stage {index} of {model.name!r} (starting {where}) cannot be built from what "
+            f"crosses its cuts. The cut {'before' if before else 'after'} it passes "
+            f"{crossing.describe()}. Keras said: {str(e).splitlines()[0]}. Cut elsewhere: "
+            "where fewer tensors, and no Keras mask made of another cut's mask, cross. "
+            f"Received: cut_before={cut_before!r}"
+        ) from None
+    again = [
+        layer.name
+        for layer in sub.layers
+        if not isinstance(layer, keras.layers.InputLayer)
+        and index not in ran_in.get(id(layer), {index})
+    ]
+    if again:  # Keras would make it again from the model's inputs (a mask's source)
+        raise StageError(
+            f"Stage {index} of {model.name!r} (starting {where}) would run layer "
+            f"{again[0]!r} of an earlier stage again: a Keras mask a layer after the cut "
+            f"makes is computed from it. The cut before it passes {before.describe()}. "
+            "Cut before the layer that makes the mask, or after the one that uses it up. "
+            f"Received: cut_before={cut_before!r}"
+        )
+    return sub, read, tuple(give)
 
 
 def tied(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:

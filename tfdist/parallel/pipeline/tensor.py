@@ -35,7 +35,8 @@ import tensorflow as tf
 from tfdist import compat
 from tfdist.collective import keys, replicas
 from tfdist.parallel.pipeline.stages import Stage, StageError
-from tfdist.parallel.tensor.layout_map import LayoutPlan, SplitCalls
+from tfdist.parallel.tensor.layout_map import LayoutPlan
+from tfdist.parallel.tensor.split_calls import SplitCalls
 
 
 @dataclasses.dataclass

@@ -15,7 +15,8 @@ import tensorflow as tf
 
 from tfdist.parallel import optimizer_copies
 from tfdist.parallel.tensor.layers import split_layers
-from tfdist.parallel.tensor.layout_map import LayoutParallel, plan_of
+from tfdist.parallel.tensor.layout_map import plan_of
+from tfdist.parallel.tensor.layout_parallel import LayoutParallel
 from tfdist.parallel.tensor.mappings import TensorParallelError, summed_over
 from tfdist.training.hooks import StepHook
 from tfdist.training.job import Job

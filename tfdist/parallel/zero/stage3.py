@@ -161,6 +161,18 @@ class ShardedParameters(StepHook):
         if not optimizer.built:
             optimizer.build([])  # iterations and the learning rate; the slices keep the slots
 
+        self._make_slices()
+        self._adopt_weights(model)
+        self._make_copies(optimizer)
+        saved_state.keep_in_saves(optimizer, model, self.slot_reader)
+        self._gatherers: dict = {}
+        # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
+        # (this replica's whole gradient of it, and the part the tape was given).
+        self._backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _make_slices(self) -> None:
+        """Each replica's slice of every weight, on its device (and on the host, offloaded)."""
+
         def slices(devices=None):
             out = []
             for device in devices or self.devices:
@@ -183,6 +195,9 @@ class ShardedParameters(StepHook):
             self.updated = optimizer_copies.outside_strategy(
                 lambda: slices([self.state_device] * len(self.devices))
             )
+
+    def _adopt_weights(self, model: keras.Model) -> None:
+        """Each weight's storage becomes its slices (see _Sharded)."""
         # Each weight's slices adopted as host_scope made them, or taken from its whole
         # copy (mirrored, or sliced for another layout), which is then dropped, one weight
         # at a time: from here on no process holds the whole model.
@@ -200,6 +215,10 @@ class ShardedParameters(StepHook):
         compat.forget_traced_functions(model)  # they read the whole copies
         dropped.free()  # a copy a traced function captured sits in a cycle: freed now
         units.recompute(self.units)
+
+    def _make_copies(self, optimizer) -> None:
+        """A copy of the user's optimizer per replica, over its slices, and their slots by
+        (weight, slot name)."""
         self.copies = optimizer_copies.outside_strategy(
             lambda: [
                 _on(
@@ -218,11 +237,6 @@ class ShardedParameters(StepHook):
                     slots[int(found.group(1)), found.group(2)] = slot
             self.slots.append(slots)
         self.slot_names = sorted({name for slots in self.slots for _, name in slots})
-        saved_state.keep_in_saves(optimizer, model, self.slot_reader)
-        self._gatherers: dict = {}
-        # Per traced graph: (local replica, weight) -> one _Backward per read of the weight
-        # (this replica's whole gradient of it, and the part the tape was given).
-        self._backward: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # --- the whole weights, on demand -------------------------------------------------------
 
