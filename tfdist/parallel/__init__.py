@@ -7,8 +7,12 @@ pipeline), and the registry that offers them.
   (stage 2) sharded over the replicas of a synchronous strategy; stage3.py:
   ShardedParameters, the weights sharded too, each gathered where a layer reads it;
   units.py: the units stage 3 gathers at once, and `recompute_activations`, activation
-  checkpointing under every layout (and Keras's RematScope, run tfdist's way).
+  checkpointing under every layout (and Keras's RematScope, run tfdist's way);
+  partition.py: the packed weights cut among the replicas; offload.py: the offload policy.
 - host.py: host_scope, where to build a model no device holds whole (ZeRO-3, a pipeline).
+- What the modes share: optimizer_copies.py (copies of the user's optimizer for the weights
+  a replica keeps), stand_in.py (a weight's storage while its mode holds it in parts),
+  flat_slices.py (a weight as flat slices).
 - accumulate.py: Accumulate, k micro-batches per step and one exchange.
 - asynchronous.py: corrections for parameter-server training's stale updates:
   DelayCompensation (DC-ASGD), MomentumCorrection, BoundedStaleness (max_staleness),
@@ -20,14 +24,15 @@ pipeline), and the registry that offers them.
 - admm.py: ADMM, consensus ADMM SGD: local steps on each replica's own loss plus a penalty,
   then a consensus and dual update every k steps.
 - pipeline/: pipeline parallelism. Its package holds Pipeline, the stages over the replicas
-  trained in micro-batches (a runner factory: it replaces the runner); stages.py, a model
+  trained in micro-batches (a runner factory: it replaces the engine); stages.py, a model
   cut into stages at named layers (`split`) or stages chained (`chain`); schedules.py, the
   schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) as typed actions per device and
   their simulation; executor.py, the one executor of every schedule's actions (Pipeline's
-  and Downpour's), links.py its sends and receives between stages; runner.py the runner,
-  home.py where the stages keep the weights, step.py one step's program, tensor.py stages
-  split over tensor-parallel groups; downpour.py, SplitReplicaRunner, a Pipeline under
-  parameter_server (each worker's replica cut into stages over its devices, Downpour SGD).
+  and Downpour's), links.py its sends and receives between stages; runner.py its engine,
+  grid.py where its stage replicas run, home.py where the stages keep the weights, step.py
+  one step's program, sums.py what a stage adds up, tensor.py stages split over
+  tensor-parallel groups; downpour.py, SplitReplica, a Pipeline under parameter_server
+  (each worker's replica cut into stages over its devices, Downpour SGD).
 - tensor/: tensor-parallel layers (ColumnParallelDense, RowParallelDense,
   ParallelEmbedding, ParallelMultiHeadAttention), `tensor_parallel` to convert a model
   (or to split it by a layout map, given or derived from its shapes: `derive_layout_map`),
@@ -37,7 +42,7 @@ pipeline), and the registry that offers them.
 `tfdist.fit(..., shard_optimizer="zero2", accumulate_steps=4, average_every=4,
 gossip="ring")` builds the hooks from the registry's keywords, or pass them yourself with
 `step_hooks=[...]`; `tfdist.fit(..., pipeline=Pipeline(cut_before=[...]))` replaces the
-runner. The modes import the engine (tfdist.training) and never the facade or the binary.
+engine. The modes import the engine (tfdist.training) and never the facade or the binary.
 
 Names are imported on first use, so reading the registry (the binary's flags, TrainConfig)
 loads no mode.

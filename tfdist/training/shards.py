@@ -2,7 +2,7 @@
 any other layout reads the part it will hold.
 
 A mode whose processes each hold part of the weights (ZeRO-3's slices, a pipeline's stages)
-gives `tfdist.StepCheckpoint` a `Shards` (Runner.checkpoint_shards). At a save, beside the
+gives `tfdist.StepCheckpoint` a `Shards` (Engine.state().shards). At a save, beside the
 chief's checkpoint `ckpt-N` (the step, the optimizer's counters, the statistics: everything
 small), every process writes its part to `ckpt-N.shards/part-<rank>-of-<n>`, a TensorFlow
 checkpoint bundle. Once every process has written (a barrier), the chief merges the parts
