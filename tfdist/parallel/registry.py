@@ -53,10 +53,11 @@ class Place(enum.IntEnum):
     # Corrections of asynchronous updates (delay, momentum), then the staleness bound.
     CORRECTION = 20
     BOUND = 25
-    # The split layers' update: applies their parts' gradients, hands the rest on.
-    SPLIT = 30
-    # The one hook that applies the update its own way; nothing may follow it.
-    UPDATE = 40
+    # Hooks that apply the update their own way, after every other, in the order their own
+    # flags say (the chain's rules read the same flags): one that applies its part and hands
+    # the rest on (StepHook.applies_update: the split layers' parts) before the one that ends
+    # the chain (StepHook.ends_chain: a sharded update, local SGD).
+    UPDATE = 30
 
 
 # --- what a keyword takes ---------------------------------------------------------------------
@@ -356,7 +357,7 @@ MODES: tuple[Mode, ...] = (
     Mode(
         keyword=None,
         summary="the update of a model's tensor-parallel layers (added when it has them)",
-        place=Place.SPLIT,
+        place=Place.UPDATE,
         builder="tfdist.parallel.tensor:update_for",
         flag=False,
         takes=("shard_optimizer", "offload", "pipeline"),
@@ -544,7 +545,7 @@ def chain(options: Mapping[str, Any], user_hooks: Sequence[Any], *, model) -> li
         hook = m.build(value, model=model, settings=settings)
         if hook is not None:
             placed.append((m.place, order, (m.keyword, repr(value), repr(settings)), hook))
-    placed.sort(key=lambda p: (p[0], p[1]))
+    placed.sort(key=lambda p: (p[0], p[0] == Place.UPDATE and p[3].ends_chain, p[1]))
     return kept_across_fits(
         model,
         [(key, hook) for _, _, key, hook in placed],
