@@ -21,7 +21,7 @@ from tests.conftest import run_module, run_python
 from tests.workers import zero_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Accumulate, Partition, ShardedUpdate, ShardingError
-from tfdist.parallel.zero.sharded import slot_bytes
+from tfdist.parallel.zero.partition import slot_bytes
 
 # The worker-process tests share one module fixture (three jobs) and one pytest worker
 # (their xdist_group).

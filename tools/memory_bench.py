@@ -92,7 +92,7 @@ def worker(args) -> None:
 
     import tfdist
     from tfdist.parallel import ShardedParameters, ShardedUpdate
-    from tfdist.parallel.zero.sharded import slot_bytes
+    from tfdist.parallel.zero.partition import slot_bytes
 
     workers = args.workers
     if workers > 1:
