@@ -40,7 +40,7 @@ def one_dense(optimizer) -> keras.Model:
 def corrected_by(hook, model, grad, moved_to, ticket=0) -> np.ndarray:
     """The gradient `hook` hands on for `grad`, after the kernel moved to `moved_to`
     between the step's read (begin_step) and its update, as another worker's update would."""
-    hook.build(model, runner_for(model, tf.distribute.get_strategy()))
+    hook.build(model, runner_for(model, tf.distribute.get_strategy()).job)
     kernel = model.trainable_variables[0]
     handed = []
 
@@ -86,7 +86,7 @@ def test_momentum_correction_lowers_sgd_momentum_by_the_measured_implicit_moment
     model = one_dense(keras.optimizers.SGD(0.1, momentum=0.9))
     model.optimizer.build(model.trainable_variables)
     hook = MomentumCorrection()
-    hook.build(model, runner_for(model, tf.distribute.get_strategy()))
+    hook.build(model, runner_for(model, tf.distribute.get_strategy()).job)
     kernel = model.trainable_variables[0]
     slot = model.optimizer.momentums[0]
     slot.assign([[1.0], [-1.0]])
@@ -140,7 +140,7 @@ def test_bad_asynchronous_options_get_one_clear_line(keywords, optimizer, messag
 def test_momentum_correction_needs_sgd_with_plain_momentum(optimizer, message):
     with pytest.raises(FitError, match=message):
         model = one_dense(optimizer)
-        MomentumCorrection().build(model, runner_for(model, tf.distribute.get_strategy()))
+        MomentumCorrection().build(model, runner_for(model, tf.distribute.get_strategy()).job)
 
 
 def test_a_staleness_bound_is_a_whole_number():

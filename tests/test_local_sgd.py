@@ -164,7 +164,7 @@ def test_gossip_mixes_by_its_topology():
     flats = [tf.constant([float(r), 10.0 * r]) for r in range(4)]
     ring, exponential = Gossip("ring"), Gossip("exponential")
     for hook in (ring, exponential):
-        hook.build(model, runner_for(model, strategy))
+        hook.build(model, runner_for(model, strategy).job)
 
     mixed = [t.numpy() for t in ring.mix(tf.constant(0, tf.int64), flats)]
     for r in range(4):
