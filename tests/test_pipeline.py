@@ -29,6 +29,14 @@ from tools import keras_hub_models, keras_io_models
 # One worker runs this module: its tests share costly module fixtures.
 
 TOLERANCE = 1e-5
+# keras-hub's Gemma under Adam at 0.01, cut into stages: on CPUs where oneDNN picks other
+# kernels for a stage's own program than for the whole model's, one element of the first
+# block's value kernel lands 1.33e-5 from Keras's fit on one device (with 2 or 4 devices;
+# across processes 1.37e-5), where Adam divides a gradient that nearly cancels by its own
+# root mean square; every other weight stays within 3.6e-6, and one device that sums each
+# batch's gradient from its halves lands 3.2e-6 away. With TF_ENABLE_ONEDNN_OPTS=0 the same
+# run lands 2.5e-6 away. What goes wrong in the math moves weights by 1e-3 and more.
+LM_TOLERANCE = 2e-5
 
 
 def mirrored(devices: int = 4):
@@ -405,7 +413,7 @@ def test_gemma_cut_inside_its_backbone_trains_as_keras_fit_on_one_device(devices
     assert tied(stages) == {position: (0, 1)}
     assert stages[1].inputs == (0,)  # the padding mask (before token_ids, by sorted keys)
     got = tfdist.fit(model, keras_hub_models.token_data(), epochs=2, verbose=0, pipeline=pipeline)
-    assert max_diff(want, model.get_weights()) <= TOLERANCE
+    assert max_diff(want, model.get_weights()) <= LM_TOLERANCE
     assert got.history["loss"] == pytest.approx(history["loss"], abs=1e-5)
 
 
@@ -588,7 +596,7 @@ def test_keras_hub_lms_cut_inside_their_backbones_train_across_processes_as_kera
              "mistral": keras_hub_models.mistral_causal_lm}[name]  # fmt: skip
     want, history = gemma_reference(1, build)
     for task, got, logs in written(four_processes, run):
-        assert max_diff(want, got) <= TOLERANCE, task
+        assert max_diff(want, got) <= LM_TOLERANCE, task
         assert logs["loss"] == pytest.approx(history["loss"], abs=1e-5), task
 
 
