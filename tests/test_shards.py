@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfdist.training import shards
+from tfdist.training import shard_reads, shards
 
 pytestmark = pytest.mark.fast
 
@@ -84,7 +84,7 @@ def test_parts_written_by_n_processes_read_back_as_the_slices_of_m(tmp_path, sav
         got = []
         for rank in range(read_by):
             part = _Slices({key: whole}, rank, read_by)
-            shards.read(part, prefix)
+            shard_reads.read(part, prefix)
             if key in part.read_back:
                 k = math.ceil(whole.size / read_by)
                 got.append(part.read_back[key][: min(k, whole.size - rank * k)])
@@ -96,7 +96,7 @@ def test_a_save_of_the_same_step_again_replaces_what_an_earlier_one_left(tmp_pat
     _save({"trainable/0": np.zeros(6, "float32")}, prefix, 3)
     _save({"trainable/0": np.arange(6, dtype="float32")}, prefix, 2)
     part = _Slices({"trainable/0": np.zeros(6, "float32")}, 0, 1)
-    shards.read(part, prefix)
+    shard_reads.read(part, prefix)
     np.testing.assert_array_equal(part.read_back["trainable/0"], np.arange(6))
 
 
@@ -105,7 +105,7 @@ def test_a_part_the_shards_do_not_hold_is_named(tmp_path):
     _save({"trainable/0": np.zeros(4, "float32")}, prefix, 1)
     other = _Slices({"trainable/7": np.zeros(4, "float32")}, 0, 1)
     with pytest.raises(KeyError, match="hold no trainable/7"):
-        shards.read(other, prefix)
+        shard_reads.read(other, prefix)
 
 
 def test_parts_are_written_and_read_in_bounded_buffers(tmp_path, monkeypatch):
@@ -133,7 +133,7 @@ def test_parts_are_written_and_read_in_bounded_buffers(tmp_path, monkeypatch):
     assert metadata["sum_bytes"] == shards.SUM_BYTES
     assert shards.incomplete(prefix) is None
     part = _Slices(weights, 1, 2)
-    done = shards.read(part, prefix)
+    done = shard_reads.read(part, prefix)
     assert done.reads == 4 and done.wanted_bytes == 4 * 600 * 4
     # The metadata and the merged index (about 3 KB here), and the slices' bytes.
     assert done.read_bytes is None or (
@@ -144,7 +144,7 @@ def test_parts_are_written_and_read_in_bounded_buffers(tmp_path, monkeypatch):
 
 
 def _read_bytes() -> int | None:
-    return shards._bytes_read()
+    return shard_reads._bytes_read()
 
 
 def test_small_slices_come_back_as_their_bytes_where_tensorflows_reader_reads_megabytes(
@@ -166,7 +166,7 @@ def test_small_slices_come_back_as_their_bytes_where_tensorflows_reader_reads_me
     for read_by in (2, 3):
         for rank in range(read_by):
             part = _Slices(small, rank, read_by)
-            done = shards.read(part, prefix)
+            done = shard_reads.read(part, prefix)
             k = math.ceil(64 / read_by)
             np.testing.assert_array_equal(
                 part.read_back["trainable/0"][: min(k, 64 - rank * k)],
@@ -179,7 +179,7 @@ def test_small_slices_come_back_as_their_bytes_where_tensorflows_reader_reads_me
     large = {"trainable/1": weights["trainable/1"]}
     for rank in range(3):
         part = _Slices(large, rank, 3)
-        done = shards.read(part, prefix)
+        done = shard_reads.read(part, prefix)
         k = math.ceil(2**21 / 3)
         np.testing.assert_array_equal(
             part.read_back["trainable/1"][: min(k, 2**21 - rank * k)],
@@ -207,9 +207,9 @@ def test_a_damaged_byte_fails_its_checksum_where_a_process_reads_it(tmp_path):
     damaged[100] ^= 0xFF  # in rank 1's slice: elements 2048 and on
     data[1].write_bytes(bytes(damaged))
     with pytest.raises(tf.errors.DataLossError, match="checksum .* does not match"):
-        shards.read(_Slices(weights, 1, 2), prefix)
+        shard_reads.read(_Slices(weights, 1, 2), prefix)
     first = _Slices(weights, 0, 2)
-    shards.read(first, prefix)
+    shard_reads.read(first, prefix)
     np.testing.assert_array_equal(first.read_back["trainable/0"], np.arange(2048))
 
 
@@ -235,9 +235,11 @@ def test_a_slice_the_shards_lack_is_found_from_the_metadata_without_reading_a_te
     assert (
         shards.incomplete(prefix) == "the slices saved of trainable/1 do not cover its 6 elements"
     )
-    shards.read(_Slices({"trainable/1": weights["trainable/1"]}, 0, 2), prefix)  # its half is there
+    shard_reads.read(
+        _Slices({"trainable/1": weights["trainable/1"]}, 0, 2), prefix
+    )  # its half is there
     with pytest.raises(KeyError, match=r"hold no trainable/1 \[3, 6\)"):
-        shards.read(_Slices({"trainable/1": weights["trainable/1"]}, 1, 2), prefix)
+        shard_reads.read(_Slices({"trainable/1": weights["trainable/1"]}, 1, 2), prefix)
 
 
 def test_a_data_file_gone_or_cut_short_is_found_from_the_metadata(tmp_path):
@@ -289,11 +291,11 @@ def test_a_resume_into_a_model_of_other_shapes_is_refused_naming_them(tmp_path):
     _save({"trainable/0": weight}, prefix, 2)
     other = _Slices({"trainable/0": weight.reshape(6, 4)}, 0, 2)
     with pytest.raises(KeyError, match=r"other shapes: trainable/0 saved \(4, 6\), here \(6, 4\)"):
-        shards.read(other, prefix)
+        shard_reads.read(other, prefix)
     assert other.read_back == {}
     for shape in [(3, 8), (5, 5)]:
         with pytest.raises(KeyError, match=rf"saved \(4, 6\), here \({shape[0]}, {shape[1]}\)"):
-            shards.read(_Whole("trainable/0", shape), prefix)
+            shard_reads.read(_Whole("trainable/0", shape), prefix)
     whole = _Whole("trainable/0", (4, 6))
-    shards.read(whole, prefix)
+    shard_reads.read(whole, prefix)
     np.testing.assert_array_equal(whole.read_back, weight)

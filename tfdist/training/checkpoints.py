@@ -25,7 +25,7 @@ import tensorflow as tf
 
 from tfdist.errors import TfdistError
 from tfdist.storage import agree_on_fault, cause_of, fault, strict_json, write_atomically
-from tfdist.training import model_dir_lock
+from tfdist.training import model_dir_lock, shard_reads
 from tfdist.training import shards as shard_files
 from tfdist.training.shards import Shards
 
@@ -295,7 +295,7 @@ class Checkpoints:
         # A job holding the whole model reads every weight and slot whole.
         shards = self.shards or shard_files.WholeModel(self.checkpoint.model)
         try:
-            done = shard_files.read(shards, path)
+            done = shard_reads.read(shards, path)
         except (KeyError, tf.errors.InvalidArgumentError) as error:  # another model's shards
             return _first_line(error), None
         # A checksum that fails, a file cut short or gone: damage (other failures, memory or
