@@ -9,8 +9,9 @@
 - cluster.py: Cluster, Device (presets: DEVICES), Link, and a cluster from a TOML/JSON file;
 - model.py: ModelCost, a Keras model's parameters, and per example each layer's FLOPs and
   activations, counted from its traced operations;
-- costs.py: the layouts tfdist runs, the bytes each device holds under each and the step
-  time (compute, exchange, bubble) from an alpha-beta model of tfdist's collectives;
+- layouts.py: the layouts tfdist runs (ParallelLayout), and those a job can take;
+- costs.py: the bytes each device holds under each layout and the step time (compute,
+  exchange, bubble) from an alpha-beta model of tfdist's collectives;
 - calibrate.py: this machine's figures measured (tools/parallel_bench uses it);
 - cli.py: the console script.
 """
@@ -25,11 +26,11 @@ _EXPORTS = {
     "PlanError": "tfdist.plan.cluster",
     "Estimate": "tfdist.plan.costs",
     "best_choice": "tfdist.plan.costs",
-    "ParallelLayout": "tfdist.plan.costs",
+    "ParallelLayout": "tfdist.plan.layouts",
     "Training": "tfdist.plan.costs",
     "estimate": "tfdist.plan.costs",
-    "hybrid_layouts": "tfdist.plan.costs",
-    "layouts_for": "tfdist.plan.costs",
+    "hybrid_layouts": "tfdist.plan.layouts",
+    "layouts_for": "tfdist.plan.layouts",
     "plan": "tfdist.plan.costs",
     "recipe": "tfdist.plan.costs",
     "ModelCost": "tfdist.plan.model",
