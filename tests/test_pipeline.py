@@ -22,7 +22,7 @@ from tests.workers import pipeline_worker
 from tfdist.errors import FitError
 from tfdist.parallel import Pipeline, StageError, chain, split
 from tfdist.parallel.pipeline.schedules import schedule
-from tfdist.parallel.pipeline.stages import tied
+from tfdist.parallel.pipeline.tied import tied
 from tfdist.training.fit_data import make_fit_data
 from tools import keras_hub_models, keras_io_models
 

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from tests.workers import downpour_worker, sparse_rows_worker
-from tfdist.parallel.pipeline.stages import shared, split
+from tfdist.parallel.pipeline.stages import split
+from tfdist.parallel.pipeline.tied import shared
 from tools import keras_hub_models
 
 pytest.importorskip("keras_hub")

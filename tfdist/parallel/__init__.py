@@ -25,7 +25,8 @@ pipeline), and the registry that offers them.
   then a consensus and dual update every k steps.
 - pipeline/: pipeline parallelism. Its package holds Pipeline, the stages over the replicas
   trained in micro-batches (a runner factory: it replaces the engine); stages.py, a model
-  cut into stages at named layers (`split`) or stages chained (`chain`); schedules.py, the
+  cut into stages at named layers (`split`) or stages chained (`chain`), tied.py the weights
+  several stages hold; schedules.py, the
   schedules (GPipe, 1F1B, interleaved 1F1B, zero bubble) as typed actions per device and
   their simulation; executor.py, the one executor of every schedule's actions (Pipeline's
   and Downpour's), links.py its sends and receives between stages; runner.py its engine,

@@ -44,7 +44,8 @@ from tfdist.parallel.pipeline import sums
 from tfdist.parallel.pipeline.executor import Executor, StageInput, StepOptions
 from tfdist.parallel.pipeline.links import StageLinks
 from tfdist.parallel.pipeline.schedules import schedule
-from tfdist.parallel.pipeline.stages import Stage, StageError, devices_for, split, tied
+from tfdist.parallel.pipeline.stages import Stage, StageError, devices_for, split
+from tfdist.parallel.pipeline.tied import tied
 from tfdist.training.fit_data import unpack
 from tfdist.training.ps_shards import shards_of
 from tfdist.training.runners.common import batch_size

@@ -24,15 +24,10 @@ from tfdist.parallel.host import host_device
 from tfdist.parallel.pipeline.grid import stage_grid
 from tfdist.parallel.pipeline.home import StageReplica, StageStore, empty_variables, slice_size
 from tfdist.parallel.pipeline.links import LINK_GROUP_KEY_BASE
-from tfdist.parallel.pipeline.stages import (
-    SharedWeight,
-    Stage,
-    shared,
-    split,
-    tied,
-)
+from tfdist.parallel.pipeline.stages import Stage, split
 from tfdist.parallel.pipeline.step import PipelineStep
 from tfdist.parallel.pipeline.tensor import TensorStages
+from tfdist.parallel.pipeline.tied import SharedWeight, shared, tied
 from tfdist.parallel.tensor.layout_map import plan_of
 from tfdist.strategies import strategy_kind
 from tfdist.strategies.replicas import ReplicaPlacement

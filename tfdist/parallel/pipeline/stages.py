@@ -14,7 +14,7 @@ side, so the layers after the cut see the mask they would see in the unsplit mod
 
 A weight that several stages use (tied input and output embeddings, as keras-hub's causal
 LMs have) is held by each of them; the pipeline sums its gradient over them, so the copies
-stay equal (Megatron-LM's tied embeddings). `tied(stages)` names those weights.
+stay equal (Megatron-LM's tied embeddings). `tied(stages)` (tied.py) names those weights.
 
     stages = split(model, cut_before=["block_2", "block_3", "head"])   # 4 stages
     model = chain([stage_0, stage_1, stage_2, stage_3])                # and back
@@ -39,7 +39,6 @@ import tensorflow as tf
 
 from tfdist import compat
 from tfdist.errors import FitError
-from tfdist.training import sparse_rows
 
 log = logging.getLogger(__name__)
 
@@ -291,98 +290,6 @@ def _stage(model, graph, index: int, crossings, cut_before, ran_in) -> tuple:
             f"Received: cut_before={cut_before!r}"
         )
     return sub, read, tuple(give)
-
-
-def tied(stages: Sequence[Stage]) -> dict[int, tuple[int, ...]]:
-    """{position in the model's trainable_variables: the stages holding it} for each weight
-    that more than one stage uses (its gradient is the sum of theirs)."""
-    holders: dict[int, list[int]] = {}
-    for stage in stages:
-        for i in stage.trainable:
-            holders.setdefault(i, []).append(stage.index)
-    return {i: tuple(s) for i, s in sorted(holders.items()) if len(s) > 1}
-
-
-@dataclasses.dataclass(frozen=True)
-class SharedWeight:
-    """A weight that several stages hold (their layers share it), and how they use it.
-
-    A layer called on both sides of a cut puts its weights in both stages, but a call may
-    read only some of them: keras-hub's untied ReversibleEmbedding looks tokens up in
-    `embeddings` in the first stage and projects logits with `reverse_embeddings` in the
-    last. Only a weight that several stages read is tied.
-
-    Attributes:
-      holders: the stages that hold it (their copies must take the same steps).
-      users: the stages whose forward pass reads it.
-      rows: every user's gradient is rows looked up by the batch (tokens): one device's tape
-        keeps those rows apart, so the holders exchange them as rows, not summed dense.
-    """
-
-    holders: tuple[int, ...]
-    users: tuple[int, ...]
-    rows: bool
-
-    @property
-    def tied(self) -> bool:
-        return len(self.users) > 1
-
-
-def shared(stages: Sequence[Stage]) -> dict[int, SharedWeight]:
-    """{position in the model's trainable_variables: how the stages share it} for each
-    weight that more than one stage holds. Each stage holding one is traced once (no step
-    runs) to see which weights it reads and how their gradients come."""
-    holders = tied(stages)
-    if not holders:
-        return {}
-    kinds = {s.index: _gradient_kinds(s) for s in stages if set(s.trainable) & set(holders)}
-    out = {}
-    for i, held in holders.items():
-        found = {s: kinds[s][stages[s].trainable.index(i)] for s in held}
-        if any(kind == "unknown" for kind in found.values()):
-            # The stage could not be traced on its own: every holder is taken to read the
-            # weight, and the gradients are summed dense (as before the probe existed).
-            out[i] = SharedWeight(held, held, rows=False)
-            continue
-        users = tuple(s for s in held if found[s] is not None)
-        out[i] = SharedWeight(held, users, rows=all(found[s] == "rows" for s in users))
-    return out
-
-
-def _gradient_kinds(stage: Stage) -> list[str | None]:
-    """For each of `stage`'s trainable weights: None where its forward pass does not read
-    it, 'rows' where its gradient is rows looked up by the batch, 'dense' otherwise; every
-    one 'unknown' where the stage cannot be traced from its inputs' shapes."""
-    model = stage.model
-    structure = model.input
-    specs = [tf.TensorSpec(t.shape, t.dtype) for t in tf.nest.flatten(structure)]
-    kinds: list[str | None] = []
-
-    def probe(*flat):
-        data = tf.nest.pack_sequence_as(structure, list(flat))
-        weights = [tf.identity(v.value) for v in model.trainable_variables]
-        statistics = [tf.identity(v.value) for v in model.non_trainable_variables]
-        with tf.GradientTape() as tape:
-            tape.watch(weights)
-            outputs, _ = model.stateless_call(weights, statistics, data, training=True)
-            total = tf.add_n(
-                [tf.reduce_sum(tf.cast(o, tf.float32)) for o in tf.nest.flatten(outputs)]
-            )
-        for g in tape.gradient(total, weights):
-            if g is None:
-                kinds.append(None)
-            elif isinstance(g, tf.IndexedSlices) and not sparse_rows.batch_independent(g.indices):
-                kinds.append("rows")
-            else:
-                kinds.append("dense")
-        return total
-
-    try:
-        tf.function(probe).get_concrete_function(*specs)
-    except Exception as e:  # noqa: BLE001 - a stage the probe cannot call is taken as read whole
-        log.debug("Stage %d could not be traced on its own (%s)", stage.index, e)
-        return ["unknown"] * len(model.trainable_variables)
-    return kinds
 
 
 def devices_for(stages: int, chunks: int, micro_batches: int, *, holder: str) -> int:

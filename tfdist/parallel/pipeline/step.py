@@ -385,7 +385,7 @@ class PipelineStep:
     def _as_rows(self, i: int, g) -> bool:
         """Whether weight `i`'s gradient crosses the processes as rows. The members of a
         ring must agree: for a weight several stages hold, the stages' probe decided
-        (stages.shared), the same on every process; a stage's own weight is decided by its
+        (tied.shared), the same on every process; a stage's own weight is decided by its
         gradient, which every replica of the stage traces alike."""
         shared = self.runner.shared.get(i)
         if shared is not None:
