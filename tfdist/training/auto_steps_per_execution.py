@@ -36,8 +36,10 @@ PROBE = 16
 # will run, not below it: probing 8 and 16, the fixed cost read 1-10 ms where 13 ms holds,
 # and the count chosen ran at 0.85 of a compiled loop's 16 (tools/train_bench.py).
 LONG = 2 * PROBE
-# The probing calls' lengths, in turn; the first traces the loop and is not counted.
-SCHEDULE = (PROBE, *(LONG, PROBE) * 4)
+# The probing calls' lengths, in turn; the first traces the loop and is not counted. 112
+# steps in all: an epoch of 128 ends its probing (more pairs measured no better across
+# processes, and ran the probe's short calls into the epochs after).
+SCHEDULE = (PROBE, *(LONG, PROBE) * 2)
 TARGET_OVERHEAD = 0.05
 LIMIT = 512
 
