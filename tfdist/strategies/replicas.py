@@ -1,7 +1,7 @@
 """Where a strategy's replicas are: this process's devices, the processes that step together,
 this process's rank among them, and whether the replicas are one compiled program.
 
-The runners of tfdist.fit answer `runner.placement` from here, and layers that split weights
+tfdist.fit's job answers `job.placement` from here (tfdist.training.job), and layers that split weights
 over the replicas read it when they are created; neither asks a strategy's kind.
 """
 
@@ -62,13 +62,10 @@ def replica_placement(strategy: tf.distribute.Strategy) -> ReplicaPlacement:
     )
 
 
-__all__ = ["ReplicaPlacement", "replica_placement"]
-
-
 def one_replica_per_process(
     layout: ReplicaPlacement, *, who: str, error: type[FitError] = FitError
 ) -> ReplicaPlacement:
-    """`layout` (a runner's), if a mode that exchanges its own buffers can run on it: not one
+    """`layout` (a job's placement), if a mode that exchanges its own buffers can run on it: not one
     compiled program (TPU cores), and across processes one device each. Raises `error`,
     naming `who`, otherwise."""
     if layout.single_program:
@@ -85,3 +82,6 @@ def one_replica_per_process(
             f"Received: {workers} workers x {devices} devices"
         )
     return layout
+
+
+__all__ = ["ReplicaPlacement", "one_replica_per_process", "replica_placement"]
