@@ -340,8 +340,10 @@ class Controller:
     # --- the step-time breakdown ------------------------------------------------------------------
 
     def _report_step_times(self, epoch: int) -> None:
+        if not self.job.is_chief:  # only the chief reports (the other workers ask nothing)
+            return
         times = self.runner.report().step_times
-        if times is None or not self.job.is_chief:
+        if times is None:
             return
         self.say("Epoch %d: %s", epoch + 1, describe(times))
         for callback in self.callbacks:
