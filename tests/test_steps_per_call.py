@@ -179,6 +179,36 @@ def test_auto_chooses_the_count_that_makes_a_call_s_fixed_cost_five_percent():
     assert quiet.chosen == 16
 
 
+def test_lockstep_workers_vote_on_a_stop_about_once_a_second_at_the_steps_the_chief_sets(
+    monkeypatch,
+):
+    from tfdist.training import preemption
+
+    clock = [0.0]
+    monkeypatch.setattr(preemption.time, "perf_counter", lambda: clock[0])
+    votes = []  # (steps run, what the chief put in)
+    ran = 0
+    chief = preemption.PreemptionWatcher(
+        lambda counts: votes.append((ran, list(counts))) or list(counts), is_chief=True
+    )
+    for call in range(1, 19):  # calls of 16 steps, 0.1 s each; an epoch's end at call 8
+        clock[0] += 0.1
+        ran = 16 * call
+        assert chief.agreed(ran, now=call == 8) is False
+    # The first call votes and asks for the next; from then on the chief's steps of a second
+    # (160) set the next vote, counted from the last (an epoch's end votes whenever it comes).
+    assert votes == [(16, [0, 1]), (32, [0, 160]), (128, [0, 160]), (288, [0, 160])]
+    # A worker proposes nothing: it takes the sum of the tally, the chief's steps, and a stop
+    # any worker was signalled for.
+    tallies = []
+    worker = preemption.PreemptionWatcher(
+        lambda counts: tallies.append(list(counts)) or [1, 160], is_chief=False
+    )
+    assert worker.agreed(16) is True
+    assert worker.agreed(100) is False and tallies == [[0, 0]]  # not due: no collective
+    assert worker.agreed(176) is True and len(tallies) == 2
+
+
 class _EpochWall(keras.callbacks.Callback):
     def on_epoch_begin(self, epoch, logs=None):
         self.began = time.perf_counter()

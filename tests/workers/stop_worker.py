@@ -9,7 +9,8 @@ of it is stopped mid-epoch 2, for tests/test_fit_multiworker.py:
 
 sigterm: worker:1 receives SIGTERM once, at epoch 2 batch 3; every worker backs up at the same
   step (BackupAndRestore), exits with the restartable code, and the restarted job resumes
-  there and finishes.
+  there and finishes. Its steps take a fifth of a second (`SlowSteps`): the workers vote on a
+  stop about once a second (tfdist.training.preemption), so the vote comes mid-epoch.
 sigkill: worker:1 is SIGKILLed at epoch 2 batch 3; worker:0 is left waiting for it. A
   BackupAndRestore every step: the restarted job resumes at that step and finishes.
 sigkill_zero3, sigkill_pipeline: the same kill, with the model's weights sharded over the two
@@ -30,6 +31,7 @@ import logging  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
+import time  # noqa: E402
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -59,6 +61,18 @@ class SignalOnce(keras.callbacks.Callback):
             os.kill(os.getpid(), self.signum)
 
 
+class SlowSteps(keras.callbacks.Callback):
+    """Steps of a model whose step takes `seconds` (a large one's), on the first run."""
+
+    def __init__(self, marker: str, seconds: float):
+        super().__init__()
+        self.marker, self.seconds = marker, seconds
+
+    def on_train_batch_end(self, batch, logs=None):
+        if not os.path.exists(self.marker):
+            time.sleep(self.seconds)
+
+
 def main(mode: str, out: str) -> None:
     task = json.loads(os.environ["TF_CONFIG"])["task"]
     name = f"{task['type']}_{task['index']}"
@@ -81,8 +95,11 @@ def main(mode: str, out: str) -> None:
         keywords["shard_optimizer"] = "zero3"
     elif layout == "pipeline":  # the convolution on worker:0, Flatten and Dense on worker:1
         keywords["pipeline"] = tfdist.parallel.Pipeline(cut_before=[model.layers[1].name])
+    marker = os.path.join(shared, "signalled")
+    if mode == "sigterm":
+        callbacks.append(SlowSteps(marker, 0.2))
     if name == "worker_1":
-        callbacks.append(SignalOnce(os.path.join(shared, "signalled"), SIGNALS[mode[:7]]))
+        callbacks.append(SignalOnce(marker, SIGNALS[mode[:7]]))
     tfdist.fit(model, data, epochs=fit_models.EPOCHS, verbose=0, callbacks=callbacks, **keywords)
     os.makedirs(os.path.join(out, name), exist_ok=True)
     np.savez(os.path.join(out, name, "cnn.npz"), *model.get_weights())

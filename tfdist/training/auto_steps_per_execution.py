@@ -1,7 +1,7 @@
 """steps_per_execution='auto': as many steps per call as make a call's fixed cost small.
 
 A call of `tfdist.fit` runs k steps in one traced loop, then returns to Python for the
-callbacks, the logs and a preemption vote. That return costs about the same whatever k is;
+callbacks, the logs and, about once a second across processes, a preemption vote. That return costs about the same whatever k is;
 for a small model it can cost as much as a step. `AutoStepsPerExecution` measures both on the run's
 first calls, which train as usual: calls of `PROBE` and `LONG` steps in turn (the first
 traces the loop and is not counted; an epoch's end or a checkpoint may cut a call shorter,

@@ -25,10 +25,6 @@ from tfdist.training.step_times import PHASES, describe
 
 log = logging.getLogger(__name__)
 
-# Lockstep workers vote on a preemption about this many times an epoch (a vote is a
-# collective), and at every epoch end.
-_VOTES_PER_EPOCH = 10
-
 
 class Controller:
     """One `tfdist.fit` call's loop over epochs; see the module docstring.
@@ -93,6 +89,7 @@ class Controller:
         self.per_call = max(1, int(per_call or model.steps_per_execution))
         self.iterator = None
         self.pass_position = 0
+        self.ran = 0  # steps run in this call of fit
         # Steps run without asking for the end of the data when its length is known:
         # streaming data never ends, and a known number of batches per epoch bounds each pass
         # (asking costs a collective per step across workers).
@@ -130,7 +127,9 @@ class Controller:
                 f"training in tfdist.fit (epochs {self.initial_epoch + 1}-{self.epochs})"
             ),
             fit_callbacks.writes_redirected(self.callbacks, is_chief=is_chief) as redirect,
-            PreemptionWatcher(job.agree, saves=self._saves_on_stop()) as self.watcher,
+            PreemptionWatcher(
+                job.tally, is_chief=is_chief, saves=self._saves_on_stop()
+            ) as self.watcher,
             fit_callbacks.released(self.callbacks),
         ):
             self.redirect = redirect
@@ -201,7 +200,6 @@ class Controller:
         callbacks.on_epoch_begin(epoch)
         iterator = self._iterator_for(epoch, start_step)
         step = start_step
-        vote_every = max(1, (self.steps or 10 * _VOTES_PER_EPOCH) // _VOTES_PER_EPOCH)
         last_call = None  # (its steps, when it started): 'auto' times a call to the next
         while self.steps is None or step < self.steps:
             n = self._steps_this_call(step)
@@ -212,15 +210,16 @@ class Controller:
             callbacks.on_train_batch_begin(step)
             done, logs = runner.train(iterator, n, bounded=self.bounded, logs=self.batch_logs)
             if done:
-                previous, step = step, step + done
+                step += done
+                self.ran += done
                 self.watcher.stepped = True
                 callbacks.on_train_batch_end(step - 1, logs)
-                last = self.steps is not None and step >= self.steps
-                if (
-                    self.job.lockstep_workers == 1
-                    or last
-                    or step // vote_every != previous // vote_every
-                ) and self.watcher.agreed():
+                # Lockstep workers vote at every epoch's end, and between as the last vote
+                # said (a vote is a collective; one worker asks itself at every call).
+                now = self.job.lockstep_workers == 1 or (
+                    self.steps is not None and step >= self.steps
+                )
+                if self.watcher.agreed(self.ran, now=now):
                     self._preempted(epoch, step)
                 if self.auto is not None:
                     last_call = (done, started)

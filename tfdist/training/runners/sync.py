@@ -93,6 +93,7 @@ class SyncRunner(Engine):
         self.metric_variables: list[keras.Variable] = []
         self._read_state = traced(lambda: self._metric_state(reduce=True))
         self._read_local_state = traced(lambda: self._metric_state(reduce=False))
+        self._resets: dict[int, tf.types.experimental.PolymorphicFunction] = {}
         self._test_steps: StepLoop | None = None
         self.moving_statistics: MovingStatistics | None = None
         self._metric_names: list[str] | None = None
@@ -287,7 +288,23 @@ class SyncRunner(Engine):
     def reset(self) -> None:
         self._last_outputs = None
         self.times = StepTimes()
-        self.model.reset_metrics()
+        self._reset_metrics()
+
+    def _reset_metrics(self) -> None:
+        """The model's reset_metrics, each replica resetting its own part of the state in one
+        traced call. Called across replicas, a metric variable's assign reads the variable
+        back, an all-reduce each (4 for a loss and an accuracy: 18 ms across 2 processes on
+        this machine, where an epoch of a small model's steps takes 500)."""
+        count = len(self.model.metrics_variables)  # a metric built since: traced again
+        if count not in self._resets:
+            model, strategy = self.model, self.strategy
+
+            def replica():
+                for metric in model.metrics:
+                    metric.reset_state()
+
+            self._resets[count] = traced(lambda: strategy.run(replica))
+        self._resets[count]()
 
     def begin(self, global_step: int) -> None:
         del global_step  # synchronous updates count themselves
@@ -322,7 +339,7 @@ class SyncRunner(Engine):
 
     def _evaluate(self, data: FitData, steps: int | None) -> dict[str, float]:
         self.moving_statistics.average()
-        self.model.reset_metrics()
+        self._reset_metrics()
         iterator = iter(data.distribute(self.strategy))
         if custom_test_step(self.model):
             # The user's test_step runs as Keras's evaluate runs it, a step a call, and its
