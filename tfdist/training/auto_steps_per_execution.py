@@ -1,15 +1,15 @@
 """steps_per_execution='auto': as many steps per call as make a call's fixed cost small.
 
 A call of `tfdist.fit` runs k steps in one traced loop, then returns to Python for the
-callbacks, the logs and, about once a second across processes, a preemption vote. That return costs about the same whatever k is;
-for a small model it can cost as much as a step. `AutoStepsPerExecution` measures both on the run's
-first calls, which train as usual: calls of `PROBE` and `LONG` steps in turn (the first
-traces the loop and is not counted; an epoch's end or a checkpoint may cut a call shorter,
-and it still counts). A call is timed from its start to the next one's, so that whatever
-the loop does between calls (callbacks, votes, the logs) is in its fixed cost. A line
-through the fastest call of each length, t(n) = c + n s, gives the fixed cost c and a
-step's time s; the chosen k makes c at most `TARGET_OVERHEAD` of a call (a fixed cost too
-small to measure takes `PROBE`):
+callbacks, the logs and, about once a second across processes, a preemption vote. That
+return costs about the same whatever k is; for a small model it can cost as much as a step.
+`AutoStepsPerExecution` measures both on the run's first calls, which train as usual: calls
+of `PROBE` and `LONG` steps in turn (the first traces the loop and is not counted; an
+epoch's end or a checkpoint may cut a call shorter, and it still counts). A call is timed
+from its start to the next one's, so that whatever the loop does between calls (callbacks,
+votes, the logs) is in its fixed cost. A line through the fastest call of each length,
+t(n) = c + n s, gives the fixed cost c and a step's time s; the chosen k makes c at most
+`TARGET_OVERHEAD` of a call (a fixed cost too small to measure takes `PROBE`):
 
     k = ceil(c / (TARGET_OVERHEAD * s)), between 1 and `LIMIT`
 
